@@ -1,0 +1,85 @@
+"""Local side of the in-container agent: send agent.py with its inputs, read back events and one result."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from functools import lru_cache
+
+from ..errors import DeployError
+from ..remote import HostSession
+
+AGENT_PATH = os.path.join(os.path.dirname(__file__), "agent.py")
+
+
+@lru_cache(maxsize=1)
+def agent_source() -> bytes:
+    with open(AGENT_PATH, "rb") as fh:
+        return fh.read()
+
+
+class ContainerNotRunning(DeployError):
+    pass
+
+
+class AgentError(DeployError):
+    pass
+
+
+def agent_stdin(payload: bytes | None = None, secrets: dict | None = None) -> bytes:
+    """Secrets and payloads travel in a preamble on stdin: never in argv, never in the audit log."""
+    pre = b""
+    if secrets:
+        enc = base64.b64encode(json.dumps(secrets).encode()).decode()
+        pre += f"import base64 as _b, json as _j; SECRETS = _j.loads(_b.b64decode('{enc}'))\n".encode()
+    if payload is not None:
+        pre += f"import base64 as _b; PAYLOAD = _b.b64decode('{base64.b64encode(payload).decode()}')\n".encode()
+    return pre + agent_source()
+
+
+def agent_argv(python: str, action: str, args: dict) -> list[str]:
+    return [python, "-", action, json.dumps(args, sort_keys=True, separators=(",", ":"))]
+
+
+def call(session: HostSession, vmid: int, python: str, action: str, args: dict, *, payload: bytes | None = None,
+         secrets: dict | None = None, timeout: float = 60.0, on_event=None) -> dict:
+    """Run one agent action in the container; returns its result dict. Raises on transport-level failure."""
+
+    def on_line(raw: bytes):
+        if on_event is None:
+            return
+        try:
+            msg = json.loads(raw)
+        except ValueError:
+            return
+        if "event" in msg:
+            on_event(msg)
+
+    res = session.ct(vmid, agent_argv(python, action, args), stdin=agent_stdin(payload, secrets),
+                     timeout=timeout, label=f"agent:{action}", on_line=on_line)
+    result = None
+    for line in res.out.splitlines():
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(msg, dict) and "result" in msg:
+            result = msg["result"]
+    where = f"{session.host.name}/{vmid}"
+    if result is None:
+        err = res.err.strip() or res.out.strip()
+        if "not running" in err:
+            raise ContainerNotRunning(f"container {vmid} is not running ({err})", where=where,
+                                      fix=f"start it: ssh to the host and run `pct start {vmid}`")
+        if "does not exist" in err and ".conf" in err:
+            raise ContainerNotRunning(f"container {vmid} does not exist on this host ({err})", where=where,
+                                      fix="check target.vmid in the playbook and the inventory")
+        if res.exited == 127 or "No such file" in err or "not found" in err:
+            raise AgentError(f"cannot run {python} in the container: {err[:300]}", where=where,
+                             fix="set runtime.python in the playbook to the Python that runs vLLM")
+        raise AgentError(f"agent action {action!r} failed (exit {res.exited}): {err[:500]}", where=where)
+    if isinstance(result, dict) and "error" in result and "traceback" in result:
+        raise AgentError(f"agent action {action!r} crashed: {result['error']}", where=where,
+                         details={"traceback": result["traceback"]})
+    return result

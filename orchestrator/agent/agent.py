@@ -1,0 +1,1196 @@
+"""The in-container agent: one stdlib-only script, sent on stdin to the container's own Python for each step.
+
+    pct exec VMID --keep-env 0 -- PYTHON - ACTION ARGS_JSON      (this file on stdin)
+
+Each action prints JSON lines: zero or more {"event": ...} progress lines, then exactly one {"result": ...}.
+Secrets and file payloads arrive in a preamble on stdin (`SECRETS = {...}`, `PAYLOAD = b"..."`), never in argv.
+Every wait is bounded by a deadline from the arguments. Nothing here kills a process unless it is ours (from the
+state file) or, with clean_gpus, a holder of this container's /dev/nvidia*; never on a Proxmox host.
+"""
+
+import base64
+import errno
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+try:
+    SECRETS  # noqa: F821 - set by the preamble
+except NameError:
+    SECRETS = {}
+try:
+    PAYLOAD  # noqa: F821
+except NameError:
+    PAYLOAD = None
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def emit(**kw):
+    sys.stdout.write(json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def now():
+    return time.time()
+
+
+# ------------------------------------------------------------------ safety
+
+
+def in_container():
+    """True inside an LXC container (init has container=lxc), never on the Proxmox host itself."""
+    try:
+        with open("/proc/1/environ", "rb") as fh:
+            env = fh.read().split(b"\0")
+        if any(e.startswith(b"container=") for e in env):
+            return True
+    except OSError:
+        pass
+    return os.path.exists("/run/container_type") or os.path.exists("/.dockerenv")
+
+
+def on_pve_host():
+    return os.path.isdir("/etc/pve") and not in_container()
+
+
+# ------------------------------------------------------------------ GPUs
+
+
+def nvidia_smi(args, timeout):
+    """Run nvidia-smi with a timeout; returns (rc, stdout, stderr, timed_out)."""
+    try:
+        p = subprocess.run(["nvidia-smi"] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           timeout=timeout, stdin=subprocess.DEVNULL)
+        return p.returncode, p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace"), False
+    except subprocess.TimeoutExpired:
+        return None, "", "", True
+    except OSError as e:
+        return 127, "", str(e), False
+
+
+def read_gpu_memory(timeout):
+    """{index: {"used": MiB, "total": MiB}} or {"error": ...}."""
+    rc, out, err, timed_out = nvidia_smi(
+        ["--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"], timeout)
+    if timed_out:
+        return {"error": "timeout", "message": "nvidia-smi did not answer within %gs" % timeout}
+    if rc != 0:
+        return {"error": "failed", "message": (err or out).strip()[:500] or "exit %s" % rc}
+    gpus = {}
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 3:
+            continue
+        try:
+            gpus[int(parts[0])] = {"used": int(float(parts[1])), "total": int(float(parts[2]))}
+        except ValueError:
+            return {"error": "parse", "message": "unexpected nvidia-smi line: %r" % line}
+    return {"gpus": gpus}
+
+
+def proc_cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            raw = fh.read()
+        return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def proc_comm(pid):
+    try:
+        with open("/proc/%d/comm" % pid) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def proc_pgid(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            stat = fh.read()
+        fields = stat[stat.rindex(")") + 2:].split()
+        return int(fields[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def proc_starttime(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            stat = fh.read()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def alive(pid):
+    if not pid:
+        return False
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            stat = fh.read()
+        return stat[stat.rindex(")") + 2] != "Z"
+    except (OSError, ValueError):
+        return False
+
+
+def pids():
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def gpu_holders():
+    """Every process in this container holding /dev/nvidia*: [{pid, comm, cmdline, devices}]."""
+    me = os.getpid()
+    out = []
+    for pid in pids():
+        if pid == me:
+            continue
+        devs = set()
+        try:
+            for fd in os.listdir("/proc/%d/fd" % pid):
+                try:
+                    target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+                except OSError:
+                    continue
+                if target.startswith("/dev/nvidia"):
+                    devs.add(target)
+        except OSError:
+            continue
+        if devs:
+            out.append({"pid": pid, "comm": proc_comm(pid), "cmdline": proc_cmdline(pid)[:300],
+                        "devices": sorted(devs)})
+    return out
+
+
+def vllm_processes():
+    out = []
+    for pid in pids():
+        comm = proc_comm(pid)
+        cmd = proc_cmdline(pid)
+        if comm.startswith("VLLM::") or cmd.startswith("VLLM::") or re.search(r"(^|/)vllm serve", cmd):
+            out.append({"pid": pid, "comm": comm, "cmdline": cmd[:300]})
+    return out
+
+
+# ------------------------------------------------------------------ state file
+
+
+def read_state(state_dir):
+    path = os.path.join(state_dir, "state.json")
+    try:
+        with open(path) as fh:
+            st = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return {"corrupt": str(e), "path": path}
+    pid = st.get("pid")
+    st["alive"] = bool(pid) and alive(pid) and (st.get("starttime") is None or proc_starttime(pid) == st.get("starttime"))
+    return st
+
+
+def write_json_atomic(path, data):
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    tmp = "%s.tmp-%d" % (path, os.getpid())
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.rename(tmp, path)
+
+
+# ------------------------------------------------------------------ HTTP
+
+
+def http(port, path, method="GET", body=None, timeout=5.0, api_key=None, host="127.0.0.1"):
+    """(status, body_text) or (None, error_text). Loopback only: vLLM runs in this container."""
+    import http.client
+
+    try:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = "Bearer " + api_key
+        conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read().decode("utf-8", "replace")
+        conn.close()
+        return resp.status, data
+    except (OSError, http.client.HTTPException) as e:
+        return None, "%s: %s" % (type(e).__name__, e)
+
+
+def port_listeners(port):
+    """Is anything listening on TCP `port` in this container? Parsed from /proc/net/tcp{,6} (state 0A)."""
+    found = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as fh:
+                next(fh)
+                for line in fh:
+                    f = line.split()
+                    local, state, inode = f[1], f[3], f[9]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                        found.append({"table": name, "local": local, "inode": inode})
+        except (OSError, StopIteration):
+            continue
+    return found
+
+
+# ------------------------------------------------------------------ actions: GPU lifecycle
+
+
+def act_gpu_read(a):
+    return {"memory": read_gpu_memory(a.get("nvidia_smi_timeout_s", 10)), "holders": gpu_holders(),
+            "in_container": in_container()}
+
+
+def _signal_group(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+
+
+def _group_members(pgid):
+    return [p for p in pids() if proc_pgid(p) == pgid and alive(p)]
+
+
+def act_stop(a):
+    """Stop what the state file says we launched: SIGTERM the group, grace, SIGKILL, then report leftovers."""
+    state_dir = a["state_dir"]
+    grace = float(a.get("grace_s", 30))
+    st = read_state(state_dir)
+    report = {"state": None, "terminated": [], "killed": [], "leftovers": [], "fuser": None, "seconds": 0}
+    t0 = now()
+    if st and not st.get("corrupt"):
+        report["state"] = {k: st.get(k) for k in ("pid", "pgid", "playbook", "started_at", "alive")}
+        pgid = st.get("pgid")
+        if pgid and _group_members(pgid):
+            members = _group_members(pgid)
+            report["terminated"] = [{"pid": p, "comm": proc_comm(p)} for p in members]
+            _signal_group(pgid, signal.SIGTERM)
+            emit(event="stop", message="SIGTERM sent to process group %d (%d processes)" % (pgid, len(members)))
+            deadline = now() + grace
+            while _group_members(pgid) and now() < deadline:
+                time.sleep(0.1)
+            left = _group_members(pgid)
+            if left:
+                report["killed"] = [{"pid": p, "comm": proc_comm(p), "cmdline": proc_cmdline(p)[:200]} for p in left]
+                emit(event="stop", message="%d process(es) ignored SIGTERM for %gs; SIGKILL" % (len(left), grace))
+                _signal_group(pgid, signal.SIGKILL)
+                deadline = now() + 10
+                while _group_members(pgid) and now() < deadline:
+                    time.sleep(0.05)
+    elif st and st.get("corrupt"):
+        report["state_error"] = st["corrupt"]
+    # vLLM engine processes that escaped the group (e.g. the server was SIGKILLed by hand) are ours too
+    stray = [p for p in vllm_processes() if p["pid"] != os.getpid()]
+    if stray:
+        for p in stray:
+            try:
+                os.kill(p["pid"], signal.SIGTERM)
+            except OSError:
+                pass
+        deadline = now() + min(grace, 10)
+        while any(alive(p["pid"]) for p in stray) and now() < deadline:
+            time.sleep(0.1)
+        for p in stray:
+            if alive(p["pid"]):
+                try:
+                    os.kill(p["pid"], signal.SIGKILL)
+                except OSError:
+                    pass
+                report["killed"].append(p)
+            else:
+                report["terminated"].append(p)
+    time.sleep(0)  # let /proc settle
+    report["leftovers"] = gpu_holders()
+    if a.get("clean_gpus") and report["leftovers"]:
+        report["fuser"] = fuser_kill(a.get("gpus"), float(a.get("fuser_grace_s", 5)))
+        report["leftovers"] = gpu_holders()
+    if st is not None:
+        try:
+            os.rename(os.path.join(state_dir, "state.json"), os.path.join(state_dir, "state.stopped.json"))
+        except OSError:
+            pass
+    report["seconds"] = round(now() - t0, 3)
+    return report
+
+
+def fuser_kill(gpus, grace):
+    """fuser -k -TERM on this container's /dev/nvidia*, then -KILL after a grace period. Refuses on a PVE host."""
+    if not in_container():
+        return {"refused": "not inside a container (no container= in /proc/1/environ): refusing to run "
+                           "fuser -k here; it would kill every GPU user on the Proxmox host"}
+    devs = sorted("/dev/" + d for d in os.listdir("/dev") if re.match(r"nvidia(\d+|ctl|-uvm|-uvm-tools)$", d))
+    before = gpu_holders()
+    res = {"devices": devs, "holders_before": before, "term": [], "kill": []}
+    if not devs or not before:
+        return res
+    p = subprocess.run(["fuser", "-k", "-TERM"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+    res["term"] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
+    deadline = now() + grace
+    while gpu_holders() and now() < deadline:
+        time.sleep(0.1)
+    if gpu_holders():
+        p = subprocess.run(["fuser", "-k", "-KILL"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+        res["kill"] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
+        deadline = now() + 10
+        while gpu_holders() and now() < deadline:
+            time.sleep(0.05)
+    return res
+
+
+def act_wait_free(a):
+    """Poll nvidia-smi until every GPU in `gpus` is under the threshold, or the deadline passes."""
+    gpus = [int(g) for g in a["gpus"]]
+    threshold = int(a.get("threshold_mib", 1024))
+    timeout = float(a.get("timeout_s", 60))
+    smi_timeout = float(a.get("nvidia_smi_timeout_s", 10))
+    poll = float(a.get("poll_s", 0.25))
+    t0 = now()
+    first = None
+    last = None
+    last_emit = 0
+    while True:
+        mem = read_gpu_memory(smi_timeout)
+        if "error" in mem:
+            return {"verdict": "nvidia_smi_" + mem["error"], "message": mem["message"],
+                    "command": "nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits",
+                    "timeout_s": smi_timeout, "before": first, "seconds": round(now() - t0, 3)}
+        readings = {str(g): mem["gpus"].get(g) for g in gpus}
+        missing = [g for g in gpus if mem["gpus"].get(g) is None]
+        if missing:
+            return {"verdict": "gpu_missing", "missing": missing, "seen": sorted(mem["gpus"]),
+                    "before": first, "seconds": round(now() - t0, 3)}
+        if first is None:
+            first = readings
+        last = readings
+        busy = [g for g in gpus if mem["gpus"][g]["used"] > threshold]
+        if not busy:
+            return {"verdict": "free", "before": first, "after": last, "seconds": round(now() - t0, 3),
+                    "threshold_mib": threshold}
+        if now() - t0 >= timeout:
+            break
+        if now() - last_emit > 1.0:
+            emit(event="gpu", readings=readings, busy=busy, elapsed=round(now() - t0, 1))
+            last_emit = now()
+        time.sleep(poll)
+    holders = gpu_holders()
+    return {"verdict": "held_inside" if holders else "held_outside", "holders": holders, "before": first,
+            "after": last, "busy": busy, "seconds": round(now() - t0, 3), "threshold_mib": threshold}
+
+
+def act_port_check(a):
+    return {"port": a["port"], "listeners": port_listeners(int(a["port"]))}
+
+
+# ------------------------------------------------------------------ actions: drafter config file
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 16), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def act_file_sha(a):
+    path = a["path"]
+    try:
+        return {"path": path, "realpath": os.path.realpath(path), "sha256": sha256_file(path),
+                "size": os.path.getsize(path)}
+    except OSError as e:
+        return {"path": path, "error": e.strerror, "errno": e.errno}
+
+
+def act_write_file(a):
+    """Write PAYLOAD to path only if its sha256 differs: backup, temp file in the same dir, fsync, rename,
+    read back. On any error the old file is untouched."""
+    path, want = a["path"], a["sha256"]
+    data = PAYLOAD
+    if data is None or hashlib.sha256(data).hexdigest() != want:
+        return {"ok": False, "stage": "payload", "message": "payload does not match the pinned sha256 (transfer error)"}
+    d = os.path.dirname(path)
+    res = {"path": path, "realpath": os.path.realpath(path), "changed": False, "backup": None}
+    if not os.path.isdir(d):
+        res.update(ok=False, stage="directory", message="directory %s does not exist" % d)
+        return res
+    try:
+        old = sha256_file(path)
+    except FileNotFoundError:
+        old = None
+    except OSError as e:
+        res.update(ok=False, stage="read", message="cannot read %s: %s" % (path, e.strerror))
+        return res
+    res["before_sha256"] = old
+    if old == want:
+        res.update(ok=True, after_sha256=old)
+        return res
+    if os.path.islink(path):
+        res.update(ok=False, stage="symlink",
+                   message="%s is a symlink to %s; refusing to write through it (a hub cache blob?)"
+                           % (path, os.path.realpath(path)))
+        return res
+    tmp = os.path.join(d, ".%s.tmp-%d" % (os.path.basename(path), os.getpid()))
+    try:
+        if old is not None:
+            backup = "%s.bak-%s" % (path, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+            with open(path, "rb") as src, open(backup, "wb") as dst:
+                dst.write(src.read())
+                dst.flush()
+                os.fsync(dst.fileno())
+            res["backup"] = backup
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if old is not None:
+            st = os.stat(path)
+            try:
+                os.chown(tmp, st.st_uid, st.st_gid)
+                os.chmod(tmp, st.st_mode & 0o7777)
+            except OSError:
+                pass
+        os.rename(tmp, path)
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if res["backup"] and e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM):
+            try:
+                os.unlink(res["backup"])
+                res["backup"] = None
+            except OSError:
+                pass
+        res.update(ok=False, stage="write", errno=errno.errorcode.get(e.errno, str(e.errno)),
+                   message="cannot write %s: %s" % (e.filename or path, e.strerror))
+        return res
+    res["changed"] = True
+    res["after_sha256"] = sha256_file(path)
+    res["ok"] = res["after_sha256"] == want
+    if not res["ok"]:
+        res.update(stage="readback", message="read back %s, expected %s" % (res["after_sha256"], want))
+    return res
+
+
+# ------------------------------------------------------------------ actions: launch, wait, probe
+
+
+def act_launch(a):
+    """Start vLLM detached (setsid, every stream redirected) and record it in the state file."""
+    state_dir, log_path = a["state_dir"], a["log_path"]
+    os.makedirs(state_dir, exist_ok=True)
+    env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
+           "LANG": "C.UTF-8"}
+    env.update(a.get("env") or {})
+    env.update(SECRETS.get("env") or {})
+    if os.path.exists(log_path):
+        try:
+            os.rename(log_path, log_path + ".1")
+        except OSError:
+            pass
+    logf = open(log_path, "ab")
+    devnull = open(os.devnull, "rb")
+    exit_file = os.path.join(state_dir, "exit_code")
+    try:
+        os.unlink(exit_file)
+    except OSError:
+        pass
+    # A one-line sh wrapper leads the new session and records the server's exit status: an exit, even with
+    # code 0, is a failure the tool must be able to report after this agent is gone.
+    wrapped = ["/bin/sh", "-c", '"$@"; echo $? > "$0"', exit_file] + list(a["argv"])
+    try:
+        proc = subprocess.Popen(wrapped, stdin=devnull, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                cwd="/", start_new_session=True, close_fds=True)
+    except OSError as e:
+        return {"ok": False, "message": "cannot start %s: %s" % (a["argv"][0], e.strerror)}
+    st = dict(a.get("record") or {})
+    st.update(pid=proc.pid, pgid=proc.pid, argv=a["argv"], env_keys=sorted(env), log_path=log_path,
+              started_at=now(), starttime=proc_starttime(proc.pid))
+    write_json_atomic(os.path.join(state_dir, "state.json"), st)
+    return {"ok": True, "pid": proc.pid, "pgid": proc.pid, "log_path": log_path}
+
+
+def _tail_lines(path, pos):
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(pos)
+            data = fh.read()
+    except OSError:
+        return pos, []
+    if not data:
+        return pos, []
+    cut = data.rfind(b"\n")
+    if cut < 0:
+        return pos, []
+    lines = data[:cut].decode("utf-8", "replace").splitlines()
+    return pos + cut + 1, [ANSI.sub("", ln) for ln in lines]
+
+
+def read_exit_code(state_dir, wait_s=1.0):
+    if not state_dir:
+        return None
+    deadline = now() + wait_s
+    while True:
+        try:
+            with open(os.path.join(state_dir, "exit_code")) as fh:
+                return int(fh.read().strip())
+        except (OSError, ValueError):
+            if now() >= deadline:
+                return None
+            time.sleep(0.05)
+
+
+def act_wait_ready(a):
+    """Follow the log while polling /health; stop at once on a fatal text or an exit; ready = a completion."""
+    pid, port, log_path = int(a["pid"]), int(a["port"]), a["log_path"]
+    deadline = now() + float(a["timeout_s"])
+    fatal = [(re.compile(p["regex"]), p) for p in a["fatal"]]
+    phases = [(re.compile(p["regex"]), p["phase"]) for p in a["phases"]]
+    aux_re = re.compile(a["aux_regex"])
+    api_key = SECRETS.get("api_key")
+    pos, last_lines, aux, seen_phases = 0, [], None, []
+    t0 = now()
+    ready_http = False
+    while True:
+        pos, lines = _tail_lines(log_path, pos)
+        for ln in lines:
+            last_lines = (last_lines + [ln])[-40:]
+            for rx, ph in phases:
+                if rx.search(ln) and ph not in seen_phases:
+                    seen_phases.append(ph)
+                    emit(event="phase", phase=ph, line=ln[-300:], elapsed=round(now() - t0, 1))
+            m = aux_re.search(ln)
+            if m:
+                aux = [int(x) for x in re.findall(r"-?\d+", m.group(1))]
+            for rx, info in fatal:
+                if rx.search(ln):
+                    return {"ready": False, "reason": "fatal", "cause": info["cause"], "fix": info["fix"],
+                            "line": ln[-500:], "log_tail": last_lines[-15:], "seconds": round(now() - t0, 1),
+                            "alive": alive(pid), "phases": seen_phases}
+        if not alive(pid):
+            # read what is left of the log first: the fatal line may be the last thing it wrote
+            pos, lines = _tail_lines(log_path, pos)
+            for ln in lines:
+                last_lines = (last_lines + [ln])[-40:]
+                for rx, info in fatal:
+                    if rx.search(ln):
+                        return {"ready": False, "reason": "fatal", "cause": info["cause"], "fix": info["fix"],
+                                "line": ln[-500:], "log_tail": last_lines[-15:], "seconds": round(now() - t0, 1),
+                                "alive": False, "phases": seen_phases}
+            code = read_exit_code(a.get("state_dir"))
+            return {"ready": False, "reason": "exited", "exit_code": code, "log_tail": last_lines[-15:],
+                    "seconds": round(now() - t0, 1), "phases": seen_phases}
+        if not ready_http:
+            st, body = http(port, "/health", timeout=2)
+            if st == 200:
+                ready_http = True
+                emit(event="phase", phase="health", line="/health 200", elapsed=round(now() - t0, 1))
+        if ready_http:
+            st, body = http(port, "/v1/models", timeout=5, api_key=api_key)
+            models = []
+            if st == 200:
+                try:
+                    models = [m.get("id") for m in json.loads(body).get("data", [])]
+                except (ValueError, AttributeError):
+                    models = []
+            if a["served_model_name"] in models:
+                st, body = http(port, "/v1/completions", "POST",
+                                {"model": a["served_model_name"], "prompt": "Hello", "max_tokens": 8},
+                                timeout=60, api_key=api_key)
+                if st == 200:
+                    return {"ready": True, "seconds": round(now() - t0, 1), "models": models, "aux_layers": aux,
+                            "phases": seen_phases}
+                if st in (401, 403):
+                    return {"ready": False, "reason": "auth", "status": st, "body": body[:300],
+                            "seconds": round(now() - t0, 1)}
+            elif st == 200:
+                return {"ready": False, "reason": "model_missing", "models": models,
+                        "seconds": round(now() - t0, 1)}
+        if now() >= deadline:
+            return {"ready": False, "reason": "timeout", "log_tail": last_lines[-15:], "phases": seen_phases,
+                    "seconds": round(now() - t0, 1), "alive": alive(pid)}
+        time.sleep(0.2)
+
+
+def act_probe(a):
+    """Scrape /metrics, send the probe workload, scrape again; the caller computes the deltas."""
+    port, api_key = int(a["port"]), SECRETS.get("api_key")
+    deadline = now() + float(a["timeout_s"])
+    st, before = http(port, "/metrics", timeout=10)
+    if st != 200:
+        return {"ok": False, "message": "GET /metrics: %s %s" % (st, before[:200])}
+    sent = ok = 0
+    errors = []
+    for _ in range(int(a["rounds"])):
+        for prompt in a["prompts"]:
+            if now() >= deadline:
+                break
+            sent += 1
+            st, body = http(port, "/v1/completions", "POST",
+                            {"model": a["model"], "prompt": prompt, "max_tokens": int(a["max_tokens"]),
+                             "temperature": 0}, timeout=max(1.0, deadline - now()), api_key=api_key)
+            if st == 200:
+                ok += 1
+            else:
+                errors.append("%s %s" % (st, body[:200]))
+    st, after = http(port, "/metrics", timeout=10)
+    if st != 200:
+        return {"ok": False, "message": "GET /metrics after the probe: %s %s" % (st, after[:200])}
+    return {"ok": True, "before": before, "after": after, "sent": sent, "succeeded": ok, "errors": errors[:5],
+            "log_tail": tail_file(a.get("log_path"), 200) if a.get("log_path") else []}
+
+
+def tail_file(path, n, grep=None):
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - 256 * 1024))
+            data = fh.read()
+    except OSError:
+        return []
+    lines = [ANSI.sub("", ln) for ln in data.decode("utf-8", "replace").splitlines()]
+    if grep:
+        rx = re.compile(grep)
+        lines = [ln for ln in lines if rx.search(ln)]
+    return lines[-n:]
+
+
+def act_logs(a):
+    path, n, grep = a["log_path"], int(a.get("n", 50)), a.get("grep")
+    lines = tail_file(path, n, grep)
+    if not a.get("follow"):
+        return {"lines": lines, "exists": os.path.exists(path)}
+    for ln in lines:
+        emit(event="line", line=ln)
+    rx = re.compile(grep) if grep else None
+    pos = os.path.getsize(path) if os.path.exists(path) else 0
+    deadline = now() + float(a.get("follow_s", 3600))
+    while now() < deadline:
+        pos, new = _tail_lines(path, pos)
+        for ln in new:
+            if rx is None or rx.search(ln):
+                emit(event="line", line=ln)
+        time.sleep(0.25)
+    return {"followed_s": a.get("follow_s")}
+
+
+# ------------------------------------------------------------------ actions: lock
+
+
+def act_lock(a):
+    """Take the container lock: an O_EXCL file with the holder's identity and a lease; stale leases are broken."""
+    path = os.path.join(a["state_dir"], "lock")
+    os.makedirs(a["state_dir"], exist_ok=True)
+    deadline = now() + float(a.get("wait_s", 0))
+    me = {"token": a["token"], "holder": a["holder"], "since": now(), "expires": now() + float(a["lease_s"]),
+          "operation": a.get("operation")}
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(me, fh)
+            return {"locked": True}
+        except FileExistsError:
+            try:
+                with open(path) as fh:
+                    cur = json.load(fh)
+            except (OSError, ValueError):
+                cur = {"holder": "unknown (unreadable lock file)", "expires": 0}
+            if cur.get("token") == a["token"]:
+                return {"locked": True}
+            if float(cur.get("expires", 0)) < now():
+                os.rename(path, path + ".stale")
+                emit(event="lock", message="broke a stale lock held by %s" % cur.get("holder"))
+                continue
+            if now() >= deadline:
+                return {"locked": False, "holder": cur}
+            time.sleep(0.5)
+
+
+def act_unlock(a):
+    path = os.path.join(a["state_dir"], "lock")
+    try:
+        with open(path) as fh:
+            cur = json.load(fh)
+    except (OSError, ValueError):
+        return {"unlocked": False}
+    if cur.get("token") == a["token"]:
+        os.unlink(path)
+        return {"unlocked": True}
+    return {"unlocked": False, "holder": cur}
+
+
+# ------------------------------------------------------------------ action: status (one exec per container)
+
+
+def act_status(a):
+    state_dir = a["state_dir"]
+    res = {"state": read_state(state_dir), "memory": read_gpu_memory(a.get("nvidia_smi_timeout_s", 5))}
+    st = res["state"]
+    lock = os.path.join(state_dir, "lock")
+    if os.path.exists(lock):
+        try:
+            with open(lock) as fh:
+                res["lock"] = json.load(fh)
+        except (OSError, ValueError):
+            res["lock"] = {"holder": "unreadable"}
+    if st and not st.get("corrupt"):
+        port = st.get("port")
+        key = SECRETS.get("api_key")
+        if port:
+            hs, _ = http(port, "/health", timeout=2)
+            res["health"] = hs
+            if hs == 200:
+                ms, body = http(port, "/v1/models", timeout=3, api_key=key)
+                try:
+                    res["models"] = [m.get("id") for m in json.loads(body).get("data", [])] if ms == 200 else None
+                except ValueError:
+                    res["models"] = None
+                ms, body = http(port, "/metrics", timeout=3)
+                res["metrics"] = body if ms == 200 else None
+        if st.get("drafter_path"):
+            try:
+                res["drafter_sha256"] = sha256_file(st["drafter_path"])
+            except OSError as e:
+                res["drafter_sha256"] = None
+                res["drafter_error"] = e.strerror
+        if not st.get("alive"):
+            res["exit_code"] = read_exit_code(state_dir, 0)
+        if not st.get("alive") or res.get("health") != 200:
+            errs = [ln for ln in tail_file(st.get("log_path", ""), 400)
+                    if re.search(r"Error|error:|Traceback|died|failed", ln)]
+            res["last_error"] = errs[-1][-300:] if errs else None
+    else:
+        res["vllm_processes"] = vllm_processes()
+    return res
+
+
+# ------------------------------------------------------------------ action: verify the drafter config
+
+ABSENT = "<absent>"
+
+
+def _load_json_strict(raw):
+    def hook(pairs):
+        d = {}
+        for k, v in pairs:
+            if k in d:
+                raise ValueError("duplicate key %r" % k)
+            d[k] = v
+        return d
+    return json.loads(raw.decode("utf-8"), object_pairs_hook=hook)
+
+
+def _get(d, dotted):
+    cur = d
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return ABSENT
+        cur = cur[part]
+    return cur
+
+
+def resolve_drafter_path(a):
+    """The config.json vLLM will really read: a local dir, or the hub cache snapshot for a hub id."""
+    if a.get("path"):
+        p = os.path.join(a["path"], "config.json")
+        return {"kind": "local", "path": p, "realpath": os.path.realpath(p)}
+    org, name = a["hub_id"].split("/", 1)
+    base = os.path.join(a.get("hf_home") or "/root/.cache/huggingface", "hub", "models--%s--%s" % (org, name))
+    rev = None
+    try:
+        with open(os.path.join(base, "refs", a.get("revision") or "main")) as fh:
+            rev = fh.read().strip()
+    except OSError:
+        snaps = sorted(os.listdir(os.path.join(base, "snapshots"))) if os.path.isdir(os.path.join(base, "snapshots")) else []
+        rev = snaps[-1] if snaps else None
+    if not rev:
+        return {"kind": "hub", "path": None, "error": "no snapshot of %s in %s" % (a["hub_id"], base)}
+    p = os.path.join(base, "snapshots", rev, "config.json")
+    return {"kind": "hub", "path": p, "realpath": os.path.realpath(p), "revision": rev}
+
+
+def _vllm_stack(python_timeout):
+    import importlib.util
+
+    info = {"installed": False}
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return info
+    root = os.path.dirname(spec.origin)
+    info.update(installed=True, path=root)
+    version, commit = None, None
+    try:
+        with open(os.path.join(root, "_version.py")) as fh:
+            src = fh.read()
+        m = re.search(r"""(?:__version__|version)\s*(?::\s*str)?\s*=\s*['"]([^'"]+)['"]""", src)
+        version = m.group(1) if m else None
+        m = re.search(r"""__commit_id__\s*(?::\s*\S+)?\s*=\s*['"]([^'"]*)['"]""", src)
+        commit = m.group(1) if m else None
+    except OSError:
+        pass
+    info["version"], info["commit_id"] = version, commit
+
+    def has(rel, text):
+        try:
+            with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as fh:
+                return text in fh.read()
+        except OSError:
+            return False
+
+    plus1 = "# Add 1 to convert DFlash's aux layer id semantics"
+    info["markers"] = {
+        "plus1_fix": has("v1/worker/gpu_model_runner.py", plus1)
+                     or has("v1/worker/gpu/spec_decode/eagle/eagle3_utils.py", plus1),
+        "pr40898_sliding_window": has("model_executor/models/qwen3_dflash.py", "_get_dflash_layer_types")
+                                  and has("model_executor/models/qwen3_dflash.py", "_DFLASH_VALID_LAYER_TYPES"),
+        "resolve_layer_attention": has("model_executor/models/qwen3_dflash.py", "_resolve_layer_attention"),
+    }
+    v = _vtuple(version)
+    want = ["_C.abi3.so"] if v and v < (0, 24) else ["_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so"]
+    want += ["vllm_flash_attn/_vllm_fa2_C.abi3.so", "cumem_allocator.abi3.so"]
+    info["extensions_missing"] = [w for w in want if not os.path.exists(os.path.join(root, w))]
+    try:
+        p = subprocess.run([sys.executable, "-c", "import vllm, vllm.platforms; from vllm.platforms import "
+                            "current_platform; print(vllm.__version__)"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, timeout=python_timeout, stdin=subprocess.DEVNULL)
+        info["import_ok"] = p.returncode == 0
+        if p.returncode != 0:
+            err = p.stderr.decode("utf-8", "replace").strip().splitlines()
+            info["import_error"] = err[-1] if err else "exit %d" % p.returncode
+    except subprocess.TimeoutExpired:
+        info["import_ok"] = False
+        info["import_error"] = "import vllm did not finish within %ss" % python_timeout
+    return info
+
+
+def _vtuple(v):
+    if not v:
+        return None
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", v)
+    return tuple(int(x or 0) for x in m.groups()) if m else None
+
+
+def act_verify(a):
+    """Check the drafter config vLLM will read: path, bytes, fields, cross-checks, as loaded, serving stack."""
+    checks = []
+
+    def check(name, ok, expected=None, on_disk=None, as_loaded=None, reason="", severity="error"):
+        checks.append({"check": name, "ok": bool(ok), "expected": expected, "on_disk": on_disk,
+                       "as_loaded": as_loaded, "reason": "" if ok else reason, "severity": severity})
+
+    pinned = a["pinned"]
+    out = {"checks": checks, "python": sys.executable}
+    loc = resolve_drafter_path(a)
+    out["location"] = loc
+    if not loc.get("path"):
+        check("path", False, reason=loc.get("error"))
+        return out
+    path = loc["path"]
+    if a.get("hub_id") and a.get("local_path_hint"):
+        out["local_hint"] = a["local_path_hint"]
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(4 << 20)
+    except OSError as e:
+        check("path", False, expected=path, on_disk=None,
+              reason="cannot read %s: %s" % (path, e.strerror))
+        return out
+    check("path", True, expected=path, on_disk=loc["realpath"])
+    sha = hashlib.sha256(raw).hexdigest()
+    out["sha256"] = sha
+    check("sha256", sha == a["sha256"], expected=a["sha256"], on_disk=sha,
+          reason="the file vLLM reads is not the pinned config (%s)" % loc["realpath"])
+    try:
+        disk = _load_json_strict(raw)
+        if not isinstance(disk, dict):
+            raise ValueError("top level is not a JSON object")
+        check("json", True)
+    except ValueError as e:
+        check("json", False, reason="not valid JSON: %s" % e)
+        return out
+
+    # 3a. every key against the pinned file
+    def walk(p, d, prefix=""):
+        keys = sorted(set(p) | set(d)) if isinstance(p, dict) and isinstance(d, dict) else []
+        for k in keys:
+            name = prefix + k
+            pv, dv = p.get(k, ABSENT), d.get(k, ABSENT)
+            if isinstance(pv, dict) and isinstance(dv, dict):
+                walk(pv, dv, name + ".")
+            elif pv != dv:
+                check("field " + name, False, expected=pv, on_disk=dv, reason="differs from the pinned config")
+    before = len(checks)
+    walk(pinned, disk)
+    if len(checks) == before:
+        check("fields", True, reason="", expected="all %d keys as pinned" % len(pinned))
+
+    # 3b. cross-checks against the target model and the launch
+    target = None
+    try:
+        with open(os.path.join(a["target_path"], "config.json"), "rb") as fh:
+            tcfg = _load_json_strict(fh.read(4 << 20))
+        target = tcfg.get("text_config") or tcfg
+        out["target"] = {k: target.get(k) for k in ("num_hidden_layers", "hidden_size", "vocab_size")}
+    except (OSError, ValueError) as e:
+        check("target config", False, expected=os.path.join(a["target_path"], "config.json"),
+              reason="cannot read the target model's config.json: %s" % getattr(e, "strerror", e))
+    cross(disk, target, a, check)
+
+    # 4. as loaded by the container's Python (the one that runs vLLM)
+    loaded = load_as_vllm(os.path.dirname(path), out)
+    if loaded is not None:
+        crit = ["layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "dflash_config",
+                "bos_token_id", "rope_theta", "num_hidden_layers", "hidden_size", "vocab_size", "block_size",
+                "num_target_layers", "mask_token_id", "eagle_aux_hidden_state_layer_ids", "is_causal"]
+        for key in crit:
+            rv, lv = disk.get(key, ABSENT), loaded.get(key, ABSENT)
+            if rv == ABSENT and lv in (ABSENT, None):
+                continue
+            if rv == ABSENT:
+                check("loaded " + key, False, expected=ABSENT, on_disk=ABSENT, as_loaded=lv,
+                      reason="absent from the raw file but set after loading (a default filled in)")
+            elif rv != lv:
+                reason = "changed by loading"
+                if key == "sliding_window" and disk.get("use_sliding_window") is not True:
+                    reason = "the window was dropped on load because use_sliding_window is not true"
+                check("loaded " + key, False, expected=rv, on_disk=rv, as_loaded=lv, reason=reason)
+        for key in ("layer_types", "sliding_window", "use_sliding_window", "dflash_config"):
+            if key in disk and loaded.get(key, ABSENT) == disk.get(key):
+                check("loaded " + key, True, expected=pinned.get(key, ABSENT), on_disk=disk.get(key),
+                      as_loaded=loaded.get(key))
+
+    # 5. the serving stack
+    stack = _vllm_stack(float(a.get("import_timeout_s", 120)))
+    out["stack"] = stack
+    serving_checks(stack, disk, a, check)
+
+    # 6. safetensors header
+    st_path = os.path.join(os.path.dirname(path), "model.safetensors")
+    if os.path.exists(st_path):
+        safetensors_check(st_path, disk, check)
+    return out
+
+
+def cross(disk, target, a, check):
+    n_layers = disk.get("num_hidden_layers")
+    lt = disk.get("layer_types")
+    if isinstance(lt, list) and isinstance(n_layers, int):
+        check("layer_types length", len(lt) == n_layers, expected=n_layers, on_disk=len(lt),
+              reason="len(layer_types) must equal num_hidden_layers")
+        bad = [x for x in lt if x not in ("sliding_attention", "full_attention")]
+        check("layer_types values", not bad, expected="sliding_attention|full_attention", on_disk=bad,
+              reason="unknown layer types")
+    sliding = isinstance(lt, list) and "sliding_attention" in lt
+    win = disk.get("sliding_window")
+    has_win = isinstance(win, int) and win > 0
+    check("window iff sliding", has_win == sliding, expected="a positive window" if sliding else "no window",
+          on_disk=win, reason="sliding layers need a positive sliding_window" if sliding
+          else "a window is set but no layer slides")
+    if sliding or has_win:
+        check("use_sliding_window", disk.get("use_sliding_window") is True, expected=True,
+              on_disk=disk.get("use_sliding_window", ABSENT),
+              reason="transformers drops the window (sliding_window=None) unless use_sliding_window is true")
+    dc = disk.get("dflash_config") if isinstance(disk.get("dflash_config"), dict) else {}
+    ids = dc.get("target_layer_ids")
+    k = a.get("num_speculative_tokens")
+    block = disk.get("block_size")
+    if isinstance(block, int) and isinstance(k, int):
+        check("block_size vs num_speculative_tokens", k <= block - 1, expected="<= %d" % (block - 1), on_disk=k,
+              reason="num_speculative_tokens must be at most block_size - 1")
+    if "rope_theta" not in disk and "rope_parameters" not in disk:
+        check("rope_theta", False, expected="present", on_disk=ABSENT,
+              reason="absent: vLLM falls back to 1e6 silently")
+    for key in ("eagle_aux_hidden_state_layer_ids", "is_causal"):
+        if key in disk:
+            exp = [i + 1 for i in ids] if key.startswith("eagle") and isinstance(ids, list) else ABSENT
+            check("override " + key, key.startswith("eagle") and disk[key] == exp, expected=exp, on_disk=disk[key],
+                  reason="this key overrides vLLM's behaviour")
+    for key in ("use_swa", "causal", "swa_window_size"):
+        if key in dc:
+            check("override dflash_config." + key, False, expected=ABSENT, on_disk=dc[key],
+                  reason="this key overrides vLLM's behaviour")
+    am = disk.get("auto_map") if isinstance(disk.get("auto_map"), dict) else {}
+    if "AutoConfig" in am:
+        mod = am["AutoConfig"].split(".")[0] + ".py"
+        check("auto_map.AutoConfig module", os.path.exists(os.path.join(os.path.dirname(a.get("_cfg_path", "")), mod))
+              or os.path.exists(os.path.join(a.get("path") or "", mod)), expected=mod, on_disk=ABSENT,
+              reason="AutoConfig names a module file that is not in the drafter directory")
+    if target is None:
+        return
+    N = target.get("num_hidden_layers")
+    check("num_target_layers", disk.get("num_target_layers") == N, expected=N,
+          on_disk=disk.get("num_target_layers", ABSENT), reason="must equal the target's text_config.num_hidden_layers")
+    if isinstance(ids, list) and isinstance(N, int):
+        bad = [i for i in ids if not isinstance(i, int) or i < 0 or i + 1 > N - 1]
+        inc = all(isinstance(x, int) and isinstance(y, int) and x < y for x, y in zip(ids, ids[1:]))
+        check("target_layer_ids range", not bad, expected="0 <= id and id + 1 <= %d" % (N - 1), on_disk=ids,
+              reason="ids out of range: %s" % bad)
+        check("target_layer_ids order", inc and len(set(map(str, ids))) == len(ids), expected="unique, increasing",
+              on_disk=ids, reason="ids must be unique and increasing")
+    for key in ("hidden_size", "vocab_size"):
+        check(key + " matches target", disk.get(key) == target.get(key), expected=target.get(key),
+              on_disk=disk.get(key, ABSENT), reason="the drafter shares the target's embeddings and LM head")
+    mt = dc.get("mask_token_id")
+    vs = target.get("vocab_size")
+    if isinstance(vs, int):
+        check("mask_token_id range", isinstance(mt, int) and 0 <= mt < vs, expected="< %d" % vs, on_disk=mt,
+              reason="mask_token_id must be a token of the target's vocabulary")
+
+
+def load_as_vllm(dirpath, out):
+    """Load the config the way vLLM does, in this Python; return a plain dict of attributes (or None)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        import transformers
+        from transformers import AutoConfig
+    except Exception as e:  # noqa: BLE001
+        out["loaded_error"] = "cannot import transformers in %s: %s" % (sys.executable, e)
+        out["checks"].append({"check": "as loaded", "ok": False, "expected": "transformers importable",
+                              "on_disk": None, "as_loaded": None, "reason": out["loaded_error"],
+                              "severity": "error"})
+        return None
+    out["transformers_version"] = transformers.__version__
+    out["loader"] = "transformers.AutoConfig"
+    try:
+        cfg = AutoConfig.from_pretrained(dirpath, trust_remote_code=True)
+    except Exception as e:  # noqa: BLE001
+        msg = "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        out["checks"].append({"check": "as loaded", "ok": False, "expected": "loads", "on_disk": None,
+                              "as_loaded": msg, "reason": "AutoConfig.from_pretrained failed: " + msg,
+                              "severity": "error"})
+        return None
+    d = dict(cfg.to_diff_dict()) if False else {}
+    for k, v in vars(cfg).items():
+        if not k.startswith("_"):
+            d[k] = v
+    rp = getattr(cfg, "rope_parameters", None)
+    if "rope_theta" not in d and isinstance(rp, dict) and "rope_theta" in rp:
+        d["rope_theta"] = rp["rope_theta"]
+    out["checks"].append({"check": "as loaded", "ok": True, "expected": "loads", "on_disk": None,
+                          "as_loaded": type(cfg).__name__, "reason": "", "severity": "error"})
+    return json.loads(json.dumps(d, default=str))
+
+
+def serving_checks(stack, disk, a, check):
+    if not stack.get("installed"):
+        check("vllm installed", False, reason="vllm is not importable by %s" % sys.executable)
+        return
+    v = _vtuple(stack.get("version"))
+    m = stack["markers"]
+    check("vllm import", stack.get("import_ok"), expected="import vllm succeeds", on_disk=stack.get("version"),
+          reason="the build is broken: %s" % stack.get("import_error"))
+    check("vllm extensions", not stack["extensions_missing"], expected="complete build",
+          on_disk=stack["extensions_missing"] or "all present",
+          reason="compiled extension(s) missing: %s (an incomplete build)" % ", ".join(stack["extensions_missing"]))
+    minv = a.get("vllm_min_version")
+    if minv:
+        check("vllm version", v is not None and v >= _vtuple(minv) or m["pr40898_sliding_window"],
+              expected=">= " + minv, on_disk=stack.get("version"),
+              reason="vLLM %s is older than the playbook requires" % stack.get("version"))
+    if a.get("method") != "dflash":
+        return
+    lt = disk.get("layer_types") or []
+    mixed = "sliding_attention" in lt and "full_attention" in lt
+    plus1 = m["plus1_fix"] or (v is not None and v >= (0, 22) and m["pr40898_sliding_window"])
+    need = set(a.get("fixes") or []) | {"dflash_layer_id_offset"}
+    if "dflash_layer_id_offset" in need:
+        check("fix: +1 layer-id offset (PR #40727)", plus1, expected="marker present",
+              on_disk="present" if plus1 else "absent",
+              reason="vLLM %s lacks the +1 layer-id fix: the drafter would read the wrong target layers"
+                     % stack.get("version"))
+    if mixed or "dflash_sliding_window" in need:
+        sw_ok = m["pr40898_sliding_window"] or (v is not None and v >= (0, 26) and m["resolve_layer_attention"])
+        if v is not None and v[:2] == (0, 25) and not m["pr40898_sliding_window"]:
+            why = "vLLM 0.25.0 refuses mixed sliding/full DFlash drafters (NotImplementedError)"
+        elif v is not None and v < (0, 25) and not m["pr40898_sliding_window"]:
+            why = "vLLM %s silently runs sliding layers as full attention (degraded acceptance)" % stack.get("version")
+        else:
+            why = "no sliding-window support marker (_resolve_layer_attention / _get_dflash_layer_types) found"
+        check("fix: DFlash sliding window", sw_ok, expected=">= 0.26 or the PR #40898 build",
+              on_disk="%s%s" % (stack.get("version"), " (PR #40898 build)" if m["pr40898_sliding_window"] else ""),
+              reason=why)
+
+
+def safetensors_check(path, disk, check):
+    import struct
+
+    try:
+        with open(path, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            if n > 100 << 20:
+                raise ValueError("header length %d is implausible" % n)
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError, struct.error) as e:
+        check("weights header", False, reason="cannot read the safetensors header of %s: %s" % (path, e),
+              severity="warning")
+        return
+    layers = set()
+    for name in header:
+        m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+        if m:
+            layers.add(int(m.group(1)))
+    nl = disk.get("num_hidden_layers")
+    check("weights layers", len(layers) == nl, expected=nl, on_disk=len(layers),
+          reason="the weights and the config come from different revisions", severity="warning")
+    ids = (disk.get("dflash_config") or {}).get("target_layer_ids") or []
+    fc = next((v for k, v in header.items() if k.endswith("fc.weight")), None)
+    if fc and disk.get("hidden_size"):
+        want = [disk["hidden_size"], disk["hidden_size"] * len(ids)]
+        check("weights fc shape", fc.get("shape") == want, expected=want, on_disk=fc.get("shape"),
+              reason="fc.weight width must be hidden_size x number of target layers", severity="warning")
+
+
+ACTIONS = {
+    "gpu_read": act_gpu_read, "stop": act_stop, "wait_free": act_wait_free, "port_check": act_port_check,
+    "file_sha": act_file_sha, "write_file": act_write_file, "launch": act_launch, "wait_ready": act_wait_ready,
+    "probe": act_probe, "logs": act_logs, "lock": act_lock, "unlock": act_unlock, "status": act_status,
+    "verify": act_verify,
+}
+
+
+def main(argv):
+    action, args = argv[1], json.loads(argv[2]) if len(argv) > 2 else {}
+    if action not in ACTIONS:
+        emit(result={"error": "unknown action %r" % action})
+        return 2
+    try:
+        emit(result=ACTIONS[action](args))
+    except BrokenPipeError:
+        return 1
+    except Exception as e:  # noqa: BLE001 - reported as data, with the traceback's last line
+        import traceback
+
+        emit(result={"error": "%s: %s" % (type(e).__name__, e), "traceback": traceback.format_exc()[-2000:]})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    sys.exit(main(sys.argv))

@@ -1,0 +1,380 @@
+"""The one transport: one SSH connection per host per invocation, `pct exec` wrapping, quoting, timeouts, audit.
+
+Connections are opened with Fabric (config, ssh_config aliases, lazy connect) and host keys are checked with
+paramiko. Commands run on a raw paramiko channel: bytes in, bytes out, stdout and stderr apart, no pty, a
+deadline on every command. (Invoke's runner decodes to text and feeds stdin in small chunks with sleeps; a
+deploy tool that pipes whole scripts and compares sha256 of bytes wants neither.)
+
+Quoting happens in exactly one function, `shell_join`, applied once per shell layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shlex
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .errors import DeployError, HostKeyError, RemoteTimeout, Unreachable
+from .spec import HostSpec
+
+CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def shell_join(argv: Iterable[str]) -> str:
+    """The only quoting function: an argument list -> one string a POSIX shell splits back into that list."""
+    return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+def pct_exec_argv(vmid: int, argv: list[str], keep_env: bool = True) -> list[str]:
+    """The host-side argv that runs `argv` inside container `vmid` (one program after `--`, never a string)."""
+    if keep_env:
+        return ["pct", "exec", str(vmid), "--keep-env", "0", "--", *argv]
+    # Old pct forwards our SSH environment into the container; give the program a clean one instead.
+    return ["pct", "exec", str(vmid), "--", "env", "-i", f"PATH={CONTAINER_PATH}", "HOME=/root",
+            "LANG=C.UTF-8", *argv]
+
+
+@dataclass
+class Result:
+    host: str
+    vmid: int | None
+    argv: list[str]
+    exited: int
+    stdout: bytes
+    stderr: bytes
+    duration: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exited == 0
+
+    @property
+    def out(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def err(self) -> str:
+        return self.stderr.decode("utf-8", "replace")
+
+    def where(self) -> str:
+        return f"{self.host}/{self.vmid}" if self.vmid is not None else self.host
+
+
+class Redactor:
+    """Secrets registered here never reach the audit log, the plan or the terminal."""
+
+    def __init__(self):
+        self._secrets: set[str] = set()
+
+    def add(self, secret: str | None) -> None:
+        if secret and len(secret) >= 4:
+            self._secrets.add(secret)
+
+    def __call__(self, text: str) -> str:
+        for s in self._secrets:
+            text = text.replace(s, "***")
+        return text
+
+
+def state_dir() -> str:
+    d = os.environ.get("DEPLOY_STATE_DIR") or os.path.join(
+        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "vllm-pve-deploy")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+class AuditLog:
+    """JSON lines: time, host, vmid, argv (secrets redacted), exit status, duration. One line per remote command."""
+
+    def __init__(self, path: str | None = None, redact: Redactor | None = None):
+        self.path = path or os.path.join(state_dir(), "audit.jsonl")
+        self.redact = redact or Redactor()
+        self._lock = threading.Lock()
+        self.invocation = f"{os.getpid()}-{int(time.time() * 1000)}"
+
+    def write(self, **entry) -> None:
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "invocation": self.invocation, **entry}
+        if "argv" in entry:
+            entry["argv"] = [self.redact(a) for a in entry["argv"]]
+        line = json.dumps(entry, ensure_ascii=False)
+        with self._lock:
+            try:
+                with open(self.path, "a", encoding="utf-8") as fh:
+                    fh.write(line + "\n")
+            except OSError:
+                pass  # an unwritable audit log must not break a deployment; `deploy` warns at start instead
+
+
+# Connection-level failures that are worth another try: nothing ran yet.
+_RETRYABLE = (ConnectionRefusedError, ConnectionResetError, socket.timeout, TimeoutError, EOFError)
+
+
+@dataclass
+class HostSession:
+    """One SSH connection to one Proxmox host, opened on first use and reused for every command."""
+
+    host: HostSpec
+    audit: AuditLog
+    connect_attempts: int = 3
+    _conn: object = field(default=None, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    keep_env_supported: bool | None = field(default=None, init=False)
+    connects: int = field(default=0, init=False)
+
+    # -------------------------------------------------------------- connection
+
+    def _fabric_connection(self):
+        import fabric  # deferred: keeps `deploy --help` fast
+
+        h = self.host
+        kwargs = {"look_for_keys": h.identity_file is None, "allow_agent": h.identity_file is None}
+        if h.identity_file:
+            kwargs["key_filename"] = [h.identity_file]
+        kwargs["banner_timeout"] = h.connect_timeout_s
+        kwargs["auth_timeout"] = h.connect_timeout_s
+        target = h.ssh_config_alias or h.address
+        conn = fabric.Connection(host=target, user=h.user if not h.ssh_config_alias else None,
+                                 port=h.port if not h.ssh_config_alias else None,
+                                 connect_timeout=max(1, round(h.connect_timeout_s)), connect_kwargs=kwargs)
+        import paramiko
+
+        client = conn.client
+        known = os.path.expanduser(h.known_hosts)
+        if os.path.exists(known):
+            client.load_host_keys(known)
+        elif h.accept_new_host_keys:
+            os.makedirs(os.path.dirname(known) or ".", exist_ok=True)
+            open(known, "a").close()
+            client.load_host_keys(known)
+        if h.accept_new_host_keys:
+            client.set_missing_host_key_policy(_AcceptNew(known))
+        else:
+            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        return conn
+
+    def connect(self):
+        with self._lock:
+            if self._conn is not None and self._conn.is_connected:
+                return self._conn
+            self._conn = self._open_with_retries()
+            return self._conn
+
+    def _open_with_retries(self):
+        import paramiko
+        from tenacity import (retry, retry_if_exception_type, stop_after_attempt, stop_after_delay,
+                              wait_exponential)
+
+        h = self.host
+        started = time.monotonic()
+
+        @retry(retry=retry_if_exception_type(_RETRYABLE + (paramiko.ssh_exception.NoValidConnectionsError,)),
+               stop=stop_after_attempt(self.connect_attempts) | stop_after_delay(h.connect_timeout_s * 2),
+               wait=wait_exponential(multiplier=0.2, max=2), reraise=True)
+        def attempt():
+            conn = self._fabric_connection()
+            conn.open()
+            return conn
+
+        where = f"{h.name} ({h.user}@{h.ssh_config_alias or h.address}:{h.port})"
+        try:
+            conn = attempt()
+        except paramiko.BadHostKeyException as e:
+            raise HostKeyError(
+                f"host key CHANGED: known_hosts has {e.expected_key.get_name()} "
+                f"{e.expected_key.get_fingerprint().hex()}, the server sent {e.key.get_fingerprint().hex()}",
+                where=where, fix=f"if the host was reinstalled, remove the old key: ssh-keygen -f "
+                                 f"{h.known_hosts} -R '[{h.address}]:{h.port}'; otherwise do not connect") from e
+        except paramiko.AuthenticationException as e:
+            raise Unreachable(f"authentication failed: {e}", where=where,
+                              fix="check identity_file in the inventory and the host's authorized_keys") from e
+        except paramiko.SSHException as e:
+            msg = str(e)
+            if "not found in known_hosts" in msg:
+                raise HostKeyError(f"unknown host key ({msg})", where=where,
+                                   fix=f"add the host's key to {h.known_hosts} (ssh-keyscan -p {h.port} "
+                                       f"{h.address}, then compare its fingerprint), or set "
+                                       "accept_new_host_keys: true for this host") from e
+            raise Unreachable(f"SSH error: {msg}", where=where, fix="check that sshd runs on the host") from e
+        except (OSError, EOFError) as e:
+            reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            raise Unreachable(f"cannot connect: {reason}", where=where,
+                              fix="check the address/port in the inventory and that the host is up") from e
+        self.connects += 1
+        self.audit.write(host=h.name, event="connect", duration=round(time.monotonic() - started, 4))
+        return conn
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                try:
+                    self._conn.close()
+                except Exception:
+                    pass
+                self._conn = None
+
+    # -------------------------------------------------------------- commands
+
+    def run(self, argv: list[str], *, stdin: bytes | str | None = None, timeout: float = 60.0,
+            vmid: int | None = None, label: str | None = None, audit_argv: list[str] | None = None,
+            on_line=None) -> Result:
+        """Run argv on the host (quoted once for the login shell). Returns the exit status as is."""
+        if isinstance(stdin, str):
+            stdin = stdin.encode("utf-8")
+        command = shell_join(argv)
+        conn = self.connect()
+        started = time.monotonic()
+        try:
+            exited, out, err = _exec(conn.transport, command, stdin, timeout, on_line)
+        except RemoteTimeout as e:
+            self.audit.write(host=self.host.name, vmid=vmid, argv=audit_argv or argv, exit=None,
+                             duration=round(time.monotonic() - started, 4), error="timeout", label=label)
+            e.where = f"{self.host.name}" + (f"/{vmid}" if vmid is not None else "")
+            raise
+        except (OSError, EOFError, _ssh_exception()) as e:
+            self.close()
+            raise Unreachable(f"SSH connection lost during a command: {e or type(e).__name__}",
+                              where=self.host.name, fix="check the host; run `deploy status` to see what state "
+                                                        "was left") from e
+        dur = time.monotonic() - started
+        self.audit.write(host=self.host.name, vmid=vmid, argv=audit_argv or argv, exit=exited,
+                         duration=round(dur, 4), label=label,
+                         **({"stdin_bytes": len(stdin)} if stdin else {}))
+        return Result(self.host.name, vmid, argv, exited, out, err, dur)
+
+    def ct(self, vmid: int, argv: list[str], **kw) -> Result:
+        """Run argv inside container vmid with `pct exec`; probes once whether this pct knows --keep-env."""
+        keep = self.keep_env_supported is not False
+        res = self.run(pct_exec_argv(vmid, argv, keep), vmid=vmid, audit_argv=argv, **kw)
+        if keep and self.keep_env_supported is None:
+            if res.exited == 255 and b"Unknown option: keep-env" in res.stderr:
+                # pct rejected the option while parsing, so the command did not run: safe to send again.
+                self.keep_env_supported = False
+                return self.run(pct_exec_argv(vmid, argv, False), vmid=vmid, audit_argv=argv, **kw)
+            if b"unable to parse option" not in res.stderr:
+                self.keep_env_supported = True
+        return res
+
+
+def _ssh_exception():
+    import paramiko
+
+    return paramiko.SSHException
+
+
+def _exec(transport, command: str, stdin: bytes | None, timeout: float, on_line=None) -> tuple[int, bytes, bytes]:
+    """Run one command on a new channel of the shared transport. on_line(bytes) sees each stdout line as it
+    arrives (progress of long waits); the full stdout is returned as well."""
+    deadline = time.monotonic() + timeout
+    chan = transport.open_session(timeout=min(timeout, 30))
+    try:
+        chan.settimeout(max(0.1, timeout))
+        chan.exec_command(command)
+        if stdin:
+            chan.sendall(stdin)
+        chan.shutdown_write()
+        out, err = bytearray(), bytearray()
+        # sshd sends all stream data before the exit status, so once the status is here the buffers are complete.
+        while True:
+            while chan.recv_ready():
+                chunk = chan.recv(65536)
+                if on_line is not None:
+                    start = out.rfind(b"\n") + 1
+                    out += chunk
+                    for line in bytes(out[start:]).split(b"\n")[:-1]:
+                        on_line(line)
+                else:
+                    out += chunk
+            while chan.recv_stderr_ready():
+                err += chan.recv_stderr(65536)
+            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                break
+            if chan.closed:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RemoteTimeout(f"command did not finish within {timeout:g} s: {command[:200]}",
+                                    fix="the remote side may be hung (e.g. a wedged nvidia-smi); check the host")
+            select.select([chan], [], [], min(remaining, 1.0))
+        if not chan.exit_status_ready():
+            raise EOFError("channel closed without an exit status")
+        status = chan.recv_exit_status()
+        return status, bytes(out), bytes(err)
+    finally:
+        chan.close()
+
+
+class _AcceptNew:
+    """Like OpenSSH's StrictHostKeyChecking=accept-new: record a new key, refuse a changed one."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def missing_host_key(self, client, hostname, key):
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        with open(self.path, "a") as fh:
+            fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+
+
+class Fleet:
+    """The sessions of one `deploy` invocation: at most one connection per host, closed at the end."""
+
+    def __init__(self, inventory, audit: AuditLog | None = None, redact: Redactor | None = None):
+        self.inventory = inventory
+        self.redact = redact or Redactor()
+        self.audit = audit or AuditLog(redact=self.redact)
+        self._sessions: dict[str, HostSession] = {}
+        self._lock = threading.Lock()
+
+    def session(self, host_name: str) -> HostSession:
+        with self._lock:
+            if host_name not in self._sessions:
+                self._sessions[host_name] = HostSession(self.inventory.host(host_name), self.audit)
+            return self._sessions[host_name]
+
+    def close(self) -> None:
+        for s in self._sessions.values():
+            s.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def run_parallel(items, fn, *, deadline_s: float):
+    """Run fn(item) for every item in threads; return [(item, value, error)] in order, each bounded by deadline_s.
+
+    An item whose call has not finished by the deadline gets a RemoteTimeout; its thread is left to end on its
+    own (it holds only its own channel), so one bad host never delays the others' rows.
+    """
+    results: list = [None] * len(items)
+    done = [threading.Event() for _ in items]
+
+    def work(i, item):
+        try:
+            results[i] = (item, fn(item), None)
+        except BaseException as e:  # noqa: BLE001 - every failure becomes that item's row
+            results[i] = (item, None, e)
+        finally:
+            done[i].set()
+
+    threads = [threading.Thread(target=work, args=(i, it), daemon=True) for i, it in enumerate(items)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + deadline_s
+    for i, ev in enumerate(done):
+        if not ev.wait(max(0.0, end - time.monotonic())):
+            results[i] = (items[i], None, RemoteTimeout(f"no answer within {deadline_s:g} s",
+                                                        fix="the host is slow or hung; check it directly"))
+    return results
+
+
+__all__ = ["shell_join", "pct_exec_argv", "Result", "HostSession", "Fleet", "AuditLog", "Redactor",
+           "run_parallel", "DeployError"]

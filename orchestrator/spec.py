@@ -1,0 +1,404 @@
+"""Load and validate playbooks and the inventory. Strict and complete: every problem, at FILE:LINE:COL, at once.
+
+Nothing here touches the network; `load_playbook` + `load_inventory` either return fully resolved values or
+raise SpecError listing everything that is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import SpecError
+from .schema import (ABS_PATH, Bool, Field, Float, FreeMap, Int, List, Map, Problems, Str, compose_file,
+                     node_of)
+
+NAME = dict(pattern=r"[a-z0-9][a-z0-9-]{0,62}", pattern_hint="lowercase letters, digits and '-', at most 63")
+HOSTNAME = dict(pattern=r"[A-Za-z0-9_.:\[\]-]{1,253}", pattern_hint="an IP address or DNS name")
+SERVED_NAME = dict(pattern=r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}", pattern_hint="letters, digits, . _ / : -")
+HUB_ID = dict(pattern=r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*", pattern_hint="ORG/NAME")
+VERSION = dict(pattern=r"\d+\.\d+(\.\d+)?", pattern_hint="a version like 0.26.0")
+SHA256 = dict(pattern=r"[0-9a-f]{64}", pattern_hint="64 lowercase hex digits")
+ENV_KEY = r"[A-Z_][A-Z0-9_]{0,127}"
+
+METHODS = ("dflash", "mtp", "eagle3", "ngram")
+KNOWN_FIXES = ("dflash_layer_id_offset", "dflash_sliding_window")
+# Flags the tool sets itself from typed settings; passing them again in extra_args would fight the playbook.
+RESERVED_FLAGS = ("--port", "--host", "--speculative-config", "-sc", "--tensor-parallel-size", "-tp",
+                  "--gpu-memory-utilization", "--max-model-len", "--served-model-name", "--api-key",
+                  "--attention-backend", "--max-num-batched-tokens")
+
+# ---------------------------------------------------------------- inventory
+
+CONTAINER = Map({
+    "vmid": Field(Int(100, 999_999_999), required=True, doc="Proxmox container id"),
+    "name": Field(Str(**NAME), doc="container name (informational)"),
+    "gpus": Field(List(Int(0, 63), min_len=0, max_len=64, unique=True), default=list,
+                  doc="host GPU indices passed into the container"),
+})
+
+HOST = Map({
+    "name": Field(Str(**NAME), required=True, doc="name used by playbooks and on the command line"),
+    "address": Field(Str(**HOSTNAME), doc="IP or DNS name of the Proxmox host"),
+    "ssh_config_alias": Field(Str(**HOSTNAME), doc="a Host alias from ~/.ssh/config, instead of address"),
+    "port": Field(Int(1, 65535), default=22),
+    "user": Field(Str(pattern=r"[a-z_][a-z0-9_-]{0,31}", pattern_hint="a user name"), default="root"),
+    "identity_file": Field(Str(), doc="private key file; default: ssh-agent and ~/.ssh keys"),
+    "known_hosts": Field(Str(), default="~/.ssh/known_hosts"),
+    "accept_new_host_keys": Field(Bool(), default=False, doc="trust and record a host key seen for the first time"),
+    "connect_timeout_s": Field(Float(0.1, 300), default=10.0),
+    "containers": Field(List(CONTAINER, max_len=500), default=list),
+})
+
+
+def _inventory_cross(out, node, path, problems):
+    names = {}
+    for i, h in enumerate(out.get("hosts") or []):
+        if not h:
+            continue
+        if h["name"] in names:
+            problems.add(node_of(h, "name"), f"hosts[{i}].name", f"duplicate host name {h['name']!r}")
+        names[h["name"]] = h
+        if not h.get("address") and not h.get("ssh_config_alias"):
+            problems.add(h["__node__"], f"hosts[{i}]", "needs 'address' or 'ssh_config_alias'")
+        vmids = set()
+        for j, c in enumerate(h.get("containers") or []):
+            if c and c["vmid"] in vmids:
+                problems.add(node_of(c, "vmid"), f"hosts[{i}].containers[{j}].vmid", f"duplicate vmid {c['vmid']}")
+            if c:
+                vmids.add(c["vmid"])
+
+
+INVENTORY = Map({"hosts": Field(List(HOST, max_len=1000), required=True)}, cross=_inventory_cross)
+
+# ---------------------------------------------------------------- playbook
+
+DRAFTER = Map({
+    "path": Field(Str(**ABS_PATH), doc="absolute path of the drafter directory in the container (what vLLM reads)"),
+    "hub_id": Field(Str(**HUB_ID), doc="instead of path: a hub id; vLLM then reads the hub cache snapshot"),
+    "hf_home": Field(Str(**ABS_PATH), default="/root/.cache/huggingface", doc="HF_HOME in the container"),
+    "pinned_config": Field(Str(), required=True, doc="the config.json to install, relative to the playbook"),
+    "sha256": Field(Str(**SHA256), required=True, doc="sha256 of the pinned config bytes"),
+})
+
+PLAYBOOK = Map({
+    "name": Field(Str(**NAME), required=True),
+    "description": Field(Str(), default=""),
+    "target": Field(Map({
+        "host": Field(Str(**NAME), required=True),
+        "vmid": Field(Int(100, 999_999_999), required=True),
+        "gpus": Field(List(Int(0, 63), min_len=1, max_len=64, unique=True), required=True),
+    }), required=True),
+    "model": Field(Map({
+        "path": Field(Str(**ABS_PATH), required=True, doc="target model directory in the container"),
+    }), required=True),
+    "runtime": Field(Map({
+        "python": Field(Str(**ABS_PATH), default="/root/ml-env/bin/python", doc="the Python that runs vLLM"),
+        "vllm": Field(Str(**ABS_PATH), default="/root/ml-env/bin/vllm"),
+        "state_dir": Field(Str(**ABS_PATH), default="/var/lib/vllm-pve-deploy"),
+    }), default=lambda: {"python": "/root/ml-env/bin/python", "vllm": "/root/ml-env/bin/vllm",
+                         "state_dir": "/var/lib/vllm-pve-deploy"}),
+    "serve": Field(Map({
+        "host": Field(Str(**HOSTNAME), default="0.0.0.0"),
+        "port": Field(Int(1, 65535), default=8000),
+        "tensor_parallel_size": Field(Int(1, 64), default=1),
+        "gpu_memory_utilization": Field(Float(0.05, 0.99), default=0.9),
+        "max_model_len": Field(Int(16, 10_000_000)),
+        "served_model_name": Field(Str(**SERVED_NAME), required=True),
+        "attention_backend": Field(Str(choices=("flash_attn", "flashinfer", "triton_attn", "flex_attention"))),
+        "max_num_batched_tokens": Field(Int(1, 10_000_000)),
+        "extra_args": Field(List(Str(), max_len=100), default=list),
+        "env": Field(FreeMap(ENV_KEY, "environment variable names are A-Z, 0-9, _"), default=dict),
+        "api_key_env": Field(Str(pattern=ENV_KEY, pattern_hint="an environment variable name"),
+                             doc="name of a LOCAL environment variable holding the API key (never in argv)"),
+        "load_timeout_s": Field(Float(1, 7200), default=900.0),
+    }), required=True),
+    "speculative": Field(Map({
+        "method": Field(Str(choices=METHODS), required=True),
+        "num_speculative_tokens": Field(Int(1, 64), required=True),
+        "drafter": Field(DRAFTER),
+        "extra": Field(FreeMap(r"[a-z_]{1,64}", "lowercase spec-config keys", value=Str()), default=dict),
+    }), required=True),
+    "requires": Field(Map({
+        "vllm_min_version": Field(Str(**VERSION)),
+        "fixes": Field(List(Str(choices=KNOWN_FIXES), unique=True), default=list),
+    }), default=lambda: {"vllm_min_version": None, "fixes": []}),
+    "gpu": Field(Map({
+        "free_threshold_mib": Field(Int(0, 1_000_000), default=1024),
+        "free_timeout_s": Field(Float(0.5, 3600), default=60.0),
+        "stop_grace_s": Field(Float(0, 3600), default=30.0),
+        "clean_gpus": Field(Bool(), default=False, doc="fuser -k the container's /dev/nvidia* when stopping"),
+        "nvidia_smi_timeout_s": Field(Float(0.5, 120), default=10.0),
+    }), default=lambda: {"free_threshold_mib": 1024, "free_timeout_s": 60.0, "stop_grace_s": 30.0,
+                         "clean_gpus": False, "nvidia_smi_timeout_s": 10.0}),
+    "acceptance": Field(Map({
+        "min_draft_acceptance": Field(Float(0, 1), required=True),
+        "min_mean_acceptance_length": Field(Float(1, 100)),
+        "probe": Field(Map({
+            "prompts": Field(List(Str(), min_len=1, max_len=64), required=True),
+            "max_tokens": Field(Int(1, 8192), default=128),
+            "rounds": Field(Int(1, 100), default=2),
+            "timeout_s": Field(Float(1, 3600), default=120.0),
+        }), required=True),
+        "on_low_acceptance": Field(Str(choices=("fail", "fallback")), default="fail"),
+        "fallback": Field(Str(**NAME), doc="playbook to bring up instead when acceptance is too low"),
+    }), required=True),
+})
+
+
+# ---------------------------------------------------------------- resolved values
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    vmid: int
+    name: str | None
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    name: str
+    address: str | None
+    ssh_config_alias: str | None
+    port: int
+    user: str
+    identity_file: str | None
+    known_hosts: str
+    accept_new_host_keys: bool
+    connect_timeout_s: float
+    containers: tuple[ContainerSpec, ...]
+
+    def container(self, vmid: int) -> ContainerSpec | None:
+        return next((c for c in self.containers if c.vmid == vmid), None)
+
+
+@dataclass
+class Inventory:
+    path: str
+    hosts: dict[str, HostSpec]
+
+    def host(self, name: str) -> HostSpec:
+        return self.hosts[name]
+
+
+@dataclass
+class Playbook:
+    path: str
+    name: str
+    data: dict  # the validated tree (plain values, plus __nodes__ marks)
+    drafter_bytes: bytes | None = None
+    drafter_config: dict | None = None
+    fallback: "Playbook | None" = field(default=None, repr=False)
+
+    # convenient accessors
+    @property
+    def host(self) -> str:
+        return self.data["target"]["host"]
+
+    @property
+    def vmid(self) -> int:
+        return self.data["target"]["vmid"]
+
+    @property
+    def gpus(self) -> list[int]:
+        return self.data["target"]["gpus"]
+
+    @property
+    def serve(self) -> dict:
+        return self.data["serve"]
+
+    @property
+    def spec(self) -> dict:
+        return self.data["speculative"]
+
+    @property
+    def drafter(self) -> dict | None:
+        return self.data["speculative"].get("drafter")
+
+    @property
+    def runtime(self) -> dict:
+        return self.data["runtime"]
+
+    @property
+    def sha256(self) -> str:
+        with open(self.path, "rb") as fh:
+            return hashlib.sha256(fh.read()).hexdigest()
+
+
+def _raise(problems: Problems, *others: Problems) -> None:
+    items = problems.items + [i for o in others for i in o.items]
+    if items:
+        raise SpecError(items)
+
+
+def default_inventory_path() -> str:
+    return os.environ.get("DEPLOY_INVENTORY") or "hosts.yaml"
+
+
+def load_inventory(path: str) -> Inventory:
+    problems = Problems(path)
+    node = compose_file(path, problems)
+    data = INVENTORY.check(node, "", problems) if node is not None else None
+    _raise(problems)
+    base = Path(path).resolve().parent
+    hosts = {}
+    for h in data["hosts"]:
+        def rel(p):
+            return None if p is None else str((base / os.path.expanduser(p)).resolve()) \
+                if not os.path.isabs(os.path.expanduser(p)) else os.path.expanduser(p)
+        hosts[h["name"]] = HostSpec(
+            name=h["name"], address=h["address"], ssh_config_alias=h["ssh_config_alias"], port=h["port"],
+            user=h["user"], identity_file=rel(h["identity_file"]), known_hosts=rel(h["known_hosts"]),
+            accept_new_host_keys=h["accept_new_host_keys"], connect_timeout_s=h["connect_timeout_s"],
+            containers=tuple(ContainerSpec(c["vmid"], c["name"], tuple(c["gpus"])) for c in h["containers"]))
+    return Inventory(path=path, hosts=hosts)
+
+
+def playbook_path(name_or_path: str, playbooks_dir: str | None = None) -> str:
+    """`qwen36-dflash` -> playbooks/qwen36-dflash.yaml; a path is taken as is."""
+    if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
+        return name_or_path
+    base = playbooks_dir or os.environ.get("DEPLOY_PLAYBOOKS") or "playbooks"
+    return os.path.join(base, f"{name_or_path}.yaml")
+
+
+def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tuple = ()) -> Playbook:
+    path = playbook_path(name_or_path)
+    problems = Problems(path)
+    node = compose_file(path, problems)
+    data = PLAYBOOK.check(node, "", problems) if node is not None else None
+    if data is None or problems.items:
+        _raise(problems)
+    pb = Playbook(path=path, name=data["name"], data=data)
+    _check_playbook(pb, inventory, problems)
+    fallback_problems = None
+    fb = data["acceptance"].get("fallback")
+    if fb and not problems.items:
+        if fb == pb.name or fb in _seen:
+            problems.add(node_of(data["acceptance"], "fallback"), "acceptance.fallback",
+                         f"fallback {fb!r} leads back to itself")
+        else:
+            fb_path = os.path.join(os.path.dirname(path) or ".", f"{fb}.yaml")
+            if not os.path.exists(fb_path):
+                problems.add(node_of(data["acceptance"], "fallback"), "acceptance.fallback",
+                             f"no playbook named {fb!r} (looked for {fb_path})")
+            else:
+                try:
+                    pb.fallback = load_playbook(fb_path, inventory, _seen=_seen + (pb.name,))
+                except SpecError as e:
+                    fallback_problems = Problems(path)
+                    fallback_problems.items = e.problems
+    _raise(problems, *([fallback_problems] if fallback_problems else []))
+    return pb
+
+
+def _check_playbook(pb: Playbook, inv: Inventory | None, problems: Problems) -> None:
+    d = pb.data
+    t, serve, spec, acc = d["target"], d["serve"], d["speculative"], d["acceptance"]
+    # where it runs
+    if inv is not None:
+        host = inv.hosts.get(t["host"])
+        if host is None:
+            import difflib
+            near = difflib.get_close_matches(t["host"], list(inv.hosts), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            problems.add(node_of(t, "host"), "target.host",
+                         f"unknown host {t['host']!r} in inventory {inv.path}{hint}; known: "
+                         f"{', '.join(inv.hosts) or 'none'}")
+        else:
+            ct = host.container(t["vmid"])
+            if ct is None:
+                problems.add(node_of(t, "vmid"), "target.vmid",
+                             f"host {host.name!r} has no container {t['vmid']} in {inv.path}; known: "
+                             f"{', '.join(str(c.vmid) for c in host.containers) or 'none'}")
+            else:
+                missing = [g for g in t["gpus"] if g not in ct.gpus]
+                if missing:
+                    problems.add(node_of(t, "gpus"), "target.gpus",
+                                 f"GPU(s) {missing} are not passed into container {ct.vmid} on {host.name} "
+                                 f"(it has {list(ct.gpus)})")
+    if serve["tensor_parallel_size"] > len(t["gpus"]):
+        problems.add(node_of(serve, "tensor_parallel_size"), "serve.tensor_parallel_size",
+                     f"{serve['tensor_parallel_size']} exceeds the {len(t['gpus'])} GPU(s) in target.gpus")
+    for i, arg in enumerate(serve["extra_args"]):
+        if arg and arg.split("=", 1)[0] in RESERVED_FLAGS:
+            problems.add(serve["__nodes__"]["extra_args"].value[i], f"serve.extra_args[{i}]",
+                         f"{arg.split('=', 1)[0]} is set by the playbook's own keys; use those instead")
+    if serve.get("api_key_env") and "VLLM_API_KEY" in serve["env"]:
+        problems.add(node_of(serve, "env"), "serve.env.VLLM_API_KEY",
+                     "put secrets in a local variable named by serve.api_key_env, not in the playbook")
+    # speculative method and drafter
+    method, drafter = spec["method"], spec.get("drafter")
+    if method in ("dflash", "eagle3") and drafter is None:
+        problems.add(spec["__node__"], "speculative.drafter", f"method {method!r} needs a drafter")
+    if method == "mtp" and drafter is not None:
+        problems.add(node_of(spec, "drafter"), "speculative.drafter",
+                     "method 'mtp' uses the target's own MTP head; remove the drafter")
+    if method == "dflash" and serve.get("attention_backend") not in (None, "flash_attn"):
+        problems.add(node_of(serve, "attention_backend"), "serve.attention_backend",
+                     "DFlash needs a backend with non-causal attention: use flash_attn")
+    if method == "mtp" and spec["num_speculative_tokens"] > 8:
+        problems.add(node_of(spec, "num_speculative_tokens"), "speculative.num_speculative_tokens",
+                     f"{spec['num_speculative_tokens']} is too many for MTP (use 1 or 2)")
+    if "method" in spec["extra"] or "model" in spec["extra"] or "num_speculative_tokens" in spec["extra"]:
+        problems.add(node_of(spec, "extra"), "speculative.extra", "method/model/num_speculative_tokens have keys of their own")
+    if drafter is not None:
+        _check_drafter(pb, drafter, spec, problems)
+    if acc["on_low_acceptance"] == "fallback" and not acc.get("fallback"):
+        problems.add(node_of(acc, "on_low_acceptance"), "acceptance.fallback",
+                     "on_low_acceptance is 'fallback' but no fallback playbook is named")
+
+
+def _check_drafter(pb: Playbook, drafter: dict, spec: dict, problems: Problems) -> None:
+    dn = drafter["__nodes__"]
+    if bool(drafter.get("path")) == bool(drafter.get("hub_id")):
+        problems.add(drafter["__node__"], "speculative.drafter", "give exactly one of 'path' or 'hub_id'")
+    pinned = drafter["pinned_config"]
+    pinned_path = pinned if os.path.isabs(pinned) else os.path.join(os.path.dirname(pb.path) or ".", pinned)
+    try:
+        with open(pinned_path, "rb") as fh:
+            raw = fh.read(1 << 20)
+    except OSError as e:
+        problems.add(dn.get("pinned_config"), "speculative.drafter.pinned_config",
+                     f"cannot read pinned drafter config {pinned_path}: {e.strerror}")
+        return
+    actual = hashlib.sha256(raw).hexdigest()
+    if drafter["sha256"] and actual != drafter["sha256"]:
+        problems.add(dn.get("sha256"), "speculative.drafter.sha256",
+                     f"does not match {pinned_path}: file has {actual}, playbook pins {drafter['sha256']}")
+        return
+    try:
+        cfg = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (ValueError, UnicodeDecodeError) as e:
+        problems.add(dn.get("pinned_config"), "speculative.drafter.pinned_config", f"{pinned_path}: not valid JSON: {e}")
+        return
+    if not isinstance(cfg, dict):
+        problems.add(dn.get("pinned_config"), "speculative.drafter.pinned_config", f"{pinned_path}: not a JSON object")
+        return
+    pb.drafter_bytes, pb.drafter_config = raw, cfg
+    block = cfg.get("block_size")
+    k = spec["num_speculative_tokens"]
+    if isinstance(block, int) and k > block - 1:
+        problems.add(spec["__nodes__"].get("num_speculative_tokens"), "speculative.num_speculative_tokens",
+                     f"{k} exceeds the drafter's block_size {block} - 1 = {block - 1} (from {pinned_path})")
+
+
+def _no_duplicates(pairs):
+    seen = {}
+    for k, v in pairs:
+        if k in seen:
+            raise ValueError(f"duplicate key {k!r}")
+        seen[k] = v
+    return seen
+
+
+def list_playbooks(playbooks_dir: str | None = None) -> list[str]:
+    base = playbooks_dir or os.environ.get("DEPLOY_PLAYBOOKS") or "playbooks"
+    try:
+        return sorted(p[:-5] for p in os.listdir(base) if p.endswith(".yaml"))
+    except OSError:
+        return []
