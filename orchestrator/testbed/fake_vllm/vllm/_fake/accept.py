@@ -1,0 +1,154 @@
+"""Acceptance model: per-position acceptance derived from the drafter config AS LOADED by transformers and
+from what this vLLM build does with it (taps, sliding windows). Deterministic per prompt.
+
+Reference (z-lab/Qwen3.6-27B-DFlash as published, see shared/domain/qwen36-dflash.md):
+target_layer_ids [1, 16, 31, 46, 61] (taps (2, 17, 32, 47, 62) with the +1 fix), mask_token_id 248070,
+layer_types 4 x sliding + full, sliding_window 2048, rope_theta 1e7.
+"""
+
+import random
+import zlib
+
+PUBLISHED_TARGET_LAYER_IDS = (1, 16, 31, 46, 61)
+PUBLISHED_MASK_TOKEN_ID = 248070
+PUBLISHED_LAYER_TYPES = ("sliding_attention",) * 4 + ("full_attention",)
+PUBLISHED_WINDOW = 2048
+
+# overall draft acceptance rate (accepted / drafted) by verdict
+RATES = {"ok": 0.45, "window_mismatch": 0.38, "all_full": 0.28, "off_by_one": 0.05, "garbage": 0.01}
+
+
+def _get(cfg, name, default=None):
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def rope_theta_of(cfg):
+    rt = _get(cfg, "rope_theta")
+    if rt is None:
+        rp = _get(cfg, "rope_parameters") or {}
+        if isinstance(rp, dict):
+            rt = rp.get("rope_theta")
+    return rt
+
+
+def dflash_verdict(draft_cfg, target_text_cfg, taps, sliding_supported):
+    """Return (verdict, reasons). taps: the aux layer ids this vLLM uses."""
+    reasons = []
+    dfc = _get(draft_cfg, "dflash_config") or {}
+    tli = tuple(dfc.get("target_layer_ids") or ())
+    mask = dfc.get("mask_token_id", _get(draft_cfg, "mask_token_id"))
+    n_target = int(_get(target_text_cfg, "num_hidden_layers", 64) or 64)
+    expected_taps = tuple(i + 1 for i in PUBLISHED_TARGET_LAYER_IDS)
+    if mask != PUBLISHED_MASK_TOKEN_ID:
+        reasons.append(f"mask_token_id {mask} != {PUBLISHED_MASK_TOKEN_ID}")
+    if _get(draft_cfg, "num_target_layers", n_target) != n_target:
+        reasons.append("num_target_layers mismatch")
+    for f in ("hidden_size", "vocab_size"):
+        if _get(draft_cfg, f) != _get(target_text_cfg, f, _get(draft_cfg, f)):
+            reasons.append(f"{f} mismatch")
+    if tuple(taps) != expected_taps:
+        if tuple(taps) == PUBLISHED_TARGET_LAYER_IDS and tli == PUBLISHED_TARGET_LAYER_IDS:
+            tap_verdict = "off_by_one"
+        else:
+            tap_verdict = "garbage"
+        reasons.append(f"taps {tuple(taps)} != {expected_taps}")
+    else:
+        tap_verdict = "ok"
+    hard = [r for r in reasons if not r.startswith("taps")]
+    if hard or tap_verdict == "garbage":
+        return "garbage", reasons
+    if tap_verdict == "off_by_one":
+        return "off_by_one", reasons
+    layer_types = tuple(_get(draft_cfg, "layer_types") or ())
+    window = _get(draft_cfg, "sliding_window")
+    if layer_types and all(t == "full_attention" for t in layer_types):
+        return "all_full", ["all layers full attention"]
+    if layer_types != PUBLISHED_LAYER_TYPES:
+        return "garbage", [f"layer_types {list(layer_types)}"]
+    if not window:
+        return "all_full", ["sliding_window is None: sliding layers run as full attention"]
+    if not sliding_supported:
+        return "all_full", ["this vLLM runs sliding layers as full attention"]
+    if window != PUBLISHED_WINDOW:
+        return "window_mismatch", [f"sliding_window {window} != {PUBLISHED_WINDOW}"]
+    return "ok", []
+
+
+def solve_first(rate: float, k: int, decay: float) -> float:
+    """a such that mean_p prod_{j<=p} a*decay**j == rate."""
+    def overall(a):
+        tot, prod = 0.0, 1.0
+        for p in range(k):
+            prod *= min(1.0, a * decay ** p)
+            tot += prod
+        return tot / k
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if overall(mid) < rate:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+class Acceptance:
+    def __init__(self, method, k, rate=None, first=None, decay=0.99, seed=0, verdict="", reasons=()):
+        self.method, self.k = method, int(k)
+        self.verdict, self.reasons = verdict, list(reasons)
+        if rate is not None:
+            # small deterministic per-deployment noise (+-3 %)
+            rate *= 1 + (random.Random(seed).random() - 0.5) * 0.06
+            first = solve_first(rate, self.k, decay)
+        self.cond = [min(0.999, first * decay ** p) for p in range(self.k)]
+        pos, prod = [], 1.0
+        for c in self.cond:
+            prod *= c
+            pos.append(prod)
+        self.per_pos = pos
+        self.rate = sum(pos) / self.k if self.k else 0.0
+
+    def simulate(self, prompt: str, max_tokens: int):
+        """Return (num_drafts, accepted, per_pos_counts, generated_tokens) for one request."""
+        rng = random.Random(zlib.crc32(f"{prompt}\0{max_tokens}".encode()))
+        drafts, accepted, per_pos, gen = 0, 0, [0] * self.k, 0
+        while gen < max_tokens:
+            n = 0
+            for c in self.cond:
+                if rng.random() < c:
+                    n += 1
+                else:
+                    break
+            for p in range(n):
+                per_pos[p] += 1
+            drafts += 1
+            accepted += n
+            gen += n + 1
+        return drafts, accepted, per_pos, min(gen, max_tokens)
+
+    def describe(self):
+        return {"method": self.method, "k": self.k, "verdict": self.verdict, "reasons": self.reasons,
+                "expected_rate": round(self.rate, 4),
+                "expected_mean_acceptance_length": round(1 + sum(self.per_pos), 3),
+                "per_pos": [round(x, 3) for x in self.per_pos]}
+
+
+def for_dflash(k, draft_cfg, target_text_cfg, taps, sliding_supported):
+    verdict, reasons = dflash_verdict(draft_cfg, target_text_cfg, taps, sliding_supported)
+    rate = RATES[verdict]
+    rt = rope_theta_of(draft_cfg)
+    if verdict in ("ok", "window_mismatch", "all_full") and rt is not None and float(rt) != 1e7:
+        rate *= 0.6
+        reasons.append(f"rope_theta {rt} != 1e7")
+    seed = zlib.crc32(repr((verdict, tuple(taps), k)).encode())
+    return Acceptance("dflash", k, rate=rate, decay=0.99, seed=seed, verdict=verdict, reasons=reasons)
+
+
+def for_mtp(k):
+    return Acceptance("mtp", k, first=0.78, decay=0.95, verdict="mtp")
+
+
+def for_other(method, k):
+    return Acceptance(method, k, rate=0.3 if method != "ngram" else 0.2, decay=0.97, seed=k, verdict=method)

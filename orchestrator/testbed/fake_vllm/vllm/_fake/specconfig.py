@@ -1,0 +1,74 @@
+"""``SpeculativeConfig(**dict)`` as strict as the real pydantic dataclass, per vLLM version."""
+
+from vllm._layout import vtuple
+
+BASE_KEYS = (
+    "enforce_eager", "num_speculative_tokens", "model", "method", "draft_tensor_parallel_size",
+    "quantization", "max_model_len", "revision", "code_revision", "disable_by_batch_size",
+    "disable_padded_drafter_batch", "prompt_lookup_max", "prompt_lookup_min", "speculative_token_tree",
+    "target_model_config", "target_parallel_config", "enable_chunked_prefill", "disable_log_stats",
+    "draft_model_config", "draft_parallel_config", "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob",
+)
+
+METHODS = ("ngram", "eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "mtp", "suffix", "dflash")
+MTP_ALIASES = ("deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "ernie_mtp", "qwen3_next_mtp", "qwen3_5_mtp",
+               "longcat_flash_mtp", "pangu_ultra_moe_mtp")
+
+PYDANTIC_URL = "https://errors.pydantic.dev/2.11/v"
+
+
+class SpecConfigError(Exception):
+    """Carries the exception line as the real vLLM would print it (last line of the traceback)."""
+
+    def __init__(self, exc_line, frames=None):
+        super().__init__(exc_line)
+        self.exc_line = exc_line
+        self.frames = frames or []
+
+
+def allowed_keys(version: str) -> set:
+    keys = set(BASE_KEYS)
+    v = vtuple(version)
+    if v >= (0, 21, 0):
+        keys.add("attention_backend")
+    if v >= (0, 30, 0):
+        keys.add("disable_eagle_block_drop")
+    return keys
+
+
+def _input_type(v):
+    return {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "dict",
+            type(None): "NoneType"}.get(type(v), type(v).__name__)
+
+
+def validate(spec: dict, version: str) -> dict:
+    """Return the normalised dict, or raise SpecConfigError with the real-looking error text."""
+    if not isinstance(spec, dict):
+        raise SpecConfigError(f"TypeError: vllm.config.speculative.SpeculativeConfig() argument after ** must be "
+                              f"a mapping, not {type(spec).__name__}")
+    errors = []
+    allowed = allowed_keys(version)
+    for key, val in spec.items():
+        if key not in allowed:
+            errors.append(f"{key}\n  Unexpected keyword argument [type=unexpected_keyword_argument, "
+                          f"input_value={val!r}, input_type={_input_type(val)}]\n"
+                          f"    For further information visit {PYDANTIC_URL}/unexpected_keyword_argument")
+    k = spec.get("num_speculative_tokens")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+        errors.append(f"num_speculative_tokens\n  Input should be a valid integer [type=int_type, "
+                      f"input_value={k!r}, input_type={_input_type(k)}]\n"
+                      f"    For further information visit {PYDANTIC_URL}/int_type")
+    method = spec.get("method")
+    if method is not None and (method not in METHODS and method not in MTP_ALIASES):
+        lits = ", ".join(f"'{m}'" for m in METHODS + MTP_ALIASES)
+        errors.append(f"method\n  Input should be {lits} [type=literal_error, input_value={method!r}, "
+                      f"input_type={_input_type(method)}]\n"
+                      f"    For further information visit {PYDANTIC_URL}/literal_error")
+    if errors:
+        n = len(errors)
+        raise SpecConfigError(
+            f"pydantic_core._pydantic_core.ValidationError: {n} validation error{'s' if n > 1 else ''} for "
+            f"SpeculativeConfig\n" + "\n".join(errors))
+    return dict(spec)
