@@ -27,12 +27,17 @@ class AgentError(DeployError):
     pass
 
 
-def agent_stdin(payload: bytes | None = None, secrets: dict | None = None) -> bytes:
+def _b64json(obj) -> str:
+    return base64.b64encode(json.dumps(obj).encode()).decode()
+
+
+def agent_stdin(payload: bytes | None = None, secrets: dict | None = None, bulk: dict | None = None) -> bytes:
     """Secrets and payloads travel in a preamble on stdin: never in argv, never in the audit log."""
     pre = b""
+    if bulk:
+        pre += f"import base64 as _b, json as _j; INPUT = _j.loads(_b.b64decode('{_b64json(bulk)}'))\n".encode()
     if secrets:
-        enc = base64.b64encode(json.dumps(secrets).encode()).decode()
-        pre += f"import base64 as _b, json as _j; SECRETS = _j.loads(_b.b64decode('{enc}'))\n".encode()
+        pre += f"import base64 as _b, json as _j; SECRETS = _j.loads(_b.b64decode('{_b64json(secrets)}'))\n".encode()
     if payload is not None:
         pre += f"import base64 as _b; PAYLOAD = _b.b64decode('{base64.b64encode(payload).decode()}')\n".encode()
     return pre + agent_source()
@@ -43,7 +48,7 @@ def agent_argv(python: str, action: str, args: dict) -> list[str]:
 
 
 def call(session: HostSession, vmid: int, python: str, action: str, args: dict, *, payload: bytes | None = None,
-         secrets: dict | None = None, timeout: float = 60.0, on_event=None) -> dict:
+         secrets: dict | None = None, bulk: dict | None = None, timeout: float = 60.0, on_event=None) -> dict:
     """Run one agent action in the container; returns its result dict. Raises on transport-level failure."""
 
     def on_line(raw: bytes):
@@ -56,7 +61,7 @@ def call(session: HostSession, vmid: int, python: str, action: str, args: dict, 
         if "event" in msg:
             on_event(msg)
 
-    res = session.ct(vmid, agent_argv(python, action, args), stdin=agent_stdin(payload, secrets),
+    res = session.ct(vmid, agent_argv(python, action, args), stdin=agent_stdin(payload, secrets, bulk),
                      timeout=timeout, label=f"agent:{action}", on_line=on_line)
     result = None
     for line in res.out.splitlines():

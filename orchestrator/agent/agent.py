@@ -28,6 +28,10 @@ try:
     PAYLOAD  # noqa: F821
 except NameError:
     PAYLOAD = None
+try:
+    INPUT  # noqa: F821 - bulky, non-secret arguments (pinned config, fatal texts) that would clutter argv
+except NameError:
+    INPUT = {}
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
@@ -565,7 +569,10 @@ def read_exit_code(state_dir, wait_s=1.0):
 
 def act_wait_ready(a):
     """Follow the log while polling /health; stop at once on a fatal text or an exit; ready = a completion."""
-    pid, port, log_path = int(a["pid"]), int(a["port"]), a["log_path"]
+    st = read_state(a["state_dir"]) or {}
+    pid, port, log_path = int(st.get("pid") or 0), int(a["port"]), a["log_path"]
+    if not pid:
+        return {"ready": False, "reason": "no_state", "message": "no state file in %s" % a["state_dir"]}
     deadline = now() + float(a["timeout_s"])
     fatal = [(re.compile(p["regex"]), p) for p in a["fatal"]]
     phases = [(re.compile(p["regex"]), p["phase"]) for p in a["phases"]]
@@ -903,8 +910,12 @@ def act_verify(a):
         checks.append({"check": name, "ok": bool(ok), "expected": expected, "on_disk": on_disk,
                        "as_loaded": as_loaded, "reason": "" if ok else reason, "severity": severity})
 
-    pinned = a["pinned"]
     out = {"checks": checks, "python": sys.executable}
+    if a.get("stack_only"):  # playbooks without a drafter (MTP): only the serving stack
+        out["stack"] = _vllm_stack(float(a.get("import_timeout_s", 120)))
+        serving_checks(out["stack"], {}, a, check)
+        return out
+    pinned = a["pinned"]
     loc = resolve_drafter_path(a)
     out["location"] = loc
     if not loc.get("path"):
@@ -1176,6 +1187,7 @@ ACTIONS = {
 
 def main(argv):
     action, args = argv[1], json.loads(argv[2]) if len(argv) > 2 else {}
+    args.update(INPUT)
     if action not in ACTIONS:
         emit(result={"error": "unknown action %r" % action})
         return 2

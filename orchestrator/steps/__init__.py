@@ -1,0 +1,77 @@
+"""Step units: each takes the run context and a planned Step, runs it, and returns a StepResult or raises
+StepFailed with what failed, where, expected vs found, and what to do next."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .. import agent
+from ..errors import DeployError
+from ..plan import Step
+from ..remote import HostSession
+from ..report import Progress
+from ..spec import Playbook
+
+
+class StepFailed(DeployError):
+    def __init__(self, step: str, message: str, *, where: str = "", fix: str = "", details: dict | None = None,
+                 state_left: str = ""):
+        super().__init__(message, where=where, fix=fix, details=details)
+        self.step = step
+        self.state_left = state_left
+
+    def render(self) -> str:
+        out = f"{self.where}: {self.step}: {self.message}"
+        if self.fix:
+            out += f"\n  fix: {self.fix}"
+        if self.state_left:
+            out += f"\n  state left: {self.state_left}"
+        return out
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "step": self.step, "state_left": self.state_left}
+
+
+@dataclass
+class StepResult:
+    step: str
+    ok: bool | None
+    summary: str
+    seconds: float
+    details: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "ok": self.ok, "summary": self.summary, "seconds": round(self.seconds, 3),
+                "details": self.details}
+
+
+@dataclass
+class Context:
+    session: HostSession
+    pb: Playbook
+    progress: Progress
+    token: str
+    holder: str
+    secrets: dict = field(default_factory=dict)
+    results: list = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return f"{self.pb.host}/{self.pb.vmid}"
+
+    def call(self, step: Step, *, payload: bytes | None = None, secrets: dict | None = None, on_event=None) -> dict:
+        args = {k: (self.token if v == "<invocation token>" else self.holder if v == "<user@workstation>" else v)
+                for k, v in step.args.items()}
+        return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, payload=payload,
+                          secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event)
+
+    def record(self, name: str, ok: bool | None, summary: str, t0: float, **details) -> StepResult:
+        r = StepResult(name, ok, summary, time.monotonic() - t0, details)
+        self.results.append(r)
+        self.progress.step(self.where, name, ok, summary, r.seconds)
+        return r
+
+    def fail(self, name: str, t0: float, message: str, *, fix: str = "", state_left: str = "", **details):
+        self.record(name, False, message.splitlines()[0][:120], t0, **details)
+        raise StepFailed(name, message, where=self.where, fix=fix, details=details, state_left=state_left)

@@ -1,0 +1,474 @@
+"""`deploy`: click commands only. Parse, call, render. Heavy modules are imported inside the commands."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from . import __version__
+from .errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, DeployError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class Obj:
+    def __init__(self, inventory, verbose, as_json):
+        self.inventory_path = inventory
+        self.verbose = verbose
+        self.json = as_json
+
+    def inventory(self):
+        from .spec import load_inventory
+
+        return load_inventory(self.inventory_path)
+
+    def progress(self):
+        from .report import Progress
+
+        return Progress(verbose=self.verbose)
+
+
+def fail(err: DeployError, as_json: bool) -> None:
+    from .report import dump_json
+
+    if as_json:
+        dump_json({"ok": False, **err.as_dict()})
+    else:
+        click.echo(err.render(), err=True)
+    sys.exit(err.exit_code)
+
+
+def run_guarded(fn, obj: Obj):
+    try:
+        return fn()
+    except DeployError as e:
+        fail(e, obj.json)
+
+
+@click.group(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy testbed up                      # a simulated Proxmox GPU host on this machine
+  export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml
+  deploy plan qwen36-dflash              # what would run, exactly
+  deploy up qwen36-dflash                # bring it up, verified end to end
+  deploy status                          # what runs where, healthy, acceptance""")
+@click.version_option(__version__, "--version", prog_name="deploy")
+@click.option("--inventory", "-i", default=None, metavar="PATH", envvar="DEPLOY_INVENTORY",
+              help="Inventory file (default: hosts.yaml, or $DEPLOY_INVENTORY).")
+@click.option("-v", "--verbose", is_flag=True, help="Show more detail while running.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (progress stays on stderr).")
+@click.pass_context
+def main(ctx, inventory, verbose, as_json):
+    """Deploy vLLM with speculative decoding onto Proxmox VE GPU containers, and prove it works.
+
+    Every write is read back, every check says what failed and where, and a deployment with bad
+    draft acceptance is a failed deployment.
+    """
+    ctx.obj = Obj(inventory or "hosts.yaml", verbose, as_json)
+
+
+def json_option(f):
+    """--json is accepted after the command too (deploy status --json)."""
+    def cb(ctx, _param, value):
+        if value:
+            ctx.find_object(Obj).json = True
+        return value
+    return click.option("--json", "as_json_local", is_flag=True, expose_value=False, callback=cb,
+                        help="Print the result as JSON.")(f)
+
+
+def load(obj: Obj, playbook: str):
+    from .spec import load_playbook
+
+    inv = obj.inventory()
+    return inv, load_playbook(playbook, inv)
+
+
+# ------------------------------------------------------------------ plan
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("playbook")
+@click.option("--restart", is_flag=True, help="Plan a restart (always stops first).")
+@click.option("--clean-gpus", is_flag=True, default=None, help="Include fuser -k on the container's GPUs.")
+@json_option
+@click.pass_obj
+def plan(obj, playbook, restart, clean_gpus):
+    """Print the ordered steps of `deploy up PLAYBOOK` and the exact remote commands, without running any.
+
+    \b
+    Example:
+      deploy plan qwen36-dflash
+      deploy --json plan qwen36-mtp | jq '.steps[].command'
+    """
+    def go():
+        from . import plan as P
+
+        inv, pb = load(obj, playbook)
+        steps = P.plan_up(pb, clean_gpus=clean_gpus, restart=restart)
+        render_plan(obj, inv, pb, steps)
+    run_guarded(go, obj)
+
+
+def render_plan(obj, inv, pb, steps):
+    from .report import dump_json
+
+    py = pb.runtime["python"]
+    rows = [s.as_dict(inv, py) for s in steps]
+    if obj.json:
+        dump_json({"playbook": pb.name, "host": pb.host, "vmid": pb.vmid, "steps": rows,
+                   "fallback": pb.fallback.name if pb.fallback else None})
+        return
+    click.echo(f"Plan for {pb.name} on {pb.host}/{pb.vmid} ({rows[0]['ssh']}); one SSH connection for all steps.")
+    for i, r in enumerate(rows, 1):
+        click.echo(f"\n{i:2}. {r['step']}: {r['title']}" + (f"  [when {r['when']}]" if r["when"] else ""))
+        click.echo(f"    $ {r['command']}")
+        if r["stdin"]:
+            click.echo(f"      < stdin: {r['stdin']}")
+    if pb.fallback:
+        click.echo(f"\nOn low acceptance: stop, free the GPUs, and bring up {pb.fallback.name} "
+                   f"(deploy plan {pb.fallback.name} shows its steps).")
+
+
+# ------------------------------------------------------------------ up / restart / down
+
+
+def _outcome_exit(obj, out):
+    from .errors import Unreachable
+    from .report import dump_json
+
+    if obj.json:
+        dump_json(out.as_dict())
+    else:
+        render_outcome(out)
+    if out.ok:
+        sys.exit(EXIT_OK)
+    err = out.error or (out.fallback.error if out.fallback else None)
+    sys.exit(EXIT_UNREACHABLE if isinstance(err, Unreachable) else
+             (err.exit_code if err is not None and err.exit_code == EXIT_USAGE else EXIT_FAILED))
+
+
+def render_outcome(out, indent=""):
+    e = click.echo
+    if out.error is not None:
+        e(indent + ("FAILED: " if out.status != "fell back" else "LOW ACCEPTANCE: ") + out.error.render(), err=True)
+    if out.fallback is not None:
+        e(f"{indent}Fell back to {out.fallback.playbook} because of the low acceptance above.", err=True)
+        render_outcome(out.fallback, indent + "  ")
+        return
+    if out.ok:
+        i = out.info
+        if out.status == "already up":
+            e(f"{indent}{out.playbook} is already up on {out.where} (pid {i.get('pid')}): nothing changed.")
+        elif out.status == "up":
+            a = i["acceptance"]
+            e(f"{indent}{out.playbook} is up on {out.where}: {i['url']}  model {i['model']}  method {i['method']}")
+            e(f"{indent}  draft acceptance {a['draft_acceptance_rate']:.1%}, mean acceptance length "
+              f"{a['mean_acceptance_length']:.2f} ({a['source']}); total {i['total_s']}s")
+        elif out.status == "down":
+            e(f"{indent}{out.playbook} is down on {out.where}; GPUs proven free.")
+        elif out.status == "verified":
+            e(f"{indent}{out.playbook}: drafter config installed and verified on {out.where}.")
+
+
+def up_options(f):
+    f = click.option("-y", "--yes", is_flag=True, help="Replace a different running deployment without asking.")(f)
+    f = click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
+                     help="Wait this long for another deploy's lock instead of failing at once.")(f)
+    f = click.option("--dry-run", is_flag=True, help="Print the plan and run nothing (same as deploy plan).")(f)
+    return f
+
+
+def _confirm(prompt):
+    if not sys.stdin.isatty():
+        return False
+    return click.confirm(prompt, default=False, err=True)
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("playbook")
+@up_options
+@click.option("--skip-config-write", is_flag=True,
+              help="Do not install the pinned drafter config. Verify still runs and reports, but does not stop the "
+                   "launch: a rehearsal of the field report, where the acceptance gate must catch a stale config.")
+@click.option("--clean-gpus", is_flag=True, default=None, help="fuser -k the container's GPUs when stopping.")
+@json_option
+@click.pass_obj
+def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus):
+    """Bring PLAYBOOK up, verified end to end: config, stack, GPUs, launch, readiness, acceptance.
+
+    Already up with the same argv and drafter config and healthy: nothing changes (exit 0). A different
+    deployment running there is shown as a diff and replaced only with -y (or a yes at the prompt).
+    Below the acceptance threshold the deployment has failed; with on_low_acceptance: fallback it is
+    stopped and the fallback playbook is brought up and gated instead.
+
+    \b
+    Examples:
+      deploy up qwen36-dflash
+      deploy up qwen36-dflash --dry-run
+      deploy --json up qwen36-mtp -y > result.json
+    """
+    def go():
+        from . import ops
+        from . import plan as P
+        from .remote import Fleet
+
+        inv, pb = load(obj, playbook)
+        if dry_run:
+            return render_plan(obj, inv, pb, P.plan_up(pb, write_config=not skip_config_write, clean_gpus=clean_gpus))
+        with Fleet(inv) as fleet:
+            out = ops.up(fleet, pb, obj.progress(), ops.Options(yes=yes, write_config=not skip_config_write,
+                                                                 clean_gpus=clean_gpus, wait_lock_s=wait_lock,
+                                                                 confirm=_confirm))
+        _outcome_exit(obj, out)
+    run_guarded(go, obj)
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("playbook", required=False)
+@up_options
+@click.option("--clean-gpus", is_flag=True, default=None,
+              help="After stopping, fuser -k -TERM then -KILL whatever in the container still holds /dev/nvidia*.")
+@json_option
+@click.pass_obj
+def restart(obj, playbook, yes, wait_lock, dry_run, clean_gpus):
+    """Stop, free and prove the GPUs free, verify the drafter config, start again, and gate on acceptance.
+
+    Without PLAYBOOK: restart what the state file in each inventory container says is running there.
+
+    \b
+    Examples:
+      deploy restart qwen36-dflash --clean-gpus
+      deploy restart --clean-gpus -y
+    """
+    def go():
+        from . import ops
+        from . import plan as P
+        from .remote import Fleet
+
+        inv = obj.inventory()
+        names = [playbook] if playbook else _running_playbooks(obj, inv)
+        if not names:
+            raise DeployError("no playbook given and no container's state file names a running deployment",
+                              fix="deploy restart PLAYBOOK")
+        from .spec import load_playbook
+
+        pbs = [load_playbook(n, inv) for n in names]
+        if dry_run:
+            for pb in pbs:
+                render_plan(obj, inv, pb, P.plan_up(pb, clean_gpus=clean_gpus, restart=True))
+            return
+        with Fleet(inv) as fleet:
+            outs = [ops.up(fleet, pb, obj.progress(), ops.Options(yes=True, clean_gpus=clean_gpus,
+                                                                   wait_lock_s=wait_lock), restart=True)
+                    for pb in pbs]
+        if len(outs) == 1:
+            _outcome_exit(obj, outs[0])
+        for o in outs:
+            render_outcome(o) if not obj.json else None
+        if obj.json:
+            from .report import dump_json
+
+            dump_json([o.as_dict() for o in outs])
+        sys.exit(EXIT_OK if all(o.ok for o in outs) else EXIT_FAILED)
+    run_guarded(go, obj)
+
+
+def _running_playbooks(obj, inv):
+    from .status import gather
+
+    rows = gather(inv, None)
+    return sorted({r["playbook"] for r in rows if r.get("playbook") and r.get("process") == "running"})
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("playbook")
+@click.option("--clean-gpus", is_flag=True, default=None,
+              help="Also fuser -k -TERM, then -KILL, whatever in the container still holds /dev/nvidia*.")
+@click.option("-y", "--yes", is_flag=True, help="Do not ask before killing GPU holders (for scripts).")
+@click.option("--wait-lock", type=float, default=0, metavar="SECONDS")
+@json_option
+@click.pass_obj
+def down(obj, playbook, clean_gpus, yes, wait_lock):
+    """Stop PLAYBOOK's vLLM (SIGTERM the group, grace, SIGKILL), and prove its GPUs free.
+
+    Never runs fuser on the Proxmox host itself; --clean-gpus acts only inside the container.
+
+    \b
+    Examples:
+      deploy down qwen36-dflash
+      deploy down qwen36-dflash --clean-gpus -y
+    """
+    def go():
+        from . import ops
+        from .remote import Fleet
+
+        inv, pb = load(obj, playbook)
+        if clean_gpus and not yes:
+            holders = _preview_holders(inv, pb)
+            if holders:
+                click.echo("Will kill (fuser -k -TERM, then -KILL) in container "
+                           f"{pb.host}/{pb.vmid}:", err=True)
+                for h in holders:
+                    click.echo(f"  PID {h['pid']} {h['comm']}: {h['cmdline'][:80]}", err=True)
+                if not _confirm("Proceed?"):
+                    raise DeployError("not confirmed; nothing was killed", fix="pass -y in scripts")
+        with Fleet(inv) as fleet:
+            out = ops.down(fleet, pb, obj.progress(), ops.Options(clean_gpus=clean_gpus, wait_lock_s=wait_lock))
+        _outcome_exit(obj, out)
+    run_guarded(go, obj)
+
+
+def _preview_holders(inv, pb):
+    from . import agent
+    from .remote import Fleet
+
+    with Fleet(inv) as fleet:
+        r = agent.call(fleet.session(pb.host), pb.vmid, pb.runtime["python"], "gpu_read",
+                       {"nvidia_smi_timeout_s": 5}, timeout=30)
+    return r.get("holders") or []
+
+
+# ------------------------------------------------------------------ verify / apply-config
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("playbook")
+@json_option
+@click.pass_obj
+def verify(obj, playbook):
+    """Verify the drafter config vLLM will read, and the serving stack, in one round trip per container.
+
+    Checks the real path (symlinks followed), sha256 against the pin, every field, cross-checks against the
+    target model, the config as loaded by the container's own transformers, the vLLM version, fixes and build.
+
+    \b
+    Example:
+      deploy verify qwen36-dflash
+      deploy --json verify qwen36-dflash | jq '.checks[] | select(.ok == false)'
+    """
+    def go():
+        from . import ops
+        from .remote import Fleet
+        from .report import dump_json, short, table
+
+        inv, pb = load(obj, playbook)
+        with Fleet(inv) as fleet:
+            out, r = ops.verify_only(fleet, pb, obj.progress())
+        if obj.json:
+            dump_json({"ok": out.ok, "playbook": pb.name, "where": out.where,
+                       "error": out.error.as_dict() if out.error else None, **r})
+        else:
+            checks = r.get("checks", []) + [c for c in r.get("failed", []) if c not in r.get("checks", [])]
+            rows = [[c["check"], short(c.get("expected"), 26), short(c.get("on_disk"), 26),
+                     short(c.get("as_loaded"), 18), "ok" if c["ok"] else ("WARN" if c.get("severity") == "warning"
+                                                                        else "FAIL"), c.get("reason", "")]
+                    for c in checks]
+            if rows:
+                click.echo(table(rows, ["check", "expected", "on disk", "as loaded", "verdict", "reason"], 160))
+            st = r.get("stack") or {}
+            loc = r.get("location") or {}
+            click.echo(f"\nfile: {loc.get('path')} -> {loc.get('realpath')}\nvLLM {st.get('version')} "
+                       f"(commit {st.get('commit_id') or '-'}) at {st.get('path')}; transformers "
+                       f"{r.get('transformers_version')}; python {r.get('python')}")
+            if out.error:
+                click.echo("FAILED: " + out.error.render(), err=True)
+            else:
+                click.echo(f"OK: {pb.name} can be launched correctly on {out.where}")
+        sys.exit(EXIT_OK if out.ok else (out.error.exit_code if out.error else EXIT_FAILED))
+    run_guarded(go, obj)
+
+
+@main.command("apply-config", context_settings=CONTEXT)
+@click.argument("playbook")
+@json_option
+@click.pass_obj
+def apply_config(obj, playbook):
+    """Install the playbook's pinned drafter config (only if its sha256 differs), read it back, verify it.
+
+    A timestamped backup of the replaced file is kept beside it (config.json.bak-YYYYmmddTHHMMSSZ).
+
+    \b
+    Example:
+      deploy apply-config qwen36-dflash
+    """
+    def go():
+        from . import ops
+        from .remote import Fleet
+
+        inv, pb = load(obj, playbook)
+        with Fleet(inv) as fleet:
+            out = ops.apply_config(fleet, pb, obj.progress())
+        _outcome_exit(obj, out)
+    run_guarded(go, obj)
+
+
+# ------------------------------------------------------------------ status / logs
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("targets", nargs=-1, metavar="[PLAYBOOK|HOST|HOST/VMID]...")
+@click.option("--watch", type=float, default=None, metavar="N", help="Refresh every N seconds (connections stay open).")
+@click.option("--deadline", type=float, default=15.0, show_default=True, metavar="S",
+              help="Per-host deadline; a slower host becomes a row that says so.")
+@json_option
+@click.pass_obj
+def status(obj, targets, watch, deadline):
+    """What runs where, whether it is healthy, and how well it drafts. One SSH connection and one remote
+    exec per container, all hosts in parallel.
+
+    Exit: 0 all healthy, 1 something unhealthy, 3 some host unreachable.
+
+    \b
+    Examples:
+      deploy status
+      deploy status pve1/129 --json
+      deploy status --watch 5
+    """
+    def go():
+        from .status import run_status
+
+        sys.exit(run_status(obj, targets, watch, deadline))
+    run_guarded(go, obj)
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("target", metavar="PLAYBOOK|HOST/VMID")
+@click.option("-n", "lines", type=int, default=50, show_default=True, help="How many lines.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until Ctrl-C.")
+@click.option("--grep", default=None, metavar="REGEX", help="Only lines matching REGEX.")
+@click.pass_obj
+def logs(obj, target, lines, follow, grep):
+    """Show the vLLM log of a deployment (read from the container's state file).
+
+    \b
+    Examples:
+      deploy logs qwen36-dflash -n 100
+      deploy logs pve1/129 -f --grep 'SpecDecoding|ERROR'
+    """
+    def go():
+        from .status import run_logs
+
+        sys.exit(run_logs(obj, target, lines, follow, grep))
+    run_guarded(go, obj)
+
+
+# ------------------------------------------------------------------ test bed
+
+
+def _add_testbed():
+    try:
+        from .testbed.cli import testbed
+    except ImportError:
+        return
+    main.add_command(testbed)
+
+
+_add_testbed()
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,50 @@
+"""Parsers for remote command output, each testable on a string (formats in shared/domain/proxmox-lxc.md)."""
+
+from __future__ import annotations
+
+import re
+
+# `pct list` prints printf "%-10s %-10s %-12s %-20s": parse by offsets, the Lock column is usually blank.
+_PCT_LIST_COLS = ((0, 11), (11, 22), (22, 35), (35, None))
+
+
+def parse_pct_list(text: str) -> list[dict]:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return []  # pct list prints nothing at all when there are no containers
+    if not lines[0].startswith("VMID"):
+        raise ValueError(f"unexpected pct list header: {lines[0]!r}")
+    out = []
+    for ln in lines[1:]:
+        vmid, status, lock, name = (ln[a:b].strip() if b else ln[a:].strip() for a, b in _PCT_LIST_COLS)
+        out.append({"vmid": int(vmid), "status": status, "lock": lock or None, "name": name})
+    return out
+
+
+def parse_pct_status(text: str) -> str:
+    m = re.fullmatch(r"status: (\w+)", text.strip())
+    if not m:
+        raise ValueError(f"unexpected pct status output: {text.strip()!r}")
+    return m.group(1)
+
+
+def parse_pct_config_gpus(text: str) -> list[int]:
+    """GPU indices passed into a container: `devN: /dev/nvidiaK` lines and `lxc.mount.entry: /dev/nvidiaK ...`."""
+    gpus = set()
+    for ln in text.splitlines():
+        m = re.match(r"(dev\d+|lxc\.mount\.entry):\s*/dev/nvidia(\d+)\b", ln.strip())
+        if m:
+            gpus.add(int(m.group(2)))
+    return sorted(gpus)
+
+
+def parse_nvidia_smi_memory(text: str) -> dict[int, dict]:
+    """`index, memory.used, memory.total` CSV (noheader, with or without units) -> {index: {used, total}}."""
+    out = {}
+    for ln in text.splitlines():
+        parts = [p.strip() for p in ln.split(",")]
+        if len(parts) < 3:
+            continue
+        num = [re.sub(r"\s*MiB$", "", p) for p in parts[:3]]
+        out[int(num[0])] = {"used": int(float(num[1])), "total": int(float(num[2]))}
+    return out

@@ -1,0 +1,318 @@
+"""Execute plans: `up`, `restart`, `down`, `verify`, `apply-config`. Each runs the Steps that plan.py built."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from . import plan as P
+from .errors import DeployError, Unreachable
+from .facts import parse_pct_status
+from .remote import Fleet
+from .report import Progress
+from .spec import Playbook
+from .steps import Context, StepFailed, StepResult
+from .steps import drafter as D
+from .steps import gpu as G
+from .steps import vllm as V
+
+
+class LockHeld(DeployError):
+    pass
+
+
+@dataclass
+class Options:
+    yes: bool = False
+    write_config: bool = True
+    clean_gpus: bool | None = None
+    wait_lock_s: float = 0.0
+    interactive: bool = False
+    confirm: object = None  # callable(prompt) -> bool, for the diff-before-restart question
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    playbook: str
+    where: str
+    status: str  # "up", "already up", "fell back", "failed", "down", "verified", "interrupted"
+    results: list = field(default_factory=list)
+    error: DeployError | None = None
+    fallback: "Outcome | None" = None
+    info: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"ok": self.ok, "playbook": self.playbook, "where": self.where, "status": self.status,
+                "steps": [r.as_dict() for r in self.results], "info": self.info,
+                "error": self.error.as_dict() if self.error else None,
+                "fallback": self.fallback.as_dict() if self.fallback else None}
+
+
+def holder_id() -> str:
+    return f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}"
+
+
+def secrets_for(pb: Playbook) -> dict:
+    name = pb.serve.get("api_key_env")
+    if not name:
+        return {}
+    val = os.environ.get(name)
+    if not val:
+        raise DeployError(f"serve.api_key_env names {name}, but it is not set in this shell",
+                          where=pb.path, fix=f"export {name}=... before running deploy")
+    return {"VLLM_API_KEY": val}
+
+
+def new_context(fleet: Fleet, pb: Playbook, progress: Progress, token: str | None = None) -> Context:
+    secrets = secrets_for(pb)
+    for v in secrets.values():
+        fleet.redact.add(v)
+    return Context(session=fleet.session(pb.host), pb=pb, progress=progress, token=token or uuid.uuid4().hex,
+                   holder=holder_id(), secrets=secrets)
+
+
+def check_container(ctx: Context, step: P.Step) -> None:
+    t0 = time.monotonic()
+    r = ctx.session.run(step.host_argv, timeout=step.timeout, vmid=ctx.pb.vmid)
+    if r.exited != 0:
+        ctx.fail(step.name, t0, f"`pct status {ctx.pb.vmid}` failed: {(r.err or r.out).strip()}",
+                 fix="check target.vmid and the inventory")
+    state = parse_pct_status(r.out)
+    if state != "running":
+        ctx.fail(step.name, t0, f"container {ctx.pb.vmid} is {state}", fix=f"pct start {ctx.pb.vmid} on {ctx.pb.host}")
+    ctx.record(step.name, True, f"container {ctx.pb.vmid} running on {ctx.pb.host}", t0)
+
+
+def take_lock(ctx: Context, step: P.Step, wait_s: float) -> None:
+    t0 = time.monotonic()
+    step.args = dict(step.args, wait_s=wait_s)
+    step.timeout = max(step.timeout, wait_s + 30)
+    r = ctx.call(step, on_event=lambda e: ctx.progress.say(ctx.where, "     " + e.get("message", "")))
+    if not r.get("locked"):
+        h = r.get("holder") or {}
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.get("since", 0)))
+        ctx.record(step.name, False, f"held by {h.get('holder')}", t0)
+        raise LockHeld(f"another deploy holds the lock: {h.get('holder')} ({h.get('operation')}) since {since}, "
+                       f"lease until {time.strftime('%H:%M:%S', time.localtime(h.get('expires', 0)))}",
+                       where=ctx.where, fix="wait for it to finish, or pass --wait-lock SECONDS")
+    ctx.record(step.name, True, "lock taken", t0)
+
+
+def release_lock(ctx: Context, step: P.Step) -> None:
+    try:
+        ctx.call(step)
+    except DeployError:
+        pass
+
+
+def diff_running(cur: dict, pb: Playbook) -> list[str]:
+    """What differs between the running deployment (state file) and this playbook."""
+    st = cur.get("state") or {}
+    diffs = []
+    want_argv = P.serve_argv(pb)
+    if st.get("argv") != want_argv:
+        have = st.get("argv") or []
+        diffs.append("argv:\n      running: " + " ".join(have) + "\n      wanted:  " + " ".join(want_argv))
+    if st.get("playbook") != pb.name:
+        diffs.append(f"playbook: running {st.get('playbook')!r}, wanted {pb.name!r}")
+    elif st.get("playbook_sha256") != pb.sha256:
+        diffs.append(f"playbook file changed: {str(st.get('playbook_sha256'))[:12]} -> {pb.sha256[:12]}")
+    want_d = (pb.drafter or {}).get("sha256")
+    if want_d and cur.get("drafter_sha256") != want_d:
+        diffs.append(f"drafter config on disk {str(cur.get('drafter_sha256'))[:12]}, pinned {want_d[:12]}")
+    return diffs
+
+
+def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart: bool = False,
+       token: str | None = None, _depth: int = 0) -> Outcome:
+    ctx = new_context(fleet, pb, progress, token)
+    steps = {s.name: s for s in P.plan_up(pb, write_config=opts.write_config, clean_gpus=opts.clean_gpus,
+                                          restart=restart)}
+    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
+    t_start = time.monotonic()
+    locked = False
+    launched = False
+    try:
+        check_container(ctx, steps["container"])
+        take_lock(ctx, steps["lock"], opts.wait_lock_s)
+        locked = True
+        t0 = time.monotonic()
+        cur = ctx.call(steps["current"])
+        st = cur.get("state") or {}
+        running = bool(st.get("alive"))
+        diffs = diff_running(cur, pb) if running else []
+        healthy = running and cur.get("health") == 200 and pb.serve["served_model_name"] in (cur.get("models") or [])
+        if running and not diffs and healthy and not restart:
+            ctx.record("current", True, f"already up: pid {st.get('pid')}, same argv and drafter sha256, healthy", t0)
+            out.ok, out.status = True, "already up"
+            out.info = {"url": url(pb), "pid": st.get("pid")}
+            return out
+        if running and diffs and not restart:
+            ctx.record("current", True, f"running {st.get('playbook')} (pid {st.get('pid')}) differs:", t0,
+                       diffs=diffs)
+            for d in diffs:
+                progress.say(ctx.where, "     " + d)
+            if not opts.yes and not (opts.confirm and opts.confirm("Restart it with this playbook?")):
+                raise StepFailed("current", "a different deployment is running; not replacing it without -y",
+                                 where=ctx.where, fix=f"deploy up {pb.name} -y to replace it",
+                                 state_left="unchanged: the running deployment was left as it was")
+        elif running:
+            ctx.record("current", True, f"running {st.get('playbook')} (pid {st.get('pid')}, "
+                                        f"health {cur.get('health')}); will restart it", t0)
+        else:
+            ctx.record("current", True, "nothing of ours is running" +
+                       (f" ({len(cur.get('vllm_processes') or [])} stray vLLM process(es) seen)"
+                        if cur.get("vllm_processes") else ""), t0)
+        stack = None
+        if "drafter-config" in steps:
+            D.write_config(ctx, steps["drafter-config"])
+        if "verify" in steps:
+            stack = D.verify(ctx, steps["verify"], blocking=opts.write_config).get("stack")
+        if running or restart or cur.get("vllm_processes"):
+            G.stop(ctx, steps["stop"])
+        G.prove_free(ctx, steps["gpus-free"])
+        V.port_free(ctx, steps["port-free"])
+        V.launch(ctx, steps["launch"])
+        launched = True
+        ready = V.wait_ready(ctx, steps["wait-ready"])
+        V.check_aux_layers(ctx, ready, stack)
+        if "drift" in steps:
+            D.drift(ctx, steps["drift"])
+        m = V.measure(ctx, steps["acceptance"])
+        passed = V.gate(ctx, steps["acceptance"], m)
+        out.info = {"url": url(pb), "model": pb.serve["served_model_name"], "method": pb.spec["method"],
+                    "acceptance": m["acceptance"].as_dict(),
+                    "phases_s": {r.step: round(r.seconds, 2) for r in ctx.results},
+                    "total_s": round(time.monotonic() - t_start, 2)}
+        if passed:
+            out.ok, out.status = True, "up"
+            return out
+        acc = pb.data["acceptance"]
+        low = (f"draft acceptance {m['acceptance'].draft_acceptance:.1%} is below the playbook's "
+               f"{acc['min_draft_acceptance']:.0%}")
+        if acc["on_low_acceptance"] == "fallback" and pb.fallback is not None and _depth == 0:
+            progress.say(ctx.where, f"{low}: stopping it and falling back to {pb.fallback.name}")
+            G.stop(ctx, P.step_stop(pb, True, when="low acceptance"))
+            launched = False
+            out.status = "fell back"
+            out.error = StepFailed("acceptance", low, where=ctx.where, fix="likeliest causes: " +
+                                   "; ".join(V.LOW_ACCEPTANCE_CAUSES))
+            fb = up(fleet, pb.fallback, progress, Options(**{**opts.__dict__, "yes": True}), restart=False,
+                    token=ctx.token, _depth=1)
+            out.fallback = fb
+            out.ok = fb.ok
+            return out
+        raise StepFailed("acceptance", low + ". A deployment with bad acceptance is a failed deployment.",
+                         where=ctx.where, fix="likeliest causes: " + "; ".join(V.LOW_ACCEPTANCE_CAUSES) +
+                         (f"; or set acceptance.on_low_acceptance: fallback" if not pb.fallback else ""))
+    except (StepFailed, DeployError) as e:
+        out.error = e
+        if launched and not isinstance(e, Unreachable):
+            e_state = stop_after_failure(ctx, pb)
+            if isinstance(e, StepFailed) and not e.state_left:
+                e.state_left = e_state
+        elif isinstance(e, Unreachable) and launched:
+            if isinstance(e, StepFailed):
+                pass
+            e.fix = (e.fix + "; " if e.fix else "") + ("vLLM was launched and is recorded in the state file in "
+                                                       "the container: deploy status shows it, deploy down stops it")
+        return out
+    except KeyboardInterrupt:
+        out.status = "interrupted"
+        if launched:
+            msg = ("interrupted: vLLM was launched and is recorded in the container's state file; it keeps "
+                   f"loading. deploy status {pb.name} shows it, deploy down {pb.name} stops it")
+        else:
+            msg = "interrupted before launch: nothing was started"
+        out.error = DeployError(msg, where=ctx.where)
+        return out
+    finally:
+        if locked:
+            release_lock(ctx, steps["unlock"])
+
+
+def stop_after_failure(ctx: Context, pb: Playbook) -> str:
+    """A failed up does not leave a half-working server holding the GPUs: stop it, keep its log."""
+    try:
+        rep = ctx.call(P.step_stop(pb, False, when="after a failure"))
+        n = len(rep.get("terminated", []) + rep.get("killed", []))
+        left = rep.get("leftovers") or []
+        log = P.state_paths(pb)["log_path"]
+        s = f"the failed server was stopped ({n} process(es)); its log is kept at {log} (deploy logs {pb.name})"
+        if left:
+            s += "; still holding GPUs: " + ", ".join(f"PID {p['pid']} ({p['comm']})" for p in left) + \
+                 f" (deploy down {pb.name} --clean-gpus)"
+        return s
+    except DeployError as e:
+        return f"could not stop the failed server ({e.message}); run deploy down {pb.name}"
+
+
+def url(pb: Playbook) -> str:
+    return f"http://<{pb.host} container {pb.vmid}>:{pb.serve['port']}/v1"
+
+
+def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outcome:
+    ctx = new_context(fleet, pb, progress)
+    steps = {s.name: s for s in P.plan_down(pb, clean_gpus=opts.clean_gpus)}
+    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
+    locked = False
+    try:
+        check_container(ctx, steps["container"])
+        take_lock(ctx, steps["lock"], opts.wait_lock_s)
+        locked = True
+        rep = G.stop(ctx, steps["stop"])
+        G.prove_free(ctx, steps["gpus-free"])
+        out.ok, out.status = True, "down"
+        out.info = {"stopped": rep.get("stopped"), "seconds": rep.get("seconds")}
+    except DeployError as e:
+        out.error = e
+    finally:
+        if locked:
+            release_lock(ctx, steps["unlock"])
+    return out
+
+
+def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome, dict]:
+    ctx = new_context(fleet, pb, progress)
+    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
+    if not pb.drafter:
+        step = P.Step("verify", "verify the serving stack", action="verify",
+                      args={"stack_only": True, "method": pb.spec["method"],
+                            "vllm_min_version": pb.data["requires"].get("vllm_min_version")},
+                      host=pb.host, vmid=pb.vmid, timeout=180)
+    else:
+        step = P.step_verify(pb)
+    try:
+        r = D.verify(ctx, step, record=False)
+        out.ok = not r["failed"]
+        out.status = "verified" if out.ok else "failed"
+        if not out.ok:
+            out.error = StepFailed("verify", f"{len(r['failed'])} check(s) failed", where=ctx.where,
+                                   fix=D.verify_fix(r["failed"], pb.name))
+        return out, r
+    except DeployError as e:
+        out.error = e
+        return out, {}
+
+
+def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
+    ctx = new_context(fleet, pb, progress)
+    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
+    if not pb.drafter or not P.drafter_config_path(pb):
+        out.error = DeployError("this playbook has no local drafter path to install a config into", where=pb.path)
+        return out
+    try:
+        D.write_config(ctx, P.step_write_config(pb))
+        D.verify(ctx, P.step_verify(pb))
+        out.ok, out.status = True, "verified"
+    except DeployError as e:
+        out.error = e
+    return out
+
+
+__all__ = ["up", "down", "verify_only", "apply_config", "Options", "Outcome", "StepResult"]

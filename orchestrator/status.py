@@ -1,0 +1,308 @@
+"""`deploy status` and `deploy logs`: one SSH connection per host, one remote exec per container, hosts in parallel.
+
+JSON schema (stable, "vllm-pve-deploy/status/v1"): see docs/cli.md#status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import click
+
+from . import agent
+from . import vllm_facts as vf
+from .agent import ContainerNotRunning
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, Unreachable, UsageError
+from .remote import Fleet, run_parallel, state_dir
+
+SCHEMA = "vllm-pve-deploy/status/v1"
+DEFAULT_STATE_DIR = "/var/lib/vllm-pve-deploy"
+DEFAULT_PYTHON = "/root/ml-env/bin/python"
+
+
+def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
+    """-> [(host, vmid, runtime)] in inventory order. A playbook name brings its runtime paths."""
+    from .spec import list_playbooks, load_playbook
+
+    want = []
+    if not targets:
+        return [(h.name, c.vmid, {}) for h in inv.hosts.values() for c in h.containers]
+    playbooks = set(list_playbooks())
+    for t in targets:
+        if "/" in t and t.split("/", 1)[1].isdigit():
+            host, vmid = t.split("/", 1)
+            if host not in inv.hosts or inv.hosts[host].container(int(vmid)) is None:
+                raise UsageError(f"no container {t} in inventory {inv.path}",
+                                 fix="deploy status with no arguments lists everything")
+            want.append((host, int(vmid), {}))
+        elif t in inv.hosts:
+            want += [(t, c.vmid, {}) for c in inv.hosts[t].containers]
+        elif t in playbooks or t.endswith((".yaml", ".yml")):
+            pb = load_playbook(t, inv)
+            want.append((pb.host, pb.vmid, pb.runtime))
+        else:
+            raise UsageError(f"{t!r} is not a host, HOST/VMID or playbook",
+                             fix=f"hosts: {', '.join(inv.hosts) or 'none'}; playbooks: "
+                                 f"{', '.join(sorted(playbooks)) or 'none'}")
+    return want
+
+
+class Sampler:
+    """Keeps the previous counters per container so a refresh can show recent acceptance."""
+
+    def __init__(self, persist: bool):
+        self.path = os.path.join(state_dir(), "status-samples.json") if persist else None
+        self.prev = {}
+        if self.path and os.path.exists(self.path):
+            try:
+                with open(self.path) as fh:
+                    self.prev = json.load(fh)
+            except (OSError, ValueError):
+                self.prev = {}
+        self._lock = threading.Lock()
+
+    def recent(self, key: str, counters: dict | None, pid) -> dict | None:
+        with self._lock:
+            prev = self.prev.get(key)
+            cur = {"t": time.time(), "pid": pid, "c": counters}
+            self.prev[key] = cur
+        if not prev or not counters or prev.get("pid") != pid or not prev.get("c"):
+            return None
+        p, c = prev["c"], counters
+        dd, dt, da = c["drafts"] - p["drafts"], c["draft_tokens"] - p["draft_tokens"], c["accepted"] - p["accepted"]
+        if dd <= 0 or dt <= 0:
+            return {"since_s": round(cur["t"] - prev["t"], 1), "draft_acceptance_rate": None,
+                    "mean_acceptance_length": None, "drafts": 0}
+        return {"since_s": round(cur["t"] - prev["t"], 1), "draft_acceptance_rate": round(da / dt, 4),
+                "mean_acceptance_length": round(1 + da / dd, 3), "drafts": dd}
+
+    def save(self):
+        if self.path:
+            try:
+                with open(self.path, "w") as fh:
+                    json.dump(self.prev, fh)
+            except OSError:
+                pass
+
+
+def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sampler, smi_timeout: float) -> dict:
+    row = {"host": host, "vmid": vmid, "reachable": True, "container": "running", "playbook": None, "pid": None,
+           "process": "none", "health": None, "served_model": None, "method": None, "gpus": [],
+           "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
+           "healthy": True, "problems": []}
+    sdir = runtime.get("state_dir") or DEFAULT_STATE_DIR
+    python = runtime.get("python") or DEFAULT_PYTHON
+    try:
+        r = agent.call(fleet.session(host), vmid, python, "status",
+                       {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15)
+    except ContainerNotRunning as e:
+        row.update(container="stopped" if "not running" in e.message else "missing", healthy=False)
+        row["problems"].append(e.message)
+        return row
+    mem = r.get("memory") or {}
+    if "error" in mem:
+        row["problems"].append(f"nvidia-smi: {mem.get('message')}")
+        row["healthy"] = False
+    else:
+        row["gpus"] = [{"index": int(i), "used_mib": g["used"], "total_mib": g["total"]}
+                       for i, g in sorted(mem.get("gpus", {}).items(), key=lambda x: int(x[0]))]
+    row["lock"] = r.get("lock")
+    st = r.get("state")
+    if st and st.get("corrupt"):
+        row["problems"].append(f"state file unreadable: {st['corrupt']}")
+        row["healthy"] = False
+        return row
+    if not st:
+        stray = r.get("vllm_processes") or []
+        if stray:
+            row["process"] = "not ours"
+            row["problems"].append(f"{len(stray)} vLLM process(es) not started by deploy: "
+                                   + ", ".join(str(p["pid"]) for p in stray[:5]))
+            row["healthy"] = False
+        return row
+    row.update(playbook=st.get("playbook"), pid=st.get("pid"), method=st.get("method"),
+               served_model=st.get("served_model_name"))
+    if st.get("alive"):
+        row["process"] = "running"
+        row["uptime_s"] = round(time.time() - st.get("started_at", time.time()), 1)
+        row["health"] = r.get("health")
+        if r.get("health") != 200:
+            row["healthy"] = False
+            row["problems"].append(f"/health: {r.get('health') or 'no answer'}")
+        elif st.get("served_model_name") not in (r.get("models") or []):
+            row["healthy"] = False
+            row["problems"].append(f"/v1/models does not list {st.get('served_model_name')}")
+    else:
+        row["process"] = "exited"
+        row["healthy"] = False
+        row["problems"].append(f"vLLM (pid {st.get('pid')}) has exited (code {r.get('exit_code')})")
+    if r.get("last_error"):
+        row["last_error"] = r["last_error"]
+    if st.get("drafter_path"):
+        pinned, disk = st.get("drafter_sha256"), r.get("drafter_sha256")
+        row["drafter"] = {"path": st["drafter_path"], "pinned_sha256": pinned, "on_disk_sha256": disk,
+                          "drift": disk != pinned}
+        if disk != pinned:
+            row["healthy"] = False
+            row["problems"].append(f"drafter config drift: {st['drafter_path']} has {str(disk)[:12]}, "
+                                   f"pinned {str(pinned)[:12]}")
+    if r.get("metrics"):
+        counters = vf.parse_spec_counters(r["metrics"])
+        life = vf.lifetime_acceptance(r["metrics"]) if counters else None
+        row["acceptance"] = {"lifetime": life.as_dict() if life else None,
+                             "recent": sampler.recent(f"{host}/{vmid}", counters, st.get("pid"))}
+    return row
+
+
+def gather(inv, targets, fleet: Fleet | None = None, *, deadline: float = 15.0, sampler: Sampler | None = None,
+           smi_timeout: float = 5.0) -> list[dict]:
+    scope = resolve_targets(inv, targets)
+    sampler = sampler or Sampler(persist=False)
+    own = fleet is None
+    fleet = fleet or Fleet(inv)
+    by_host: dict[str, list] = {}
+    for host, vmid, rt in scope:
+        by_host.setdefault(host, []).append((vmid, rt))
+
+    def do_host(host):
+        items = by_host[host]
+        if len(items) == 1:
+            vmid, rt = items[0]
+            return [_row_or_error(fleet, host, vmid, rt, sampler, smi_timeout)]
+        res = run_parallel(items, lambda it: _row_or_error(fleet, host, it[0], it[1], sampler, smi_timeout),
+                           deadline_s=deadline)
+        return [v if e is None else _error_row(host, it[0], e) for it, v, e in res]
+
+    try:
+        results = run_parallel(list(by_host), do_host, deadline_s=deadline)
+    finally:
+        if own:
+            fleet.close()
+    rows = []
+    for host, value, err in results:
+        if err is None:
+            rows += value
+        else:
+            rows += [_error_row(host, vmid, err) for vmid, _ in by_host[host]]
+    sampler.save()
+    return rows
+
+
+def _row_or_error(fleet, host, vmid, rt, sampler, smi_timeout):
+    try:
+        return container_row(fleet, host, vmid, rt, sampler, smi_timeout)
+    except DeployError as e:
+        return _error_row(host, vmid, e)
+
+
+def _error_row(host, vmid, err) -> dict:
+    unreachable = isinstance(err, Unreachable) or "no answer within" in str(err)
+    msg = err.render() if isinstance(err, DeployError) else f"{type(err).__name__}: {err}"
+    return {"host": host, "vmid": vmid, "reachable": not unreachable, "container": "unknown", "playbook": None,
+            "pid": None, "process": "unknown", "health": None, "served_model": None, "method": None, "gpus": [],
+            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
+            "healthy": False, "problems": [msg.splitlines()[0]]}
+
+
+def exit_code(rows) -> int:
+    if any(not r["reachable"] for r in rows):
+        return EXIT_UNREACHABLE
+    return EXIT_OK if all(r["healthy"] for r in rows) else EXIT_FAILED
+
+
+def _pct(x):
+    return "-" if x is None else f"{x:.0%}"
+
+
+def render_table(rows, color: bool) -> str:
+    from .report import table
+
+    out = []
+    for r in rows:
+        acc = (r.get("acceptance") or {})
+        life = acc.get("lifetime") or {}
+        rec = acc.get("recent") or {}
+        gpus = " ".join(f"{g['index']}:{g['used_mib'] / 1024:.0f}G" for g in r["gpus"]) or "-"
+        acc_s = "-"
+        if life:
+            acc_s = f"{_pct(life.get('draft_acceptance_rate'))}/{life.get('mean_acceptance_length') or 0:.1f}"
+            if rec and rec.get("draft_acceptance_rate") is not None:
+                acc_s += f" ({_pct(rec['draft_acceptance_rate'])})"
+        drift = "-" if not r.get("drafter") else ("DRIFT" if r["drafter"]["drift"] else "ok")
+        state = "ok" if r["healthy"] else ("UNREACHABLE" if not r["reachable"] else "UNHEALTHY")
+        up = "-" if r.get("uptime_s") is None else _dur(r["uptime_s"])
+        out.append([f"{r['host']}/{r['vmid']}", state, r.get("playbook") or "-", r["process"],
+                    str(r.get("health") or "-"), r.get("method") or "-", acc_s, drift, gpus, up])
+    text = table(out, ["CONTAINER", "STATE", "PLAYBOOK", "VLLM", "HTTP", "METHOD", "ACCEPT/LEN", "DRAFTER",
+                       "GPU MEM", "UP"], width=100)
+    probs = [f"  {r['host']}/{r['vmid']}: {p}" for r in rows for p in r["problems"]]
+    probs += [f"  {r['host']}/{r['vmid']}: last error: {r['last_error'][:90]}" for r in rows if r.get("last_error")]
+    if probs:
+        text += "\n\nProblems:\n" + "\n".join(probs)
+    if color:
+        text = text.replace("UNHEALTHY", "\x1b[31mUNHEALTHY\x1b[0m").replace(
+            "UNREACHABLE", "\x1b[31;1mUNREACHABLE\x1b[0m").replace("DRIFT", "\x1b[33mDRIFT\x1b[0m")
+    return text
+
+
+def _dur(s: float) -> str:
+    s = int(s)
+    return f"{s // 86400}d{s % 86400 // 3600}h" if s >= 86400 else f"{s // 3600}h{s % 3600 // 60}m" if s >= 3600 \
+        else f"{s // 60}m{s % 60}s"
+
+
+def run_status(obj, targets, watch, deadline) -> int:
+    from .report import dump_json
+
+    inv = obj.inventory()
+    resolve_targets(inv, targets)  # bad targets fail before any connection
+    sampler = Sampler(persist=True)
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    with Fleet(inv) as fleet:
+        while True:
+            t0 = time.monotonic()
+            rows = gather(inv, targets, fleet, deadline=deadline, sampler=sampler)
+            code = exit_code(rows)
+            if obj.json:
+                dump_json({"schema": SCHEMA, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "seconds": round(time.monotonic() - t0, 3), "exit_code": code, "rows": rows})
+            else:
+                if watch and color:
+                    click.echo("\x1b[H\x1b[2J", nl=False)
+                click.echo(render_table(rows, color))
+                if watch:
+                    click.echo(f"\n(refreshed in {time.monotonic() - t0:.2f}s; every {watch:g}s; Ctrl-C to stop)")
+            if not watch:
+                return code
+            try:
+                time.sleep(max(0.0, watch - (time.monotonic() - t0)))
+            except KeyboardInterrupt:
+                return code
+
+
+def run_logs(obj, target, n, follow, grep) -> int:
+    inv = obj.inventory()
+    scope = resolve_targets(inv, [target])
+    host, vmid, rt = scope[0]
+    log_path = os.path.join(rt.get("state_dir") or DEFAULT_STATE_DIR, "vllm.log")
+    python = rt.get("python") or DEFAULT_PYTHON
+    with Fleet(inv) as fleet:
+        args = {"log_path": log_path, "n": n, "grep": grep, "follow": follow, "follow_s": 24 * 3600}
+        if not follow:
+            r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
+            if not r.get("exists"):
+                click.echo(f"{host}/{vmid}: no log at {log_path} (nothing was launched there?)", err=True)
+                return EXIT_FAILED
+            for ln in r["lines"]:
+                click.echo(ln)
+            return EXIT_OK
+        try:
+            agent.call(fleet.session(host), vmid, python, "logs", args, timeout=24 * 3600 + 60,
+                       on_event=lambda e: click.echo(e.get("line", "")))
+        except KeyboardInterrupt:
+            pass
+        return EXIT_OK

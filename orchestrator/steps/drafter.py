@@ -1,0 +1,101 @@
+"""The drafter config: installed from the pinned bytes, read back, verified the way vLLM loads it, watched for drift."""
+
+from __future__ import annotations
+
+import time
+
+from .. import vllm_facts as vf
+from ..plan import Step
+from ..report import short, table
+from . import Context
+
+
+def write_config(ctx: Context, step: Step) -> dict:
+    t0 = time.monotonic()
+    r = ctx.call(step, payload=ctx.pb.drafter_bytes)
+    path = step.args["path"]
+    if not r.get("ok"):
+        ctx.fail(step.name, t0, f"could not install the pinned drafter config at {path} ({r.get('stage')}): "
+                                f"{r.get('message')}; the old file is untouched "
+                                f"(sha256 {short(r.get('before_sha256'), 16)})",
+                 fix={"directory": "create the drafter directory, or fix speculative.drafter.path",
+                      "symlink": "use a plain local directory for speculative.drafter.path",
+                      "write": "make the directory writable (read-only mount? full disk?) and run again",
+                      "readback": "something rewrote the file while we wrote it; find the sync job"}.get(
+                     r.get("stage"), "check the container"), result=r)
+    if r.get("changed"):
+        ctx.record(step.name, True, f"wrote {path} (was {short(r.get('before_sha256'), 12)}, now "
+                                    f"{r['after_sha256'][:12]}, read back); backup {r.get('backup') or '-'}",
+                   t0, result=r)
+    else:
+        ctx.record(step.name, True, f"{path} already has the pinned bytes (sha256 {r['after_sha256'][:12]}); "
+                                    "not rewritten", t0, result=r)
+    return r
+
+
+def failing(checks: list[dict]) -> list[dict]:
+    return [c for c in checks if not c["ok"] and c.get("severity", "error") == "error"]
+
+
+def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = True) -> dict:
+    t0 = time.monotonic()
+    r = ctx.call(step)
+    bad = failing(r.get("checks", []))
+    bad += extra_key_problems(ctx, r.get("stack") or {})
+    r["failed"] = bad
+    if record:
+        stack = r.get("stack") or {}
+        sfx = (f"vLLM {stack.get('version')}, transformers {r.get('transformers_version')}, "
+               f"{len(r.get('checks', []))} checks")
+        if bad and not blocking:
+            ctx.record(step.name, None, f"{len(bad)} check(s) failed, NOT blocking (--skip-config-write): "
+                                        + ", ".join(c["check"] for c in bad), t0, result=r)
+            for line in render_failures(bad).splitlines():
+                ctx.progress.say(ctx.where, "     " + line)
+            return r
+        if bad:
+            ctx.fail(step.name, t0, f"{len(bad)} check(s) failed ({sfx}):\n" + render_failures(bad),
+                     fix=verify_fix(bad, ctx.pb.name), result=r)
+        ctx.record(step.name, True, f"drafter config correct on disk and as loaded; {sfx}", t0, result=r)
+    return r
+
+
+def extra_key_problems(ctx: Context, stack: dict) -> list[dict]:
+    """Spec-config keys the installed vLLM would reject at startup (unknown keys are a startup error)."""
+    v = vf.vtuple(stack.get("version"))
+    out = []
+    for key in ctx.pb.spec["extra"]:
+        since = vf.SPEC_KEYS_SINCE.get(key)
+        if since and v is not None and v < since:
+            out.append({"check": f"spec key {key}", "ok": False, "expected": ">= " + ".".join(map(str, since)),
+                        "on_disk": stack.get("version"), "as_loaded": None, "severity": "error",
+                        "reason": f"vLLM {stack.get('version')} does not accept speculative-config key {key!r}"})
+    return out
+
+
+def render_failures(bad: list[dict]) -> str:
+    rows = [[c["check"], short(c.get("expected"), 30), short(c.get("on_disk"), 30), short(c.get("as_loaded"), 24),
+             c["reason"]] for c in bad]
+    return table(rows, ["check", "expected", "on disk", "as loaded", "reason"], width=160)
+
+
+def verify_fix(bad: list[dict], playbook: str) -> str:
+    names = " ".join(c["check"] for c in bad)
+    if "vllm" in names or "fix:" in names:
+        return "install a vLLM that can serve this drafter (>= 0.26.0 or the PR #40898 build), then deploy verify"
+    if "sha256" in names or "field" in names:
+        return f"deploy up {playbook} installs the pinned config (or deploy apply-config {playbook})"
+    return "correct the pinned config in the repo (a new sha256 in the playbook), then deploy verify"
+
+
+def drift(ctx: Context, step: Step) -> dict:
+    t0 = time.monotonic()
+    r = ctx.call(step)
+    want = ctx.pb.drafter["sha256"]
+    if r.get("sha256") != want:
+        ctx.fail(step.name, t0, f"the drafter config changed behind our back while vLLM started: "
+                                f"{step.args['path']} now has sha256 {r.get('sha256') or r.get('error')}, "
+                                f"pinned {want}",
+                 fix="find what rewrites it (a sync job, a download) and stop it; then deploy up again", result=r)
+    ctx.record(step.name, True, f"unchanged since the write (sha256 {want[:12]})", t0)
+    return r

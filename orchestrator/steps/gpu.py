@@ -1,0 +1,100 @@
+"""Stop vLLM safely, free the GPUs, prove it by measurement; name any holder, inside or outside the container."""
+
+from __future__ import annotations
+
+import time
+
+from ..plan import Step
+from . import Context
+
+
+def fmt_mem(readings: dict | None) -> str:
+    if not readings:
+        return "-"
+    return ", ".join(f"GPU{g} {r['used']} MiB" if r else f"GPU{g} ?" for g, r in sorted(readings.items(),
+                                                                                         key=lambda x: int(x[0])))
+
+
+def stop(ctx: Context, step: Step) -> dict:
+    t0 = time.monotonic()
+    rep = ctx.call(step, on_event=lambda e: ctx.progress.say(ctx.where, "     " + e.get("message", "")))
+    stopped = rep.get("terminated", []) + rep.get("killed", [])
+    parts = []
+    if rep.get("terminated"):
+        parts.append(f"stopped {len(rep['terminated'])} process(es) with SIGTERM")
+    if rep.get("killed"):
+        parts.append("SIGKILLed " + ", ".join(f"{p['pid']} ({p.get('comm')})" for p in rep["killed"]))
+    fz = rep.get("fuser") or {}
+    if fz.get("refused"):
+        ctx.fail(step.name, t0, fz["refused"], fix="this must never run on the Proxmox host itself")
+    if fz.get("term") or fz.get("kill"):
+        parts.append(f"fuser -k freed the devices (TERM: {fz.get('term')}, KILL: {fz.get('kill')})")
+    left = rep.get("leftovers") or []
+    if left:
+        names = "; ".join(f"PID {p['pid']} ({p['comm']}: {p['cmdline'][:60]}) holds {', '.join(p['devices'])}"
+                          for p in left)
+        ctx.record(step.name, None, ("; ".join(parts) + "; " if parts else "") + f"still holding GPUs: {names}",
+                   t0, report=rep)
+    else:
+        ctx.record(step.name, True, "; ".join(parts) or "nothing of ours was running", t0, report=rep)
+    rep["stopped"] = stopped
+    return rep
+
+
+def prove_free(ctx: Context, step: Step, *, clean_gpus_hint: bool = True) -> dict:
+    t0 = time.monotonic()
+
+    def on_event(e):
+        ctx.progress.say(ctx.where, f"     waiting for GPU memory: {fmt_mem(e.get('readings'))} "
+                                    f"(busy {e.get('busy')}, {e.get('elapsed')}s)")
+
+    r = ctx.call(step, on_event=on_event)
+    v = r.get("verdict")
+    thr = step.args["threshold_mib"]
+    if v == "free":
+        ctx.record(step.name, True, f"all under {thr} MiB after {r['seconds']:.1f}s: {fmt_mem(r.get('after'))}",
+                   t0, before=r.get("before"), after=r.get("after"))
+        return r
+    if v and v.startswith("nvidia_smi_"):
+        ctx.fail(step.name, t0, f"`{r.get('command', 'nvidia-smi')}` {r.get('message')} "
+                                f"(timeout {r.get('timeout_s')}s)",
+                 fix="the NVIDIA driver may be wedged: check nvidia-smi on the host; nothing was launched",
+                 result=r)
+    if v == "gpu_missing":
+        ctx.fail(step.name, t0, f"GPU(s) {r['missing']} not visible in the container (nvidia-smi shows "
+                                f"{r['seen']})", fix="check the container's GPU passthrough (pct config)", result=r)
+    busy = ", ".join(f"GPU{g} {r['after'][str(g)]['used']} MiB" for g in r.get("busy", []))
+    if v == "held_inside":
+        holders = "; ".join(f"PID {h['pid']} ({h['comm']}: {h['cmdline'][:80]}) holds {', '.join(h['devices'])}"
+                            for h in r["holders"])
+        ctx.fail(step.name, t0, f"GPU memory still used after {r['seconds']:.0f}s ({busy} > {thr} MiB); "
+                                f"holders in this container: {holders}",
+                 fix=f"deploy restart {ctx.pb.name} --clean-gpus (kills those holders), or stop them yourself",
+                 result=r)
+    # held outside: nothing in this container holds the devices
+    others = other_containers_sharing(ctx, step.args["gpus"])
+    extra = ("; other running containers on this host given these GPUs: " +
+             ", ".join(f"{o['vmid']} ({o['name']}, GPUs {o['gpus']})" for o in others)) if others else \
+        "; no other running container on this host is given these GPUs, so the holder is the host itself"
+    ctx.fail(step.name, t0, f"GPU memory is held OUTSIDE this container ({busy} > {thr} MiB after "
+                            f"{r['seconds']:.0f}s, and no process in container {ctx.pb.vmid} holds /dev/nvidia*)"
+                            + extra,
+             fix="stop the holder on the host or in the other container; deploy never kills outside the target "
+                 "container, and will not launch until the GPUs are free", result=r, others=others)
+
+
+def other_containers_sharing(ctx: Context, gpus: list[int]) -> list[dict]:
+    """From `pct list` and `pct config`: the other running containers that are given any of `gpus`."""
+    from ..facts import parse_pct_config_gpus, parse_pct_list
+
+    s = ctx.session
+    res = s.run(["pct", "list"], timeout=20)
+    out = []
+    for ct in parse_pct_list(res.out):
+        if ct["vmid"] == ctx.pb.vmid or ct["status"] != "running":
+            continue
+        cfg = s.run(["pct", "config", str(ct["vmid"])], timeout=20)
+        shared = sorted(set(parse_pct_config_gpus(cfg.out)) & set(gpus))
+        if shared:
+            out.append({"vmid": ct["vmid"], "name": ct["name"], "gpus": shared})
+    return out

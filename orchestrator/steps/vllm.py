@@ -1,0 +1,134 @@
+"""Launch vLLM, wait until it really serves, check the drafter taps, and gate on measured acceptance."""
+
+from __future__ import annotations
+
+import time
+
+from .. import vllm_facts as vf
+from ..plan import Step
+from . import Context
+
+LOW_ACCEPTANCE_CAUSES = [
+    "a guessed or stale drafter config (wrong target_layer_ids, mask_token_id or layer_types): run deploy verify",
+    "the config write did not take effect (vLLM reads another file, e.g. a hub cache snapshot)",
+    "a vLLM without the +1 layer-id fix (PR #40727) or without DFlash sliding-window support",
+    "use_sliding_window false/absent: transformers drops the window silently",
+]
+
+
+def port_free(ctx: Context, step: Step) -> None:
+    t0 = time.monotonic()
+    r = ctx.call(step)
+    if r.get("listeners"):
+        ctx.fail(step.name, t0, f"port {step.args['port']} is already in use in the container "
+                                f"({len(r['listeners'])} listener(s)); older vLLM binds with SO_REUSEPORT and would "
+                                "not even fail", fix="stop what listens there, or set serve.port to a free port",
+                 result=r)
+    ctx.record(step.name, True, f"port {step.args['port']} free", t0)
+
+
+def launch(ctx: Context, step: Step) -> dict:
+    t0 = time.monotonic()
+    r = ctx.call(step, secrets={"env": ctx.secrets} if ctx.secrets else None)
+    if not r.get("ok"):
+        ctx.fail(step.name, t0, r.get("message", "launch failed"), fix="check runtime.vllm in the playbook")
+    ctx.record(step.name, True, f"vllm serve started: pid {r['pid']}, log {r['log_path']}", t0, result=r)
+    return r
+
+
+def wait_ready(ctx: Context, step: Step) -> dict:
+    t0 = time.monotonic()
+
+    def on_event(e):
+        if e.get("event") == "phase":
+            ctx.progress.say(ctx.where, f"     {e['elapsed']:>6}s  {e['phase']:<22} {e['line'][-70:]}")
+
+    api_key = ctx.secrets.get("VLLM_API_KEY")
+    r = ctx.call(step, secrets={"api_key": api_key} if api_key else None, on_event=on_event)
+    if r.get("ready"):
+        ctx.record(step.name, True, f"serving after {r['seconds']}s: /v1/models lists {step.args['served_model_name']} "
+                                    "and a completion succeeded", t0, result=r)
+        return r
+    reason = r.get("reason")
+    tail = "\n".join("    | " + ln for ln in (r.get("log_tail") or [])[-8:])
+    if reason == "fatal":
+        msg = f"vLLM failed to start: {r['cause']}\n    > {r['line']}"
+        fix = r["fix"]
+    elif reason == "exited":
+        msg = (f"vLLM exited during startup with code {r.get('exit_code')}" +
+               (" (exit 0 is not a clean stop: the engine crashed)" if r.get("exit_code") == 0 else "") +
+               (f"; last log lines:\n{tail}" if tail else ""))
+        fix = f"read the full log: deploy logs {ctx.pb.name}"
+    elif reason == "timeout":
+        msg = f"not serving after {r['seconds']}s (serve.load_timeout_s); phases seen: {r.get('phases')}" + \
+              (f"; last log lines:\n{tail}" if tail else "")
+        fix = "raise serve.load_timeout_s if loading is just slow, or read the log: deploy logs " + ctx.pb.name
+    elif reason == "model_missing":
+        msg = f"/v1/models does not list {step.args['served_model_name']!r} (it lists {r.get('models')})"
+        fix = "check serve.served_model_name"
+    elif reason == "auth":
+        msg = f"the server refused our API key ({r.get('status')})"
+        fix = "export the key in the variable named by serve.api_key_env"
+    else:
+        msg = f"not ready: {r}"
+        fix = ""
+    ctx.fail(step.name, t0, msg, fix=fix, result=r)
+
+
+def check_aux_layers(ctx: Context, ready: dict, stack: dict | None) -> None:
+    if ctx.pb.spec["method"] != "dflash" or not ctx.pb.drafter_config:
+        return
+    t0 = time.monotonic()
+    ids = (ctx.pb.drafter_config.get("dflash_config") or {}).get("target_layer_ids") or []
+    want = vf.expected_aux_layers(ids, True)
+    got = ready.get("aux_layers")
+    if got is None:
+        ctx.record("aux-layers", None, "the log has no auxiliary-layers line to check", t0)
+        return
+    if got != want:
+        hint = " (these are the raw ids: this vLLM lacks the +1 layer-id fix)" if got == ids else ""
+        ctx.fail("aux-layers", t0, f"vLLM taps target layers {tuple(got)}, expected {tuple(want)}{hint}",
+                 fix="install a vLLM with the +1 layer-id fix (PR #40727, >= 0.22)")
+    ctx.record("aux-layers", True, f"vLLM taps {tuple(got)} as the drafter expects", t0)
+
+
+def measure(ctx: Context, step: Step) -> dict:
+    """Probe, compute acceptance from the metric deltas (or the log line), and return the numbers."""
+    t0 = time.monotonic()
+    api_key = ctx.secrets.get("VLLM_API_KEY")
+    r = ctx.call(step, secrets={"api_key": api_key} if api_key else None)
+    if not r.get("ok"):
+        ctx.fail(step.name, t0, f"could not measure acceptance: {r.get('message')}", fix="deploy logs " + ctx.pb.name)
+    if r["succeeded"] == 0:
+        ctx.fail(step.name, t0, f"every probe request failed: {r.get('errors')}", fix="deploy logs " + ctx.pb.name)
+    acc = vf.acceptance_from_metrics(r["before"], r["after"])
+    note = ""
+    if acc is None or not acc.draft_tokens:
+        acc = vf.acceptance_from_log(r.get("log_tail") or [])
+        note = "spec-decode counters missing from /metrics; used the SpecDecoding log line"
+    if acc is None:
+        ctx.fail(step.name, t0, "no acceptance numbers: neither spec-decode counters in /metrics nor a "
+                                "SpecDecoding log line (is speculative decoding on?)",
+                 fix="check the SpeculativeConfig line in deploy logs " + ctx.pb.name)
+    return {"acceptance": acc, "note": note, "probe": {k: r[k] for k in ("sent", "succeeded", "errors")}, "t0": t0}
+
+
+def gate(ctx: Context, step: Step, m: dict) -> bool:
+    acc = m["acceptance"]
+    a = ctx.pb.data["acceptance"]
+    rate, mal = acc.draft_acceptance, acc.mean_acceptance_length
+    per = ", ".join(f"{x:.2f}" for x in acc.per_position[:8])
+    nums = (f"draft acceptance {rate:.1%}, mean acceptance length {mal:.2f} of "
+            f"{ctx.pb.spec['num_speculative_tokens'] + 1}, per position [{per}{', ...' if len(acc.per_position) > 8 else ''}]"
+            if rate is not None and mal is not None else f"draft acceptance {rate}")
+    ok = rate is not None and rate >= a["min_draft_acceptance"]
+    if ok and a.get("min_mean_acceptance_length") and (mal or 0) < a["min_mean_acceptance_length"]:
+        ok = False
+    summary = nums + (f" [{m['note']}]" if m["note"] else "")
+    if ok:
+        ctx.record(step.name, True, summary + f" >= {a['min_draft_acceptance']:.0%}", m["t0"],
+                   acceptance=acc.as_dict(), probe=m["probe"])
+    else:
+        ctx.record(step.name, False, summary + f" < {a['min_draft_acceptance']:.0%}", m["t0"],
+                   acceptance=acc.as_dict(), probe=m["probe"])
+    return ok
