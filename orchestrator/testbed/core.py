@@ -1,0 +1,857 @@
+"""The test bed: a local simulated Proxmox VE GPU fleet (see docs/testbed.md and docs/design/contracts.md).
+
+Mode: each simulated host is a real OpenSSH sshd bound to its own loopback address 127.77.0.<i> and running
+in its own mount namespace (where /usr/sbin/pct is ours); each container is a mount + PID + network + UTS +
+IPC namespace made with unshare and entered with nsenter; the GPUs of a host are files watched by a per-host
+GPU driver simulator (scripts/gpusim.py). Everything we start is a process; `down()` kills them all, which
+also frees every namespace and mount, and then removes the state directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import faults as _faults
+from .scripts import ctl
+
+PKG = Path(__file__).resolve().parent
+SCRIPTS = PKG / "scripts"
+DATA = PKG / "data"
+FAKE_VLLM = PKG / "fake_vllm"
+SSH_PORT = 2222
+LAG_PORT_BASE = 2300
+SUB_ADDR = "127.77.0."
+STATE = "testbed.json"
+
+DRAFTER = "Qwen3.6-27B-DFlash"
+TARGET = "Qwen3.6-27B"
+STALE_CONFIG = DATA / "qwen36-27b-dflash.stale-guess.config.json"
+TARGET_CONFIG = DATA / "qwen36-27b-target.trimmed.config.json"
+
+
+class TestbedError(RuntimeError):
+    """A test bed operation failed; the message says what to do."""
+
+
+def default_root() -> str:
+    return os.environ.get("VPD_TESTBED_DIR") or "/tmp/vpd-testbed"
+
+
+def lean_python() -> str:
+    """A Python for the test bed's own small scripts (pct, nvidia-smi, init, simulator): stdlib only."""
+    if os.access("/usr/bin/python3", os.X_OK):
+        return "/usr/bin/python3"
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def _container_name(vmid: int) -> str:
+    return "vllm-qwen" if vmid == 129 else "vllm-%d" % vmid
+
+
+def _normalize_containers(hosts: int, containers, gpus: int) -> dict:
+    """-> {host_name: {vmid: [gpu indices]}}"""
+    names = ["pve%d" % i for i in range(1, hosts + 1)]
+    allg = list(range(gpus))
+    if containers is None:
+        containers = [129]
+    if isinstance(containers, (list, tuple)):
+        spec = {n: {int(v): list(allg) for v in containers} for n in names}
+    elif isinstance(containers, dict):
+        if all(isinstance(k, str) and not str(k).isdigit() for k in containers):
+            spec = {}
+            for n in names:
+                c = containers.get(n, {})
+                if isinstance(c, (list, tuple)):
+                    c = {int(v): list(allg) for v in c}
+                spec[n] = {int(v): list(g if g is not None else allg) for v, g in c.items()}
+            unknown = set(containers) - set(names)
+            if unknown:
+                raise TestbedError("containers given for unknown hosts %s (hosts are %s)"
+                                   % (sorted(unknown), names))
+        else:
+            spec = {n: {int(v): list(g if g is not None else allg) for v, g in containers.items()} for n in names}
+    else:
+        raise TestbedError("containers must be a list of VMIDs or a dict")
+    for n, cts in spec.items():
+        for v, gl in cts.items():
+            if not 100 <= v <= 999999999:
+                raise TestbedError("VMID %d out of range 100..999999999" % v)
+            bad = [g for g in gl if not 0 <= int(g) < gpus]
+            if bad:
+                raise TestbedError("%s/%d: GPU index %s out of range (host has %d GPUs)" % (n, v, bad, gpus))
+    return spec
+
+
+def safetensors_header(hidden=5120, inter=17408, heads=32, kv=8, head_dim=128, layers=5, taps=5) -> bytes:
+    tensors = {}
+    off = 0
+
+    def add(name, shape):
+        nonlocal off
+        n = 2
+        for s in shape:
+            n *= s
+        tensors[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+
+    add("fc.weight", [hidden, hidden * taps])
+    add("hidden_norm.weight", [hidden])
+    for i in range(layers):
+        p = "layers.%d." % i
+        add(p + "input_layernorm.weight", [hidden])
+        add(p + "post_attention_layernorm.weight", [hidden])
+        add(p + "self_attn.q_proj.weight", [heads * head_dim, hidden])
+        add(p + "self_attn.k_proj.weight", [kv * head_dim, hidden])
+        add(p + "self_attn.v_proj.weight", [kv * head_dim, hidden])
+        add(p + "self_attn.o_proj.weight", [hidden, heads * head_dim])
+        add(p + "self_attn.q_norm.weight", [head_dim])
+        add(p + "self_attn.k_norm.weight", [head_dim])
+        add(p + "mlp.gate_proj.weight", [inter, hidden])
+        add(p + "mlp.up_proj.weight", [inter, hidden])
+        add(p + "mlp.down_proj.weight", [hidden, inter])
+    add("norm.weight", [hidden])
+    header = {"__metadata__": {"format": "pt"}}
+    header.update(tensors)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _pids_alive(pids) -> list:
+    out = []
+    for p in pids:
+        try:
+            with open("/proc/%d/stat" % p) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    out.append(p)
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def _cmdline(pid) -> bytes:
+    try:
+        with open("/proc/%s/cmdline" % pid, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _port_open(addr, port, timeout=0.2) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _port_free(addr, port) -> bool:
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((addr, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _wait(cond, timeout, what, interval=0.005):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() >= deadline:
+            raise TestbedError("timed out after %.1f s waiting for %s" % (timeout, what))
+        time.sleep(interval)
+
+
+def _read_pid(path):
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _kill(pids, sig=signal.SIGKILL):
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
+
+
+class Testbed:
+    """A simulated fleet of Proxmox hosts with GPU containers, local to this machine (needs root)."""
+
+    def __init__(self, root: str | None = None, hosts: int = 1, containers=None, gpus: int = 4):
+        self.root = Path(root or default_root()).absolute()
+        self.nhosts = int(hosts)
+        self.ngpus = int(gpus)
+        if not 1 <= self.nhosts <= 250:
+            raise TestbedError("hosts must be 1..250")
+        if not 1 <= self.ngpus <= 16:
+            raise TestbedError("gpus must be 1..16")
+        self.spec = _normalize_containers(self.nhosts, containers, self.ngpus)
+        self.python = lean_python()
+
+    # ---- paths -----------------------------------------------------------------------------------
+    @property
+    def inventory_path(self) -> str:
+        return str(self.root / "hosts.yaml")
+
+    @property
+    def identity_file(self) -> str:
+        return str(self.root / "id_ed25519")
+
+    @property
+    def known_hosts(self) -> str:
+        return str(self.root / "known_hosts")
+
+    @property
+    def hosts(self) -> list:
+        return list(self.spec)
+
+    def hostdir(self, host: str) -> Path:
+        if host not in self.spec:
+            raise TestbedError("unknown host %r (hosts: %s)" % (host, ", ".join(self.spec)))
+        return self.root / host
+
+    def ctdir(self, host: str, vmid: int) -> Path:
+        if int(vmid) not in self.spec.get(host, {}):
+            raise TestbedError("unknown container %s/%s" % (host, vmid))
+        return self.root / host / ("ct%d" % int(vmid))
+
+    def address(self, host: str) -> str:
+        return SUB_ADDR + str(self.hosts.index(host) + 1)
+
+    def lag_port(self, host: str) -> int:
+        return LAG_PORT_BASE + self.hosts.index(host) + 1
+
+    # ---- life cycle ------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, root: str | None = None) -> "Testbed":
+        root = Path(root or default_root()).absolute()
+        try:
+            st = json.loads((root / STATE).read_text())
+        except (OSError, ValueError):
+            raise TestbedError("no test bed at %s (start one with `deploy testbed up`)" % root) from None
+        tb = cls(root=str(root), hosts=st["hosts"], gpus=st["gpus"],
+                 containers={h: {int(v): g for v, g in c.items()} for h, c in st["containers"].items()})
+        return tb
+
+    def is_up(self) -> bool:
+        if not (self.root / STATE).exists():
+            return False
+        for h in self.hosts:
+            if _pids_alive([p for p in [_read_pid(self.root / h / "gpusim.ready")] if p]):
+                return True
+        return False
+
+    def _check_prereqs(self):
+        if os.geteuid() != 0:
+            raise TestbedError("the test bed needs root (mount/PID/network namespaces, mounts); run as root")
+        for tool in ("unshare", "nsenter", "mount", "umount", "ip", "ssh-keygen", "setsid"):
+            if not shutil.which(tool):
+                raise TestbedError("the test bed needs `%s` on PATH (util-linux / iproute2 / openssh-client)" % tool)
+        if not os.access("/usr/sbin/sshd", os.X_OK):
+            raise TestbedError("the test bed needs OpenSSH's server at /usr/sbin/sshd (apt-get install openssh-server)")
+        if "overlay" not in Path("/proc/filesystems").read_text():
+            raise TestbedError("the test bed needs overlayfs (modprobe overlay)")
+        longest = self.root / "pve999" / "ct999999999" / "run" / "nvidia-sim.sock"
+        if len(str(longest)) > 100:
+            raise TestbedError("state directory path too long for unix sockets: %s (use a shorter --dir)" % self.root)
+
+    def up(self) -> "Testbed":
+        t0 = time.monotonic()
+        if self.is_up():
+            raise TestbedError("a test bed is already up in %s; run `deploy testbed down` first (or use another "
+                               "--dir / VPD_TESTBED_DIR)" % self.root)
+        self._check_prereqs()
+        for h in self.hosts:
+            a = self.address(h)
+            if not _port_free(a, SSH_PORT):
+                raise TestbedError("%s:%d is already in use (another test bed, or a stale sshd?); free it or run "
+                                   "`deploy testbed down --dir ...` for the test bed that owns it" % (a, SSH_PORT))
+        if self.root.exists():
+            self._kill_everything()
+            shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            self._build()
+            self._start_all()
+        except BaseException:
+            try:
+                self.down()
+            finally:
+                pass
+            raise
+        self._timing_up = time.monotonic() - t0
+        return self
+
+    def _build(self):
+        root = self.root
+        root.mkdir(parents=True, exist_ok=True)
+        os.chmod(root, 0o755)
+        bindir = root / "bin"
+        bindir.mkdir()
+        for name in ("ctinit.py", "ctl.py", "gpusim.py", "pct.py", "nvidia_smi.py", "lagproxy.py", "helpers.py"):
+            shutil.copy(SCRIPTS / name, bindir / name)
+        keygens = [subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "vpd-testbed-client",
+                                     "-f", str(root / "id_ed25519")], stdin=subprocess.DEVNULL)]
+        for h in self.hosts:
+            hd = root / h
+            hd.mkdir()
+            keygens.append(subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "%s-host" % h,
+                                             "-f", str(hd / "ssh_host_ed25519_key")], stdin=subprocess.DEVNULL))
+        state = {"hosts": self.nhosts, "gpus": self.ngpus, "python": self.python,
+                 "containers": {h: {str(v): g for v, g in c.items()} for h, c in self.spec.items()},
+                 "created": time.time()}
+        (root / STATE).write_text(json.dumps(state, indent=1))
+        pyinfo = self._python_info()
+        for h in self.hosts:
+            self._build_host(h, pyinfo)
+        for p in keygens:
+            if p.wait(timeout=30):
+                raise TestbedError("ssh-keygen failed")
+        shutil.copy(root / "id_ed25519.pub", root / "authorized_keys")
+        kh = []
+        for h in self.hosts:
+            key = (root / h / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+            a = self.address(h)
+            kh.append("[%s]:%d,[%s]:%d %s %s\n" % (a, SSH_PORT, a, self.lag_port(h), key[0], key[1]))
+        (root / "known_hosts").write_text("".join(kh))
+        self.write_inventory()
+
+    def _python_info(self):
+        base_exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+        ver = "%d.%d" % sys.version_info[:2]
+        paths = sysconfig.get_paths()
+        site = []
+        for k in ("purelib", "platlib"):
+            p = os.path.realpath(paths[k])
+            if p not in site and os.path.isdir(p):
+                site.append(p)
+        return {"exe": base_exe, "ver": ver, "full": "%d.%d.%d" % sys.version_info[:3],
+                "base_prefix": os.path.realpath(sys.base_prefix), "site": site}
+
+    def _build_host(self, h, py):
+        hd = self.root / h
+        vm = self.spec[h]
+        (hd / "sbin").mkdir()
+        (hd / "cbin").mkdir()
+        (hd / "gpus").mkdir()
+        (hd / "run").mkdir()
+        (hd / "home").mkdir(mode=0o700)
+        (hd / "home" / ".bashrc").write_text("# root's ~/.bashrc on simulated Proxmox host %s\n" % h)
+        (hd / "home" / ".profile").write_text('if [ -n "$BASH_VERSION" ] && [ -f ~/.bashrc ]; then . ~/.bashrc; fi\n')
+        for i in range(self.ngpus):
+            (hd / "gpus" / ("nvidia%d" % i)).touch(mode=0o666)
+        for n in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
+            (hd / "gpus" / n).touch(mode=0o666)
+        host = {"name": h, "address": self.address(h), "port": SSH_PORT, "gpus": self.ngpus,
+                "containers": {str(v): {"name": _container_name(v), "gpus": g} for v, g in vm.items()}}
+        (hd / "host.json").write_text(json.dumps(host, indent=1))
+        (hd / "faults.json").write_text("{}\n")
+        pct = hd / "sbin" / "pct"
+        pct.write_text("#!%s -SE\nimport sys\nsys.path.insert(0, %r)\nimport pct\nsys.exit(pct.main(%r, sys.argv[1:]))\n"
+                       % (self.python, str(self.root / "bin"), str(hd)))
+        smi = hd / "cbin" / "nvidia-smi"
+        smi.write_text("#!%s -SE\n%s\nimport sys\nsys.exit(main(%r))\n"
+                       % (self.python, (SCRIPTS / "nvidia_smi.py").read_text(), str(hd / "gpu.sock")))
+        for f in (pct, smi):
+            os.chmod(f, 0o755)
+        lxc = hd / "pve" / "nodes" / h / "lxc"
+        lxc.mkdir(parents=True)
+        for v, g in vm.items():
+            lines = ["arch: amd64", "cores: 32"]
+            devs = ["/dev/nvidia%d" % i for i in g] + ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+            lines += ["dev%d: %s" % (n, d) for n, d in enumerate(devs)]
+            lines += ["features: nesting=1", "hostname: %s" % _container_name(v), "memory: 262144",
+                      "net0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:00:%02X:%02X,ip=dhcp,type=veth"
+                      % (v // 256 % 256, v % 256),
+                      "ostype: debian", "rootfs: local-lvm:vm-%d-disk-0,size=200G" % v, "swap: 0",
+                      "lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 508:* rwm"]
+            (lxc / ("%d.conf" % v)).write_text("\n".join(lines) + "\n")
+            self._build_container(h, v, g, py)
+        # the host's own mount namespace: our pct and nvidia-smi, then sshd
+        (hd / "hostinit.sh").write_text(
+            "#!/bin/sh\nset -e\n"
+            "mount -t overlay overlay -o lowerdir=%(hd)s/sbin:/usr/sbin /usr/sbin\n"
+            "mount -t overlay overlay -o lowerdir=%(hd)s/cbin:/usr/bin /usr/bin\n"
+            "mount --bind %(hd)s/home /root\n"
+            "exec /usr/sbin/sshd -D -f %(hd)s/sshd_config -E %(hd)s/sshd.log\n" % {"hd": hd})
+        (hd / "sshd_config").write_text("\n".join([
+            "ListenAddress %s:%d" % (self.address(h), SSH_PORT),
+            "HostKey %s/ssh_host_ed25519_key" % hd,
+            "PidFile %s/sshd.pid" % hd,
+            "AuthorizedKeysFile %s/authorized_keys" % self.root,
+            "PermitRootLogin prohibit-password",
+            "PubkeyAuthentication yes",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "UsePAM no",
+            "StrictModes no",
+            "UseDNS no",
+            "PrintMotd no",
+            "PrintLastLog no",
+            "LogLevel VERBOSE",
+            "MaxSessions 50",
+            "MaxStartups 100",
+            "AcceptEnv LANG LC_*",
+            "SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "Subsystem sftp internal-sftp",
+            ""]))
+
+    def _build_container(self, h, vmid, gpus, py):
+        d = self.ctdir(h, vmid)
+        for sub in ("root", "tmp", "faults"):
+            (d / sub).mkdir(parents=True)
+        os.chmod(d / "tmp", 0o1777)
+        os.chmod(d / "root", 0o700)
+        (d / "faults" / "faults.json").write_text("{}\n")
+        self._build_dev(h, d, gpus)
+        shutil.copy(STALE_CONFIG, d / "faults" / "stale-drafter-config.json")
+        r = d / "root"
+        (r / ".profile").write_text(
+            "# vllm-pve-deploy test bed container\n"
+            'if [ -n "$BASH_VERSION" ] && [ -f "$HOME/.bashrc" ]; then . "$HOME/.bashrc"; fi\n'
+            'export PATH="/root/ml-env/bin:$PATH"\n')
+        (r / ".bashrc").write_text("# vllm-pve-deploy test bed container\n")
+        self._write_models(d)
+        # the venv: /root/ml-env, against the machine's Python (bind-mounted in when it lives under /root or /tmp)
+        env = r / "ml-env"
+        (env / "bin").mkdir(parents=True)
+        sp = env / "lib" / ("python" + py["ver"]) / "site-packages"
+        sp.mkdir(parents=True)
+        for n in ("python", "python3", "python" + py["ver"]):
+            os.symlink(py["exe"], env / "bin" / n)
+        (env / "pyvenv.cfg").write_text("home = %s\ninclude-system-site-packages = false\nversion = %s\n"
+                                        "executable = %s\n" % (os.path.dirname(py["exe"]), py["full"], py["exe"]))
+        binds = []
+        for bp in [py["base_prefix"], os.path.dirname(py["exe"])]:
+            for top in ("/root", "/tmp"):
+                if bp == top or bp.startswith(top + "/"):
+                    rel = os.path.relpath(bp, top)
+                    dst = str(d / top.strip("/") / rel)
+                    if not any(bp.startswith(b[0] + "/") or bp == b[0] for b in binds):
+                        binds.append([bp, dst])
+        pth = []
+        for n, s in enumerate(py["site"]):
+            mp = env / "lib" / ("python" + py["ver"]) / ("host-site%d" % n)
+            mp.mkdir()
+            binds.append([s, str(mp)])
+            pth.append("/root/ml-env/lib/python%s/host-site%d" % (py["ver"], n))
+        (sp / "_vpd_testbed_host_site.pth").write_text("\n".join(pth) + "\n")
+        self._install_fake_vllm(sp, env)
+        ct = {"ctdir": str(d), "hostdir": str(self.root / h), "cbin": str(self.root / h / "cbin"),
+              "name": _container_name(vmid), "gpus": list(gpus), "binds": binds}
+        (d / "ct.json").write_text(json.dumps(ct, indent=1))
+
+    def _build_dev(self, h, d: Path, gpus):
+        dev = d / "dev"
+        dev.mkdir()
+        for name, (ma, mi) in {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8),
+                               "urandom": (1, 9), "tty": (5, 0)}.items():
+            os.mknod(dev / name, 0o666 | 0o020000, os.makedev(ma, mi))
+            os.chmod(dev / name, 0o666)
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                             ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
+            os.symlink(target, dev / name)
+        (dev / "shm").mkdir()
+        (dev / "pts").mkdir()
+        gd = self.root / h / "gpus"
+        for i in gpus:
+            os.link(gd / ("nvidia%d" % i), dev / ("nvidia%d" % i))
+        for name in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
+            os.link(gd / name, dev / name)
+        os.chmod(dev, 0o755)
+        (d / "run" / "lock").mkdir(parents=True)
+        os.chmod(d / "run" / "lock", 0o1777)
+
+    def _write_models(self, d: Path):
+        m = d / "root" / "models"
+        if m.exists():
+            shutil.rmtree(m)
+        (m / TARGET).mkdir(parents=True)
+        (m / DRAFTER).mkdir(parents=True)
+        shutil.copy(TARGET_CONFIG, m / TARGET / "config.json")
+        shutil.copy(STALE_CONFIG, m / DRAFTER / "config.json")
+        (m / DRAFTER / "model.safetensors").write_bytes(safetensors_header())
+
+    @staticmethod
+    def _fake_vllm_source():
+        if (FAKE_VLLM / "vllm" / "__init__.py").exists():
+            return FAKE_VLLM / "vllm"
+        if (FAKE_VLLM / "src" / "vllm" / "__init__.py").exists():
+            return FAKE_VLLM / "src" / "vllm"
+        if (FAKE_VLLM / "__init__.py").exists():
+            return FAKE_VLLM
+        return None
+
+    def _install_fake_vllm(self, sp: Path, env: Path):
+        src = self._fake_vllm_source()
+        entry = None
+        if src is not None:
+            shutil.copytree(src, sp / "vllm", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+                            symlinks=True)
+            for pp in (FAKE_VLLM / "pyproject.toml",):
+                if pp.exists():
+                    import re
+                    mt = re.search(r'^\s*vllm\s*=\s*"([\w.]+):(\w+)"', pp.read_text(), re.M)
+                    if mt:
+                        entry = (mt.group(1), mt.group(2))
+        cands = [entry] if entry else []
+        cands += [("vllm.entrypoints.cli.main", "main"), ("vllm.entrypoints.cli", "main"),
+                  ("vllm.scripts", "main"), ("vllm.cli", "main"), ("vllm.__main__", "main")]
+        script = env / "bin" / "vllm"
+        script.write_text(
+            "#!/root/ml-env/bin/python\n# console script of the test bed's fake vLLM\nimport importlib, sys\n"
+            "for _m, _f in %r:\n"
+            "    try:\n        _main = getattr(importlib.import_module(_m), _f)\n        break\n"
+            "    except (ImportError, AttributeError) as _e:\n"
+            "        if not isinstance(_e, AttributeError) and getattr(_e, 'name', None) not in (None, _m, 'vllm') "
+            "and not _m.startswith(str(getattr(_e, 'name', '')) or '\\0'):\n            raise\n"
+            "else:\n    sys.stderr.write('vllm: the fake vLLM package is not installed\\n')\n    sys.exit(1)\n"
+            "if __name__ == '__main__':\n    sys.argv[0] = 'vllm'\n    sys.exit(_main())\n" % (cands,))
+        os.chmod(script, 0o755)
+
+    def _start_all(self):
+        for h in self.hosts:
+            self._start_gpusim(h)
+        for h in self.hosts:
+            self._start_sshd(h, wait=False)
+        with ThreadPoolExecutor(max_workers=8) as ex:
+            futs = [ex.submit(self.start_container, h, v) for h in self.hosts for v in self.spec[h]]
+            for f in futs:
+                f.result()
+        for h in self.hosts:
+            a = self.address(h)
+            _wait(lambda: _port_open(a, SSH_PORT), 10, "sshd of %s on %s:%d (see %s)"
+                  % (h, a, SSH_PORT, self.root / h / "sshd.log"))
+
+    def _spawn(self, argv, log, cwd=None):
+        with open(log, "ab") as lf:
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf, cwd=cwd,
+                                    start_new_session=True, close_fds=True)
+
+    def _start_gpusim(self, h):
+        hd = self.root / h
+        ready = hd / "gpusim.ready"
+        if ready.exists():
+            ready.unlink()
+        p = self._spawn([self.python, "-SE", str(self.root / "bin" / "gpusim.py"), str(hd)], hd / "gpusim.log")
+        _wait(lambda: ready.exists() or p.poll() is not None, 10, "GPU simulator of %s" % h)
+        if p.poll() is not None:
+            raise TestbedError("GPU simulator of %s failed: %s" % (h, (hd / "gpusim.log").read_text()[-2000:]))
+
+    def _start_sshd(self, h, wait=True):
+        hd = self.root / h
+        a = self.address(h)
+        if not _port_free(a, SSH_PORT):
+            raise TestbedError("%s:%d is already in use" % (a, SSH_PORT))
+        p = self._spawn(["unshare", "--mount", "--propagation", "private", "--", "sh", str(hd / "hostinit.sh")],
+                        hd / "sshd.log")
+        (hd / "sshd.pid").write_text("%d\n" % p.pid)
+        if wait:
+            _wait(lambda: _port_open(a, SSH_PORT) or p.poll() is not None, 10, "sshd of %s" % h)
+            if p.poll() is not None:
+                raise TestbedError("sshd of %s failed to start (see %s)" % (h, hd / "sshd.log"))
+
+    def _stop_sshd(self, h):
+        hd = self.root / h
+        pid = _read_pid(hd / "sshd.pid")
+        victims = []
+        if pid and b"sshd" in _cmdline(pid):
+            try:
+                ns = os.readlink("/proc/%d/ns/mnt" % pid)
+            except OSError:
+                ns = None
+            victims.append(pid)
+            if ns:
+                for e in os.listdir("/proc"):
+                    if e.isdigit():
+                        try:
+                            if os.readlink("/proc/%s/ns/mnt" % e) == ns and b"sshd" in _cmdline(e):
+                                victims.append(int(e))
+                        except OSError:
+                            pass
+        _kill(victims)
+        ctl.wait_gone(victims, 5)
+        a = self.address(h)
+        _wait(lambda: _port_free(a, SSH_PORT), 5, "port %s:%d to close" % (a, SSH_PORT))
+
+    def write_inventory(self):
+        lines = ["# written by `deploy testbed up` (vllm-pve-deploy test bed in %s)" % self.root, "hosts:"]
+        for h in self.hosts:
+            f = self.host_faults(h) if (self.root / h / "faults.json").exists() else {}
+            port = self.lag_port(h) if f.get("latency_ms") else SSH_PORT
+            lines += ["  - name: %s" % h, "    address: %s" % self.address(h), "    port: %d" % port,
+                      "    user: root", "    identity_file: %s" % self.identity_file,
+                      "    ssh_config_alias: null", "    known_hosts: %s" % self.known_hosts,
+                      "    accept_new_host_keys: false", "    containers:"]
+            for v, g in self.spec[h].items():
+                lines += ["      - vmid: %d" % v, "        name: %s" % _container_name(v),
+                          "        gpus: [%s]" % ", ".join(str(x) for x in g)]
+        tmp = self.root / "hosts.yaml.tmp"
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, self.root / "hosts.yaml")
+
+    # ---- containers ------------------------------------------------------------------------------
+    def init_pid(self, host: str, vmid: int):
+        self.ctdir(host, vmid)
+        return ctl.init_pid(str(self.root / host), vmid)
+
+    def start_container(self, host: str, vmid: int) -> int:
+        self.ctdir(host, vmid)
+        try:
+            return ctl.start(str(self.root / host), vmid, self.python)
+        except RuntimeError as e:
+            raise TestbedError(str(e)) from None
+
+    def stop_container(self, host: str, vmid: int) -> bool:
+        self.ctdir(host, vmid)
+        return ctl.stop(str(self.root / host), vmid)
+
+    def container_pids(self, host: str, vmid: int, include_init=False) -> list:
+        pid = self.init_pid(host, vmid)
+        if not pid:
+            return []
+        return [p for p in ctl.ns_members(pid) if include_init or p != pid]
+
+    def container_exec(self, host: str, vmid: int, argv, input=None, timeout=30, check=False, env=None,
+                       text=True, wd="/root") -> subprocess.CompletedProcess:
+        """Run argv inside the container (nsenter, no ssh), capture its output."""
+        pid = self.init_pid(host, vmid)
+        if not pid:
+            raise TestbedError("container %s/%s is not running" % (host, vmid))
+        e = {"PATH": ctl.CT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "USER": "root", "LOGNAME": "root"}
+        if env:
+            e.update(env)
+        if isinstance(input, str) and not text:
+            input = input.encode()
+        return subprocess.run(ctl.enter_argv(pid, argv, wd), input=input, capture_output=True, timeout=timeout,
+                              env=e, text=text, check=check)
+
+    def host_exec(self, host: str, argv, input=None, timeout=30, check=False, env=None,
+                  text=True) -> subprocess.CompletedProcess:
+        """Run argv in the simulated host's mount namespace (where /usr/sbin/pct is ours), no ssh."""
+        pid = _read_pid(self.hostdir(host) / "sshd.pid")
+        if not pid or not _pids_alive([pid]):
+            raise TestbedError("host %s is down (sshd not running; fault unreachable?)" % host)
+        e = {"PATH": ctl.DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "USER": "root"}
+        if env:
+            e.update(env)
+        return subprocess.run(["nsenter", "-t", str(pid), "-m", "--wd=/root", "--"] + list(argv), input=input,
+                              capture_output=True, timeout=timeout, env=e, text=text, check=check)
+
+    def ssh_argv(self, host: str, *remote, port=None) -> list:
+        """argv for the system ssh client to reach `host` (BatchMode, our key and known_hosts, no pty)."""
+        return ["ssh", "-T", "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes", "-i", self.identity_file,
+                "-o", "UserKnownHostsFile=" + self.known_hosts, "-o", "StrictHostKeyChecking=yes",
+                "-o", "GlobalKnownHostsFile=/dev/null", "-o", "ConnectTimeout=10", "-F", "/dev/null",
+                "-p", str(port or (self.lag_port(host) if self.host_faults(host).get("latency_ms") else SSH_PORT)),
+                "root@" + self.address(host)] + list(remote)
+
+    # ---- GPUs ------------------------------------------------------------------------------------
+    def _gpusim(self, host, req, timeout=5.0):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            s.connect(str(self.root / host / "gpu.sock"))
+            s.sendall((json.dumps(req) + "\n").encode())
+            buf = b""
+            while not buf.endswith(b"\n"):
+                c = s.recv(65536)
+                if not c:
+                    break
+                buf += c
+            return json.loads(buf)
+        finally:
+            s.close()
+
+    def gpu_used(self, host: str) -> list:
+        """Memory used (MiB) per GPU of the host, as nvidia-smi would report it now."""
+        return self._gpusim(host, {"op": "state"})["used"]
+
+    def gpu_holders(self, host: str) -> list:
+        """[(pid, fd, gpu, mib)] live holders on the host (root-namespace PIDs)."""
+        return [tuple(x) for x in self._gpusim(host, {"op": "state"})["holders"]]
+
+    def gpu_path(self, host: str, gpu: int) -> str:
+        return str(self.hostdir(host) / "gpus" / ("nvidia%d" % gpu))
+
+    # ---- faults ----------------------------------------------------------------------------------
+    def _faults_file(self, host, vmid):
+        if vmid is None:
+            return self.hostdir(host) / "faults.json"
+        return self.ctdir(host, vmid) / "faults" / "faults.json"
+
+    def faults(self, host: str, vmid: int | None = None) -> dict:
+        try:
+            return json.loads(self._faults_file(host, vmid).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def host_faults(self, host: str) -> dict:
+        return self.faults(host, None)
+
+    def _write_faults(self, host, vmid, data):
+        f = self._faults_file(host, vmid)
+        tmp = f.with_name(f.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, f)
+
+    def set_fault(self, host: str, vmid: int | None, name: str, value=True):
+        """Switch a fault on (value) or off (value None/False). See contracts.md section 4."""
+        _faults.validate(name, value, container=vmid is not None)
+        data = self.faults(host, vmid)
+        old = data.get(name)
+        off = value is None or value is False
+        if off:
+            data.pop(name, None)
+        else:
+            data[name] = value
+        self._write_faults(host, vmid, data)
+        _faults.apply(self, host, vmid, name, None if off else value, old)
+
+    def clear_faults(self, host: str | None = None, vmid: int | None = None):
+        """Switch every fault off (all hosts and containers, or just one)."""
+        targets = []
+        for h in ([host] if host else self.hosts):
+            if vmid is None:
+                targets.append((h, None))
+                targets += [(h, v) for v in self.spec[h]]
+            else:
+                targets.append((h, vmid))
+        for h, v in targets:
+            data = self.faults(h, v)
+            if data:
+                self._write_faults(h, v, {})
+                for name, old in data.items():
+                    _faults.apply(self, h, v, name, None, old)
+        _faults.cleanup_helpers(self, host)
+
+    # ---- reset / status / down ---------------------------------------------------------------------
+    def reset(self):
+        """Back to the state right after up(): fast (< 1 s), for use between tests."""
+        self.clear_faults()
+        victims = []
+        for h in self.hosts:
+            for v in self.spec[h]:
+                if not self.init_pid(h, v):
+                    self.start_container(h, v)
+                else:
+                    victims += self.container_pids(h, v)
+        _kill(victims)
+        ctl.wait_gone(victims, 5)
+        for h in self.hosts:
+            for v in self.spec[h]:
+                d = self.ctdir(h, v)
+                self.container_exec(h, v, ["sh", "-c", "umount /root/models 2>/dev/null; "
+                                                       "rm -rf /var/lib/vllm-pve-deploy"], timeout=10)
+                self._write_models(d)
+                for e in (d / "tmp").iterdir():
+                    if e.is_dir() and not e.is_symlink():
+                        shutil.rmtree(e, ignore_errors=True)
+                    else:
+                        try:
+                            e.unlink()
+                        except OSError:
+                            pass
+            self._gpusim(h, {"op": "reset"})
+        self.write_inventory()
+
+    def status(self) -> dict:
+        out = {"root": str(self.root), "up": self.is_up(), "inventory": self.inventory_path, "hosts": []}
+        for h in self.hosts:
+            hd = self.root / h
+            sshd = _read_pid(hd / "sshd.pid")
+            hs = {"name": h, "address": self.address(h), "port": SSH_PORT,
+                  "sshd": bool(sshd and _pids_alive([sshd]) and _port_open(self.address(h), SSH_PORT)),
+                  "faults": self.host_faults(h), "containers": []}
+            try:
+                hs["gpu_used_mib"] = self.gpu_used(h)
+            except (OSError, ValueError):
+                hs["gpu_used_mib"] = None
+            for v, g in self.spec[h].items():
+                pid = self.init_pid(h, v)
+                hs["containers"].append({"vmid": v, "name": _container_name(v), "gpus": g,
+                                         "status": "running" if pid else "stopped", "init_pid": pid,
+                                         "processes": len(self.container_pids(h, v)) if pid else 0,
+                                         "faults": self.faults(h, v)})
+            out["hosts"].append(hs)
+        return out
+
+    def _kill_everything(self):
+        """Kill every process that belongs to the test bed in self.root: by command line (our scripts live
+        in $root/bin and $root/<host>) and by mount namespace (any namespace whose mounts mention $root)."""
+        marker = str(self.root).encode()
+        pats = [marker + b"/bin/"] + [marker + b"/" + h.encode() + b"/" for h in self.hosts]
+        spared = set()
+        p = os.getpid()
+        while p > 1 and p not in spared:  # never ourselves or our ancestors (a shell naming the dir)
+            spared.add(p)
+            try:
+                p = int(Path("/proc/%d/stat" % p).read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                break
+        try:
+            my_mnt = os.readlink("/proc/self/ns/mnt")
+        except OSError:
+            my_mnt = None
+        for _round in range(3):
+            victims = set()
+            ns_checked = {}
+            for e in os.listdir("/proc"):
+                if not e.isdigit() or int(e) in spared:
+                    continue
+                pid = int(e)
+                cmd = _cmdline(pid)
+                if any(x in cmd for x in pats):
+                    victims.add(pid)
+                    continue
+                try:
+                    mnt = os.readlink("/proc/%d/ns/mnt" % pid)
+                except OSError:
+                    continue
+                if mnt == my_mnt:
+                    continue
+                if mnt not in ns_checked:
+                    try:
+                        info = Path("/proc/%d/mountinfo" % pid).read_bytes()
+                        ns_checked[mnt] = (marker + b"/") in info or (marker + b" ") in info
+                    except OSError:
+                        ns_checked[mnt] = False
+                if ns_checked[mnt]:
+                    victims.add(pid)
+            if not victims:
+                return
+            _kill(victims)
+            ctl.wait_gone(victims, 5)
+
+    def down(self):
+        """Stop everything and remove the state directory; leaves no process, mount or listening port."""
+        if not self.root.exists():
+            return
+        if not (self.root / STATE).exists() and not (self.root / "bin" / "ctl.py").exists():
+            raise TestbedError("%s does not look like a test bed state directory; not removing it" % self.root)
+        self._kill_everything()
+        for h in self.hosts:
+            a = self.address(h)
+            _wait(lambda: _port_free(a, SSH_PORT), 5, "port %s:%d to close" % (a, SSH_PORT))
+        shutil.rmtree(self.root, ignore_errors=True)
+        if self.root.exists():
+            raise TestbedError("could not remove %s" % self.root)

@@ -1,0 +1,175 @@
+"""Container life cycle, shared by the test bed API and the simulated `pct` (stdlib only, lean imports).
+
+A host directory HOSTDIR holds host.json (name, containers, GPU simulator pid) and one ctVMID/ directory per
+container with ct.json (what ctinit.py needs) and init.pid (the container's PID 1, as seen from the root PID
+namespace) while it runs.
+"""
+import json
+import os
+import select
+import signal
+import subprocess
+import time
+
+NSENTER = "nsenter"
+CT_PATH = "/root/ml-env/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def load_host(hostdir):
+    with open(os.path.join(hostdir, "host.json")) as f:
+        return json.load(f)
+
+
+def ctdir(hostdir, vmid):
+    return os.path.join(hostdir, "ct%d" % int(vmid))
+
+
+def _cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def init_pid(hostdir, vmid):
+    """PID (root namespace) of the container's init, or None when the container is stopped."""
+    d = ctdir(hostdir, vmid)
+    try:
+        with open(os.path.join(d, "init.pid")) as f:
+            pid = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    cmd = _cmdline(pid)
+    if b"ctinit.py" in cmd and os.path.join(d, "ct.json").encode() in cmd:
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return None
+        except OSError:
+            return None
+        return pid
+    return None
+
+
+def start(hostdir, vmid, python, root_ns_pid=None, timeout=20.0):
+    """Start a container and wait until its file system view is ready. Returns the init PID."""
+    d = ctdir(hostdir, vmid)
+    if init_pid(hostdir, vmid):
+        raise RuntimeError("CT %d already running" % int(vmid))
+    ctjson = os.path.join(d, "ct.json")
+    here = os.path.join(os.path.dirname(os.path.abspath(hostdir)), "bin")  # the state dir's copy
+    argv = ["unshare", "--pid", "--mount", "--net", "--uts", "--ipc", "--fork", "--mount-proc",
+            "--propagation", "private", "--", python, "-SE", os.path.join(here, "ctinit.py"), ctjson]
+    if root_ns_pid and os.path.exists("/proc/%d/ns/mnt" % root_ns_pid):
+        # started from a simulated host's session: build the container from the root mount namespace,
+        # not from the host's (which has the host's /usr/sbin overlay)
+        argv = [NSENTER, "-t", str(root_ns_pid), "-m", "--"] + argv
+    log = open(os.path.join(d, "init.log"), "ab")
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                         start_new_session=True, close_fds=True)
+    log.close()
+    deadline = time.monotonic() + timeout
+    buf = b""
+    try:
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError("container %d did not become ready within %.0f s (see %s/init.log)"
+                                   % (int(vmid), timeout, d))
+            r, _, _ = select.select([p.stdout], [], [], left)
+            if r:
+                chunk = os.read(p.stdout.fileno(), 64)
+                if not chunk:
+                    break
+                buf += chunk
+        if not buf.startswith(b"ready"):
+            p.wait(timeout=5)
+            try:
+                err = open(os.path.join(d, "init.log"), errors="replace").read()[-2000:]
+            except OSError:
+                err = ""
+            raise RuntimeError("container %d failed to start: %s" % (int(vmid), err.strip()))
+    except BaseException:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        raise
+    finally:
+        p.stdout.close()
+    # the init is unshare's only child
+    pid = None
+    while pid is None and time.monotonic() < deadline:
+        for tid in os.listdir("/proc/%d/task" % p.pid):
+            try:
+                with open("/proc/%d/task/%s/children" % (p.pid, tid)) as f:
+                    kids = f.read().split()
+            except OSError:
+                kids = []
+            if kids:
+                pid = int(kids[0])
+    if pid is None:
+        raise RuntimeError("container %d: cannot find its init process" % int(vmid))
+    with open(os.path.join(d, "init.pid.tmp"), "w") as f:
+        f.write("%d\n%d\n" % (pid, p.pid))
+    os.rename(os.path.join(d, "init.pid.tmp"), os.path.join(d, "init.pid"))
+    return pid
+
+
+def ns_members(pid):
+    """PIDs (root namespace) of every process in the PID namespace of `pid`."""
+    try:
+        ns = os.readlink("/proc/%d/ns/pid" % pid)
+    except OSError:
+        return []
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                if os.readlink("/proc/%s/ns/pid" % e) == ns:
+                    out.append(int(e))
+            except OSError:
+                pass
+    return out
+
+
+def wait_gone(pids, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    pids = set(pids)
+    while pids and time.monotonic() < deadline:
+        for pid in list(pids):
+            try:
+                with open("/proc/%d/stat" % pid) as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                        pids.discard(pid)
+            except OSError:
+                pids.discard(pid)
+        if pids:
+            time.sleep(0.005)
+    return not pids
+
+
+def stop(hostdir, vmid, timeout=5.0):
+    pid = init_pid(hostdir, vmid)
+    if not pid:
+        return False
+    members = ns_members(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)  # the kernel then kills the whole PID namespace
+    except OSError:
+        pass
+    wait_gone(members + [pid], timeout)
+    try:
+        os.unlink(os.path.join(ctdir(hostdir, vmid), "init.pid"))
+    except OSError:
+        pass
+    return True
+
+
+def enter_argv(pid, argv, wd="/root"):
+    # nsenter --wd=DIR opens DIR *before* entering the mount namespace; bare --wd takes the init's cwd
+    # (/root inside the container), anything else goes through env --chdir inside
+    pre = [] if wd in (None, "/root") else ["env", "--chdir=" + wd]
+    return [NSENTER, "-t", str(pid), "-m", "-p", "-n", "-u", "-i", "--wd", "--"] + pre + list(argv)

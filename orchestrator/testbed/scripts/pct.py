@@ -1,0 +1,226 @@
+"""The simulated host's /usr/sbin/pct (stdlib only, run with python3 -SE; see docs/testbed.md).
+
+Behaves like Proxmox VE's pct for the sub-commands the deploy tool uses: list, status, exec, start, stop,
+shutdown, config, push, pull. Errors go to stderr with exit status 255, like pct's `die`.
+"""
+import json
+import os
+import sys
+
+import ctl
+
+USAGE_EXEC = "pct exec <vmid> [<extra-args>] [OPTIONS]"
+
+
+def die(msg, code=255):
+    sys.stderr.write(msg.rstrip("\n") + "\n")
+    sys.exit(code)
+
+
+def host_faults(hostdir):
+    try:
+        with open(os.path.join(hostdir, "faults.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def get_ct(host, vmid_s):
+    if not vmid_s.isdigit() or not (100 <= int(vmid_s) <= 999999999):
+        die("400 Parameter verification failed.\nvmid: invalid format - value does not look like a valid VM ID\n")
+    vmid = int(vmid_s)
+    if str(vmid) not in host["containers"]:
+        die("Configuration file 'nodes/%s/lxc/%d.conf' does not exist" % (host["name"], vmid))
+    return vmid
+
+
+def need_vmid(args, usage):
+    if not args:
+        die("400 not enough arguments\n" + usage)
+    return args[0]
+
+
+def cmd_list(hostdir, host, args):
+    rows = []
+    for vmid in sorted(host["containers"], key=int):
+        st = "running" if ctl.init_pid(hostdir, vmid) else "stopped"
+        rows.append("%-10s %-10s %-12s %-20s\n" % (vmid, st, "", host["containers"][vmid]["name"]))
+    if rows:
+        sys.stdout.write("%-10s %-10s %-12s %-20s\n" % ("VMID", "Status", "Lock", "Name") + "".join(rows))
+    return 0
+
+
+def cmd_status(hostdir, host, args):
+    vmid = get_ct(host, need_vmid(args, "pct status <vmid> [OPTIONS]"))
+    sys.stdout.write("status: %s\n" % ("running" if ctl.init_pid(hostdir, vmid) else "stopped"))
+    return 0
+
+
+def cmd_exec(hostdir, host, args):
+    if "--" in args:
+        k = args.index("--")
+        opts, cmd = args[:k], args[k + 1:]
+    else:
+        opts, cmd = args, []
+    keep_env = True
+    pos = []
+    i = 0
+    supported = host_faults(hostdir).get("keep_env_supported", True)
+    while i < len(opts):
+        a = opts[i]
+        if a.startswith("--keep-env") or a.startswith("-keep-env"):
+            if not supported:
+                die("Unknown option: keep-env\n400 unable to parse option\n" + USAGE_EXEC)
+            if "=" in a:
+                v = a.split("=", 1)[1]
+            elif i + 1 < len(opts):
+                i += 1
+                v = opts[i]
+            else:
+                die("Option keep-env requires an argument\n400 unable to parse option\n" + USAGE_EXEC)
+            if v.lower() in ("0", "false", "no", "off"):
+                keep_env = False
+            elif v.lower() in ("1", "true", "yes", "on"):
+                keep_env = True
+            else:
+                die("400 Parameter verification failed.\nkeep-env: type check ('boolean') failed - got '%s'\n"
+                    % v + USAGE_EXEC)
+        elif a.startswith("-") and a != "-":
+            die("Unknown option: %s\n400 unable to parse option\n" % a.lstrip("-") + USAGE_EXEC)
+        else:
+            pos.append(a)
+        i += 1
+    if not pos:
+        die("400 not enough arguments\n" + USAGE_EXEC)
+    vmid = get_ct(host, pos[0])
+    if len(pos) > 1 or not cmd:  # like pve-container: the command must follow `--`
+        die("missing command")
+    pid = ctl.init_pid(hostdir, vmid)
+    if not pid:
+        die("container '%d' not running!" % vmid)
+    env = dict(os.environ) if keep_env else {"PATH": ctl.DEFAULT_PATH, "container": "lxc"}
+    argv = ctl.enter_argv(pid, cmd)
+    sys.stdout.flush()
+    try:
+        os.execvpe(argv[0], argv, env)
+    except OSError as e:
+        die("failed to exec: %s" % e)
+
+
+def cmd_start(hostdir, host, args):
+    vmid = get_ct(host, need_vmid(args, "pct start <vmid> [OPTIONS]"))
+    if ctl.init_pid(hostdir, vmid):
+        die("CT %d already running" % vmid)
+    rootpid = None
+    try:
+        rootpid = int(open(os.path.join(hostdir, "gpusim.ready")).read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        ctl.start(hostdir, vmid, sys.executable, root_ns_pid=rootpid)
+    except RuntimeError as e:
+        die("startup for container '%d' failed: %s" % (vmid, e))
+    return 0
+
+
+def cmd_stop(hostdir, host, args):
+    vmid = get_ct(host, need_vmid(args, "pct stop <vmid> [OPTIONS]"))
+    if not ctl.stop(hostdir, vmid):
+        die("CT %d not running" % vmid)
+    return 0
+
+
+def cmd_config(hostdir, host, args):
+    vmid = get_ct(host, need_vmid(args, "pct config <vmid> [OPTIONS]"))
+    path = os.path.join(hostdir, "pve", "nodes", host["name"], "lxc", "%d.conf" % vmid)
+    for line in open(path):
+        if line.startswith("["):  # snapshot sections
+            break
+        if line.strip() and not line.startswith("#"):
+            sys.stdout.write(line)
+    return 0
+
+
+def _split_opts(args, names, usage):
+    pos, opts = [], {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--"):
+            k, _, v = a[2:].partition("=")
+            if k not in names:
+                die("Unknown option: %s\n400 unable to parse option\n%s" % (k, usage))
+            if not _:
+                if i + 1 >= len(args):
+                    die("Option %s requires an argument\n400 unable to parse option\n%s" % (k, usage))
+                i += 1
+                v = args[i]
+            opts[k] = v
+        else:
+            pos.append(a)
+        i += 1
+    return pos, opts
+
+
+def cmd_push(hostdir, host, args):
+    usage = "pct push <vmid> <file> <destination> [OPTIONS]"
+    pos, opts = _split_opts(args, ("perms", "user", "group"), usage)
+    if len(pos) != 3:
+        die("400 not enough arguments\n" + usage)
+    vmid = get_ct(host, pos[0])
+    pid = ctl.init_pid(hostdir, vmid)
+    if not pid:
+        die("container '%d' not running!" % vmid)
+    src, dst = pos[1], pos[2]
+    try:
+        fin = open(src, "rb")
+    except OSError as e:
+        die("can't open file '%s' - %s" % (src, e.strerror))
+    perms = opts.get("perms", "0644")
+    perms = oct(int(perms, 16))[2:] if perms.lower().startswith("0x") else perms
+    owner = "%s:%s" % (opts.get("user", "0"), opts.get("group", "0"))
+    import subprocess
+    r = subprocess.run(ctl.enter_argv(pid, ["sh", "-c", 'cat > "$1" && chmod "$2" "$1" && chown "$3" "$1"',
+                                            "sh", dst, perms, owner]), stdin=fin)
+    if r.returncode:
+        die("error writing '%s' in container %d" % (dst, vmid))
+    return 0
+
+
+def cmd_pull(hostdir, host, args):
+    usage = "pct pull <vmid> <path> <destination> [OPTIONS]"
+    pos, opts = _split_opts(args, ("perms", "user", "group"), usage)
+    if len(pos) != 3:
+        die("400 not enough arguments\n" + usage)
+    vmid = get_ct(host, pos[0])
+    pid = ctl.init_pid(hostdir, vmid)
+    if not pid:
+        die("container '%d' not running!" % vmid)
+    src, dst = pos[1], pos[2]
+    import subprocess
+    tmp = dst + ".pct-pull.tmp"
+    with open(tmp, "wb") as fout:
+        r = subprocess.run(ctl.enter_argv(pid, ["cat", "--", src]), stdout=fout, stderr=subprocess.PIPE)
+    if r.returncode:
+        os.unlink(tmp)
+        die("failed to open %s for reading: %s" % (src, r.stderr.decode(errors="replace").strip().split(": ")[-1]))
+    if "perms" in opts:
+        os.chmod(tmp, int(opts["perms"], 8))
+    os.rename(tmp, dst)
+    return 0
+
+
+COMMANDS = {"list": cmd_list, "status": cmd_status, "exec": cmd_exec, "start": cmd_start, "stop": cmd_stop,
+            "shutdown": cmd_stop, "config": cmd_config, "push": cmd_push, "pull": cmd_pull}
+
+
+def main(hostdir, argv):
+    host = ctl.load_host(hostdir)
+    if not argv or argv[0] in ("help", "-h", "--help"):
+        sys.stdout.write("USAGE: pct <COMMAND> [ARGS] [OPTIONS]\n\n" + "".join(
+            "       pct %s\n" % c for c in sorted(COMMANDS)) + "\n(vllm-pve-deploy test bed simulation)\n")
+        return 0 if argv else 255
+    fn = COMMANDS.get(argv[0])
+    if fn is None:
+        die("unknown command 'pct %s'\nUSAGE: pct <COMMAND> [ARGS] [OPTIONS]" % argv[0])
+    return fn(hostdir, host, argv[1:]) or 0
