@@ -490,42 +490,44 @@ class Testbed:
         shutil.copy(STALE_CONFIG, m / DRAFTER / "config.json")
         (m / DRAFTER / "model.safetensors").write_bytes(safetensors_header())
 
-    @staticmethod
-    def _fake_vllm_source():
-        if (FAKE_VLLM / "vllm" / "__init__.py").exists():
-            return FAKE_VLLM / "vllm"
-        if (FAKE_VLLM / "src" / "vllm" / "__init__.py").exists():
-            return FAKE_VLLM / "src" / "vllm"
-        if (FAKE_VLLM / "__init__.py").exists():
-            return FAKE_VLLM
-        return None
+    _fake_build = None
+
+    @classmethod
+    def _fake_vllm_builder(cls):
+        """fake_vllm/build.py (written by the fake vLLM's side), loaded once; None when absent."""
+        if cls._fake_build is None:
+            path = FAKE_VLLM / "build.py"
+            if not path.exists():
+                return None
+            import importlib.util
+            spec = importlib.util.spec_from_file_location("_vpd_fake_vllm_build", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            cls._fake_build = mod
+        return cls._fake_build
+
+    def site_packages(self, host: str, vmid: int) -> Path:
+        """The container venv's site-packages, as a path outside the container."""
+        ver = "%d.%d" % sys.version_info[:2]
+        return self.ctdir(host, vmid) / "root" / "ml-env" / "lib" / ("python" + ver) / "site-packages"
 
     def _install_fake_vllm(self, sp: Path, env: Path):
-        src = self._fake_vllm_source()
-        entry = None
-        if src is not None:
-            shutil.copytree(src, sp / "vllm", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-                            symlinks=True)
-            for pp in (FAKE_VLLM / "pyproject.toml",):
-                if pp.exists():
-                    import re
-                    mt = re.search(r'^\s*vllm\s*=\s*"([\w.]+):(\w+)"', pp.read_text(), re.M)
-                    if mt:
-                        entry = (mt.group(1), mt.group(2))
-        cands = [entry] if entry else []
-        cands += [("vllm.entrypoints.cli.main", "main"), ("vllm.entrypoints.cli", "main"),
-                  ("vllm.scripts", "main"), ("vllm.cli", "main"), ("vllm.__main__", "main")]
+        b = self._fake_vllm_builder()
+        console = getattr(b, "CONSOLE_SCRIPT", None) or "from vllm.entrypoints.cli.main import main; main()"
+        if b is not None:
+            b.install_fake_vllm(str(sp))
+        elif (FAKE_VLLM / "vllm" / "__init__.py").exists():
+            shutil.copytree(FAKE_VLLM / "vllm", sp / "vllm", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         script = env / "bin" / "vllm"
-        script.write_text(
-            "#!/root/ml-env/bin/python\n# console script of the test bed's fake vLLM\nimport importlib, sys\n"
-            "for _m, _f in %r:\n"
-            "    try:\n        _main = getattr(importlib.import_module(_m), _f)\n        break\n"
-            "    except (ImportError, AttributeError) as _e:\n"
-            "        if not isinstance(_e, AttributeError) and getattr(_e, 'name', None) not in (None, _m, 'vllm') "
-            "and not _m.startswith(str(getattr(_e, 'name', '')) or '\\0'):\n            raise\n"
-            "else:\n    sys.stderr.write('vllm: the fake vLLM package is not installed\\n')\n    sys.exit(1)\n"
-            "if __name__ == '__main__':\n    sys.argv[0] = 'vllm'\n    sys.exit(_main())\n" % (cands,))
+        script.write_text("#!/root/ml-env/bin/python\n# console script of the test bed's fake vLLM\n"
+                          "import sys\nsys.argv[0] = 'vllm'\n%s\n" % console)
         os.chmod(script, 0o755)
+
+    def sync_fake_vllm(self, host: str, vmid: int):
+        """Re-lay out the container's fake vllm files after a vllm_* / missing_extension / no_fix_markers fault."""
+        b = self._fake_vllm_builder()
+        if b is not None and hasattr(b, "sync"):
+            b.sync(str(self.site_packages(host, vmid)), str(self.ctdir(host, vmid) / "faults" / "faults.json"))
 
     def _start_all(self):
         for h in self.hosts:
@@ -715,17 +717,20 @@ class Testbed:
         os.replace(tmp, f)
 
     def set_fault(self, host: str, vmid: int | None, name: str, value=True):
-        """Switch a fault on (value) or off (value None/False). See contracts.md section 4."""
+        """Switch a fault on (value) or off (value None, or False for the boolean ones; keep_env_supported
+        is the exception: False is its fault). See contracts.md section 4 and docs/testbed.md."""
         _faults.validate(name, value, container=vmid is not None)
         data = self.faults(host, vmid)
         old = data.get(name)
-        off = value is None or value is False
+        off = value is None or (value is False and name != "keep_env_supported")
         if off:
             data.pop(name, None)
         else:
             data[name] = value
         self._write_faults(host, vmid, data)
         _faults.apply(self, host, vmid, name, None if off else value, old)
+        if vmid is not None and name in _faults.FAKE_VLLM_LAYOUT:
+            self.sync_fake_vllm(host, vmid)
 
     def clear_faults(self, host: str | None = None, vmid: int | None = None):
         """Switch every fault off (all hosts and containers, or just one)."""
@@ -742,6 +747,8 @@ class Testbed:
                 self._write_faults(h, v, {})
                 for name, old in data.items():
                     _faults.apply(self, h, v, name, None, old)
+                if v is not None and set(data) & _faults.FAKE_VLLM_LAYOUT:
+                    self.sync_fake_vllm(h, v)
         _faults.cleanup_helpers(self, host)
 
     # ---- reset / status / down ---------------------------------------------------------------------

@@ -36,6 +36,7 @@ HOST = {
     "keep_env_supported": "bool (default true): false makes pct reject --keep-env like pve-container < 5.0.9",
 }
 
+FAKE_VLLM_LAYOUT = {"vllm_version", "vllm_build", "missing_extension", "no_fix_markers"}
 _FLOAT = {"crash_after_s", "load_s", "config_revert_s", "release_delay_s", "ssh_drop_after_s"}
 _INT = {"sigterm_ignoring_holder_mib", "port_in_use", "latency_ms", "oom_exit_code"}
 _BOOL = {"no_fix_markers", "readonly_models", "nvidia_smi_hang", "unreachable", "keep_env_supported"}
@@ -124,7 +125,7 @@ def validate(name, value, container):
             raise FaultError("%s is %s" % (name, where))
         raise FaultError("unknown fault %r; known %s faults: %s" % (name, "container" if container else "host",
                                                                     ", ".join(sorted(table))))
-    if value is None or value is False:
+    if value is None or (value is False and name in _BOOL):
         return
     if name in _FLOAT and not isinstance(value, (int, float)):
         raise FaultError("%s needs a number of seconds" % name)

@@ -1,0 +1,189 @@
+"""`deploy testbed ...`: start, inspect, break and remove the local simulated Proxmox GPU fleet.
+
+Kept light at import time (only click): the test bed itself is imported inside each command.
+"""
+import json
+import os
+import sys
+
+import click
+
+DIR_HELP = "state directory (default: $VPD_TESTBED_DIR or /tmp/vpd-testbed)"
+
+
+def _root(d):
+    return d or os.environ.get("VPD_TESTBED_DIR") or "/tmp/vpd-testbed"
+
+
+def _fail(e):
+    click.echo("testbed: %s" % e, err=True)
+    sys.exit(1)
+
+
+@click.group("testbed")
+def testbed():
+    """A local simulated Proxmox VE GPU fleet to rehearse deployments on (needs root).
+
+    \b
+    Example:
+      deploy testbed up --hosts 1 --containers 129
+      export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml
+      deploy up qwen36-dflash
+      deploy testbed fault pve1/129 oom_at_startup=cuda_oom
+      deploy testbed down
+
+    See docs/testbed.md.
+    """
+
+
+def _parse_containers(text, gpus):
+    """'129,130' -> [129, 130]; '129:0-3,130:0-1' or '129:0+1+2' -> {129: [...], ...}"""
+    out = {}
+    plain = True
+    for part in [p for p in text.split(",") if p.strip()]:
+        if ":" in part:
+            plain = False
+            vmid, g = part.split(":", 1)
+            if "-" in g:
+                a, b = g.split("-", 1)
+                gl = list(range(int(a), int(b) + 1))
+            else:
+                gl = [int(x) for x in g.split("+")]
+            out[int(vmid)] = gl
+        else:
+            out[int(part)] = list(range(gpus))
+    return list(out) if plain else out
+
+
+@testbed.command("up")
+@click.option("--hosts", default=1, show_default=True, type=click.IntRange(1, 250), help="simulated hosts pve1..pveN")
+@click.option("--containers", default="129", show_default=True,
+              help="VMIDs on every host, comma-separated; VMID:0-1 (or VMID:0+2) gives a container only those GPUs")
+@click.option("--gpus", default=4, show_default=True, type=click.IntRange(1, 16), help="GPUs per host")
+@click.option("--dir", "root", default=None, help=DIR_HELP)
+def up_cmd(hosts, containers, gpus, root):
+    """Start the test bed and write its inventory.
+
+    \b
+    Example:
+      deploy testbed up --hosts 2 --containers 129,130:0-1 --gpus 4
+      export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml
+    """
+    import time
+    from .core import Testbed, TestbedError
+    try:
+        t0 = time.monotonic()
+        tb = Testbed(root=_root(root), hosts=hosts, containers=_parse_containers(containers, gpus), gpus=gpus).up()
+    except (TestbedError, ValueError) as e:
+        _fail(e)
+    for h in tb.hosts:
+        cts = ", ".join("%d (GPUs %s)" % (v, ",".join(map(str, g))) for v, g in tb.spec[h].items())
+        click.echo("%s  root@%s:%d  containers %s" % (h, tb.address(h), 2222, cts), err=True)
+    click.echo("test bed up in %.1f s (state in %s); use it with:" % (time.monotonic() - t0, tb.root), err=True)
+    click.echo("export DEPLOY_INVENTORY=%s" % tb.inventory_path)
+
+
+@testbed.command("down")
+@click.option("--dir", "root", default=None, help=DIR_HELP)
+def down_cmd(root):
+    """Stop everything and remove the state directory (no process, mount or port is left).
+
+    \b
+    Example:
+      deploy testbed down
+    """
+    from .core import Testbed, TestbedError
+    r = _root(root)
+    try:
+        try:
+            tb = Testbed.load(r)
+        except TestbedError:
+            if not os.path.exists(r):
+                click.echo("no test bed in %s" % r, err=True)
+                return
+            tb = Testbed(root=r)  # a half-started one: still kill what mentions it and remove the dir
+        tb.down()
+    except TestbedError as e:
+        _fail(e)
+    click.echo("test bed in %s is down" % r, err=True)
+
+
+@testbed.command("status")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--dir", "root", default=None, help=DIR_HELP)
+def status_cmd(as_json, root):
+    """Show hosts, containers, GPU memory and active faults.
+
+    \b
+    Example:
+      deploy testbed status --json
+    """
+    from .core import Testbed, TestbedError
+    try:
+        st = Testbed.load(_root(root)).status()
+    except TestbedError as e:
+        _fail(e)
+    if as_json:
+        click.echo(json.dumps(st, indent=1))
+        return
+    click.echo("test bed %s: %s  inventory %s" % (st["root"], "up" if st["up"] else "DOWN", st["inventory"]))
+    for h in st["hosts"]:
+        click.echo("%s  %s:%d  sshd %s  GPU MiB used %s%s" % (
+            h["name"], h["address"], h["port"], "up" if h["sshd"] else "DOWN", h["gpu_used_mib"],
+            ("  faults " + json.dumps(h["faults"])) if h["faults"] else ""))
+        for c in h["containers"]:
+            click.echo("  %-10d %-8s %-12s GPUs %-10s processes %d%s" % (
+                c["vmid"], c["status"], c["name"], ",".join(map(str, c["gpus"])), c["processes"],
+                ("  faults " + json.dumps(c["faults"])) if c["faults"] else ""))
+
+
+@testbed.command("fault")
+@click.argument("target", required=False)
+@click.argument("assignment", required=False)
+@click.option("--clear", is_flag=True, help="switch every fault off (of TARGET if given, else everywhere)")
+@click.option("--list", "list_", is_flag=True, help="list the fault switches")
+@click.option("--dir", "root", default=None, help=DIR_HELP)
+def fault_cmd(target, assignment, clear, list_, root):
+    """Switch a fault on or off: HOST[/VMID] NAME[=VALUE] (VALUE is JSON; no value = true; NAME=off
+    switches it off).
+
+    \b
+    Examples:
+      deploy testbed fault pve1/129 oom_at_startup=cuda_oom
+      deploy testbed fault pve1/129 load_s=5
+      deploy testbed fault pve1 nvidia_smi_hang
+      deploy testbed fault pve1 foreign_holder='{"gpu": 0, "mib": 30000}'
+      deploy testbed fault pve1 latency_ms=50
+      deploy testbed fault pve1/129 readonly_models=off
+      deploy testbed fault --clear
+    """
+    from . import faults as F
+    if list_:
+        click.echo("container faults (HOST/VMID NAME=VALUE):")
+        for k, v in F.CONTAINER.items():
+            click.echo("  %-28s %s" % (k, v))
+        click.echo("host faults (HOST NAME=VALUE):")
+        for k, v in F.HOST.items():
+            click.echo("  %-28s %s" % (k, v))
+        return
+    from .core import Testbed, TestbedError
+    try:
+        tb = Testbed.load(_root(root))
+        host, vmid = None, None
+        if target:
+            host, _, v = target.partition("/")
+            vmid = int(v) if v else None
+        if clear:
+            if assignment:
+                raise click.UsageError("--clear takes no NAME")
+            tb.clear_faults(host, vmid)
+            click.echo("faults cleared", err=True)
+            return
+        if not target or not assignment:
+            raise click.UsageError("give HOST[/VMID] NAME[=VALUE], or --clear (see --help, --list)")
+        name, eq, text = assignment.partition("=")
+        value = True if not eq else (None if text.lower() in ("off", "null", "none") else F.parse_value(text))
+        tb.set_fault(host, vmid, name, value)
+    except (TestbedError, F.FaultError, ValueError, RuntimeError) as e:
+        _fail(e)
+    click.echo("%s: %s %s" % (target, name, "off" if value is None else "= " + json.dumps(value)), err=True)
