@@ -171,8 +171,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
         stack = None
         if "drafter-config" in steps:
             D.write_config(ctx, steps["drafter-config"])
-        if "verify" in steps:
-            stack = D.verify(ctx, steps["verify"], blocking=opts.write_config).get("stack")
+        stack = D.verify(ctx, steps["verify"], blocking=opts.write_config or not pb.drafter).get("stack")
         if running or restart or cur.get("vllm_processes"):
             G.stop(ctx, steps["stop"])
         G.prove_free(ctx, steps["gpus-free"])
@@ -280,13 +279,7 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
 def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome, dict]:
     ctx = new_context(fleet, pb, progress)
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
-    if not pb.drafter:
-        step = P.Step("verify", "verify the serving stack", action="verify",
-                      args={"stack_only": True, "method": pb.spec["method"],
-                            "vllm_min_version": pb.data["requires"].get("vllm_min_version")},
-                      host=pb.host, vmid=pb.vmid, timeout=180)
-    else:
-        step = P.step_verify(pb)
+    step = P.step_verify(pb)
     try:
         r = D.verify(ctx, step, record=False)
         out.ok = not r["failed"]

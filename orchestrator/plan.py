@@ -159,6 +159,11 @@ def step_write_config(pb):
 
 
 def step_verify(pb):
+    if not pb.drafter:
+        return Step("verify", "verify the serving stack (vLLM version, complete build, import)", action="verify",
+                    args={"stack_only": True, "method": pb.spec["method"],
+                          "vllm_min_version": pb.data["requires"].get("vllm_min_version")}, timeout=180,
+                    **_common(pb))
     return Step("verify", "verify the drafter config vLLM will read: bytes, fields, as loaded, serving stack",
                 action="verify", args=verify_args(pb), bulk={"pinned": pb.drafter_config}, timeout=180,
                 **_common(pb))
@@ -235,8 +240,7 @@ def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None 
     steps = [step_container(pb), step_lock(pb, "restart" if restart else "up", lease), step_current(pb)]
     if pb.drafter and write_config and drafter_config_path(pb):
         steps.append(step_write_config(pb))
-    if pb.drafter:
-        steps.append(step_verify(pb))
+    steps.append(step_verify(pb))
     steps.append(step_stop(pb, clean, when="always (restart)" if restart else
                            "something of ours runs and differs from this playbook"))
     steps += [step_gpus_free(pb), step_port(pb), step_launch(pb), step_wait(pb)]

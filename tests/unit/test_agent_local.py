@@ -1,0 +1,165 @@
+"""The in-container agent, run as a real process on real files (no SSH): config writes and verification.
+
+The same agent.py runs inside the test bed's containers in the end-to-end tests.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.agent import agent_stdin
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                    "orchestrator", "testbed", "data")
+PUBLISHED = os.path.join(DATA, "qwen36-27b-dflash.config.json")
+STALE = os.path.join(DATA, "qwen36-27b-dflash.stale-guess.config.json")
+TARGET = os.path.join(DATA, "qwen36-27b-target.trimmed.config.json")
+
+
+def run_agent(action, args, payload=None, bulk=None):
+    p = subprocess.run([sys.executable, "-", action, json.dumps(args)], input=agent_stdin(payload, None, bulk),
+                       capture_output=True, timeout=120)
+    lines = [json.loads(ln) for ln in p.stdout.decode().splitlines() if ln.startswith("{")]
+    res = [ln["result"] for ln in lines if "result" in ln]
+    assert res, p.stderr.decode()
+    return res[-1]
+
+
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.fixture
+def models(tmp_path):
+    t = tmp_path / "Qwen3.6-27B"
+    d = tmp_path / "Qwen3.6-27B-DFlash"
+    t.mkdir()
+    d.mkdir()
+    shutil.copy(TARGET, t / "config.json")
+    shutil.copy(STALE, d / "config.json")
+    return t, d
+
+
+def verify(models, cfg_bytes=None, **kw):
+    t, d = models
+    if cfg_bytes is not None:
+        (d / "config.json").write_bytes(cfg_bytes)
+    pinned = json.load(open(PUBLISHED))
+    args = {"path": str(d), "sha256": sha(PUBLISHED), "target_path": str(t), "num_speculative_tokens": 15,
+            "method": "dflash", "fixes": []}
+    args.update(kw)
+    r = run_agent("verify", args, bulk={"pinned": pinned})
+    return r, {c["check"]: c for c in r["checks"]}
+
+
+def test_write_only_when_differs_with_backup_and_readback(models):
+    _, d = models
+    path = str(d / "config.json")
+    data = open(PUBLISHED, "rb").read()
+    r = run_agent("write_file", {"path": path, "sha256": sha(PUBLISHED)}, payload=data)
+    assert r["ok"] and r["changed"] and r["after_sha256"] == sha(PUBLISHED)
+    assert open(r["backup"], "rb").read() == open(STALE, "rb").read()
+    assert open(path, "rb").read() == data  # the pinned bytes, not a re-serialisation
+    again = run_agent("write_file", {"path": path, "sha256": sha(PUBLISHED)}, payload=data)
+    assert again["ok"] and not again["changed"] and again["backup"] is None
+
+
+def test_write_refuses_a_corrupted_payload(models):
+    _, d = models
+    r = run_agent("write_file", {"path": str(d / "config.json"), "sha256": sha(PUBLISHED)}, payload=b"{}")
+    assert not r["ok"] and r["stage"] == "payload"
+    assert open(d / "config.json", "rb").read() == open(STALE, "rb").read()
+
+
+def test_write_into_missing_directory(tmp_path):
+    r = run_agent("write_file", {"path": str(tmp_path / "nope" / "config.json"), "sha256": sha(PUBLISHED)},
+                  payload=open(PUBLISHED, "rb").read())
+    assert not r["ok"] and r["stage"] == "directory" and "does not exist" in r["message"]
+
+
+def test_stale_guess_every_wrong_field_named(models):
+    r, checks = verify(models)
+    assert not checks["sha256"]["ok"]
+    for field in ("dflash_config.target_layer_ids", "dflash_config.mask_token_id", "layer_types", "sliding_window",
+                  "use_sliding_window", "bos_token_id"):
+        c = checks["field " + field]
+        assert not c["ok"], field
+    assert checks["field dflash_config.target_layer_ids"]["on_disk"] == [1, 17, 33, 49, 63]
+    assert checks["field dflash_config.target_layer_ids"]["expected"] == [1, 16, 31, 46, 61]
+    assert not checks["target_layer_ids range"]["ok"]  # 63 + 1 > 63
+    assert len([c for c in r["checks"] if c["check"].startswith("field ")]) == 6
+
+
+def test_published_config_passes_every_config_check(models):
+    r, checks = verify(models, open(PUBLISHED, "rb").read())
+    bad = [c for c in r["checks"] if not c["ok"] and not c["check"].startswith("vllm")]
+    assert bad == []
+    assert checks["loaded sliding_window"]["as_loaded"] == 2048
+    assert r["transformers_version"]
+
+
+def test_window_dropped_is_caught_only_as_loaded(models):
+    """use_sliding_window: false keeps a plausible raw file; only loading shows the window is gone."""
+    cfg = json.load(open(PUBLISHED))
+    cfg["use_sliding_window"] = False
+    raw = json.dumps(cfg, indent=2).encode()
+    # pin these bytes, so the raw sha256 and field checks pass: only the as-loaded diff remains
+    pinned_sha = hashlib.sha256(raw).hexdigest()
+    t, d = models
+    (d / "config.json").write_bytes(raw)
+    r = run_agent("verify", {"path": str(d), "sha256": pinned_sha, "target_path": str(t), "method": "dflash",
+                             "num_speculative_tokens": 15}, bulk={"pinned": cfg})
+    checks = {c["check"]: c for c in r["checks"]}
+    assert checks["sha256"]["ok"] and "fields" in checks and checks["fields"]["ok"]
+    lost = checks["loaded sliding_window"]
+    assert not lost["ok"] and lost["on_disk"] == 2048 and lost["as_loaded"] is None
+    assert "use_sliding_window is not true" in lost["reason"]
+
+
+def test_absent_key_filled_on_load_is_a_finding(models):
+    cfg = json.load(open(PUBLISHED))
+    del cfg["layer_types"]
+    cfg["sliding_window"] = None
+    del cfg["use_sliding_window"]
+    raw = json.dumps(cfg).encode()
+    t, d = models
+    (d / "config.json").write_bytes(raw)
+    r = run_agent("verify", {"path": str(d), "sha256": hashlib.sha256(raw).hexdigest(), "target_path": str(t),
+                             "method": "dflash", "num_speculative_tokens": 15}, bulk={"pinned": cfg})
+    checks = {c["check"]: c for c in r["checks"]}
+    c = checks["loaded layer_types"]
+    assert not c["ok"] and c["on_disk"] == "<absent>" and c["as_loaded"] == ["full_attention"] * 5
+
+
+def test_duplicate_keys_are_an_error(models):
+    raw = open(PUBLISHED, "rb").read().replace(b'"block_size": 16,', b'"block_size": 16,\n  "block_size": 8,')
+    r, checks = verify(models, raw)
+    assert not checks["json"]["ok"] and "duplicate key 'block_size'" in checks["json"]["reason"]
+
+
+def test_hub_id_resolves_to_the_snapshot_vllm_reads(tmp_path, models):
+    hub = tmp_path / "hf" / "hub" / "models--z-lab--Qwen3.6-27B-DFlash"
+    (hub / "refs").mkdir(parents=True)
+    (hub / "refs" / "main").write_text("abc123")
+    (hub / "blobs").mkdir()
+    shutil.copy(STALE, hub / "blobs" / "deadbeef")
+    (hub / "snapshots" / "abc123").mkdir(parents=True)
+    os.symlink("../../blobs/deadbeef", hub / "snapshots" / "abc123" / "config.json")
+    # the operator wrote the published file locally, but with a hub id vLLM reads the snapshot
+    _, d = models
+    shutil.copy(PUBLISHED, d / "config.json")
+    r, checks = verify(models, path=None, hub_id="z-lab/Qwen3.6-27B-DFlash", hf_home=str(tmp_path / "hf"))
+    assert r["location"]["realpath"] == str(hub / "blobs" / "deadbeef")
+    assert not checks["sha256"]["ok"]
+
+
+def test_stack_reports_missing_vllm(models):
+    r, checks = verify(models, open(PUBLISHED, "rb").read())
+    if r["stack"]["installed"]:
+        pytest.skip("a vllm is importable here")
+    assert not checks["vllm installed"]["ok"]

@@ -1,0 +1,214 @@
+"""Validation: one test per class of mistake, asserting the message and the line number. Nothing remote runs."""
+
+import os
+import shutil
+import textwrap
+
+import pytest
+
+from orchestrator.errors import SpecError
+from orchestrator.spec import load_inventory, load_playbook
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+INVENTORY = """\
+hosts:
+  - name: pve1
+    address: 127.77.0.1
+    port: 2222
+    containers:
+      - vmid: 129
+        gpus: [0, 1, 2, 3]
+"""
+
+
+@pytest.fixture
+def work(tmp_path):
+    pbdir = tmp_path / "playbooks"
+    shutil.copytree(os.path.join(REPO, "playbooks"), pbdir)
+    (tmp_path / "hosts.yaml").write_text(INVENTORY)
+    return tmp_path
+
+
+def inv(work):
+    return load_inventory(str(work / "hosts.yaml"))
+
+
+def edit(work, name, old, new):
+    p = work / "playbooks" / f"{name}.yaml"
+    text = p.read_text()
+    assert old in text, old
+    p.write_text(text.replace(old, new, 1))
+    return str(p)
+
+
+def problems(fn):
+    with pytest.raises(SpecError) as ei:
+        fn()
+    return ei.value.problems
+
+
+def line_of(path, needle):
+    for i, ln in enumerate(open(path).read().splitlines(), 1):
+        if needle in ln:
+            return i
+    raise AssertionError(needle)
+
+
+def test_shipped_playbooks_are_valid(work):
+    pb = load_playbook(str(work / "playbooks" / "qwen36-dflash.yaml"), inv(work))
+    assert pb.fallback.name == "qwen36-mtp"
+    assert pb.drafter_config["block_size"] == 16
+    mtp = load_playbook(str(work / "playbooks" / "qwen36-mtp.yaml"), inv(work))
+    assert mtp.drafter is None
+
+
+def test_unknown_key_with_did_you_mean(work):
+    p = edit(work, "qwen36-dflash", "  port: 8000", "  prot: 8000")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert msg.startswith(f"{p}:{line_of(p, 'prot:')}:3: serve.prot: unknown key (did you mean 'port'?)")
+
+
+def test_wrong_type(work):
+    p = edit(work, "qwen36-dflash", "tensor_parallel_size: 4", "tensor_parallel_size: four")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert f":{line_of(p, 'tensor_parallel_size')}:" in msg
+    assert "serve.tensor_parallel_size: expected an integer, found a string ('four')" in msg
+
+
+def test_out_of_range_port_and_vmid(work):
+    p = edit(work, "qwen36-dflash", "port: 8000", "port: 70000")
+    p = edit(work, "qwen36-dflash", "vmid: 129", "vmid: 5")
+    msgs = problems(lambda: load_playbook(p, inv(work)))
+    assert any(f":{line_of(p, 'port: 70000')}:" in m and "serve.port: 70000 is out of range" in m for m in msgs)
+    assert any("target.vmid: 5 is out of range [100, 999999999]" in m for m in msgs)
+
+
+def test_every_error_reported_at_once(work):
+    p = edit(work, "qwen36-dflash", "port: 8000", "port: -1")
+    p = edit(work, "qwen36-dflash", "gpu_memory_utilization: 0.90", "gpu_memory_utilization: 2")
+    p = edit(work, "qwen36-dflash", "method: dflash", "method: dflsh")
+    msgs = problems(lambda: load_playbook(p, inv(work)))
+    assert len(msgs) == 3
+    assert any("'dflsh' is not one of" in m and "did you mean 'dflash'" in m for m in msgs)
+
+
+def test_num_speculative_tokens_vs_block_size(work):
+    p = edit(work, "qwen36-dflash", "num_speculative_tokens: 15", "num_speculative_tokens: 16")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert f":{line_of(p, 'num_speculative_tokens: 16')}:" in msg
+    assert "16 exceeds the drafter's block_size 16 - 1 = 15" in msg
+
+
+def test_unknown_host_and_container(work):
+    p = edit(work, "qwen36-dflash", "host: pve1", "host: pve9")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "target.host: unknown host 'pve9'" in msg and "known: pve1" in msg
+    p = edit(work, "qwen36-dflash", "host: pve9", "host: pve1")
+    p = edit(work, "qwen36-dflash", "vmid: 129", "vmid: 131")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "host 'pve1' has no container 131" in msg
+
+
+def test_gpu_not_in_container(work):
+    p = edit(work, "qwen36-dflash", "gpus: [0, 1, 2, 3]", "gpus: [0, 1, 2, 7]")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "GPU(s) [7] are not passed into container 129" in msg
+
+
+def test_missing_drafter_file_and_sha_mismatch(work):
+    p = edit(work, "qwen36-dflash", "drafters/qwen36-27b-dflash.config.json", "drafters/nope.json")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "cannot read pinned drafter config" in msg and "nope.json" in msg
+    p = edit(work, "qwen36-dflash", "drafters/nope.json", "drafters/qwen36-27b-dflash.config.json")
+    p = edit(work, "qwen36-dflash", "sha256: df82", "sha256: 0f82")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert f":{line_of(p, 'sha256:')}:" in msg and "does not match" in msg and "file has df82aa8b" in msg
+
+
+def test_required_key_missing(work):
+    p = edit(work, "qwen36-dflash", "  served_model_name: qwen36\n", "")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "serve.served_model_name: required key is missing" in msg
+
+
+def test_duplicate_key(work):
+    p = edit(work, "qwen36-dflash", "  port: 8000\n", "  port: 8000\n  port: 8001\n")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "serve.port: duplicate key (first defined on line" in msg
+
+
+def test_hostile_strings_rejected_or_kept_literal(work):
+    p = edit(work, "qwen36-dflash", "path: /root/models/Qwen3.6-27B\n", 'path: "relative; rm -rf /"\n')
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "model.path: 'relative; rm -rf /' is not valid: must be an absolute path" in msg
+    p = edit(work, "qwen36-dflash", 'path: "relative; rm -rf /"', 'path: "/root/m\\nx"')
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "control characters or newlines are not allowed" in msg
+
+
+def test_reserved_flag_in_extra_args(work):
+    p = edit(work, "qwen36-dflash", "extra_args: []", "extra_args: ['--port=9000']")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "--port is set by the playbook's own keys" in msg
+
+
+def test_mtp_with_drafter_and_dflash_without(work):
+    p = edit(work, "qwen36-dflash", "method: dflash", "method: mtp")
+    msgs = problems(lambda: load_playbook(p, inv(work)))
+    assert any("method 'mtp' uses the target's own MTP head; remove the drafter" in m for m in msgs)
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"", "file is empty"),
+    (b"- a\n- b\n", "(top): expected a mapping, found a list"),
+    (b"\xff\xfe\x00bad", "not UTF-8"),
+    (b"a: [1, 2\n", "invalid YAML"),
+    (b"a: &x [1]\nb: *x\n", "aliases"),
+    (b"x" * (2 << 20), "larger than"),
+    (b"name: a\n---\nname: b\n", "more than one YAML document"),
+])
+def test_unreadable_files(tmp_path, content, needle):
+    p = tmp_path / "pb.yaml"
+    p.write_bytes(content)
+    msgs = problems(lambda: load_playbook(str(p), None))
+    assert any(needle in m for m in msgs), msgs
+    assert all(m.startswith(str(p) + ":") for m in msgs)
+
+
+def test_missing_playbook_file(tmp_path):
+    msgs = problems(lambda: load_playbook(str(tmp_path / "nope.yaml"), None))
+    assert msgs == [f"{tmp_path / 'nope.yaml'}:1:1: (top): file not found"]
+
+
+def test_inventory_errors(tmp_path):
+    p = tmp_path / "hosts.yaml"
+    p.write_text(textwrap.dedent("""\
+        hosts:
+          - name: pve1
+            address: 127.0.0.1
+            containers:
+              - vmid: 129
+              - vmid: 129
+          - name: pve1
+            port: 0
+            adress: x
+    """))
+    msgs = problems(lambda: load_inventory(str(p)))
+    text = "\n".join(msgs)
+    assert ":6:15: hosts[0].containers[1].vmid: duplicate vmid 129" in text
+    assert "hosts[1].port: 0 is out of range" in text
+    assert "hosts[1].adress: unknown key (did you mean 'address'?)" in text
+    assert "duplicate host name 'pve1'" in text
+    assert "needs 'address' or 'ssh_config_alias'" in text
+
+
+def test_fallback_must_exist(work):
+    p = edit(work, "qwen36-dflash", "fallback: qwen36-mtp", "fallback: qwen36-nope")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "acceptance.fallback: no playbook named 'qwen36-nope'" in msg
+
+
+def test_repo_inventory_example_is_inert():
+    """The shipped hosts.yaml documents the field-report layout only in comments: it connects nowhere."""
+    assert load_inventory(os.path.join(REPO, "hosts.yaml")).hosts == {}
