@@ -145,6 +145,71 @@ def test_acceptance_follows_loaded_config(bed, name, mutate, lo, hi, taps):
         assert mal < 1.3
 
 
+@pytest.mark.parametrize("version,build_,line,lo,hi", [
+    ("0.23.0", "release", "Using auxiliary layers from speculative config: (2, 17, 32, 47, 62)", 0.22, 0.34),
+    ("0.28.0", "release", "Using Eagle3 auxiliary layers from config: (2, 17, 32, 47, 62)", 0.40, 0.50),
+    ("0.21.0", "pr40898", "Using auxiliary layers from speculative config: (2, 17, 32, 47, 62)", 0.40, 0.50),
+])
+def test_published_config_per_vllm_version(bed, version, build_, line, lo, hi):
+    bed.faults({"load_s": 0.1})
+    d = bed.drafter("published")
+    srv = bed.start(dflash(bed, d) + DFLASH_ARGS, version=version, build_=build_)
+    srv.wait_ready()
+    assert line in srv.log()
+    rate, _, _ = srv.measure(n=8)
+    assert lo <= rate <= hi, rate
+
+
+def test_drafter_from_hub_cache(bed, tmp_path):
+    hub = tmp_path / "hf" / "hub" / "models--z-lab--Qwen3.6-27B-DFlash"
+    snap = hub / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (hub / "refs").mkdir()
+    (hub / "refs" / "main").write_text("0123abcd")
+    with open(os.path.join(bed.drafter("stale"), "config.json")) as f:
+        (snap / "config.json").write_text(f.read())
+    bed.faults({"load_s": 0.1})
+    srv = bed.start(dflash(bed, "z-lab/Qwen3.6-27B-DFlash") + DFLASH_ARGS,
+                    env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    srv.wait_ready()
+    assert "Using auxiliary layers from speculative config: (2, 18, 34, 50, 64)" in srv.log()
+    rate, _, _ = srv.measure(n=4)
+    assert rate < 0.03
+
+
+def test_mtp_divisibility(bed, tmp_path):
+    with open(os.path.join(bed.target, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["text_config"]["mtp_num_hidden_layers"] = 2
+    with open(os.path.join(bed.target, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    srv = bed.start(mtp(3))
+    assert srv.wait_exit() == 1
+    assert "ValueError: num_speculative_tokens:3 must be divisible by n_predict=2" in srv.log()
+
+
+def test_sigterm_during_load_and_worker_death(bed):
+    bed.faults({"load_s": 3.0})
+    srv = bed.start(mtp(1))
+    deadline = time.time() + 10
+    while len(pids_in_group(srv.proc.pid)) < 6 and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(srv.proc.pid, signal.SIGTERM)
+    assert srv.wait_exit(10) == 0
+    deadline = time.time() + 5
+    while pids_in_group(srv.proc.pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert pids_in_group(srv.proc.pid) == []
+    # a worker killed under a running server takes the engine and then the server down (exit 0)
+    bed.faults({"load_s": 0.1})
+    srv = bed.start(mtp(1))
+    srv.wait_ready()
+    w = [p for p in pids_in_group(srv.proc.pid) if comm(p) == "VLLM::Worker_TP"][0]
+    os.kill(w, signal.SIGKILL)
+    assert srv.wait_exit(10) == 0
+    assert "died unexpectedly" in srv.log()
+
+
 def test_old_vllm_without_plus1_fix(bed):
     bed.faults({"load_s": 0.1})
     d = bed.drafter("published")

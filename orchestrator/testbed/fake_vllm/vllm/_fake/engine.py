@@ -427,6 +427,16 @@ def _serve_loop(ctx, state, faults):
         now = time.time()
         if crash_at is not None and now >= crash_at:
             _crash(state)
+        for w in state["workers"]:
+            try:
+                wpid, _ = os.waitpid(w.pid, os.WNOHANG)
+            except ChildProcessError:
+                wpid = w.pid
+            if wpid:
+                logs.error("multiproc_executor.py:154", f"Worker proc VllmWorker-{w.rank} died unexpectedly, "
+                                                         f"shutting down executor.")
+                state["workers"] = [x for x in state["workers"] if x is not w]
+                _crash(state)
         timeout = 1.0 if crash_at is None else max(0.01, min(1.0, crash_at - now))
         time.sleep(timeout)
         m = _mtime(fpath)

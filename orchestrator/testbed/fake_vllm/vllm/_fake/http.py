@@ -282,7 +282,7 @@ def run(ctx, args, sock, st, acc, r_status):
     _uv(f"Started server process [{os.getpid()}]")
     _uv("Waiting for application startup.")
     _uv("Application startup complete.")
-    t_http = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.5}, daemon=True)
+    t_http = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 1.0}, daemon=True)
     t_http.start()
 
     # ---- engine monitor: EngineCore death -> /health 503 for ~1 s, then exit 0 (as vLLM does)
@@ -335,6 +335,8 @@ def run(ctx, args, sock, st, acc, r_status):
     threading.Thread(target=stats_loop, daemon=True).start()
 
     def on_term(signum, frame):
+        if not st.dead:
+            st.shutting_down = True
         stop.set()
 
     signal.signal(signal.SIGTERM, on_term)
