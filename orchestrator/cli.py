@@ -147,7 +147,7 @@ def _outcome_exit(obj, out):
         render_outcome(out)
     if out.ok:
         sys.exit(EXIT_OK)
-    err = out.error or (out.fallback.error if out.fallback else None)
+    err = (out.fallback.error if out.fallback else None) or out.error
     sys.exit(EXIT_UNREACHABLE if isinstance(err, Unreachable) else
              (err.exit_code if err is not None and err.exit_code == EXIT_USAGE else EXIT_FAILED))
 
@@ -157,7 +157,9 @@ def render_outcome(out, indent=""):
     if out.error is not None:
         e(indent + ("FAILED: " if out.status != "fell back" else "LOW ACCEPTANCE: ") + out.error.render(), err=True)
     if out.fallback is not None:
-        e(f"{indent}Fell back to {out.fallback.playbook} because of the low acceptance above.", err=True)
+        e(f"{indent}Fell back to {out.fallback.playbook} because of the low acceptance above"
+          + (" (exit 1: the requested playbook is not what runs)." if out.fallback.ok else "; the fallback failed too:"),
+          err=True)
         render_outcome(out.fallback, indent + "  ")
         return
     if out.ok:
@@ -354,7 +356,7 @@ def verify(obj, playbook):
     def go():
         from . import ops
         from .remote import Fleet
-        from .report import dump_json, short, table
+        from .report import check_rows, dump_json, table
 
         inv, pb = load(obj, playbook)
         with Fleet(inv) as fleet:
@@ -364,10 +366,7 @@ def verify(obj, playbook):
                        "error": out.error.as_dict() if out.error else None, **r})
         else:
             checks = r.get("checks", []) + [c for c in r.get("failed", []) if c not in r.get("checks", [])]
-            rows = [[c["check"], short(c.get("expected"), 26), short(c.get("on_disk"), 26),
-                     short(c.get("as_loaded"), 18), "ok" if c["ok"] else ("WARN" if c.get("severity") == "warning"
-                                                                        else "FAIL"), c.get("reason", "")]
-                    for c in checks]
+            rows = check_rows(checks, (26, 26, 18))
             if rows:
                 click.echo(table(rows, ["check", "expected", "on disk", "as loaded", "verdict", "reason"], 160))
             st = r.get("stack") or {}

@@ -168,10 +168,10 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
             ctx.record("current", True, "nothing of ours is running" +
                        (f" ({len(cur.get('vllm_processes') or [])} stray vLLM process(es) seen)"
                         if cur.get("vllm_processes") else ""), t0)
-        stack = None
+        verified = None
         if "drafter-config" in steps:
             D.write_config(ctx, steps["drafter-config"])
-        stack = D.verify(ctx, steps["verify"], blocking=opts.write_config or not pb.drafter).get("stack")
+        verified = D.verify(ctx, steps["verify"], blocking=opts.write_config or not pb.drafter)
         if running or restart or cur.get("vllm_processes"):
             G.stop(ctx, steps["stop"])
         G.prove_free(ctx, steps["gpus-free"])
@@ -179,9 +179,9 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
         V.launch(ctx, steps["launch"])
         launched = True
         ready = V.wait_ready(ctx, steps["wait-ready"])
-        V.check_aux_layers(ctx, ready, stack)
+        V.check_aux_layers(ctx, ready, verified, blocking=opts.write_config)
         if "drift" in steps:
-            D.drift(ctx, steps["drift"])
+            D.drift(ctx, steps["drift"], (verified or {}).get("sha256"))
         m = V.measure(ctx, steps["acceptance"])
         passed = V.gate(ctx, steps["acceptance"], m)
         out.info = {"url": url(pb), "model": pb.serve["served_model_name"], "method": pb.spec["method"],
@@ -204,7 +204,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
             fb = up(fleet, pb.fallback, progress, Options(**{**opts.__dict__, "yes": True}), restart=False,
                     token=ctx.token, _depth=1)
             out.fallback = fb
-            out.ok = fb.ok
+            out.ok = False  # the requested deployment failed; the fallback's own outcome is reported beside it
             return out
         raise StepFailed("acceptance", low + ". A deployment with bad acceptance is a failed deployment.",
                          where=ctx.where, fix="likeliest causes: " + "; ".join(V.LOW_ACCEPTANCE_CAUSES) +

@@ -68,8 +68,21 @@ def table(rows: list[list[str]], headers: list[str], width: int = 100) -> str:
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
-def short(value, n: int = 40) -> str:
+def short(value, n: int = 40, none: str = "-") -> str:
     if value is None:
-        return "-"
+        return none
     s = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
     return s if len(s) <= n else s[: n - 1] + "~"
+
+
+def check_rows(checks: list[dict], widths=(30, 30, 24)) -> list[list[str]]:
+    """Rows of check, expected, on disk, as loaded, verdict, reason: null is shown as null, n/a as -."""
+    rows = []
+    for c in checks:
+        loaded = c["check"].startswith("loaded ") or c["check"] == "as loaded"
+        field = c["check"].startswith(("field ", "loaded "))
+        verdict = "ok" if c["ok"] else ("WARN" if c.get("severity") == "warning" else "FAIL")
+        rows.append([c["check"], short(c.get("expected"), widths[0], "null" if field else "-"),
+                     short(c.get("on_disk"), widths[1], "null" if field else "-"),
+                     short(c.get("as_loaded"), widths[2], "null" if loaded else "-"), verdict, c.get("reason", "")])
+    return rows

@@ -211,7 +211,11 @@ class Map(Type):
                 hint = f" (did you mean {near[0]!r}?)" if near else ""
                 problems.add(knode, _join(path, key), f"unknown key{hint}; allowed: {', '.join(self.fields)}")
                 continue
-            out[key] = self.fields[key].type.check(vnode, _join(path, key), problems)
+            f = self.fields[key]
+            if not f.required and isinstance(vnode, ScalarNode) and scalar_value(vnode) is None \
+                    and not f.type.nullable:
+                continue  # an explicit null on an optional key means "the default"
+            out[key] = f.type.check(vnode, _join(path, key), problems)
             nodes[key] = vnode
         for name, f in self.fields.items():
             if name not in out:

@@ -6,7 +6,7 @@ import time
 
 from .. import vllm_facts as vf
 from ..plan import Step
-from ..report import short, table
+from ..report import check_rows, short, table
 from . import Context
 
 
@@ -74,9 +74,7 @@ def extra_key_problems(ctx: Context, stack: dict) -> list[dict]:
 
 
 def render_failures(bad: list[dict]) -> str:
-    rows = [[c["check"], short(c.get("expected"), 30), short(c.get("on_disk"), 30), short(c.get("as_loaded"), 24),
-             c["reason"]] for c in bad]
-    return table(rows, ["check", "expected", "on disk", "as loaded", "reason"], width=160)
+    return table(check_rows(bad), ["check", "expected", "on disk", "as loaded", "verdict", "reason"], width=160)
 
 
 def verify_fix(bad: list[dict], playbook: str) -> str:
@@ -88,14 +86,16 @@ def verify_fix(bad: list[dict], playbook: str) -> str:
     return "correct the pinned config in the repo (a new sha256 in the playbook), then deploy verify"
 
 
-def drift(ctx: Context, step: Step) -> dict:
+def drift(ctx: Context, step: Step, launched_sha: str | None) -> dict:
+    """The file must still be what was there at launch (normally the pinned bytes)."""
     t0 = time.monotonic()
     r = ctx.call(step)
-    want = ctx.pb.drafter["sha256"]
+    want = launched_sha or ctx.pb.drafter["sha256"]
     if r.get("sha256") != want:
         ctx.fail(step.name, t0, f"the drafter config changed behind our back while vLLM started: "
                                 f"{step.args['path']} now has sha256 {r.get('sha256') or r.get('error')}, "
-                                f"pinned {want}",
+                                f"it had {want} when verified (pinned {ctx.pb.drafter['sha256']})",
                  fix="find what rewrites it (a sync job, a download) and stop it; then deploy up again", result=r)
-    ctx.record(step.name, True, f"unchanged since the write (sha256 {want[:12]})", t0)
+    note = "" if want == ctx.pb.drafter["sha256"] else " (NOT the pinned config: --skip-config-write)"
+    ctx.record(step.name, True, f"unchanged since verify (sha256 {want[:12]}){note}", t0)
     return r

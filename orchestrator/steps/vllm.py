@@ -75,7 +75,8 @@ def wait_ready(ctx: Context, step: Step) -> dict:
     ctx.fail(step.name, t0, msg, fix=fix, result=r)
 
 
-def check_aux_layers(ctx: Context, ready: dict, stack: dict | None) -> None:
+def check_aux_layers(ctx: Context, ready: dict, verified: dict | None, *, blocking: bool = True) -> None:
+    """The taps in the startup log must be the pinned target_layer_ids + 1 (the +1 fix, PR #40727)."""
     if ctx.pb.spec["method"] != "dflash" or not ctx.pb.drafter_config:
         return
     t0 = time.monotonic()
@@ -85,11 +86,23 @@ def check_aux_layers(ctx: Context, ready: dict, stack: dict | None) -> None:
     if got is None:
         ctx.record("aux-layers", None, "the log has no auxiliary-layers line to check", t0)
         return
-    if got != want:
-        hint = " (these are the raw ids: this vLLM lacks the +1 layer-id fix)" if got == ids else ""
-        ctx.fail("aux-layers", t0, f"vLLM taps target layers {tuple(got)}, expected {tuple(want)}{hint}",
-                 fix="install a vLLM with the +1 layer-id fix (PR #40727, >= 0.22)")
-    ctx.record("aux-layers", True, f"vLLM taps {tuple(got)} as the drafter expects", t0)
+    if got == want:
+        ctx.record("aux-layers", True, f"vLLM taps {tuple(got)} as the drafter expects", t0)
+        return
+    disk = next((c.get("on_disk") for c in (verified or {}).get("checks", [])
+                 if c["check"] == "field dflash_config.target_layer_ids"), None)
+    if got == ids:
+        msg, fix = (f"vLLM taps target layers {tuple(got)}, expected {tuple(want)}: these are the raw ids, so this "
+                    "vLLM lacks the +1 layer-id fix", "install a vLLM with the +1 layer-id fix (PR #40727, >= 0.22)")
+    elif isinstance(disk, list) and got == vf.expected_aux_layers(disk, True):
+        msg, fix = (f"vLLM taps {tuple(got)}: it loaded the config on disk (target_layer_ids {disk}), not the "
+                    f"pinned one (expected taps {tuple(want)})", f"deploy apply-config {ctx.pb.name}")
+    else:
+        msg, fix = f"vLLM taps target layers {tuple(got)}, expected {tuple(want)}", "deploy verify " + ctx.pb.name
+    if not blocking:
+        ctx.record("aux-layers", None, msg + " (not blocking: --skip-config-write)", t0)
+        return
+    ctx.fail("aux-layers", t0, msg, fix=fix)
 
 
 def measure(ctx: Context, step: Step) -> dict:
