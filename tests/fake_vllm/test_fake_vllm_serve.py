@@ -381,3 +381,35 @@ def test_colour_unless_no_color_and_no_spec_metrics_without_spec(bed):
     assert "spec_decode" not in text and "vllm:generation_tokens_total" in text
     names = sorted(comm(p) for p in pids_in_group(srv.proc.pid) if comm(p).startswith("VLLM"))
     assert names == ["VLLM::EngineCor", "VLLM::Worker_TP", "VLLM::Worker_TP"]
+
+
+def _wait_log(srv, text, timeout=15):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if text in srv.log():
+            return True
+        if srv.proc.poll() is not None:
+            return text in srv.log()
+        time.sleep(0.05)
+    return False
+
+
+def test_port_sharing_up_to_024_and_not_after(bed):
+    from conftest import free_port
+    bed.faults({"load_s": 0.1})
+    port = free_port()
+    a = bed.start(mtp(1)[:2] + ["-tp", "1", "--max-model-len", "32768"], version="0.24.0", port=port)
+    a.wait_ready()
+    b = bed.start(mtp(1)[:2] + ["-tp", "1", "--max-model-len", "32768"], version="0.24.0", port=port)
+    assert _wait_log(b, "Application startup complete.")  # SO_REUSEPORT: the second server does NOT fail
+    assert b.proc.poll() is None
+    os.killpg(a.proc.pid, signal.SIGKILL)
+    os.killpg(b.proc.pid, signal.SIGKILL)
+    a.proc.wait(5)
+    b.proc.wait(5)
+    port = free_port()
+    a = bed.start(mtp(1)[:2] + ["-tp", "1", "--max-model-len", "32768"], port=port)
+    a.wait_ready()
+    b = bed.start(mtp(1)[:2] + ["-tp", "1", "--max-model-len", "32768"], port=port)
+    assert b.wait_exit() == 1
+    assert "OSError: [Errno 98] Address already in use" in b.log()

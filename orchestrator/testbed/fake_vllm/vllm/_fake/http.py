@@ -278,7 +278,19 @@ def run(ctx, args, sock, st, acc, r_status):
                            ("/ping", "POST, GET"), ("/version", "GET"), ("/v1/models", "GET"),
                            ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/metrics", "GET")):
         logs.info("launcher.py:42", f"Route: {route}, Methods: {methods}")
-    httpd = Server(sock, Handler)
+    try:
+        httpd = Server(sock, Handler)
+    except OSError as e:
+        logs.raw(logs.traceback_text([(f"{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}/entrypoints/"
+                                       f"openai/api_server.py", 1990, "serve_http", "sock.listen()")],
+                                     f"OSError: [Errno {e.errno}] {e.strerror}"), fd=2)
+        st.shutting_down = True
+        try:
+            os.kill(st.engine_pid, signal.SIGTERM)
+            os.waitpid(st.engine_pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        return 1
     _uv(f"Started server process [{os.getpid()}]")
     _uv("Waiting for application startup.")
     _uv("Application startup complete.")
