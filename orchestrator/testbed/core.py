@@ -42,6 +42,8 @@ TARGET_CONFIG = DATA / "qwen36-27b-target.trimmed.config.json"
 class TestbedError(RuntimeError):
     """A test bed operation failed; the message says what to do."""
 
+    __test__ = False  # not a pytest test class
+
 
 def default_root() -> str:
     return os.environ.get("VPD_TESTBED_DIR") or "/tmp/vpd-testbed"
@@ -196,8 +198,14 @@ def _kill(pids, sig=signal.SIGKILL):
 class Testbed:
     """A simulated fleet of Proxmox hosts with GPU containers, local to this machine (needs root)."""
 
-    def __init__(self, root: str | None = None, hosts: int = 1, containers=None, gpus: int = 4):
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, root: str | None = None, hosts: int = 1, containers=None, gpus: int = 4,
+                 net: str = SUB_ADDR):
         self.root = Path(root or default_root()).absolute()
+        if not (net.startswith("127.") and net.endswith(".") and net.count(".") == 3):
+            raise TestbedError("net must look like 127.X.Y. (loopback only)")
+        self.net = net
         self.nhosts = int(hosts)
         self.ngpus = int(gpus)
         if not 1 <= self.nhosts <= 250:
@@ -235,7 +243,7 @@ class Testbed:
         return self.root / host / ("ct%d" % int(vmid))
 
     def address(self, host: str) -> str:
-        return SUB_ADDR + str(self.hosts.index(host) + 1)
+        return self.net + str(self.hosts.index(host) + 1)
 
     def lag_port(self, host: str) -> int:
         return LAG_PORT_BASE + self.hosts.index(host) + 1
@@ -248,7 +256,7 @@ class Testbed:
             st = json.loads((root / STATE).read_text())
         except (OSError, ValueError):
             raise TestbedError("no test bed at %s (start one with `deploy testbed up`)" % root) from None
-        tb = cls(root=str(root), hosts=st["hosts"], gpus=st["gpus"],
+        tb = cls(root=str(root), hosts=st["hosts"], gpus=st["gpus"], net=st.get("net", SUB_ADDR),
                  containers={h: {int(v): g for v, g in c.items()} for h, c in st["containers"].items()})
         return tb
 
@@ -315,7 +323,7 @@ class Testbed:
             hd.mkdir()
             keygens.append(subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "%s-host" % h,
                                              "-f", str(hd / "ssh_host_ed25519_key")], stdin=subprocess.DEVNULL))
-        state = {"hosts": self.nhosts, "gpus": self.ngpus, "python": self.python,
+        state = {"hosts": self.nhosts, "gpus": self.ngpus, "python": self.python, "net": self.net,
                  "containers": {h: {str(v): g for v, g in c.items()} for h, c in self.spec.items()},
                  "created": time.time()}
         (root / STATE).write_text(json.dumps(state, indent=1))
@@ -770,7 +778,13 @@ class Testbed:
                 self.container_exec(h, v, ["sh", "-c", "umount /root/models 2>/dev/null; "
                                                        "rm -rf /var/lib/vllm-pve-deploy"], timeout=10)
                 self._write_models(d)
-                for e in (d / "tmp").iterdir():
+                keep = {"ml-env", "models", ".profile", ".bashrc", ".cache"}
+                for src, dst in json.loads((d / "ct.json").read_text())["binds"]:
+                    rel = os.path.relpath(dst, d / "root")
+                    if not rel.startswith(".."):
+                        keep.add(rel.split(os.sep)[0])
+                extra = [e for e in (d / "root").iterdir() if e.name not in keep]
+                for e in list((d / "tmp").iterdir()) + extra:
                     if e.is_dir() and not e.is_symlink():
                         shutil.rmtree(e, ignore_errors=True)
                     else:
