@@ -762,6 +762,9 @@ class Testbed:
     # ---- reset / status / down ---------------------------------------------------------------------
     def reset(self):
         """Back to the state right after up(): fast (< 1 s), for use between tests."""
+        for h in self.hosts:
+            if not _pids_alive([p for p in [_read_pid(self.root / h / "gpusim.ready")] if p]):
+                self._start_gpusim(h)
         self.clear_faults()
         victims = []
         for h in self.hosts:
