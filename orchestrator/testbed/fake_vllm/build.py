@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE_PKG = os.path.join(HERE, "vllm")

@@ -333,7 +333,7 @@ def _startup(ctx, state, status_w):
     _sleep_until(t0 + load_s * 0.45)
     wlog("INFO", "default_loader.py:314", f"Loading weights took {load_s * 0.35 + 0.01:.2f} seconds")
     if method in ("dflash", "eagle", "eagle3", "draft_model"):
-        wlog("INFO", "gpu_model_runner.py:3148", f"Loading drafter model...")
+        wlog("INFO", "gpu_model_runner.py:3148", "Loading drafter model...")
         if ctx.get("taps_line"):
             wlog("INFO", *ctx["taps_line"])
     wlog("INFO", "gpu_model_runner.py:3185", f"Model loading took {weights:.4f} GiB memory and "

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 
 from vllm import _layout

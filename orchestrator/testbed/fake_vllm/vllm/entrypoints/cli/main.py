@@ -101,7 +101,6 @@ def _add_serve_args(p):
     p.add_argument("--override-generation-config", type=loads, default=None)
 
 
-DEFAULTS = {}
 
 
 def build_parser():
