@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import build
+from fakevllm_support import build
 
 PLUS1 = "# Add 1 to convert DFlash's aux layer id semantics"
 RUNNER = "vllm/v1/worker/gpu_model_runner.py"

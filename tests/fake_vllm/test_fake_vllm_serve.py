@@ -11,7 +11,7 @@ import urllib.error
 
 import pytest
 
-from conftest import comm, held_offsets, pids_in_group
+from fakevllm_support import comm, held_offsets, pids_in_group
 
 DFLASH_ARGS = ["--attention-backend", "flash_attn", "--max-num-batched-tokens", "32768",
                "--tensor-parallel-size", "4"]
@@ -395,7 +395,7 @@ def _wait_log(srv, text, timeout=15):
 
 
 def test_port_sharing_up_to_024_and_not_after(bed):
-    from conftest import free_port
+    from fakevllm_support import free_port
     bed.faults({"load_s": 0.1})
     port = free_port()
     a = bed.start(mtp(1)[:2] + ["-tp", "1", "--max-model-len", "32768"], version="0.24.0", port=port)
