@@ -7,9 +7,10 @@
 - `inventory` (function): path of the test bed's hosts.yaml (after reset).
 
 Tests that use them are skipped, with the reason, when not root or when OpenSSH's sshd is missing.
-The state directory is $VPD_TEST_TESTBED_DIR or /tmp/vpd-testbed-pytest and the hosts listen on
-127.77.1.<i>:2222 ($VPD_TEST_TESTBED_NET), apart from a `deploy testbed up` one (/tmp/vpd-testbed,
-127.77.0.<i>), so a demo test bed can stay up while the tests run.
+The state directory is $VPD_TEST_TESTBED_DIR or /tmp/vpd-tb-<pytest pid>, and the hosts listen on
+127.77.N.<i>:2222 with the first free N >= 1 ($VPD_TEST_TESTBED_NET to force one), apart from a
+`deploy testbed up` one (/tmp/vpd-testbed, 127.77.0.<i>): a demo test bed can stay up while the tests
+run, and concurrent pytest sessions do not tear down each other's test bed.
 """
 import atexit
 import os
@@ -31,6 +32,37 @@ def testbed_skip_reason():
     return None
 
 
+def _clean_stale_beds(Testbed):
+    """Test beds of pytest sessions that died without tearing down (their PID is gone)."""
+    import glob
+    for d in glob.glob("/tmp/vpd-tb-*"):
+        pid = d.rsplit("-", 1)[-1]
+        if pid.isdigit() and not os.path.exists("/proc/%s" % pid):
+            try:
+                Testbed.load(d).down()
+            except Exception:  # noqa: BLE001 - best effort
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _free_net():
+    """First 127.77.N. (N = 1..60) whose pve1/pve2 ports are free: concurrent sessions do not collide."""
+    import socket
+    fixed = os.environ.get("VPD_TEST_TESTBED_NET")
+    if fixed:
+        return fixed
+    for n in range(1, 61):
+        ok = True
+        for i in (1, 2):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.77.%d.%d" % (n, i), 2222))
+                except OSError:
+                    ok = False
+        if ok:
+            return "127.77.%d." % n
+    return "127.77.1."
+
+
 @pytest.fixture(scope="session")
 def testbed():
     reason = testbed_skip_reason()
@@ -38,14 +70,14 @@ def testbed():
         pytest.skip(reason)
     from orchestrator.testbed import Testbed
 
-    root = os.environ.get("VPD_TEST_TESTBED_DIR") or "/tmp/vpd-testbed-pytest"
-    if os.path.exists(root):  # left over from a killed session
+    _clean_stale_beds(Testbed)
+    root = os.environ.get("VPD_TEST_TESTBED_DIR") or "/tmp/vpd-tb-%d" % os.getpid()
+    if os.path.exists(root):
         try:
             Testbed.load(root).down()
         except Exception:  # noqa: BLE001 - best effort, up() cleans what is left
             pass
-    net = os.environ.get("VPD_TEST_TESTBED_NET") or "127.77.1."
-    bed = Testbed(root=root, hosts=2, containers=TESTBED_CONTAINERS, gpus=4, net=net)
+    bed = Testbed(root=root, hosts=2, containers=TESTBED_CONTAINERS, gpus=4, net=_free_net())
 
     def teardown():
         try:

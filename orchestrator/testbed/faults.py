@@ -64,7 +64,7 @@ def read():
             return f.read()
     except OSError:
         return None
-last, changed = read(), None
+last, changed = stale, None
 while True:
     time.sleep(0.05)
     cur = read()

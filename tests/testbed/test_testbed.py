@@ -336,11 +336,11 @@ def test_ssh_drop_after_s(tb):
 
 # ---- life cycle ------------------------------------------------------------------------------------
 def test_up_refuses_taken_port_and_down_leaves_nothing(tb, tmp_path):
-    root = "/tmp/vpd-testbed-pytest-2"
+    root = str(tb.root) + "-2"
     with pytest.raises(TestbedError, match="already in use"):
         Testbed(root=root + "x", hosts=1, containers=[129], gpus=2, net=tb.net).up()
     assert not os.path.exists(root + "x") or not os.listdir(root + "x")
-    bed = Testbed(root=root, hosts=1, containers=[129, 131], gpus=2, net="127.77.9.")
+    bed = Testbed(root=root, hosts=1, containers=[129, 131], gpus=2, net="127.77.%d." % (200 + os.getpid() % 50))
     t = time.monotonic()
     bed.up()
     assert time.monotonic() - t < 5
@@ -374,7 +374,7 @@ def test_up_refuses_taken_port_and_down_leaves_nothing(tb, tmp_path):
     assert root not in open("/proc/self/mountinfo").read()
     for port in (2222, 2301):
         with socket.socket() as s:
-            assert s.connect_ex(("127.77.9.1", port)) != 0
+            assert s.connect_ex((bed.address("pve1"), port)) != 0
 
 
 def test_load_reattaches(tb):
