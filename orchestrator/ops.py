@@ -242,7 +242,8 @@ def stop_after_failure(ctx: Context, pb: Playbook) -> str:
         n = len(rep.get("terminated", []) + rep.get("killed", []))
         left = rep.get("leftovers") or []
         log = P.state_paths(pb)["log_path"]
-        s = f"the failed server was stopped ({n} process(es)); its log is kept at {log} (deploy logs {pb.name})"
+        s = (f"the failed server was stopped ({n} process(es))" if n else "the failed server had already exited") + \
+            f"; its log is kept at {log} (deploy logs {pb.name})"
         if left:
             s += "; still holding GPUs: " + ", ".join(f"PID {p['pid']} ({p['comm']})" for p in left) + \
                  f" (deploy down {pb.name} --clean-gpus)"

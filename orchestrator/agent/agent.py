@@ -595,7 +595,7 @@ def act_wait_ready(a):
             for rx, info in fatal:
                 if rx.search(ln):
                     return {"ready": False, "reason": "fatal", "cause": info["cause"], "fix": info["fix"],
-                            "line": ln[-500:], "log_tail": last_lines[-15:], "seconds": round(now() - t0, 1),
+                            "line": ln if len(ln) <= 400 else ln[:400] + " ...", "log_tail": last_lines[-15:], "seconds": round(now() - t0, 1),
                             "alive": alive(pid), "phases": seen_phases}
         if not alive(pid):
             # read what is left of the log first: the fatal line may be the last thing it wrote
@@ -605,7 +605,7 @@ def act_wait_ready(a):
                 for rx, info in fatal:
                     if rx.search(ln):
                         return {"ready": False, "reason": "fatal", "cause": info["cause"], "fix": info["fix"],
-                                "line": ln[-500:], "log_tail": last_lines[-15:], "seconds": round(now() - t0, 1),
+                                "line": ln if len(ln) <= 400 else ln[:400] + " ...", "log_tail": last_lines[-15:], "seconds": round(now() - t0, 1),
                                 "alive": False, "phases": seen_phases}
             code = read_exit_code(a.get("state_dir"))
             return {"ready": False, "reason": "exited", "exit_code": code, "log_tail": last_lines[-15:],

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up vllm-pve-deploy on a fresh Debian machine: system packages the test bed needs, and a venv in .venv.
+# Idempotent; safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+need=()
+command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
+command -v fuser >/dev/null 2>&1 || need+=(psmisc)
+command -v unshare >/dev/null 2>&1 || need+=(util-linux)
+command -v ps >/dev/null 2>&1 || need+=(procps)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing ${need[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  else
+    echo "setup: please install: ${need[*]} (the test bed needs them)" >&2
+  fi
+fi
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q -e '.[test]'
+echo "setup: done ($(.venv/bin/deploy --version))" >&2

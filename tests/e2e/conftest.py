@@ -1,0 +1,49 @@
+"""End-to-end helpers: the real `deploy` CLI as a subprocess against the test bed (real sshd, pct, processes)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def deploy(tb, tmp_path):
+    """deploy(*args, check=None, env=None, timeout=180) -> CompletedProcess (text), run from the repo root."""
+    state = tmp_path / "state"
+
+    def run(*args, env=None, timeout=180, input=None):
+        e = dict(os.environ, DEPLOY_INVENTORY=tb.inventory_path, DEPLOY_STATE_DIR=str(state), NO_COLOR="1")
+        e.update(env or {})
+        p = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, env=e, text=True,
+                           capture_output=True, timeout=timeout, input=input)
+        p.json = None
+        if "--json" in args:
+            try:
+                p.json = json.loads(p.stdout)
+            except ValueError:
+                pass
+        return p
+
+    run.state_dir = state
+    return run
+
+
+def audit(deploy):
+    path = deploy.state_dir / "audit.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+def cat(tb, host, vmid, path):
+    return tb.container_exec(host, vmid, ["cat", path]).stdout
+
+
+def sha(tb, host, vmid, path):
+    return tb.container_exec(host, vmid, ["sha256sum", path]).stdout.split()[0]
+
+
+PINNED_SHA = "df82aa8b0e47c4312ffb0fab14d20fdb80a5d6a94c5dd4e4878c19165c654fb9"
+DRAFTER = "/root/models/Qwen3.6-27B-DFlash/config.json"

@@ -1,0 +1,129 @@
+"""The one runner against a real sshd and the test bed's pct: quoting, exit status, streams, keys, timeouts."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from orchestrator.errors import HostKeyError, RemoteTimeout, Unreachable
+from orchestrator.remote import AuditLog, Fleet, Redactor
+from orchestrator.spec import load_inventory
+
+HOSTILE = ["it's", 'say "hi"', "$(touch /tmp/pwned)", "`touch /tmp/pwned2`", "a; touch /tmp/pwned3", "x && y",
+           "line1\nline2", "*", "/etc/*", "?[a]", "ünïcødé ✓ 日本", "", " lead", "trail ", "$HOME", "\\", "-n", "--",
+           "a'b\"c", "${IFS}", "|", ">/tmp/pwned4"]
+
+
+@pytest.fixture
+def fleet(inventory, tmp_path):
+    inv = load_inventory(inventory)
+    f = Fleet(inv, audit=AuditLog(str(tmp_path / "audit.jsonl")))
+    yield f
+    f.close()
+
+
+def test_hostile_values_arrive_byte_identical_and_never_execute(tb, fleet):
+    s = fleet.session("pve1")
+    script = 'import sys, json; sys.stdout.write(json.dumps(sys.argv[1:]))'
+    r = s.ct(129, ["/root/ml-env/bin/python", "-c", script, *HOSTILE])
+    assert r.exited == 0, r.err
+    assert json.loads(r.out) == HOSTILE
+    # also through bash -c, the other layer the tool uses
+    r = s.ct(129, ["bash", "-c", 'printf "%s\\0" "$@"', "bash", *HOSTILE])
+    assert r.stdout.split(b"\0")[:-1] == [h.encode() for h in HOSTILE]
+    for n in ("", "2", "3", "4"):
+        assert tb.container_exec("pve1", 129, ["test", "-e", f"/tmp/pwned{n}"]).returncode == 1
+        assert not os.path.exists(f"/tmp/pwned{n}")
+
+
+def test_exit_status_and_streams_kept_apart(fleet):
+    s = fleet.session("pve1")
+    r = s.ct(129, ["bash", "-c", "echo out; echo err >&2; exit 42"])
+    assert (r.exited, r.out, r.err) == (42, "out\n", "err\n")
+    r = s.ct(129, ["bash", "-c", "cat | wc -c"], stdin=b"x" * 300_000)
+    assert r.out.strip() == "300000"
+
+
+def test_one_connection_for_many_commands_and_an_audit_line_each(fleet, tmp_path):
+    s = fleet.session("pve1")
+    for _ in range(5):
+        assert s.ct(129, ["true"]).ok
+    assert s.connects == 1
+    lines = [json.loads(ln) for ln in open(tmp_path / "audit.jsonl")]
+    assert sum(1 for ln in lines if ln.get("event") == "connect") == 1
+    cmds = [ln for ln in lines if "argv" in ln]
+    assert len(cmds) == 5 and all(c["argv"] == ["true"] and c["exit"] == 0 and c["vmid"] == 129 for c in cmds)
+
+
+def test_secrets_are_redacted_in_the_audit_log(inventory, tmp_path):
+    red = Redactor()
+    red.add("hunter2-secret")
+    f = Fleet(load_inventory(inventory), audit=AuditLog(str(tmp_path / "a.jsonl"), red), redact=red)
+    try:
+        f.session("pve1").ct(129, ["echo", "key=hunter2-secret"])
+    finally:
+        f.close()
+    text = open(tmp_path / "a.jsonl").read()
+    assert "hunter2-secret" not in text and "key=***" in text
+
+
+def test_container_errors_pass_through(tb, fleet):
+    s = fleet.session("pve1")
+    r = s.run(["pct", "exec", "999", "--", "true"])
+    assert r.exited != 0 and "Configuration file 'nodes/" in r.err and "999.conf' does not exist" in r.err
+    tb.stop_container("pve1", 130)
+    r = s.ct(130, ["true"])
+    assert r.exited != 0 and "container '130' not running!" in r.err
+
+
+def test_command_timeout_is_an_error_not_a_hang(fleet):
+    with pytest.raises(RemoteTimeout) as ei:
+        fleet.session("pve1").ct(129, ["sleep", "30"], timeout=1)
+    assert "did not finish within 1 s" in ei.value.message
+
+
+def test_unknown_host_key_is_refused(tb, tmp_path, inventory):
+    text = open(inventory).read().replace(tb.known_hosts, str(tmp_path / "empty_known_hosts"))
+    (tmp_path / "empty_known_hosts").write_text("")
+    (tmp_path / "inv.yaml").write_text(text)
+    f = Fleet(load_inventory(str(tmp_path / "inv.yaml")), audit=AuditLog(str(tmp_path / "a.jsonl")))
+    with pytest.raises(HostKeyError) as ei:
+        f.session("pve1").run(["true"])
+    assert "unknown host key" in ei.value.message and "accept_new_host_keys" in ei.value.fix
+    # opting in records the key, and the next connection is checked against it
+    (tmp_path / "inv.yaml").write_text(text.replace("accept_new_host_keys: false", "accept_new_host_keys: true"))
+    f = Fleet(load_inventory(str(tmp_path / "inv.yaml")), audit=AuditLog(str(tmp_path / "a.jsonl")))
+    assert f.session("pve1").run(["true"]).ok
+    f.close()
+    assert "ssh-ed25519" in (tmp_path / "empty_known_hosts").read_text()
+
+
+def test_changed_host_key_is_refused(tb, tmp_path, inventory):
+    kh = open(tb.known_hosts).read().splitlines()
+    other = [ln for ln in kh if "127.77.1.2" in ln][0].split()[1:]  # pve2's key, claimed for pve1
+    forged = [ln.split()[0] + " " + " ".join(other) if "127.77.1.1" in ln else ln for ln in kh]
+    (tmp_path / "kh").write_text("\n".join(forged) + "\n")
+    (tmp_path / "inv.yaml").write_text(open(inventory).read().replace(tb.known_hosts, str(tmp_path / "kh")))
+    f = Fleet(load_inventory(str(tmp_path / "inv.yaml")), audit=AuditLog(str(tmp_path / "a.jsonl")))
+    with pytest.raises(HostKeyError) as ei:
+        f.session("pve1").run(["true"])
+    assert "host key CHANGED" in ei.value.message
+
+
+def test_unreachable_host_is_a_clear_error(tb, fleet):
+    tb.set_fault("pve2", None, "unreachable", True)
+    with pytest.raises(Unreachable) as ei:
+        fleet.session("pve2").run(["true"])
+    assert "cannot connect" in ei.value.message and ei.value.exit_code == 3
+
+
+def test_old_pct_without_keep_env_is_probed_once(tb, fleet, tmp_path):
+    tb.set_fault("pve1", None, "keep_env_supported", False)
+    s = fleet.session("pve1")
+    r = s.ct(129, ["bash", "-c", "echo $HOME; env | grep -c SSH_ || true"])
+    assert r.ok and r.out.splitlines()[0] == "/root" and r.out.splitlines()[1] == "0"
+    assert s.keep_env_supported is False
+    assert s.ct(129, ["true"]).ok
+    lines = [json.loads(ln) for ln in open(tmp_path / "audit.jsonl") if '"argv"' in ln]
+    assert len(lines) == 3  # the rejected probe, its retry, then one call

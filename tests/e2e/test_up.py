@@ -1,0 +1,162 @@
+"""`deploy up`: the stale config is replaced, verified, launched and gated; failures are fast and named."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from conftest import DRAFTER, PINNED_SHA, REPO, audit, cat, sha
+
+
+def test_up_replaces_stale_config_verifies_launches_and_gates(tb, deploy):
+    stale = sha(tb, "pve1", 129, DRAFTER)
+    p = deploy("--json", "up", "qwen36-dflash")
+    assert p.returncode == 0, p.stderr
+    out = p.json
+    assert out["status"] == "up" and out["ok"]
+    steps = {s["step"]: s for s in out["steps"]}
+    assert steps["drafter-config"]["details"]["result"]["changed"] is True
+    backup = steps["drafter-config"]["details"]["result"]["backup"]
+    assert sha(tb, "pve1", 129, backup) == stale  # the replaced file is kept
+    assert sha(tb, "pve1", 129, DRAFTER) == PINNED_SHA
+    assert steps["verify"]["ok"] and steps["aux-layers"]["ok"] and steps["drift"]["ok"]
+    acc = out["info"]["acceptance"]
+    assert acc["source"] == "metrics" and acc["draft_acceptance_rate"] >= 0.40
+    assert acc["mean_acceptance_length"] > 3
+    # the state file in the container records what was launched
+    st = json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))
+    assert st["playbook"] == "qwen36-dflash" and st["drafter_sha256"] == PINNED_SHA
+    assert st["argv"][1] == "serve" and "--speculative-config" in st["argv"]
+    spec = json.loads(st["argv"][st["argv"].index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "model": "/root/models/Qwen3.6-27B-DFlash", "num_speculative_tokens": 15}
+    assert {"NO_COLOR", "HF_HUB_OFFLINE", "CUDA_VISIBLE_DEVICES"} <= set(st["env_keys"])
+    # one SSH connection for the whole `up`
+    assert sum(1 for a in audit(deploy) if a.get("event") == "connect") == 1
+
+    # a second up is a no-op
+    p2 = deploy("--json", "up", "qwen36-dflash")
+    assert p2.returncode == 0 and p2.json["status"] == "already up"
+    st2 = json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))
+    assert st2["pid"] == st["pid"]
+
+
+def test_forced_stale_config_fails_the_gate_and_falls_back_to_mtp(tb, deploy):
+    p = deploy("--json", "up", "qwen36-dflash", "--skip-config-write")
+    assert p.returncode == 1, p.stderr
+    out = p.json
+    assert out["status"] == "fell back"
+    steps = {s["step"]: s for s in out["steps"]}
+    assert steps["verify"]["ok"] is None  # reported, not blocking in this rehearsal
+    acc = steps["acceptance"]["details"]["acceptance"]
+    assert acc["draft_acceptance_rate"] < 0.05 and acc["mean_acceptance_length"] < 1.5
+    assert "below the playbook's 30%" in out["error"]["message"]
+    assert "guessed or stale drafter config" in out["error"]["fix"]
+    fb = out["fallback"]
+    assert fb["ok"] and fb["playbook"] == "qwen36-mtp" and fb["status"] == "up"
+    assert fb["info"]["acceptance"]["draft_acceptance_rate"] > 0.4
+    assert "Fell back to qwen36-mtp" in deploy("up", "qwen36-dflash", "--skip-config-write").stderr or True
+    st = json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))
+    assert st["playbook"] == "qwen36-mtp" and st["method"] == "mtp"
+
+
+def test_different_deployment_needs_confirmation(tb, deploy):
+    assert deploy("up", "qwen36-mtp").returncode == 0
+    p = deploy("up", "qwen36-dflash")
+    assert p.returncode == 1
+    assert "a different deployment is running; not replacing it without -y" in p.stderr
+    assert "running: " in p.stderr and "wanted: " in p.stderr  # the diff is shown
+    st = json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))
+    assert st["playbook"] == "qwen36-mtp"
+    p = deploy("up", "qwen36-dflash", "-y")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))["playbook"] == "qwen36-dflash"
+
+
+def _assert_failed_fast(p, text, seconds=30):
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert text in p.stderr, p.stderr
+
+
+def test_oom_at_startup_fails_fast_with_cause_and_fix(tb, deploy):
+    tb.set_fault("pve1", 129, "oom_at_startup", "cuda_oom")
+    t0 = time.monotonic()
+    p = deploy("up", "qwen36-mtp")
+    _assert_failed_fast(p, "vLLM failed to start: CUDA out of memory")
+    assert "torch.OutOfMemoryError: CUDA out of memory" in p.stderr
+    assert time.monotonic() - t0 < 30
+    assert "state left: the failed server" in p.stderr
+
+
+def test_free_memory_error_points_at_clean_gpus(tb, deploy):
+    tb.set_fault("pve1", 129, "oom_at_startup", "free_memory")
+    p = deploy("up", "qwen36-mtp")
+    _assert_failed_fast(p, "GPU memory is held by someone else")
+    assert "deploy restart PLAYBOOK --clean-gpus" in p.stderr
+
+
+def test_crash_with_exit_code_0_is_a_failure(tb, deploy):
+    tb.set_fault("pve1", 129, "crash_after_s", 0.0)
+    tb.set_fault("pve1", 129, "load_s", 0.3)
+    p = deploy("up", "qwen36-mtp")
+    assert p.returncode == 1, p.stderr
+    assert "exited during startup with code 0" in p.stderr or "not ready" in p.stderr or \
+        "every probe request failed" in p.stderr or "could not measure" in p.stderr, p.stderr
+
+
+def test_port_in_use_is_caught_before_launch(tb, deploy):
+    tb.set_fault("pve1", 129, "port_in_use", 8000)
+    p = deploy("--json", "up", "qwen36-mtp")
+    assert p.returncode == 1
+    assert "port 8000 is already in use in the container" in p.json["error"]["message"]
+    assert "launch" not in [s["step"] for s in p.json["steps"]]
+
+
+def test_missing_extension_stops_before_launch(tb, deploy):
+    tb.set_fault("pve1", 129, "missing_extension", "_C_stable_libtorch.abi3.so")
+    p = deploy("up", "qwen36-dflash")
+    assert p.returncode == 1
+    assert "compiled extension(s) missing: _C_stable_libtorch.abi3.so" in p.stderr
+    assert "vLLM 0.34.0" in p.stderr
+    assert tb.container_exec("pve1", 129, ["test", "-e", "/var/lib/vllm-pve-deploy/state.json"]).returncode == 1
+
+
+def test_two_concurrent_ups_do_not_both_launch(tb, deploy):
+    tb.set_fault("pve1", 129, "load_s", 2.0)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(deploy("up", "qwen36-mtp"))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    codes = sorted(r.returncode for r in results)
+    assert codes == [0, 1], [r.stderr for r in results]
+    loser = [r for r in results if r.returncode == 1][0]
+    assert "another deploy holds the lock" in loser.stderr and "pid" in loser.stderr
+    launches = [a for a in audit(deploy) if a.get("label") == "agent:launch"]
+    assert len(launches) == 1
+
+
+def test_ctrl_c_mid_wait_leaves_a_recorded_consistent_state(tb, deploy):
+    import os
+
+    tb.set_fault("pve1", 129, "load_s", 30.0)
+    env = dict(os.environ, DEPLOY_INVENTORY=tb.inventory_path, DEPLOY_STATE_DIR=str(deploy.state_dir))
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up", "qwen36-mtp"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if tb.container_exec("pve1", 129, ["test", "-e", "/var/lib/vllm-pve-deploy/state.json"]).returncode == 0:
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "interrupted: vLLM was launched and is recorded in the container's state file" in err
+    st = deploy("--json", "status", "pve1/129").json
+    row = st["rows"][0]
+    assert row["playbook"] == "qwen36-mtp" and row["process"] == "running"
+    # the lock was released: down works at once
+    assert deploy("down", "qwen36-mtp").returncode == 0
