@@ -45,8 +45,9 @@ def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = Tr
     r["failed"] = bad
     if record:
         stack = r.get("stack") or {}
-        sfx = (f"vLLM {stack.get('version')}, transformers {r.get('transformers_version')}, "
-               f"{len(r.get('checks', []))} checks")
+        sfx = (f"vLLM {stack.get('version')}"
+               + (f", transformers {r['transformers_version']}" if r.get("transformers_version") else "")
+               + f", {len(r.get('checks', []))} checks")
         if bad and not blocking:
             ctx.record(step.name, None, f"{len(bad)} check(s) failed, NOT blocking (--skip-config-write): "
                                         + ", ".join(c["check"] for c in bad), t0, result=r)
@@ -56,7 +57,9 @@ def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = Tr
         if bad:
             ctx.fail(step.name, t0, f"{len(bad)} check(s) failed ({sfx}):\n" + render_failures(bad),
                      fix=verify_fix(bad, ctx.pb.name), result=r)
-        ctx.record(step.name, True, f"drafter config correct on disk and as loaded; {sfx}", t0, result=r)
+        what = "serving stack can run this method" if step.args.get("stack_only") else \
+            "drafter config correct on disk and as loaded"
+        ctx.record(step.name, True, f"{what}; {sfx}", t0, result=r)
     return r
 
 

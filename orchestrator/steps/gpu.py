@@ -72,10 +72,10 @@ def prove_free(ctx: Context, step: Step, *, clean_gpus_hint: bool = True) -> dic
                  fix=f"deploy restart {ctx.pb.name} --clean-gpus (kills those holders), or stop them yourself",
                  result=r)
     # held outside: nothing in this container holds the devices
-    others = other_containers_sharing(ctx, step.args["gpus"])
-    extra = ("; other running containers on this host given these GPUs: " +
+    others = other_containers_sharing(ctx, r.get("busy") or step.args["gpus"])
+    extra = ("; other running containers on this host given the busy GPU(s): " +
              ", ".join(f"{o['vmid']} ({o['name']}, GPUs {o['gpus']})" for o in others)) if others else \
-        "; no other running container on this host is given these GPUs, so the holder is the host itself"
+        "; no other running container on this host is given the busy GPU(s), so the holder is the host itself"
     ctx.fail(step.name, t0, f"GPU memory is held OUTSIDE this container ({busy} > {thr} MiB after "
                             f"{r['seconds']:.0f}s, and no process in container {ctx.pb.vmid} holds /dev/nvidia*)"
                             + extra,

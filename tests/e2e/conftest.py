@@ -47,3 +47,26 @@ def sha(tb, host, vmid, path):
 
 PINNED_SHA = "df82aa8b0e47c4312ffb0fab14d20fdb80a5d6a94c5dd4e4878c19165c654fb9"
 DRAFTER = "/root/models/Qwen3.6-27B-DFlash/config.json"
+
+
+@pytest.fixture
+def playbooks(tmp_path):
+    """A copy of playbooks/ with faster GPU timeouts; edit(name, old, new) changes one; env for deploy()."""
+    import shutil
+
+    d = tmp_path / "playbooks"
+    shutil.copytree(os.path.join(REPO, "playbooks"), d)
+
+    def edit(name, old, new):
+        p = d / f"{name}.yaml"
+        text = p.read_text()
+        if old not in text:
+            text = text.replace("\ngpu:\n", f"\ngpu:\n  {new}\n", 1) if "\ngpu:\n" in text else \
+                text + f"\ngpu:\n  {new}\n"
+        else:
+            text = text.replace(old, new, 1)
+        p.write_text(text)
+
+    edit.dir = d
+    edit.env = {"DEPLOY_PLAYBOOKS": str(d)}
+    return edit

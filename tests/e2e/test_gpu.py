@@ -1,0 +1,117 @@
+"""GPU lifecycle against the test bed: stop safely, free, prove by measurement, name every holder."""
+
+import json
+import time
+
+from conftest import cat
+
+HOLD = ("import os, sys, time; fd = os.open('/dev/nvidia%d', os.O_RDWR); os.lseek(fd, %d << 20, 0); "
+        "sys.stdout.write('held\\n'); sys.stdout.flush(); time.sleep(600)")
+
+
+def hold_gpu(tb, host, vmid, gpu, mib):
+    """A process in the container holding `mib` MiB of GPU `gpu` (the test bed's memory model)."""
+    import subprocess
+
+    argv = tb.ssh_argv(host, "pct", "exec", str(vmid), "--", "/root/ml-env/bin/python", "-c",
+                       '"%s"' % (HOLD % (gpu, mib)))
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def used(tb, host):
+    return tb.gpu_used(host)
+
+
+def test_killing_only_the_server_leaks_memory_and_down_frees_it(tb, deploy):
+    assert deploy("up", "qwen36-mtp").returncode == 0
+    st = json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))
+    server = [p for p in tb.container_exec("pve1", 129, ["ps", "-eo", "pid,args"]).stdout.splitlines()
+              if "vllm serve" in p and "/bin/sh" not in p][0].split()[0]
+    tb.container_exec("pve1", 129, ["kill", "-9", server])
+    time.sleep(1.0)
+    assert min(used(tb, "pve1")) > 50_000  # EngineCore and the workers still hold the GPUs
+    p = deploy("--json", "down", "qwen36-mtp")
+    assert p.returncode == 0, p.stderr
+    assert max(used(tb, "pve1")) < 1024
+    steps = {s["step"]: s for s in p.json["steps"]}
+    stopped = steps["stop"]["details"]["report"]["terminated"] + steps["stop"]["details"]["report"]["killed"]
+    assert any("VLLM::Worker" in (x.get("comm") or "") for x in stopped), stopped
+    assert steps["gpus-free"]["details"]["before"]  # per-GPU MiB before and after are reported
+    assert st["pgid"]
+
+
+def test_sigterm_ignoring_holder_is_named_then_killed_with_clean_gpus(tb, deploy, playbooks):
+    playbooks("qwen36-mtp", "free_timeout_s: 60", "free_timeout_s: 2")
+    tb.set_fault("pve1", 129, "sigterm_ignoring_holder_mib", 20000)
+    p = deploy("down", "qwen36-mtp", env=playbooks.env)
+    assert p.returncode == 1
+    assert "holders in this container: PID" in p.stderr and "/dev/nvidia0" in p.stderr
+    assert "--clean-gpus" in p.stderr
+    p = deploy("--json", "down", "qwen36-mtp", "--clean-gpus", "-y", env=playbooks.env)
+    assert p.returncode == 0, p.stderr
+    fz = {s["step"]: s for s in p.json["steps"]}["stop"]["details"]["report"]["fuser"]
+    assert fz["term"] and fz["kill"] == fz["term"]  # it ignored SIGTERM, so it was SIGKILLed and named
+    assert max(used(tb, "pve1")) < 1024
+
+
+def test_slow_release_is_waited_for_and_timed(tb, deploy):
+    assert deploy("up", "qwen36-mtp").returncode == 0
+    tb.set_fault("pve1", None, "release_delay_s", 2.0)
+    p = deploy("--json", "down", "qwen36-mtp")
+    assert p.returncode == 0, p.stderr
+    gf = {s["step"]: s for s in p.json["steps"]}["gpus-free"]
+    assert gf["ok"] and gf["seconds"] >= 1.5
+    assert "all under 1024 MiB after" in gf["summary"]
+
+
+def test_holder_in_another_container_is_outside_and_nothing_launches(tb, deploy, playbooks):
+    playbooks("qwen36-mtp", "free_timeout_s: 60", "free_timeout_s: 1.5")
+    hog = hold_gpu(tb, "pve1", 130, 0, 30000)
+    try:
+        p = deploy("--json", "up", "qwen36-mtp", env=playbooks.env)
+        assert p.returncode == 1
+        msg = p.json["error"]["message"]
+        assert "GPU memory is held OUTSIDE this container" in msg and "GPU0 30000 MiB" in msg
+        assert "given the busy GPU(s): 130 (" in msg and "GPUs [0])" in msg
+        assert "launch" not in [s["step"] for s in p.json["steps"]]
+    finally:
+        hog.kill()
+
+
+def test_host_level_holder_is_reported_as_the_host(tb, deploy, playbooks):
+    playbooks("qwen36-mtp", "free_timeout_s: 60", "free_timeout_s: 1.5")
+    tb.set_fault("pve1", None, "foreign_holder", {"gpu": 2, "mib": 12000})
+    p = deploy("up", "qwen36-mtp", env=playbooks.env)
+    assert p.returncode == 1
+    assert "held OUTSIDE this container (GPU2 12000 MiB" in p.stderr
+    assert "the holder is the host itself" in p.stderr
+
+
+def test_hanging_nvidia_smi_times_out_with_the_command(tb, deploy, playbooks):
+    playbooks("qwen36-mtp", "nvidia_smi_timeout_s: 10", "nvidia_smi_timeout_s: 1")
+    tb.set_fault("pve1", None, "nvidia_smi_hang", True)
+    t0 = time.monotonic()
+    p = deploy("down", "qwen36-mtp", env=playbooks.env)
+    assert p.returncode == 1
+    assert "nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits" in p.stderr
+    assert "did not answer within 1s" in p.stderr
+    assert time.monotonic() - t0 < 20
+
+
+def test_down_when_nothing_runs_is_a_clean_noop(tb, deploy):
+    p = deploy("--json", "down", "qwen36-mtp")
+    assert p.returncode == 0, p.stderr
+    steps = {s["step"]: s for s in p.json["steps"]}
+    assert steps["stop"]["summary"] == "nothing of ours was running"
+    assert steps["gpus-free"]["ok"]
+
+
+def test_restart_clean_gpus_frees_and_relaunches(tb, deploy):
+    assert deploy("up", "qwen36-mtp").returncode == 0
+    pid1 = json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))["pid"]
+    p = deploy("--json", "restart", "--clean-gpus")  # no playbook: from the state file
+    assert p.returncode == 0, p.stderr
+    st = json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))
+    assert st["playbook"] == "qwen36-mtp" and st["pid"] != pid1
