@@ -159,8 +159,10 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sa
 
 
 def gather(inv, targets, fleet: Fleet | None = None, *, deadline: float = 15.0, sampler: Sampler | None = None,
-           smi_timeout: float = 5.0) -> list[dict]:
+           smi_timeout: float | None = None) -> list[dict]:
     scope = resolve_targets(inv, targets)
+    # a hung nvidia-smi must be reported by the agent itself, well inside the host's deadline
+    smi_timeout = smi_timeout or max(0.5, min(5.0, deadline / 3))
     sampler = sampler or Sampler(persist=False)
     own = fleet is None
     fleet = fleet or Fleet(inv)
@@ -226,7 +228,7 @@ def render_table(rows, color: bool) -> str:
         acc = (r.get("acceptance") or {})
         life = acc.get("lifetime") or {}
         rec = acc.get("recent") or {}
-        gpus = " ".join(f"{g['index']}:{g['used_mib'] / 1024:.0f}G" for g in r["gpus"]) or "-"
+        gpus = _gpu_cell(r["gpus"])
         acc_s = "-"
         if life:
             acc_s = f"{_pct(life.get('draft_acceptance_rate'))}/{life.get('mean_acceptance_length') or 0:.1f}"
@@ -240,13 +242,25 @@ def render_table(rows, color: bool) -> str:
     text = table(out, ["CONTAINER", "STATE", "PLAYBOOK", "VLLM", "HTTP", "METHOD", "ACCEPT/LEN", "DRAFTER",
                        "GPU MEM", "UP"], width=100)
     probs = [f"  {r['host']}/{r['vmid']}: {p}" for r in rows for p in r["problems"]]
-    probs += [f"  {r['host']}/{r['vmid']}: last error: {r['last_error'][:90]}" for r in rows if r.get("last_error")]
+    probs += [f"  {r['host']}/{r['vmid']}: last error: {r['last_error']}" for r in rows if r.get("last_error")]
+    probs = [p if len(p) <= 100 else p[:99] + "~" for p in probs]
     if probs:
         text += "\n\nProblems:\n" + "\n".join(probs)
     if color:
         text = text.replace("UNHEALTHY", "\x1b[31mUNHEALTHY\x1b[0m").replace(
             "UNREACHABLE", "\x1b[31;1mUNREACHABLE\x1b[0m").replace("DRIFT", "\x1b[33mDRIFT\x1b[0m")
     return text
+
+
+def _gpu_cell(gpus: list) -> str:
+    """'4x 72/80G' when every GPU reads the same, else 'idx:usedG' per GPU."""
+    if not gpus:
+        return "-"
+    cells = {(round(g["used_mib"] / 1024), round(g["total_mib"] / 1024)) for g in gpus}
+    if len(cells) == 1:
+        u, t = cells.pop()
+        return f"{len(gpus)}x {u}/{t}G"
+    return " ".join(f"{g['index']}:{g['used_mib'] / 1024:.0f}G" for g in gpus)
 
 
 def _dur(s: float) -> str:

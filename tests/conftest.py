@@ -1,7 +1,7 @@
 """Shared fixtures: the test bed (a simulated Proxmox GPU fleet on this machine, see docs/testbed.md).
 
 - `testbed` (session): hosts pve1 (containers 129 with GPUs 0-3 and 130 with GPUs 0-1: they share GPUs 0-1)
-  and pve2 (container 129 with GPUs 0-3), 4 GPUs each. Started once, always torn down (also via atexit).
+  and pve2, pve3, pve4 (container 129 with GPUs 0-3 each), 4 GPUs per host. Started once, always torn down (also via atexit).
 - `tb` (function): the same test bed after `reset()` (no processes in containers, stale drafter config,
   no faults, containers running). Use this one in tests.
 - `inventory` (function): path of the test bed's hosts.yaml (after reset).
@@ -18,7 +18,8 @@ import shutil
 
 import pytest
 
-TESTBED_CONTAINERS = {"pve1": {129: [0, 1, 2, 3], 130: [0, 1]}, "pve2": {129: [0, 1, 2, 3]}}
+TESTBED_CONTAINERS = {"pve1": {129: [0, 1, 2, 3], 130: [0, 1]}, "pve2": {129: [0, 1, 2, 3]},
+                      "pve3": {129: [0, 1, 2, 3]}, "pve4": {129: [0, 1, 2, 3]}}
 
 
 def testbed_skip_reason():
@@ -52,7 +53,7 @@ def _free_net():
         return fixed
     for n in range(1, 61):
         ok = True
-        for i in (1, 2):
+        for i in (1, 2, 3, 4):
             with socket.socket() as s:
                 try:
                     s.bind(("127.77.%d.%d" % (n, i), 2222))
@@ -77,7 +78,7 @@ def testbed():
             Testbed.load(root).down()
         except Exception:  # noqa: BLE001 - best effort, up() cleans what is left
             pass
-    bed = Testbed(root=root, hosts=2, containers=TESTBED_CONTAINERS, gpus=4, net=_free_net())
+    bed = Testbed(root=root, hosts=len(TESTBED_CONTAINERS), containers=TESTBED_CONTAINERS, gpus=4, net=_free_net())
 
     def teardown():
         try:

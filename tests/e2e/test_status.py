@@ -1,0 +1,121 @@
+"""`deploy status` across the fleet: every kind of row in one run, a stable JSON schema, per-host deadlines."""
+
+import time
+
+from conftest import DRAFTER
+
+ROW_KEYS = {"host": str, "vmid": int, "reachable": bool, "container": str, "playbook": (str, type(None)),
+            "pid": (int, type(None)), "process": str, "health": (int, type(None)), "served_model": (str, type(None)),
+            "method": (str, type(None)), "gpus": list, "acceptance": (dict, type(None)), "drafter": (dict, type(None)),
+            "uptime_s": (float, int, type(None)), "last_error": (str, type(None)), "lock": (dict, type(None)),
+            "healthy": bool, "problems": list}
+
+
+def validate_schema(doc):
+    assert doc["schema"] == "vllm-pve-deploy/status/v1"
+    assert isinstance(doc["generated_at"], str) and isinstance(doc["seconds"], float)
+    assert doc["exit_code"] in (0, 1, 3)
+    for row in doc["rows"]:
+        assert set(row) == set(ROW_KEYS), set(row) ^ set(ROW_KEYS)
+        for k, t in ROW_KEYS.items():
+            assert isinstance(row[k], t), (k, row[k])
+        for g in row["gpus"]:
+            assert set(g) == {"index", "used_mib", "total_mib"}
+        assert row["container"] in ("running", "stopped", "missing", "unknown")
+        assert row["process"] in ("none", "running", "exited", "not ours", "unknown")
+        if row["acceptance"]:
+            assert set(row["acceptance"]) == {"lifetime", "recent"}
+
+
+def mtp_on(playbooks, host):
+    """A copy of qwen36-mtp that targets HOST/129."""
+    src = (playbooks.dir / "qwen36-mtp.yaml").read_text()
+    (playbooks.dir / f"mtp-{host}.yaml").write_text(
+        src.replace("name: qwen36-mtp", f"name: mtp-{host}").replace("host: pve1", f"host: {host}"))
+    return f"mtp-{host}"
+
+
+def test_healthy_crashed_drifted_unreachable_in_one_run(tb, deploy, playbooks):
+    env = playbooks.env
+    assert deploy("up", "qwen36-dflash", env=env).returncode == 0          # pve1/129: drift below
+    assert deploy("up", mtp_on(playbooks, "pve2"), env=env).returncode == 0  # pve2/129: healthy
+    assert deploy("up", mtp_on(playbooks, "pve3"), env=env).returncode == 0  # pve3/129: crashes below
+    assert deploy("up", mtp_on(playbooks, "pve4"), env=env).returncode == 0  # pve4: unreachable below
+    tb.container_exec("pve1", 129, ["cp", "/root/models/Qwen3.6-27B-DFlash/config.json.bak-*", DRAFTER])
+    tb.container_exec("pve1", 129, ["sh", "-c", f"cp {DRAFTER}.bak-* {DRAFTER}"])
+    tb.set_fault("pve3", 129, "crash_after_s", 0.0)
+    tb.set_fault("pve4", None, "unreachable", True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # wait for the crash to end the server (it exits 0)
+        doc = deploy("--json", "status", "pve3/129", env=env).json
+        if doc["rows"][0]["process"] == "exited":
+            break
+        time.sleep(0.3)
+    p = deploy("--json", "status", env=env)
+    doc = p.json
+    validate_schema(doc)
+    assert p.returncode == 3 and doc["exit_code"] == 3  # some host unreachable wins
+    rows = {f"{r['host']}/{r['vmid']}": r for r in doc["rows"]}
+    assert list(rows) == ["pve1/129", "pve1/130", "pve2/129", "pve3/129", "pve4/129"]
+    d = rows["pve1/129"]
+    assert d["process"] == "running" and d["drafter"]["drift"] is True and not d["healthy"]
+    assert any("drafter config drift" in x for x in d["problems"])
+    assert d["acceptance"]["lifetime"]["draft_acceptance_rate"] > 0.4
+    assert rows["pve1/130"]["healthy"] and rows["pve1/130"]["process"] == "none"
+    h = rows["pve2/129"]
+    assert h["healthy"] and h["health"] == 200 and h["method"] == "mtp" and h["served_model"] == "qwen36"
+    assert len(h["gpus"]) == 4 and all(g["used_mib"] > 50_000 for g in h["gpus"])
+    c = rows["pve3/129"]
+    assert c["process"] == "exited" and not c["healthy"]
+    assert any("has exited (code 0)" in x for x in c["problems"]), c["problems"]
+    u = rows["pve4/129"]
+    assert not u["reachable"] and "cannot connect" in u["problems"][0]
+    # the table fits 100 columns and names every problem
+    t = deploy("status", env=env)
+    assert t.returncode == 3
+    assert max(len(ln) for ln in t.stdout.splitlines()) <= 100
+    assert "UNREACHABLE" in t.stdout and "DRIFT" in t.stdout and "has exited" in t.stdout
+
+
+def test_hanging_nvidia_smi_on_one_host_does_not_delay_the_others(tb, deploy, playbooks):
+    assert deploy("up", mtp_on(playbooks, "pve2"), env=playbooks.env).returncode == 0
+    tb.set_fault("pve3", None, "nvidia_smi_hang", True)
+    t0 = time.monotonic()
+    p = deploy("--json", "status", "--deadline", "4", env=playbooks.env)
+    took = time.monotonic() - t0
+    assert took < 8, took
+    rows = {f"{r['host']}/{r['vmid']}": r for r in p.json["rows"]}
+    assert rows["pve2/129"]["healthy"] and rows["pve2/129"]["health"] == 200
+    hung = rows["pve3/129"]
+    assert not hung["healthy"] and any("nvidia-smi" in x and "did not answer" in x for x in hung["problems"])
+    assert p.returncode == 1
+
+
+def test_one_connection_and_one_exec_per_container(tb, deploy):
+    from conftest import audit
+
+    p = deploy("--json", "status")
+    assert p.returncode == 0, p.stdout
+    entries = audit(deploy)
+    connects = [a for a in entries if a.get("event") == "connect"]
+    execs = [a for a in entries if "argv" in a]
+    assert sorted(a["host"] for a in connects) == ["pve1", "pve2", "pve3", "pve4"]
+    assert sorted((a["host"], a["vmid"]) for a in execs) == [("pve1", 129), ("pve1", 130), ("pve2", 129),
+                                                              ("pve3", 129), ("pve4", 129)]
+
+
+def test_status_of_a_stopped_container_and_bad_targets(tb, deploy):
+    tb.stop_container("pve1", 130)
+    p = deploy("--json", "status", "pve1")
+    rows = {r["vmid"]: r for r in p.json["rows"]}
+    assert rows[130]["container"] == "stopped" and not rows[130]["healthy"]
+    assert p.returncode == 1
+    bad = deploy("status", "nohost")
+    assert bad.returncode == 2 and "'nohost' is not a host, HOST/VMID or playbook" in bad.stderr
+
+
+def test_logs_shows_the_deployment_log(tb, deploy):
+    assert deploy("up", "qwen36-mtp").returncode == 0
+    p = deploy("logs", "qwen36-mtp", "-n", "5", "--grep", "Application startup|SpeculativeConfig")
+    assert p.returncode == 0
+    assert "Application startup complete." in p.stdout and "SpeculativeConfig(method='mtp'" in p.stdout
