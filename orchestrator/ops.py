@@ -169,9 +169,9 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
                        (f" ({len(cur.get('vllm_processes') or [])} stray vLLM process(es) seen)"
                         if cur.get("vllm_processes") else ""), t0)
         verified = None
-        if "drafter-config" in steps:
-            D.write_config(ctx, steps["drafter-config"])
-        verified = D.verify(ctx, steps["verify"], blocking=opts.write_config or not pb.drafter)
+        written = D.write_config(ctx, steps["drafter-config"]) if "drafter-config" in steps else {}
+        verified = D.verify(ctx, steps["verify"], blocking=opts.write_config or not pb.drafter,
+                            written_sha=written.get("after_sha256"))
         if running or restart or cur.get("vllm_processes"):
             G.stop(ctx, steps["stop"])
         G.prove_free(ctx, steps["gpus-free"])

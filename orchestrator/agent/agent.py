@@ -854,9 +854,10 @@ def _vllm_stack(python_timeout):
     try:
         with open(os.path.join(root, "_version.py")) as fh:
             src = fh.read()
-        m = re.search(r"""(?:__version__|version)\s*(?::\s*str)?\s*=\s*['"]([^'"]+)['"]""", src)
+        # setuptools-scm style: `__version__ = version = '0.34.0'`, `__commit_id__ = commit_id = 'g...'`
+        m = re.search(r"""^(?:__version__|version)\b[^'"\n]*['"]([^'"]+)['"]""", src, re.M)
         version = m.group(1) if m else None
-        m = re.search(r"""__commit_id__\s*(?::\s*\S+)?\s*=\s*['"]([^'"]*)['"]""", src)
+        m = re.search(r"""^__commit_id__\b[^'"\n]*['"]([^'"]*)['"]""", src, re.M)
         commit = m.group(1) if m else None
     except OSError:
         pass
@@ -994,6 +995,13 @@ def act_verify(a):
             if key in disk and loaded.get(key, ABSENT) == disk.get(key):
                 check("loaded " + key, True, expected=pinned.get(key, ABSENT), on_disk=disk.get(key),
                       as_loaded=loaded.get(key))
+
+    try:
+        out["sha256_after"] = sha256_file(path)
+    except OSError:
+        out["sha256_after"] = None
+    check("unchanged during verify", out["sha256_after"] == sha, expected=sha, on_disk=out["sha256_after"],
+          reason="the file changed while it was being verified: something rewrites it")
 
     # 5. the serving stack
     stack = _vllm_stack(float(a.get("import_timeout_s", 120)))

@@ -37,9 +37,16 @@ def failing(checks: list[dict]) -> list[dict]:
     return [c for c in checks if not c["ok"] and c.get("severity", "error") == "error"]
 
 
-def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = True) -> dict:
+def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = True,
+           written_sha: str | None = None) -> dict:
     t0 = time.monotonic()
     r = ctx.call(step)
+    now = next((x for x in (r.get("sha256"), r.get("sha256_after")) if x and x != written_sha), None)
+    if written_sha and now:
+        ctx.fail(step.name, t0, f"the drafter config changed behind our back between the write and verify: "
+                                f"{step.args.get('path')}/config.json was read back as {written_sha} and is now "
+                                f"{now}", fix="find what rewrites it (a sync job, a download) and stop it; "
+                                                      "then deploy up again", result=r)
     bad = failing(r.get("checks", []))
     bad += extra_key_problems(ctx, r.get("stack") or {})
     r["failed"] = bad
