@@ -232,12 +232,14 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus):
 
 @main.command(context_settings=CONTEXT)
 @click.argument("playbook", required=False)
-@up_options
+@click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
+              help="Wait this long for another deploy's lock instead of failing at once.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and run nothing.")
 @click.option("--clean-gpus", is_flag=True, default=None,
               help="After stopping, fuser -k -TERM then -KILL whatever in the container still holds /dev/nvidia*.")
 @json_option
 @click.pass_obj
-def restart(obj, playbook, yes, wait_lock, dry_run, clean_gpus):
+def restart(obj, playbook, wait_lock, dry_run, clean_gpus):
     """Stop, free and prove the GPUs free, verify the drafter config, start again, and gate on acceptance.
 
     Without PLAYBOOK: restart what the state file in each inventory container says is running there.
@@ -292,7 +294,8 @@ def _running_playbooks(obj, inv):
 @click.option("--clean-gpus", is_flag=True, default=None,
               help="Also fuser -k -TERM, then -KILL, whatever in the container still holds /dev/nvidia*.")
 @click.option("-y", "--yes", is_flag=True, help="Do not ask before killing GPU holders (for scripts).")
-@click.option("--wait-lock", type=float, default=0, metavar="SECONDS")
+@click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
+              help="Wait this long for another deploy's lock instead of failing at once.")
 @json_option
 @click.pass_obj
 def down(obj, playbook, clean_gpus, yes, wait_lock):

@@ -169,12 +169,13 @@ def step_verify(pb):
                 **_common(pb))
 
 
-def step_stop(pb, clean_gpus, when="something of ours is running"):
+def step_stop(pb, clean_gpus, when="something of ours is running", only_this_playbook=False):
     g = pb.data["gpu"]
     return Step("stop", "stop vLLM: SIGTERM its process group, grace period, SIGKILL, find leftovers"
                 + (", then fuser -k -TERM/-KILL the container's /dev/nvidia*" if clean_gpus else ""),
                 action="stop", args={"state_dir": pb.runtime["state_dir"], "grace_s": g["stop_grace_s"],
-                                     "clean_gpus": clean_gpus, "fuser_grace_s": 5, "gpus": pb.gpus},
+                                     "clean_gpus": clean_gpus, "fuser_grace_s": 5, "gpus": pb.gpus,
+                                     **({"only_playbook": pb.name} if only_this_playbook else {})},
                 timeout=g["stop_grace_s"] + 60, when=when, **_common(pb))
 
 
@@ -252,5 +253,6 @@ def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None 
 
 def plan_down(pb: Playbook, *, clean_gpus: bool | None = None) -> list[Step]:
     clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
-    return [step_container(pb), step_lock(pb, "down", 600), step_stop(pb, clean, when="always"),
+    return [step_container(pb), step_lock(pb, "down", 600),
+            step_stop(pb, clean, when="it runs this playbook", only_this_playbook=True),
             step_gpus_free(pb), step_unlock(pb)]

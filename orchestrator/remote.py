@@ -108,7 +108,7 @@ class AuditLog:
                 with open(self.path, "a", encoding="utf-8") as fh:
                     fh.write(line + "\n")
             except OSError:
-                pass  # an unwritable audit log must not break a deployment; `deploy` warns at start instead
+                pass  # an unwritable audit log must not break a deployment
 
 
 # Connection-level failures that are worth another try: nothing ran yet.
@@ -126,6 +126,7 @@ class HostSession:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     keep_env_supported: bool | None = field(default=None, init=False)
     connects: int = field(default=0, init=False)
+    _spare: object = field(default=None, init=False, repr=False)
 
     # -------------------------------------------------------------- connection
 
@@ -189,7 +190,7 @@ class HostSession:
                 f"host key CHANGED: known_hosts has {e.expected_key.get_name()} "
                 f"{e.expected_key.get_fingerprint().hex()}, the server sent {e.key.get_fingerprint().hex()}",
                 where=where, fix=f"if the host was reinstalled, remove the old key: ssh-keygen -f "
-                                 f"{h.known_hosts} -R '[{h.address}]:{h.port}'; otherwise do not connect") from e
+                                 f"{h.known_hosts} -R '{_known_hosts_name(h)}'; otherwise do not connect") from e
         except paramiko.AuthenticationException as e:
             raise Unreachable(f"authentication failed: {e}", where=where,
                               fix="check identity_file in the inventory and the host's authorized_keys") from e
@@ -198,7 +199,7 @@ class HostSession:
             if "not found in known_hosts" in msg:
                 raise HostKeyError(f"unknown host key ({msg})", where=where,
                                    fix=f"add the host's key to {h.known_hosts} (ssh-keyscan -p {h.port} "
-                                       f"{h.address}, then compare its fingerprint), or set "
+                                       f"{h.address or h.ssh_config_alias}, then compare its fingerprint), or set "
                                        "accept_new_host_keys: true for this host") from e
             raise Unreachable(f"SSH error: {msg}", where=where, fix="check that sshd runs on the host") from e
         except (OSError, EOFError) as e:
@@ -209,8 +210,37 @@ class HostSession:
         self.audit.write(host=h.name, event="connect", duration=round(time.monotonic() - started, 4))
         return conn
 
+    def open_spare(self) -> None:
+        """Open a session channel now, for the next command to use (`deploy status --watch` calls this
+        between refreshes, so a refresh skips the channel-open round trip). Best effort: on any failure the
+        next command opens its own channel, as without a spare. Opening a channel runs nothing remotely."""
+        conn = self._conn
+        if conn is None or self._spare is not None or not conn.is_connected:
+            return
+        try:
+            chan = conn.transport.open_session(timeout=10)
+        except Exception:  # noqa: BLE001 - a spare is an optimisation only
+            return
+        with self._lock:
+            if self._spare is None and self._conn is conn:
+                self._spare, chan = chan, None
+        if chan is not None:
+            chan.close()
+
+    def _take_spare(self):
+        with self._lock:
+            chan, self._spare = self._spare, None
+            transport = self._conn.transport if self._conn is not None else None
+        if chan is None:
+            return None
+        if chan.closed or not chan.active or chan.transport is not transport:
+            chan.close()
+            return None
+        return chan
+
     def close(self) -> None:
         with self._lock:
+            self._spare = None
             if self._conn is not None:
                 try:
                     self._conn.close()
@@ -230,7 +260,7 @@ class HostSession:
         conn = self.connect()
         started = time.monotonic()
         try:
-            exited, out, err = _exec(conn.transport, command, stdin, timeout, on_line)
+            exited, out, err = _exec(conn.transport, command, stdin, timeout, on_line, spare=self._take_spare)
         except RemoteTimeout as e:
             self.audit.write(host=self.host.name, vmid=vmid, argv=audit_argv or argv, exit=None,
                              duration=round(time.monotonic() - started, 4), error="timeout", label=label)
@@ -261,17 +291,26 @@ class HostSession:
         return res
 
 
+def _known_hosts_name(h) -> str:
+    host = h.address or h.ssh_config_alias
+    return host if h.port == 22 else f"[{host}]:{h.port}"
+
+
 def _ssh_exception():
     import paramiko
 
     return paramiko.SSHException
 
 
-def _exec(transport, command: str, stdin: bytes | None, timeout: float, on_line=None) -> tuple[int, bytes, bytes]:
+def _exec(transport, command: str, stdin: bytes | None, timeout: float, on_line=None,
+          spare=None) -> tuple[int, bytes, bytes]:
     """Run one command on a new channel of the shared transport. on_line(bytes) sees each stdout line as it
-    arrives (progress of long waits); the full stdout is returned as well."""
+    arrives (progress of long waits); the full stdout is returned as well. spare() may hand over a session
+    channel opened ahead of time (--watch), saving the channel-open round trip. (Sending the exec request
+    without waiting for its reply saves nothing against OpenSSH: sshd opens a session channel with a zero
+    window and grants it only once the exec is running, so stdin waits that round trip anyway; measured.)"""
     deadline = time.monotonic() + timeout
-    chan = transport.open_session(timeout=min(timeout, 30))
+    chan = (spare or (lambda: None))() or transport.open_session(timeout=min(timeout, 30))
     try:
         chan.settimeout(max(0.1, timeout))
         chan.exec_command(command)
@@ -336,6 +375,13 @@ class Fleet:
             if host_name not in self._sessions:
                 self._sessions[host_name] = HostSession(self.inventory.host(host_name), self.audit)
             return self._sessions[host_name]
+
+    def open_spares(self) -> None:
+        """In the background, open one spare session channel per connected host (see HostSession.open_spare)."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            threading.Thread(target=s.open_spare, daemon=True).start()
 
     def close(self) -> None:
         for s in self._sessions.values():

@@ -292,6 +292,7 @@ def run_status(obj, targets, watch, deadline) -> int:
                     click.echo(f"\n(refreshed in {time.monotonic() - t0:.2f}s; every {watch:g}s; Ctrl-C to stop)")
             if not watch:
                 return code
+            fleet.open_spares()  # the next refresh then costs one round trip less per host
             try:
                 time.sleep(max(0.0, watch - (time.monotonic() - t0)))
             except KeyboardInterrupt:

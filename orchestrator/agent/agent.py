@@ -279,6 +279,11 @@ def act_stop(a):
     st = read_state(state_dir)
     report = {"state": None, "terminated": [], "killed": [], "leftovers": [], "fuser": None, "seconds": 0}
     t0 = now()
+    if st and not st.get("corrupt") and st.get("alive") and a.get("only_playbook") \
+            and st.get("playbook") != a["only_playbook"]:
+        return {"refused": "this container runs %s (pid %s), not %s" % (st.get("playbook"), st.get("pid"),
+                                                                      a["only_playbook"]),
+                "running": st.get("playbook")}
     if st and not st.get("corrupt"):
         report["state"] = {k: st.get(k) for k in ("pid", "pgid", "playbook", "started_at", "alive")}
         pgid = st.get("pgid")
@@ -755,8 +760,30 @@ def act_unlock(a):
 
 
 def act_status(a):
+    import threading
+
     state_dir = a["state_dir"]
-    res = {"state": read_state(state_dir), "memory": read_gpu_memory(a.get("nvidia_smi_timeout_s", 5))}
+    res = {"state": read_state(state_dir), "memory": None}
+    failed = []
+
+    def gpu():  # nvidia-smi (tens of ms here, often hundreds on real GPUs) runs while the HTTP checks run
+        try:
+            res["memory"] = read_gpu_memory(a.get("nvidia_smi_timeout_s", 5))
+        except BaseException as e:  # noqa: BLE001 - re-raised below, as if it had run inline
+            failed.append(e)
+
+    smi = threading.Thread(target=gpu)
+    smi.start()
+    try:
+        _status_rest(res, state_dir)
+    finally:
+        smi.join()
+    if failed:
+        raise failed[0]
+    return res
+
+
+def _status_rest(res, state_dir):
     st = res["state"]
     lock = os.path.join(state_dir, "lock")
     if os.path.exists(lock):
@@ -793,7 +820,6 @@ def act_status(a):
             res["last_error"] = errs[-1][-300:] if errs else None
     else:
         res["vllm_processes"] = vllm_processes()
-    return res
 
 
 # ------------------------------------------------------------------ action: verify the drafter config

@@ -3,6 +3,7 @@ StepFailed with what failed, where, expected vs found, and what to do next."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -63,6 +64,8 @@ class Context:
     def call(self, step: Step, *, payload: bytes | None = None, secrets: dict | None = None, on_event=None) -> dict:
         args = {k: (self.token if v == "<invocation token>" else self.holder if v == "<user@workstation>" else v)
                 for k, v in step.args.items()}
+        self.progress.detail(self.where, f"$ pct exec {step.vmid} -- {self.pb.runtime['python']} - {step.action} "
+                                         f"{json.dumps(args, sort_keys=True)[:300]}")
         return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, payload=payload,
                           secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event)
 

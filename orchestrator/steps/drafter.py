@@ -21,7 +21,9 @@ def write_config(ctx: Context, step: Step) -> dict:
                  fix={"directory": "create the drafter directory, or fix speculative.drafter.path",
                       "symlink": "use a plain local directory for speculative.drafter.path",
                       "write": "make the directory writable (read-only mount? full disk?) and run again",
-                      "readback": "something rewrote the file while we wrote it; find the sync job"}.get(
+                      "readback": "something rewrote the file while we wrote it; find the sync job",
+                      "payload": "the pinned bytes were damaged in transfer; run again (check the SSH link)",
+                      "read": "make the existing config.json readable by root in the container"}.get(
                      r.get("stage"), "check the container"), result=r)
     if r.get("changed"):
         ctx.record(step.name, True, f"wrote {path} (was {short(r.get('before_sha256'), 12)}, now "
@@ -44,7 +46,7 @@ def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = Tr
     now = next((x for x in (r.get("sha256"), r.get("sha256_after")) if x and x != written_sha), None)
     if written_sha and now:
         ctx.fail(step.name, t0, f"the drafter config changed behind our back between the write and verify: "
-                                f"{step.args.get('path')}/config.json was read back as {written_sha} and is now "
+                                f"{(r.get('location') or {}).get('path')} was read back as {written_sha} and is now "
                                 f"{now}", fix="find what rewrites it (a sync job, a download) and stop it; "
                                                       "then deploy up again", result=r)
     bad = failing(r.get("checks", []))

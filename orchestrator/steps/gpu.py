@@ -18,6 +18,9 @@ def fmt_mem(readings: dict | None) -> str:
 def stop(ctx: Context, step: Step) -> dict:
     t0 = time.monotonic()
     rep = ctx.call(step, on_event=lambda e: ctx.progress.say(ctx.where, "     " + e.get("message", "")))
+    if rep.get("refused"):
+        ctx.fail(step.name, t0, rep["refused"] + "; nothing was stopped",
+                 fix=f"deploy down {rep.get('running')} stops that deployment")
     stopped = rep.get("terminated", []) + rep.get("killed", [])
     parts = []
     if rep.get("terminated"):

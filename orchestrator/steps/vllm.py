@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from .. import vllm_facts as vf
@@ -53,7 +54,7 @@ def wait_ready(ctx: Context, step: Step) -> dict:
     tail = "\n".join("    | " + ln for ln in (r.get("log_tail") or [])[-8:])
     if reason == "fatal":
         msg = f"vLLM failed to start: {r['cause']}\n    > {r['line']}"
-        fix = r["fix"]
+        fix = r["fix"].replace("PLAYBOOK", ctx.pb.name)
     elif reason == "exited":
         msg = (f"vLLM exited during startup with code {r.get('exit_code')}" +
                (" (exit 0 is not a clean stop: the engine crashed)" if r.get("exit_code") == 0 else "") +
@@ -69,9 +70,12 @@ def wait_ready(ctx: Context, step: Step) -> dict:
     elif reason == "auth":
         msg = f"the server refused our API key ({r.get('status')})"
         fix = "export the key in the variable named by serve.api_key_env"
+    elif reason == "no_state":
+        msg = f"the state file written at launch is gone ({r.get('message')}): something removed it"
+        fix = f"deploy status {ctx.pb.name}, then deploy down/up"
     else:
-        msg = f"not ready: {r}"
-        fix = ""
+        msg = f"not ready ({reason}): {json.dumps(r)[:300]}"
+        fix = "deploy logs " + ctx.pb.name
     ctx.fail(step.name, t0, msg, fix=fix, result=r)
 
 
@@ -126,22 +130,22 @@ def measure(ctx: Context, step: Step) -> dict:
     return {"acceptance": acc, "note": note, "probe": {k: r[k] for k in ("sent", "succeeded", "errors")}, "t0": t0}
 
 
-def gate(ctx: Context, step: Step, m: dict) -> bool:
+def gate(ctx: Context, step: Step, m: dict) -> str | None:
+    """Record the acceptance step; return None when it passes, else the one-line reason it failed."""
     acc = m["acceptance"]
     a = ctx.pb.data["acceptance"]
     rate, mal = acc.draft_acceptance, acc.mean_acceptance_length
     per = ", ".join(f"{x:.2f}" for x in acc.per_position[:8])
     nums = (f"draft acceptance {rate:.1%}, mean acceptance length {mal:.2f} of "
             f"{ctx.pb.spec['num_speculative_tokens'] + 1}, per position [{per}{', ...' if len(acc.per_position) > 8 else ''}]"
-            if rate is not None and mal is not None else f"draft acceptance {rate}")
-    ok = rate is not None and rate >= a["min_draft_acceptance"]
-    if ok and a.get("min_mean_acceptance_length") and (mal or 0) < a["min_mean_acceptance_length"]:
-        ok = False
+            if rate is not None and mal is not None else f"draft acceptance {rate}, mean acceptance length {mal}")
+    low = None
+    if rate is None or rate < a["min_draft_acceptance"]:
+        low = (f"draft acceptance {'unknown' if rate is None else f'{rate:.1%}'} is below the playbook's "
+               f"{a['min_draft_acceptance']:.0%}")
+    elif a.get("min_mean_acceptance_length") and (mal or 0) < a["min_mean_acceptance_length"]:
+        low = f"mean acceptance length {mal} is below the playbook's {a['min_mean_acceptance_length']}"
     summary = nums + (f" [{m['note']}]" if m["note"] else "")
-    if ok:
-        ctx.record(step.name, True, summary + f" >= {a['min_draft_acceptance']:.0%}", m["t0"],
-                   acceptance=acc.as_dict(), probe=m["probe"])
-    else:
-        ctx.record(step.name, False, summary + f" < {a['min_draft_acceptance']:.0%}", m["t0"],
-                   acceptance=acc.as_dict(), probe=m["probe"])
-    return ok
+    ctx.record(step.name, low is None, summary + (f" >= {a['min_draft_acceptance']:.0%}" if low is None else
+                                                  f" ({low})"), m["t0"], acceptance=acc.as_dict(), probe=m["probe"])
+    return low

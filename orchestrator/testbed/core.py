@@ -570,7 +570,11 @@ class Testbed:
         hd = self.root / h
         a = self.address(h)
         if not _port_free(a, SSH_PORT):
-            raise TestbedError("%s:%d is already in use" % (a, SSH_PORT))
+            # a just-killed sshd can hold the port for a moment: wait briefly before calling it taken
+            try:
+                _wait(lambda: _port_free(a, SSH_PORT), 5, "port %s:%d to close" % (a, SSH_PORT))
+            except TestbedError:
+                raise TestbedError("%s:%d is already in use" % (a, SSH_PORT)) from None
         p = self._spawn(["unshare", "--mount", "--propagation", "private", "--", "sh", str(hd / "hostinit.sh")],
                         hd / "sshd.log")
         (hd / "sshd.pid").write_text("%d\n" % p.pid)

@@ -3,7 +3,7 @@
 import json
 import time
 
-from conftest import cat
+from e2e_helpers import cat
 
 HOLD = ("import os, sys, time; fd = os.open('/dev/nvidia%d', os.O_RDWR); os.lseek(fd, %d << 20, 0); "
         "sys.stdout.write('held\\n'); sys.stdout.flush(); time.sleep(600)")
@@ -115,3 +115,12 @@ def test_restart_clean_gpus_frees_and_relaunches(tb, deploy):
     assert p.returncode == 0, p.stderr
     st = json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))
     assert st["playbook"] == "qwen36-mtp" and st["pid"] != pid1
+
+
+def test_down_refuses_to_stop_another_playbooks_deployment(tb, deploy):
+    assert deploy("up", "qwen36-mtp").returncode == 0
+    p = deploy("down", "qwen36-dflash")
+    assert p.returncode == 1
+    assert "this container runs qwen36-mtp" in p.stderr and "not qwen36-dflash; nothing was stopped" in p.stderr
+    assert "deploy down qwen36-mtp" in p.stderr
+    assert deploy("--json", "status", "pve1/129").json["rows"][0]["process"] == "running"

@@ -101,8 +101,10 @@ def test_unknown_host_key_is_refused(tb, tmp_path, inventory):
 
 def test_changed_host_key_is_refused(tb, tmp_path, inventory):
     kh = open(tb.known_hosts).read().splitlines()
-    other = [ln for ln in kh if "127.77.1.2" in ln][0].split()[1:]  # pve2's key, claimed for pve1
-    forged = [ln.split()[0] + " " + " ".join(other) if "127.77.1.1" in ln else ln for ln in kh]
+    a1, a2 = f"[{tb.address('pve1')}]:2222", f"[{tb.address('pve2')}]:2222"
+    names = [ln.split()[0].split(",") for ln in kh]
+    other = [ln for ln, n in zip(kh, names) if a2 in n][0].split()[1:]  # pve2's key, claimed for pve1
+    forged = [ln.split()[0] + " " + " ".join(other) if a1 in n else ln for ln, n in zip(kh, names)]
     (tmp_path / "kh").write_text("\n".join(forged) + "\n")
     (tmp_path / "inv.yaml").write_text(open(inventory).read().replace(tb.known_hosts, str(tmp_path / "kh")))
     f = Fleet(load_inventory(str(tmp_path / "inv.yaml")), audit=AuditLog(str(tmp_path / "a.jsonl")))

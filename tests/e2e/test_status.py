@@ -2,7 +2,7 @@
 
 import time
 
-from conftest import DRAFTER
+from e2e_helpers import DRAFTER
 
 ROW_KEYS = {"host": str, "vmid": int, "reachable": bool, "container": str, "playbook": (str, type(None)),
             "pid": (int, type(None)), "process": str, "health": (int, type(None)), "served_model": (str, type(None)),
@@ -92,7 +92,7 @@ def test_hanging_nvidia_smi_on_one_host_does_not_delay_the_others(tb, deploy, pl
 
 
 def test_one_connection_and_one_exec_per_container(tb, deploy):
-    from conftest import audit
+    from e2e_helpers import audit
 
     p = deploy("--json", "status")
     assert p.returncode == 0, p.stdout

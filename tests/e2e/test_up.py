@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from conftest import DRAFTER, PINNED_SHA, REPO, audit, cat, sha
+from e2e_helpers import DRAFTER, PINNED_SHA, REPO, audit, cat, sha
 
 
 def test_up_replaces_stale_config_verifies_launches_and_gates(tb, deploy):

@@ -1,6 +1,6 @@
 """`deploy verify` / `apply-config` in the test bed's containers: the container's own Python and transformers."""
 
-from conftest import DRAFTER, PINNED_SHA, sha
+from e2e_helpers import DRAFTER, PINNED_SHA, sha
 
 STALE_SHA = "5d208bf4315f0ab499cbe48effa3473e33a5020c04e9b81fff139cb3d4ed3ede"
 
