@@ -171,8 +171,15 @@ def render_outcome(out, indent=""):
             e(f"{indent}{out.playbook} is up on {out.where}: {i['url']}  model {i['model']}  method {i['method']}")
             e(f"{indent}  draft acceptance {a['draft_acceptance_rate']:.1%}, mean acceptance length "
               f"{a['mean_acceptance_length']:.2f} ({a['source']}); total {i['total_s']}s")
+            e(f"{indent}  phases: " + ", ".join(f"{k} {v:g}s" for k, v in i["phases_s"].items()))
         elif out.status == "down":
-            e(f"{indent}{out.playbook} is down on {out.where}; GPUs proven free.")
+            stopped = i.get("stopped") or []
+            e(f"{indent}{out.playbook} is down on {out.where}: stopped "
+              + (", ".join(f"{p['pid']} ({p.get('comm')})" for p in stopped) or "nothing (nothing was running)"))
+            before, after = i.get("gpu_mib_before") or {}, i.get("gpu_mib_after") or {}
+            e(f"{indent}  GPU MiB before -> after: " + ", ".join(
+                f"GPU{g} {before[g]['used']} -> {after.get(g, {}).get('used')}" for g in sorted(before, key=int))
+              + f"; free after {i.get('free_s')}s")
         elif out.status == "verified":
             e(f"{indent}{out.playbook}: drafter config installed and verified on {out.where}.")
 

@@ -268,9 +268,11 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
         take_lock(ctx, steps["lock"], opts.wait_lock_s)
         locked = True
         rep = G.stop(ctx, steps["stop"])
-        G.prove_free(ctx, steps["gpus-free"])
+        free = G.prove_free(ctx, steps["gpus-free"])
         out.ok, out.status = True, "down"
-        out.info = {"stopped": rep.get("stopped"), "seconds": rep.get("seconds")}
+        out.info = {"stopped": rep.get("stopped"), "fuser": rep.get("fuser"), "stop_s": rep.get("seconds"),
+                    "gpu_mib_before": rep.get("gpu_before") or free.get("before"), "gpu_mib_after": free.get("after"),
+                    "free_s": free.get("seconds")}
     except DeployError as e:
         out.error = e
     finally:

@@ -175,6 +175,7 @@ def step_stop(pb, clean_gpus, when="something of ours is running", only_this_pla
                 + (", then fuser -k -TERM/-KILL the container's /dev/nvidia*" if clean_gpus else ""),
                 action="stop", args={"state_dir": pb.runtime["state_dir"], "grace_s": g["stop_grace_s"],
                                      "clean_gpus": clean_gpus, "fuser_grace_s": 5, "gpus": pb.gpus,
+                                     "nvidia_smi_timeout_s": g["nvidia_smi_timeout_s"],
                                      **({"only_playbook": pb.name} if only_this_playbook else {})},
                 timeout=g["stop_grace_s"] + 60, when=when, **_common(pb))
 

@@ -340,9 +340,9 @@ def _exec(transport, command: str, stdin: bytes | None, timeout: float, on_line=
                 raise RemoteTimeout(f"command did not finish within {timeout:g} s: {command[:200]}",
                                     fix="the remote side may be hung (e.g. a wedged nvidia-smi); check the host")
             select.select([chan], [], [], min(remaining, 1.0))
-        if not chan.exit_status_ready():
-            raise EOFError("channel closed without an exit status")
-        status = chan.recv_exit_status()
+        status = chan.recv_exit_status() if chan.exit_status_ready() else -1
+        if status == -1 and not transport.is_active():
+            raise EOFError("the SSH connection closed before the command finished")
         return status, bytes(out), bytes(err)
     finally:
         chan.close()

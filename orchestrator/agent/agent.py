@@ -116,6 +116,13 @@ def proc_comm(pid):
         return ""
 
 
+def proc_name(pid):
+    """comm is cut at 15 characters (VLLM::EngineCor); the rewritten argv[0] is not."""
+    comm, cmd = proc_comm(pid), proc_cmdline(pid)
+    first = cmd.split(" ", 1)[0] if cmd else ""
+    return first if first.startswith(comm) and len(comm) >= 15 else comm
+
+
 def proc_pgid(pid):
     try:
         with open("/proc/%d/stat" % pid) as fh:
@@ -279,6 +286,8 @@ def act_stop(a):
     st = read_state(state_dir)
     report = {"state": None, "terminated": [], "killed": [], "leftovers": [], "fuser": None, "seconds": 0}
     t0 = now()
+    mem = read_gpu_memory(float(a.get("nvidia_smi_timeout_s", 5)))
+    report["gpu_before"] = {str(g): v for g, v in mem.get("gpus", {}).items()} if "gpus" in mem else None
     if st and not st.get("corrupt") and st.get("alive") and a.get("only_playbook") \
             and st.get("playbook") != a["only_playbook"]:
         return {"refused": "this container runs %s (pid %s), not %s" % (st.get("playbook"), st.get("pid"),
@@ -289,7 +298,7 @@ def act_stop(a):
         pgid = st.get("pgid")
         if pgid and _group_members(pgid):
             members = _group_members(pgid)
-            report["terminated"] = [{"pid": p, "comm": proc_comm(p)} for p in members]
+            report["terminated"] = [{"pid": p, "comm": proc_name(p)} for p in members]
             _signal_group(pgid, signal.SIGTERM)
             emit(event="stop", message="SIGTERM sent to process group %d (%d processes)" % (pgid, len(members)))
             deadline = now() + grace
@@ -297,7 +306,7 @@ def act_stop(a):
                 time.sleep(0.1)
             left = _group_members(pgid)
             if left:
-                report["killed"] = [{"pid": p, "comm": proc_comm(p), "cmdline": proc_cmdline(p)[:200]} for p in left]
+                report["killed"] = [{"pid": p, "comm": proc_name(p), "cmdline": proc_cmdline(p)[:200]} for p in left]
                 emit(event="stop", message="%d process(es) ignored SIGTERM for %gs; SIGKILL" % (len(left), grace))
                 _signal_group(pgid, signal.SIGKILL)
                 deadline = now() + 10

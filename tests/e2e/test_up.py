@@ -93,7 +93,7 @@ def test_free_memory_error_points_at_clean_gpus(tb, deploy):
     tb.set_fault("pve1", 129, "oom_at_startup", "free_memory")
     p = deploy("up", "qwen36-mtp")
     _assert_failed_fast(p, "GPU memory is held by someone else")
-    assert "deploy restart PLAYBOOK --clean-gpus" in p.stderr
+    assert "deploy restart qwen36-mtp --clean-gpus" in p.stderr
 
 
 def test_crash_with_exit_code_0_is_a_failure(tb, deploy):
@@ -160,3 +160,38 @@ def test_ctrl_c_mid_wait_leaves_a_recorded_consistent_state(tb, deploy):
     assert row["playbook"] == "qwen36-mtp" and row["process"] == "running"
     # the lock was released: down works at once
     assert deploy("down", "qwen36-mtp").returncode == 0
+
+
+def test_api_key_is_passed_by_environment_and_never_appears(tb, deploy, playbooks):
+    secret = "sk-test-0123456789abcdef"
+    playbooks("qwen36-mtp", "  load_timeout_s: 900", "  load_timeout_s: 900\n  api_key_env: TEST_VLLM_KEY")
+    env = dict(playbooks.env, TEST_VLLM_KEY=secret)
+    p = deploy("--json", "up", "qwen36-mtp", env=env)
+    assert p.returncode == 0, p.stderr
+    assert secret not in p.stdout + p.stderr
+    assert secret not in (deploy.state_dir / "audit.jsonl").read_text()
+    assert secret not in cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json")
+    ps = tb.container_exec("pve1", 129, ["ps", "-eo", "args"]).stdout
+    assert "vllm serve" in ps and secret not in ps and "--api-key" not in ps
+    # the server really enforces it: without the key /v1/models is refused
+    r = tb.container_exec("pve1", 129, ["/root/ml-env/bin/python", "-c",
+                                        "import urllib.request as u\ntry:\n u.urlopen('http://127.0.0.1:8000/v1/models')"
+                                        "\nexcept Exception as e: print(e)"])
+    assert "401" in r.stdout
+    plan = deploy("plan", "qwen36-mtp", env=env)
+    assert secret not in plan.stdout
+    missing = deploy("up", "qwen36-mtp", env=playbooks.env)
+    assert missing.returncode == 1 and "TEST_VLLM_KEY, but it is not set in this shell" in missing.stderr
+
+
+def test_dropped_ssh_during_wait_leaves_a_recorded_state(tb, deploy):
+    tb.set_fault("pve1", 129, "load_s", 6.0)
+    tb.set_fault("pve1", None, "ssh_drop_after_s", 3.0)
+    p = deploy("up", "qwen36-mtp")
+    assert p.returncode == 3, p.stderr
+    assert "SSH connection lost" in p.stderr
+    assert "vLLM was launched and is recorded in the state file" in p.stderr
+    tb.set_fault("pve1", None, "ssh_drop_after_s", None)
+    row = deploy("--json", "status", "pve1/129").json["rows"][0]
+    assert row["playbook"] == "qwen36-mtp" and row["process"] == "running"
+    assert deploy("down", "qwen36-mtp", "--wait-lock", "5").returncode == 0
