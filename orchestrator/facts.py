@@ -36,15 +36,3 @@ def parse_pct_config_gpus(text: str) -> list[int]:
         if m:
             gpus.add(int(m.group(2)))
     return sorted(gpus)
-
-
-def parse_nvidia_smi_memory(text: str) -> dict[int, dict]:
-    """`index, memory.used, memory.total` CSV (noheader, with or without units) -> {index: {used, total}}."""
-    out = {}
-    for ln in text.splitlines():
-        parts = [p.strip() for p in ln.split(",")]
-        if len(parts) < 3:
-            continue
-        num = [re.sub(r"\s*MiB$", "", p) for p in parts[:3]]
-        out[int(num[0])] = {"used": int(float(num[1])), "total": int(float(num[2]))}
-    return out

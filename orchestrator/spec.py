@@ -31,6 +31,17 @@ RESERVED_FLAGS = ("--port", "--host", "--speculative-config", "-sc", "--tensor-p
                   "--gpu-memory-utilization", "--max-model-len", "--served-model-name", "--api-key",
                   "--attention-backend", "--max-num-batched-tokens")
 
+def _method(value: str) -> str | None:
+    if value in METHODS:
+        return None
+    if value.endswith("_mtp"):
+        return f"{value!r} is a deprecated alias that vLLM rewrites to 'mtp' with a warning; write method: mtp"
+    import difflib
+
+    near = difflib.get_close_matches(value, METHODS, n=1)
+    return f"{value!r} is not one of {', '.join(map(repr, METHODS))}" + (f" (did you mean {near[0]!r}?)" if near else "")
+
+
 # ---------------------------------------------------------------- inventory
 
 CONTAINER = Map({
@@ -117,7 +128,7 @@ PLAYBOOK = Map({
         "load_timeout_s": Field(Float(1, 7200), default=900.0),
     }), required=True),
     "speculative": Field(Map({
-        "method": Field(Str(choices=METHODS), required=True),
+        "method": Field(Str(validate=_method), required=True),
         "num_speculative_tokens": Field(Int(1, 64), required=True),
         "drafter": Field(DRAFTER),
         "extra": Field(FreeMap(r"[a-z_]{1,64}", "lowercase spec-config keys", value=Str()), default=dict),

@@ -595,8 +595,10 @@ def act_wait_ready(a):
     pos, last_lines, aux, seen_phases = 0, [], None, []
     t0 = now()
     ready_http = False
-    while True:
-        pos, lines = _tail_lines(log_path, pos)
+
+    def scan(lines):
+        """Progress phases, the taps line, and the first fatal text (its result), for new log lines."""
+        nonlocal last_lines, aux
         for ln in lines:
             last_lines = (last_lines + [ln])[-40:]
             for rx, ph in phases:
@@ -609,18 +611,21 @@ def act_wait_ready(a):
             for rx, info in fatal:
                 if rx.search(ln):
                     return {"ready": False, "reason": "fatal", "cause": info["cause"], "fix": info["fix"],
-                            "line": ln if len(ln) <= 400 else ln[:400] + " ...", "log_tail": last_lines[-15:], "seconds": round(now() - t0, 1),
-                            "alive": alive(pid), "phases": seen_phases}
+                            "line": ln if len(ln) <= 400 else ln[:400] + " ...", "log_tail": last_lines[-15:],
+                            "seconds": round(now() - t0, 1), "alive": alive(pid), "phases": seen_phases}
+        return None
+
+    while True:
+        pos, lines = _tail_lines(log_path, pos)
+        failed = scan(lines)
+        if failed:
+            return failed
         if not alive(pid):
             # read what is left of the log first: the fatal line may be the last thing it wrote
             pos, lines = _tail_lines(log_path, pos)
-            for ln in lines:
-                last_lines = (last_lines + [ln])[-40:]
-                for rx, info in fatal:
-                    if rx.search(ln):
-                        return {"ready": False, "reason": "fatal", "cause": info["cause"], "fix": info["fix"],
-                                "line": ln if len(ln) <= 400 else ln[:400] + " ...", "log_tail": last_lines[-15:], "seconds": round(now() - t0, 1),
-                                "alive": False, "phases": seen_phases}
+            failed = scan(lines)
+            if failed:
+                return failed
             code = read_exit_code(a.get("state_dir"))
             return {"ready": False, "reason": "exited", "exit_code": code, "log_tail": last_lines[-15:],
                     "seconds": round(now() - t0, 1), "phases": seen_phases}

@@ -212,3 +212,9 @@ def test_fallback_must_exist(work):
 def test_repo_inventory_example_is_inert():
     """The shipped hosts.yaml documents the field-report layout only in comments: it connects nowhere."""
     assert load_inventory(os.path.join(REPO, "hosts.yaml")).hosts == {}
+
+
+def test_deprecated_mtp_alias_is_refused_with_the_fix(work):
+    p = edit(work, "qwen36-mtp", "method: mtp", "method: qwen3_next_mtp")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "'qwen3_next_mtp' is a deprecated alias that vLLM rewrites to 'mtp'" in msg and "write method: mtp" in msg
