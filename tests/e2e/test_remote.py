@@ -129,3 +129,21 @@ def test_old_pct_without_keep_env_is_probed_once(tb, fleet, tmp_path):
     assert s.ct(129, ["true"]).ok
     lines = [json.loads(ln) for ln in open(tmp_path / "audit.jsonl") if '"argv"' in ln]
     assert len(lines) == 3  # the rejected probe, its retry, then one call
+
+
+def test_ssh_config_alias_is_resolved_by_fabric(tb, tmp_path, monkeypatch):
+    """A host named only by an ssh_config alias: Fabric reads HostName/Port/User from ~/.ssh/config."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(f"Host gpu-box\n  HostName {tb.address('pve1')}\n  Port 2222\n"
+                                          f"  User root\n  IdentityFile {tb.identity_file}\n")
+    monkeypatch.setenv("HOME", str(home))
+    (tmp_path / "inv.yaml").write_text(f"hosts:\n  - name: pve1\n    ssh_config_alias: gpu-box\n"
+                                       f"    known_hosts: {tb.known_hosts}\n    identity_file: {tb.identity_file}\n"
+                                       "    containers:\n      - vmid: 129\n        gpus: [0, 1, 2, 3]\n")
+    f = Fleet(load_inventory(str(tmp_path / "inv.yaml")), audit=AuditLog(str(tmp_path / "a.jsonl")))
+    try:
+        r = f.session("pve1").ct(129, ["hostname"])
+        assert r.ok and r.out.strip() == "vllm-qwen"
+    finally:
+        f.close()
