@@ -319,7 +319,9 @@ def _check_playbook(pb: Playbook, inv: Inventory | None, problems: Problems) -> 
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             problems.add(node_of(t, "host"), "target.host",
                          f"unknown host {t['host']!r} in inventory {inv.path}{hint}; known: "
-                         f"{', '.join(inv.hosts) or 'none'}")
+                         + (", ".join(inv.hosts) if inv.hosts else
+                            "none (an empty inventory: edit it, or for the test bed run `deploy testbed up` and "
+                            "export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml)"))
         else:
             ct = host.container(t["vmid"])
             if ct is None:

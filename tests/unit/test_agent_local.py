@@ -163,3 +163,17 @@ def test_stack_reports_missing_vllm(models):
     if r["stack"]["installed"]:
         pytest.skip("a vllm is importable here")
     assert not checks["vllm installed"]["ok"]
+
+
+def test_lock_is_exclusive_names_its_holder_and_breaks_stale_leases(tmp_path):
+    sd = str(tmp_path / "state")
+    a = run_agent("lock", {"state_dir": sd, "token": "A", "holder": "alice@ws1 pid 1", "lease_s": 60,
+                           "operation": "up"})
+    assert a == {"locked": True}
+    b = run_agent("lock", {"state_dir": sd, "token": "B", "holder": "bob@ws2 pid 2", "lease_s": 60})
+    assert b["locked"] is False and b["holder"]["holder"] == "alice@ws1 pid 1" and b["holder"]["operation"] == "up"
+    assert run_agent("unlock", {"state_dir": sd, "token": "B"})["unlocked"] is False  # not B's to release
+    assert run_agent("unlock", {"state_dir": sd, "token": "A"}) == {"unlocked": True}
+    # a lease that ran out (its holder died) is broken by the next taker
+    run_agent("lock", {"state_dir": sd, "token": "C", "holder": "carol", "lease_s": 0})
+    assert run_agent("lock", {"state_dir": sd, "token": "D", "holder": "dave", "lease_s": 60}) == {"locked": True}
