@@ -7,7 +7,7 @@ bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 export DEPLOY_INVENTORY="${VPD_TESTBED_DIR:-/tmp/vpd-testbed}/hosts.yaml"
 deploy testbed status >/dev/null 2>&1 || deploy testbed up
-echo; echo '$ deploy plan qwen36-dflash   (first lines)'; deploy plan qwen36-dflash | head -12
+echo; echo '$ deploy plan qwen36-dflash   (first lines)'; deploy plan qwen36-dflash | sed -n 1,12p
 echo; echo '$ deploy up qwen36-dflash'; deploy up qwen36-dflash
 echo; echo '$ deploy status'; deploy status
 cat <<MSG

@@ -23,5 +23,5 @@ fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test]' > .venv/pip-install.log 2>&1 || { cat .venv/pip-install.log >&2; exit 1; }
 echo "setup: done ($(.venv/bin/deploy --version))" >&2
