@@ -602,9 +602,10 @@ def act_wait_ready(a):
         for ln in lines:
             last_lines = (last_lines + [ln])[-40:]
             for rx, ph in phases:
-                if rx.search(ln) and ph not in seen_phases:
+                m = rx.search(ln)
+                if m and ph not in seen_phases:
                     seen_phases.append(ph)
-                    emit(event="phase", phase=ph, line=ln[-300:], elapsed=round(now() - t0, 1))
+                    emit(event="phase", phase=ph, line=ln[m.start():m.start() + 300], elapsed=round(now() - t0, 1))
             m = aux_re.search(ln)
             if m:
                 aux = [int(x) for x in re.findall(r"-?\d+", m.group(1))]
@@ -615,11 +616,15 @@ def act_wait_ready(a):
                             "seconds": round(now() - t0, 1), "alive": alive(pid), "phases": seen_phases}
         return None
 
+    last_beat = now()
     while True:
         pos, lines = _tail_lines(log_path, pos)
         failed = scan(lines)
         if failed:
             return failed
+        if now() - last_beat >= float(a.get("heartbeat_s", 10)):  # a 27B model loads for minutes: show life
+            last_beat = now()
+            emit(event="waiting", elapsed=round(now() - t0, 1), line=(last_lines[-1] if last_lines else "")[-200:])
         if not alive(pid):
             # read what is left of the log first: the fatal line may be the last thing it wrote
             pos, lines = _tail_lines(log_path, pos)
