@@ -49,7 +49,8 @@ def now():
 
 
 def in_container():
-    """True inside an LXC container (init has container=lxc), never on the Proxmox host itself."""
+    """True inside an LXC container: its init runs with container=lxc (systemd also records it in
+    /run/systemd/container). When unsure, False: the callers then refuse to kill anything."""
     try:
         with open("/proc/1/environ", "rb") as fh:
             env = fh.read().split(b"\0")
@@ -57,7 +58,7 @@ def in_container():
             return True
     except OSError:
         pass
-    return os.path.exists("/run/container_type") or os.path.exists("/.dockerenv")
+    return os.path.exists("/run/systemd/container")
 
 
 def on_pve_host():

@@ -177,3 +177,20 @@ def test_lock_is_exclusive_names_its_holder_and_breaks_stale_leases(tmp_path):
     # a lease that ran out (its holder died) is broken by the next taker
     run_agent("lock", {"state_dir": sd, "token": "C", "holder": "carol", "lease_s": 0})
     assert run_agent("lock", {"state_dir": sd, "token": "D", "holder": "dave", "lease_s": 60}) == {"locked": True}
+
+
+def test_fuser_kill_refuses_outside_a_container():
+    """This machine plays the Proxmox host: no container= in PID 1's environment, so nothing is killed."""
+    import re
+
+    src = open(os.path.join(os.path.dirname(DATA), "..", "agent", "agent.py")).read()
+    code = src.replace('if __name__ == "__main__":', "if False:") + "\nprint(json.dumps(fuser_kill([0], 0.1)))\n"
+    try:
+        with open("/proc/1/environ", "rb") as fh:
+            if re.search(rb"(^|\0)container=", fh.read()):
+                pytest.skip("this test machine is itself an LXC container")
+    except PermissionError:
+        pass  # unreadable: the agent cannot tell either, and must refuse
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = json.loads(p.stdout)
+    assert "refusing to run fuser -k here" in out["refused"] and "Proxmox host" in out["refused"]

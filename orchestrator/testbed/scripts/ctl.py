@@ -67,8 +67,9 @@ def start(hostdir, vmid, python, root_ns_pid=None, timeout=20.0):
         # not from the host's (which has the host's /usr/sbin overlay)
         argv = [NSENTER, "-t", str(root_ns_pid), "-m", "--"] + argv
     log = open(os.path.join(d, "init.log"), "ab")
+    # like LXC, the container's init runs with container=lxc in its environment (tools detect containers by it)
     p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
-                         start_new_session=True, close_fds=True)
+                         start_new_session=True, close_fds=True, env=dict(os.environ, container="lxc"))
     log.close()
     deadline = time.monotonic() + timeout
     buf = b""
