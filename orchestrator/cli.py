@@ -91,7 +91,7 @@ def load(obj: Obj, playbook: str):
 # ------------------------------------------------------------------ plan
 
 
-@main.command(context_settings=CONTEXT)
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("playbook")
 @click.option("--restart", is_flag=True, help="Plan a restart (always stops first).")
 @click.option("--clean-gpus", is_flag=True, default=None, help="Include fuser -k on the container's GPUs.")
@@ -198,7 +198,7 @@ def _confirm(prompt):
     return click.confirm(prompt, default=False, err=True)
 
 
-@main.command(context_settings=CONTEXT)
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("playbook")
 @up_options
 @click.option("--skip-config-write", is_flag=True,
@@ -237,7 +237,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus):
     run_guarded(go, obj)
 
 
-@main.command(context_settings=CONTEXT)
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("playbook", required=False)
 @click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
               help="Wait this long for another deploy's lock instead of failing at once.")
@@ -296,7 +296,7 @@ def _running_playbooks(obj, inv):
     return sorted({r["playbook"] for r in rows if r.get("playbook") and r.get("process") == "running"})
 
 
-@main.command(context_settings=CONTEXT)
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("playbook")
 @click.option("--clean-gpus", is_flag=True, default=None,
               help="Also fuser -k -TERM, then -KILL, whatever in the container still holds /dev/nvidia*.")
@@ -348,7 +348,7 @@ def _preview_holders(inv, pb):
 # ------------------------------------------------------------------ verify / apply-config
 
 
-@main.command(context_settings=CONTEXT)
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("playbook")
 @json_option
 @click.pass_obj
@@ -392,7 +392,7 @@ def verify(obj, playbook):
     run_guarded(go, obj)
 
 
-@main.command("apply-config", context_settings=CONTEXT)
+@main.command("apply-config", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("playbook")
 @json_option
 @click.pass_obj
@@ -419,7 +419,7 @@ def apply_config(obj, playbook):
 # ------------------------------------------------------------------ status / logs
 
 
-@main.command(context_settings=CONTEXT)
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("targets", nargs=-1, metavar="[PLAYBOOK|HOST|HOST/VMID]...")
 @click.option("--watch", type=float, default=None, metavar="N", help="Refresh every N seconds (connections stay open).")
 @click.option("--deadline", type=float, default=15.0, show_default=True, metavar="S",
@@ -450,7 +450,7 @@ def status(obj, targets, watch, deadline):
     run_guarded(go, obj)
 
 
-@main.command(context_settings=CONTEXT)
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("target", metavar="PLAYBOOK|HOST/VMID")
 @click.option("-n", "lines", type=int, default=50, show_default=True, help="How many lines.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until Ctrl-C.")

@@ -211,17 +211,15 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
         raise StepFailed("acceptance", low + ". A deployment with bad acceptance is a failed deployment.",
                          where=ctx.where, fix="likeliest causes: " + "; ".join(V.LOW_ACCEPTANCE_CAUSES) +
                          (f"; or set acceptance.on_low_acceptance: fallback" if not pb.fallback else ""))
-    except (StepFailed, DeployError) as e:
+    except DeployError as e:
         out.error = e
-        if launched and not isinstance(e, Unreachable):
-            e_state = stop_after_failure(ctx, pb)
-            if isinstance(e, StepFailed) and not e.state_left:
-                e.state_left = e_state
-        elif isinstance(e, Unreachable) and launched:
-            if isinstance(e, StepFailed):
-                pass
+        if launched and isinstance(e, Unreachable):
             e.fix = (e.fix + "; " if e.fix else "") + ("vLLM was launched and is recorded in the state file in "
                                                        "the container: deploy status shows it, deploy down stops it")
+        elif launched:
+            left = stop_after_failure(ctx, pb)
+            if isinstance(e, StepFailed) and not e.state_left:
+                e.state_left = left
         return out
     except KeyboardInterrupt:
         out.status = "interrupted"

@@ -276,27 +276,30 @@ def run_status(obj, targets, watch, deadline) -> int:
     resolve_targets(inv, targets)  # bad targets fail before any connection
     sampler = Sampler(persist=True)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    with Fleet(inv) as fleet:
-        while True:
-            t0 = time.monotonic()
-            rows = gather(inv, targets, fleet, deadline=deadline, sampler=sampler)
-            code = exit_code(rows)
-            if obj.json:
-                dump_json({"schema": SCHEMA, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           "seconds": round(time.monotonic() - t0, 3), "exit_code": code, "rows": rows})
-            else:
-                if watch and color:
-                    click.echo("\x1b[H\x1b[2J", nl=False)
-                click.echo(render_table(rows, color))
-                if watch:
-                    click.echo(f"\n(refreshed in {time.monotonic() - t0:.2f}s; every {watch:g}s; Ctrl-C to stop)")
-            if not watch:
-                return code
-            fleet.open_spares()  # the next refresh then costs one round trip less per host
-            try:
+    code = None
+    try:
+        with Fleet(inv) as fleet:
+            while True:
+                t0 = time.monotonic()
+                rows = gather(inv, targets, fleet, deadline=deadline, sampler=sampler)
+                code = exit_code(rows)
+                if obj.json:
+                    dump_json({"schema": SCHEMA, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "seconds": round(time.monotonic() - t0, 3), "exit_code": code, "rows": rows})
+                else:
+                    if watch and color:
+                        click.echo("\x1b[H\x1b[2J", nl=False)
+                    click.echo(render_table(rows, color))
+                    if watch:
+                        click.echo(f"\n(refreshed in {time.monotonic() - t0:.2f}s; every {watch:g}s; Ctrl-C to stop)")
+                if not watch:
+                    return code
+                fleet.open_spares()  # the next refresh then costs one round trip less per host
                 time.sleep(max(0.0, watch - (time.monotonic() - t0)))
-            except KeyboardInterrupt:
-                return code
+    except KeyboardInterrupt:  # Ctrl-C ends --watch with the last refresh's exit code
+        if code is None:
+            raise
+        return code
 
 
 def run_logs(obj, target, n, follow, grep) -> int:

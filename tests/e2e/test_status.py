@@ -119,3 +119,55 @@ def test_logs_shows_the_deployment_log(tb, deploy):
     p = deploy("logs", "qwen36-mtp", "-n", "5", "--grep", "Application startup|SpeculativeConfig")
     assert p.returncode == 0
     assert "Application startup complete." in p.stdout and "SpeculativeConfig(method='mtp'" in p.stdout
+
+
+def _stream(tb, deploy, *args, until, timeout=30):
+    """Start `deploy ARGS` (a long-running form), read stdout until until(text) holds, then Ctrl-C it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from e2e_helpers import REPO
+
+    env = dict(os.environ, DEPLOY_INVENTORY=tb.inventory_path, DEPLOY_STATE_DIR=str(deploy.state_dir), NO_COLOR="1")
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    text, deadline = "", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and not until(text):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            text += line
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=30)
+    return text + rest, err, proc.returncode
+
+
+def test_watch_keeps_connections_open_and_shows_recent_acceptance(tb, deploy):
+    from e2e_helpers import audit
+
+    assert deploy("up", "qwen36-mtp").returncode == 0
+    (deploy.state_dir / "audit.jsonl").unlink()
+    out, err, code = _stream(tb, deploy, "status", "pve1/129", "pve2/129", "--watch", "0.3",
+                             until=lambda t: t.count("refreshed in") >= 4)
+    assert out.count("refreshed in") >= 4, out + err
+    assert code == 0, out[-600:] + err
+    connects = [a for a in audit(deploy) if a.get("event") == "connect"]
+    assert sorted(a["host"] for a in connects) == ["pve1", "pve2"]  # once per host, for every refresh
+    # a later, separate status call has the previous sample at hand: recent acceptance after new traffic
+    tb.container_exec("pve1", 129, ["/root/ml-env/bin/python", "-c",
+                                    "import json, urllib.request as u; u.urlopen(u.Request('http://127.0.0.1:8000/"
+                                    "v1/completions', json.dumps({'model': 'qwen36', 'prompt': 'hi', 'max_tokens': 64})"
+                                    ".encode(), {'Content-Type': 'application/json'})).read()"])
+    row = deploy("--json", "status", "pve1/129").json["rows"][0]
+    assert row["acceptance"]["recent"] and row["acceptance"]["recent"]["draft_acceptance_rate"] > 0.4
+
+
+def test_logs_follow_until_ctrl_c(tb, deploy):
+    assert deploy("up", "qwen36-mtp").returncode == 0
+    out, err, code = _stream(tb, deploy, "logs", "qwen36-mtp", "-f", "-n", "3",
+                             until=lambda t: t.count("\n") >= 3)
+    assert code == 0 and out.count("\n") >= 3, err
