@@ -170,7 +170,8 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
                                         f"health {cur.get('health')}); will restart it", t0)
         else:
             ctx.record("current", True, "nothing of ours is running" +
-                       (f" ({len(cur.get('vllm_processes') or [])} stray vLLM process(es) seen)"
+                       (f" ({len(cur.get('vllm_processes') or [])} vLLM process(es) not started by deploy seen: "
+                        "left alone; if they hold the GPUs, --clean-gpus frees them)"
                         if cur.get("vllm_processes") else ""), t0)
         verified = None
         written = D.write_config(ctx, steps["drafter-config"]) if "drafter-config" in steps else {}

@@ -315,27 +315,9 @@ def act_stop(a):
                     time.sleep(0.05)
     elif st and st.get("corrupt"):
         report["state_error"] = st["corrupt"]
-    # vLLM engine processes that escaped the group (e.g. the server was SIGKILLed by hand) are ours too
-    stray = [p for p in vllm_processes() if p["pid"] != os.getpid()]
-    if stray:
-        for p in stray:
-            try:
-                os.kill(p["pid"], signal.SIGTERM)
-            except OSError:
-                pass
-        deadline = now() + min(grace, 10)
-        while any(alive(p["pid"]) for p in stray) and now() < deadline:
-            time.sleep(0.1)
-        for p in stray:
-            if alive(p["pid"]):
-                try:
-                    os.kill(p["pid"], signal.SIGKILL)
-                except OSError:
-                    pass
-                report["killed"].append(p)
-            else:
-                report["terminated"].append(p)
-    time.sleep(0)  # let /proc settle
+    # vLLM processes outside our recorded group were not started by deploy: never signalled here. They are
+    # reported; if they hold the GPUs, gpus-free names them and --clean-gpus (an explicit opt-in) frees the devices.
+    report["foreign"] = [p for p in vllm_processes() if p["pid"] != os.getpid()]
     report["leftovers"] = gpu_holders()
     if a.get("clean_gpus") and report["leftovers"]:
         report["fuser"] = fuser_kill(a.get("gpus"), float(a.get("fuser_grace_s", 5)))

@@ -32,6 +32,10 @@ def stop(ctx: Context, step: Step) -> dict:
         ctx.fail(step.name, t0, fz["refused"], fix="this must never run on the Proxmox host itself")
     if fz.get("term") or fz.get("kill"):
         parts.append(f"fuser -k freed the devices (TERM: {fz.get('term')}, KILL: {fz.get('kill')})")
+    foreign = rep.get("foreign") or []
+    if foreign:
+        parts.append(f"left alone {len(foreign)} vLLM process(es) deploy did not start ("
+                     + ", ".join(f"{p['pid']} {p['comm']}" for p in foreign[:4]) + ")")
     left = rep.get("leftovers") or []
     if left:
         names = "; ".join(f"PID {p['pid']} ({p['comm']}: {p['cmdline'][:60]}) holds {', '.join(p['devices'])}"

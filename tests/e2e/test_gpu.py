@@ -124,3 +124,26 @@ def test_down_refuses_to_stop_another_playbooks_deployment(tb, deploy):
     assert "this container runs qwen36-mtp" in p.stderr and "not qwen36-dflash; nothing was stopped" in p.stderr
     assert "deploy down qwen36-mtp" in p.stderr
     assert deploy("--json", "status", "pve1/129").json["rows"][0]["process"] == "running"
+
+
+def test_vllm_started_by_hand_is_never_killed_without_clean_gpus(tb, deploy, playbooks):
+    """No state file, a vLLM holding the GPUs: deploy names it and refuses to launch; it does not kill it."""
+    import subprocess
+
+    playbooks("qwen36-mtp", "free_timeout_s: 60", "free_timeout_s: 1")
+    argv = tb.ssh_argv("pve1", "pct", "exec", "129", "--", "sh", "-c",
+                       "'CUDA_VISIBLE_DEVICES=0,1,2,3 setsid /root/ml-env/bin/vllm serve /root/models/Qwen3.6-27B "
+                       "--tensor-parallel-size 4 --served-model-name byhand > /tmp/byhand.log 2>&1 < /dev/null &'")
+    subprocess.run(argv, timeout=30, check=True)
+    deadline = time.monotonic() + 30
+    while min(used(tb, "pve1")) < 50_000 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    p = deploy("--json", "up", "qwen36-mtp", env=playbooks.env)
+    assert p.returncode == 1
+    steps = {s["step"]: s for s in p.json["steps"]}
+    assert "not started by deploy" in steps["current"]["summary"]
+    assert "left alone" in steps["stop"]["summary"]
+    assert "holders in this container: PID" in p.json["error"]["message"]
+    assert min(used(tb, "pve1")) > 50_000  # still running: not ours to kill
+    p = deploy("up", "qwen36-mtp", "--clean-gpus", env=playbooks.env)  # the explicit opt-in
+    assert p.returncode == 0, p.stderr
