@@ -194,3 +194,53 @@ def test_fuser_kill_refuses_outside_a_container():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     out = json.loads(p.stdout)
     assert "refusing to run fuser -k here" in out["refused"] and "Proxmox host" in out["refused"]
+
+
+def test_agent_http_client_against_a_real_server(tmp_path):
+    """The agent's small HTTP/1.0 client: status codes, bodies, JSON POST, auth header, chunked replies."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            if self.path == "/chunked":
+                self.protocol_version = "HTTP/1.1"
+                self.send_response(200)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for part in (b"hello ", b"world"):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                self.wfile.write(b"0\r\n\r\n")
+                return
+            code = 200 if self.path == "/health" else 404
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(b"" if code == 200 else b"nope")
+
+        def do_POST(self):
+            n = int(self.headers["Content-Length"])
+            body = json.loads(self.rfile.read(n))
+            self.send_response(401 if self.headers.get("Authorization") != "Bearer k" else 200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"got": body}).encode())
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    agent = open(os.path.join(os.path.dirname(DATA), "..", "agent", "agent.py")).read()
+    code = agent.replace('if __name__ == "__main__":', "if False:") + f"""
+print(json.dumps([http({port}, "/health"), http({port}, "/x"), http({port}, "/chunked"),
+                  http({port}, "/v1/completions", "POST", {{"a": 1}}, api_key="k"),
+                  http({port}, "/v1/completions", "POST", {{"a": 1}}), http(1, "/health", timeout=1)]))
+"""
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    finally:
+        srv.shutdown()
+    ok, missing, chunked, post, unauth, refused = json.loads(p.stdout)
+    assert ok == [200, ""] and missing == [404, "nope"] and chunked == [200, "hello world"]
+    assert post[0] == 200 and json.loads(post[1]) == {"got": {"a": 1}} and unauth[0] == 401
+    assert refused[0] is None and "ConnectionRefusedError" in refused[1]

@@ -130,3 +130,11 @@ def test_acceptance_from_log_line_with_commas():
 
 def test_expected_aux_layers():
     assert vf.expected_aux_layers([1, 16, 31, 46, 61]) == [2, 17, 32, 47, 62]
+
+
+def test_agent_parses_with_old_pythons():
+    """The agent runs on the container's own Python, which may be older than ours."""
+    import ast
+
+    src = open(os.path.join(REPO, "orchestrator", "agent", "agent.py")).read()
+    ast.parse(src, feature_version=(3, 7))
