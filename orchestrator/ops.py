@@ -141,6 +141,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
     t_start = time.monotonic()
     locked = False
     launched = False
+    changed: list[str] = []  # what this run changed on the host so far, for "state left" on failure
     try:
         check_container(ctx, steps["container"])
         take_lock(ctx, steps["lock"], opts.wait_lock_s)
@@ -175,10 +176,16 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
                         if cur.get("vllm_processes") else ""), t0)
         verified = None
         written = D.write_config(ctx, steps["drafter-config"]) if "drafter-config" in steps else {}
+        if written.get("changed"):
+            changed.append(f"the drafter config {written['path']} now holds the pinned bytes (the old file is kept "
+                           f"as {written.get('backup')})")
         verified = D.verify(ctx, steps["verify"], blocking=opts.write_config or not pb.drafter,
                             written_sha=written.get("after_sha256"))
         if running or restart or cur.get("vllm_processes"):
-            G.stop(ctx, steps["stop"])
+            rep = G.stop(ctx, steps["stop"])
+            if rep.get("stopped"):
+                changed.append(f"the deployment that ran before ({st.get('playbook') or 'unknown'}, pid "
+                               f"{st.get('pid')}) was stopped")
         G.prove_free(ctx, steps["gpus-free"])
         V.port_free(ctx, steps["port-free"])
         V.launch(ctx, steps["launch"])
@@ -218,9 +225,9 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
             e.fix = (e.fix + "; " if e.fix else "") + ("vLLM was launched and is recorded in the state file in "
                                                        "the container: deploy status shows it, deploy down stops it")
         elif launched:
-            left = stop_after_failure(ctx, pb)
-            if isinstance(e, StepFailed) and not e.state_left:
-                e.state_left = left
+            changed.append(stop_after_failure(ctx, pb))
+        if isinstance(e, StepFailed) and not e.state_left:
+            e.state_left = "; ".join(changed) if changed else "nothing was changed on the host"
         return out
     except KeyboardInterrupt:
         out.status = "interrupted"

@@ -76,6 +76,7 @@ def test_holder_in_another_container_is_outside_and_nothing_launches(tb, deploy,
         assert "GPU memory is held OUTSIDE this container" in msg and "GPU0 30000 MiB" in msg
         assert "given the busy GPU(s): 130 (" in msg and "GPUs [0])" in msg
         assert "launch" not in [s["step"] for s in p.json["steps"]]
+        assert p.json["error"]["state_left"] == "nothing was changed on the host"
     finally:
         hog.kill()
 

@@ -62,7 +62,9 @@ def test_revert_during_startup_is_caught_as_drift(tb, deploy):
     assert p.returncode == 1, p.stderr
     assert "drift: the drafter config changed behind our back while vLLM started" in p.stderr
     assert f"now has sha256 {STALE_SHA}, it had {PINNED_SHA}" in p.stderr
-    assert "state left: the failed server was stopped" in p.stderr
+    assert "state left: the drafter config /root/models/Qwen3.6-27B-DFlash/config.json now holds the pinned " \
+           "bytes (the old file is kept as /root/models/Qwen3.6-27B-DFlash/config.json.bak-" in p.stderr
+    assert "; the failed server was stopped" in p.stderr
 
 
 def test_old_vllm_without_the_fixes_is_reported_with_its_version(tb, deploy):
