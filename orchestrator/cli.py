@@ -279,12 +279,13 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus):
                     for pb in pbs]
         if len(outs) == 1:
             _outcome_exit(obj, outs[0])
-        for o in outs:
-            render_outcome(o) if not obj.json else None
         if obj.json:
             from .report import dump_json
 
             dump_json([o.as_dict() for o in outs])
+        else:
+            for o in outs:
+                render_outcome(o)
         sys.exit(EXIT_OK if all(o.ok for o in outs) else EXIT_FAILED)
     run_guarded(go, obj)
 

@@ -16,6 +16,11 @@ from .remote import pct_exec_argv, shell_join
 from .spec import Inventory, Playbook
 
 
+# Run-time values the plan cannot know; Context.call fills them in (they are not secret).
+TOKEN = "<invocation token>"
+HOLDER = "<user@workstation>"
+
+
 @dataclass
 class Step:
     name: str
@@ -138,7 +143,7 @@ def step_container(pb):
 
 def step_lock(pb, operation, lease_s):
     return Step("lock", "take the container lock (fails fast if another deploy holds it)", action="lock",
-                args={"state_dir": pb.runtime["state_dir"], "token": "<invocation token>", "holder": "<user@workstation>",
+                args={"state_dir": pb.runtime["state_dir"], "token": TOKEN, "holder": HOLDER,
                       "lease_s": lease_s, "wait_s": 0, "operation": operation}, timeout=30, **_common(pb))
 
 
@@ -232,7 +237,7 @@ def step_acceptance(pb):
 
 def step_unlock(pb):
     return Step("unlock", "release the container lock", action="unlock",
-                args={"state_dir": pb.runtime["state_dir"], "token": "<invocation token>"}, timeout=20, **_common(pb))
+                args={"state_dir": pb.runtime["state_dir"], "token": TOKEN}, timeout=20, **_common(pb))
 
 
 def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None = None,

@@ -90,10 +90,7 @@ class Sampler:
 
 
 def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sampler, smi_timeout: float) -> dict:
-    row = {"host": host, "vmid": vmid, "reachable": True, "container": "running", "playbook": None, "pid": None,
-           "process": "none", "health": None, "served_model": None, "method": None, "gpus": [],
-           "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
-           "healthy": True, "problems": []}
+    row = _row(host, vmid, container="running", process="none", healthy=True)
     sdir = runtime.get("state_dir") or DEFAULT_STATE_DIR
     python = runtime.get("python") or DEFAULT_PYTHON
     try:
@@ -204,10 +201,18 @@ def _row_or_error(fleet, host, vmid, rt, sampler, smi_timeout):
 def _error_row(host, vmid, err) -> dict:
     unreachable = isinstance(err, Unreachable) or "no answer within" in str(err)
     msg = err.render() if isinstance(err, DeployError) else f"{type(err).__name__}: {err}"
-    return {"host": host, "vmid": vmid, "reachable": not unreachable, "container": "unknown", "playbook": None,
-            "pid": None, "process": "unknown", "health": None, "served_model": None, "method": None, "gpus": [],
-            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
-            "healthy": False, "problems": [msg.splitlines()[0]]}
+    return _row(host, vmid, reachable=not unreachable, container="unknown", process="unknown", healthy=False,
+                problems=[msg.splitlines()[0]])
+
+
+def _row(host, vmid, **values) -> dict:
+    """One row of the status/v1 schema: every key present, in schema order."""
+    row = {"host": host, "vmid": vmid, "reachable": True, "container": "unknown", "playbook": None, "pid": None,
+           "process": "unknown", "health": None, "served_model": None, "method": None, "gpus": [],
+           "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
+           "healthy": False, "problems": []}
+    row.update(values)
+    return row
 
 
 def exit_code(rows) -> int:

@@ -124,34 +124,29 @@ def proc_name(pid):
     return first if first.startswith(comm) and len(comm) >= 15 else comm
 
 
-def proc_pgid(pid):
+def proc_stat(pid):
+    """The fields of /proc/PID/stat after the command name (state first), or None if it is gone."""
     try:
         with open("/proc/%d/stat" % pid) as fh:
             stat = fh.read()
-        fields = stat[stat.rindex(")") + 2:].split()
-        return int(fields[2])
-    except (OSError, ValueError, IndexError):
+        return stat[stat.rindex(")") + 2:].split()
+    except (OSError, ValueError):
         return None
+
+
+def proc_pgid(pid):
+    f = proc_stat(pid)
+    return int(f[2]) if f and len(f) > 2 else None
 
 
 def proc_starttime(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as fh:
-            stat = fh.read()
-        return int(stat[stat.rindex(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    f = proc_stat(pid)
+    return int(f[19]) if f and len(f) > 19 else None
 
 
 def alive(pid):
-    if not pid:
-        return False
-    try:
-        with open("/proc/%d/stat" % pid) as fh:
-            stat = fh.read()
-        return stat[stat.rindex(")") + 2] != "Z"
-    except (OSError, ValueError):
-        return False
+    f = proc_stat(pid) if pid else None
+    return bool(f) and f[0] != "Z"
 
 
 def pids():
@@ -1038,7 +1033,7 @@ def act_verify(a):
     cross(disk, target, a, check)
 
     # 4. as loaded by the container's Python (the one that runs vLLM)
-    loaded = load_as_vllm(os.path.dirname(path), out)
+    loaded = load_as_vllm(os.path.dirname(path), out, check)
     if loaded is not None:
         crit = ["layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "dflash_config",
                 "bos_token_id", "rope_theta", "num_hidden_layers", "hidden_size", "vocab_size", "block_size",
@@ -1145,7 +1140,7 @@ def cross(disk, target, a, check):
               reason="mask_token_id must be a token of the target's vocabulary")
 
 
-def load_as_vllm(dirpath, out):
+def load_as_vllm(dirpath, out, check):
     """Load the config the way vLLM does, in this Python; return a plain dict of attributes (or None)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -1154,9 +1149,7 @@ def load_as_vllm(dirpath, out):
         from transformers import AutoConfig
     except Exception as e:  # noqa: BLE001
         out["loaded_error"] = "cannot import transformers in %s: %s" % (sys.executable, e)
-        out["checks"].append({"check": "as loaded", "ok": False, "expected": "transformers importable",
-                              "on_disk": None, "as_loaded": None, "reason": out["loaded_error"],
-                              "severity": "error"})
+        check("as loaded", False, expected="transformers importable", reason=out["loaded_error"])
         return None
     out["transformers_version"] = transformers.__version__
     out["loader"] = "transformers.AutoConfig"
@@ -1164,19 +1157,13 @@ def load_as_vllm(dirpath, out):
         cfg = AutoConfig.from_pretrained(dirpath, trust_remote_code=True)
     except Exception as e:  # noqa: BLE001
         msg = "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        out["checks"].append({"check": "as loaded", "ok": False, "expected": "loads", "on_disk": None,
-                              "as_loaded": msg, "reason": "AutoConfig.from_pretrained failed: " + msg,
-                              "severity": "error"})
+        check("as loaded", False, expected="loads", as_loaded=msg, reason="AutoConfig.from_pretrained failed: " + msg)
         return None
-    d = dict(cfg.to_diff_dict()) if False else {}
-    for k, v in vars(cfg).items():
-        if not k.startswith("_"):
-            d[k] = v
+    d = {k: v for k, v in vars(cfg).items() if not k.startswith("_")}
     rp = getattr(cfg, "rope_parameters", None)
     if "rope_theta" not in d and isinstance(rp, dict) and "rope_theta" in rp:
         d["rope_theta"] = rp["rope_theta"]
-    out["checks"].append({"check": "as loaded", "ok": True, "expected": "loads", "on_disk": None,
-                          "as_loaded": type(cfg).__name__, "reason": "", "severity": "error"})
+    check("as loaded", True, expected="loads", as_loaded=type(cfg).__name__)
     return json.loads(json.dumps(d, default=str))
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .. import agent
 from ..errors import DeployError
-from ..plan import Step
+from ..plan import HOLDER, TOKEN, Step
 from ..remote import HostSession
 from ..report import Progress
 from ..spec import Playbook
@@ -62,8 +62,8 @@ class Context:
         return f"{self.pb.host}/{self.pb.vmid}"
 
     def call(self, step: Step, *, payload: bytes | None = None, secrets: dict | None = None, on_event=None) -> dict:
-        args = {k: (self.token if v == "<invocation token>" else self.holder if v == "<user@workstation>" else v)
-                for k, v in step.args.items()}
+        fill = {TOKEN: self.token, HOLDER: self.holder}
+        args = {k: fill.get(v, v) if isinstance(v, str) else v for k, v in step.args.items()}
         self.progress.detail(self.where, f"$ pct exec {step.vmid} -- {self.pb.runtime['python']} - {step.action} "
                                          f"{json.dumps(args, sort_keys=True)[:300]}")
         return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, payload=payload,
