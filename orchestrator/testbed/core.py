@@ -169,14 +169,25 @@ def _port_free(addr, port) -> bool:
         s.close()
 
 
-def _wait(cond, timeout, what, interval=0.005):
+def log_tail(path, lines=8) -> str:
+    """The last lines of a test bed process's log, for an error message ('' when it has none)."""
+    try:
+        text = Path(path).read_text(errors="replace").rstrip()
+    except OSError:
+        return ""
+    tail = text.splitlines()[-lines:]
+    return ("\n  last lines of %s:\n    " % path + "\n    ".join(tail)) if tail else ""
+
+
+def _wait(cond, timeout, what, interval=0.005, log=None):
     deadline = time.monotonic() + timeout
     while True:
         v = cond()
         if v:
             return v
         if time.monotonic() >= deadline:
-            raise TestbedError("timed out after %.1f s waiting for %s" % (timeout, what))
+            raise TestbedError("timed out after %.1f s waiting for %s%s"
+                               % (timeout, what, log_tail(log) if log else ""))
         time.sleep(interval)
 
 
@@ -299,14 +310,32 @@ class Testbed:
         try:
             self._build()
             self._start_all()
-        except BaseException:
+        except BaseException as e:
+            kept = self._keep_logs()
             try:
                 self.down()
             finally:
-                pass
+                if kept and isinstance(e, TestbedError):
+                    e.args = ("%s\n  (the logs of this failed start are kept in %s)" % (e, kept),)
             raise
         self._timing_up = time.monotonic() - t0
         return self
+
+    def _keep_logs(self):
+        """Copy every log of a failed start out of the state directory (which down() removes), so the paths
+        an error names still exist: <root>.failed/<host>/... Returns that directory or None."""
+        dest = Path(str(self.root) + ".failed")
+        try:
+            shutil.rmtree(dest, ignore_errors=True)
+            logs = list(self.root.rglob("*.log")) if self.root.exists() else []
+            for f in logs:
+                if f.is_file():
+                    t = dest / f.relative_to(self.root)
+                    t.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(f, t)
+            return dest if logs else None
+        except OSError:
+            return None
 
     def _build(self):
         root = self.root
@@ -396,6 +425,8 @@ class Testbed:
         # the host's own mount namespace: our pct and nvidia-smi, then sshd
         (hd / "hostinit.sh").write_text(
             "#!/bin/sh\nset -e\n"
+            "# sshd refuses to start without its privilege separation directory; /run is empty after a boot\n"
+            "mkdir -p -m 0755 /run/sshd\n"
             "mount -t overlay overlay -o lowerdir=%(hd)s/sbin:/usr/sbin /usr/sbin\n"
             "mount -t overlay overlay -o lowerdir=%(hd)s/cbin:/usr/bin /usr/bin\n"
             "mount --bind %(hd)s/home /root\n"
@@ -548,8 +579,8 @@ class Testbed:
                 f.result()
         for h in self.hosts:
             a = self.address(h)
-            _wait(lambda: _port_open(a, SSH_PORT), 10, "sshd of %s on %s:%d (see %s)"
-                  % (h, a, SSH_PORT, self.root / h / "sshd.log"))
+            _wait(lambda: _port_open(a, SSH_PORT), 10, "sshd of %s on %s:%d" % (h, a, SSH_PORT),
+                  log=self.root / h / "sshd.log")
 
     def _spawn(self, argv, log, cwd=None):
         with open(log, "ab") as lf:
@@ -562,9 +593,9 @@ class Testbed:
         if ready.exists():
             ready.unlink()
         p = self._spawn([self.python, "-SE", str(self.root / "bin" / "gpusim.py"), str(hd)], hd / "gpusim.log")
-        _wait(lambda: ready.exists() or p.poll() is not None, 10, "GPU simulator of %s" % h)
+        _wait(lambda: ready.exists() or p.poll() is not None, 10, "GPU simulator of %s" % h, log=hd / "gpusim.log")
         if p.poll() is not None:
-            raise TestbedError("GPU simulator of %s failed: %s" % (h, (hd / "gpusim.log").read_text()[-2000:]))
+            raise TestbedError("GPU simulator of %s failed to start%s" % (h, log_tail(hd / "gpusim.log")))
 
     def _start_sshd(self, h, wait=True):
         hd = self.root / h
@@ -585,9 +616,10 @@ class Testbed:
                         hd / "sshd.log")
         (hd / "sshd.pid").write_text("%d\n" % p.pid)
         if wait:
-            _wait(lambda: _port_open(a, SSH_PORT) or p.poll() is not None, 10, "sshd of %s" % h)
+            _wait(lambda: _port_open(a, SSH_PORT) or p.poll() is not None, 10, "sshd of %s" % h,
+                  log=hd / "sshd.log")
             if p.poll() is not None:
-                raise TestbedError("sshd of %s failed to start (see %s)" % (h, hd / "sshd.log"))
+                raise TestbedError("sshd of %s failed to start%s" % (h, log_tail(hd / "sshd.log")))
 
     def _stop_sshd(self, h):
         hd = self.root / h
