@@ -20,9 +20,10 @@ class Obj:
         self.json = as_json
 
     def inventory(self):
+        from .locate import find_inventory
         from .spec import load_inventory
 
-        return load_inventory(self.inventory_path)
+        return load_inventory(find_inventory(self.inventory_path))
 
     def progress(self):
         from .report import Progress
@@ -58,7 +59,8 @@ Examples:
   deploy status                          # what runs where, healthy, acceptance""")
 @click.version_option(__version__, "--version", prog_name="deploy")
 @click.option("--inventory", "-i", default=None, metavar="PATH", envvar="DEPLOY_INVENTORY",
-              help="Inventory file (default: hosts.yaml, or $DEPLOY_INVENTORY).")
+              help="Inventory file (default: $DEPLOY_INVENTORY, else ./hosts.yaml, else "
+                   "~/.config/vllm-pve-deploy/hosts.yaml).")
 @click.option("-v", "--verbose", is_flag=True, help="Show more detail while running.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (progress stays on stderr).")
 @click.pass_context
@@ -67,8 +69,42 @@ def main(ctx, inventory, verbose, as_json):
 
     Every write is read back, every check says what failed and where, and a deployment with bad
     draft acceptance is a failed deployment.
+    
+    \b
+    Where it looks (first found wins; `deploy init` writes both to edit):
+      playbooks  $DEPLOY_PLAYBOOKS (only there, when set), ./playbooks/,
+                 ~/.config/vllm-pve-deploy/playbooks/, the shipped examples
+      inventory  -i PATH or $DEPLOY_INVENTORY (only that, when set), ./hosts.yaml,
+                 ~/.config/vllm-pve-deploy/hosts.yaml
+
+    \b
+    Shell completion (bash; zsh and fish alike, see docs/cli.md):
+      eval "$(_DEPLOY_COMPLETE=bash_source deploy)"
     """
-    ctx.obj = Obj(inventory or "hosts.yaml", verbose, as_json)
+    ctx.obj = Obj(inventory, verbose, as_json)
+
+
+def complete_playbooks(_ctx, _param, incomplete):
+    """Shell completion (click's own): playbook names in the search order."""
+    from .locate import list_playbooks
+
+    return [n for n in list_playbooks() if n.startswith(incomplete)]
+
+
+def complete_targets(ctx, param, incomplete):
+    """Shell completion: playbook names, inventory hosts and HOST/VMID."""
+    from .locate import find_inventory
+    from .spec import load_inventory
+
+    names = complete_playbooks(ctx, param, incomplete)
+    try:
+        inv = load_inventory(find_inventory(ctx.find_root().params.get("inventory")
+                                            or os.environ.get("DEPLOY_INVENTORY")))
+    except Exception:  # noqa: BLE001 - completion must never fail loudly
+        return names
+    for h in inv.hosts.values():
+        names += [t for t in [h.name] + [f"{h.name}/{c.vmid}" for c in h.containers] if t.startswith(incomplete)]
+    return names
 
 
 def json_option(f):
@@ -92,7 +128,7 @@ def load(obj: Obj, playbook: str):
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
-@click.argument("playbook")
+@click.argument("playbook", shell_complete=complete_playbooks)
 @click.option("--restart", is_flag=True, help="Plan a restart (always stops first).")
 @click.option("--clean-gpus", is_flag=True, default=None, help="Include fuser -k on the container's GPUs.")
 @json_option
@@ -199,7 +235,7 @@ def _confirm(prompt):
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
-@click.argument("playbook")
+@click.argument("playbook", shell_complete=complete_playbooks)
 @up_options
 @click.option("--skip-config-write", is_flag=True,
               help="Do not install the pinned drafter config. Verify still runs and reports, but does not stop the "
@@ -238,7 +274,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus):
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
-@click.argument("playbook", required=False)
+@click.argument("playbook", required=False, shell_complete=complete_playbooks)
 @click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
               help="Wait this long for another deploy's lock instead of failing at once.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and run nothing.")
@@ -298,7 +334,7 @@ def _running_playbooks(obj, inv):
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
-@click.argument("playbook")
+@click.argument("playbook", shell_complete=complete_playbooks)
 @click.option("--clean-gpus", is_flag=True, default=None,
               help="Also fuser -k -TERM, then -KILL, whatever in the container still holds /dev/nvidia*.")
 @click.option("-y", "--yes", is_flag=True, help="Do not ask before killing GPU holders (for scripts).")
@@ -350,7 +386,7 @@ def _preview_holders(inv, pb):
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
-@click.argument("playbook")
+@click.argument("playbook", shell_complete=complete_playbooks)
 @json_option
 @click.pass_obj
 def verify(obj, playbook):
@@ -394,7 +430,7 @@ def verify(obj, playbook):
 
 
 @main.command("apply-config", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
-@click.argument("playbook")
+@click.argument("playbook", shell_complete=complete_playbooks)
 @json_option
 @click.pass_obj
 def apply_config(obj, playbook):
@@ -421,7 +457,7 @@ def apply_config(obj, playbook):
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
-@click.argument("targets", nargs=-1, metavar="[PLAYBOOK|HOST|HOST/VMID]...")
+@click.argument("targets", nargs=-1, metavar="[PLAYBOOK|HOST|HOST/VMID]...", shell_complete=complete_targets)
 @click.option("--watch", type=float, default=None, metavar="N", help="Refresh every N seconds (connections stay open).")
 @click.option("--deadline", type=float, default=15.0, show_default=True, metavar="S",
               help="Per-host deadline; a slower host becomes a row that says so.")
@@ -452,7 +488,7 @@ def status(obj, targets, watch, deadline):
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
-@click.argument("target", metavar="PLAYBOOK|HOST/VMID")
+@click.argument("target", metavar="PLAYBOOK|HOST/VMID", shell_complete=complete_targets)
 @click.option("-n", "lines", type=int, default=50, show_default=True, help="How many lines.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until Ctrl-C.")
 @click.option("--grep", default=None, metavar="REGEX", help="Only lines matching REGEX.")
@@ -472,6 +508,68 @@ def logs(obj, target, lines, follow, grep):
     run_guarded(go, obj)
 
 
+# ------------------------------------------------------------------ init, schema
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy init                    # hosts.yaml and playbooks/ in the current directory
+  deploy init ~/pve && cd ~/pve  # or in a directory of their own
+  deploy init --force            # replace files that differ (each kept as FILE.bak-<UTC time>)""")
+@click.argument("directory", default=".", type=click.Path(file_okay=False))
+@click.option("--force", is_flag=True, help="Replace files that differ, keeping a backup of each.")
+@json_option
+@click.pass_obj
+def init(obj, directory, force):
+    """Write an inventory and the shipped playbooks into DIRECTORY (default: here) to edit.
+
+    Writes DIRECTORY/hosts.yaml (an inert, commented example: uncomment and set your host) and
+    DIRECTORY/playbooks/ (the playbooks, their pinned drafter configs and JSON Schemas for editors). `deploy`
+    run in DIRECTORY then finds both (see `deploy --help` for the search order). Existing files that differ are
+    left alone unless --force; identical ones are not rewritten.
+    """
+    def go():
+        from .report import dump_json
+        from .scaffold import init as do_init
+
+        out = do_init(directory, force)
+        if obj.json:
+            dump_json({"ok": True, **out})
+            return
+        for f in out["written"]:
+            click.echo(f"wrote {f}")
+        for f in out["backups"]:
+            click.echo(f"kept the previous file as {f}")
+        if out["unchanged"]:
+            click.echo(f"{len(out['unchanged'])} file(s) already as shipped, left alone")
+        click.echo(f"next: edit {os.path.join(directory, 'hosts.yaml')} (uncomment the example, set address and "
+                   f"key), then deploy plan qwen36-dflash")
+    run_guarded(go, obj)
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy schema playbook > playbook.schema.json
+  deploy schema inventory""")
+@click.argument("kind", type=click.Choice(["playbook", "inventory"]))
+@click.pass_obj
+def schema(obj, kind):
+    """Print the JSON Schema of a playbook or the inventory (generated from the validator's own schema).
+
+    The shipped playbooks and `deploy init`'s files carry a `# yaml-language-server: $schema=...` first line
+    that points editors (VS Code's YAML extension, neovim's yamlls) at playbooks/schemas/. The schema checks
+    shapes, types, ranges and unknown keys; `deploy plan` adds the cross-checks (target in the inventory,
+    pinned sha256) with FILE:LINE:COL.
+    """
+    from .scaffold import schema_text
+
+    click.echo(schema_text(kind), nl=False)
+
+
 # ------------------------------------------------------------------ test bed
 
 
@@ -486,4 +584,4 @@ def _add_testbed():
 _add_testbed()
 
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    main(prog_name="deploy")

@@ -59,6 +59,22 @@ class Type:
     def check(self, node: Node, path: str, problems: Problems) -> Any:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def json_schema(self) -> dict:  # pragma: no cover - interface
+        """The JSON Schema (draft 2020-12) of what check() accepts, for editors (`deploy schema`)."""
+        raise NotImplementedError
+
+
+def _nullable(s: dict) -> dict:
+    """s that also accepts null."""
+    s = dict(s)
+    t = s.get("type")
+    if t is not None:
+        s["type"] = (t if isinstance(t, list) else [t]) + ([] if t == "null" or "null" in (t if isinstance(t, list)
+                                                                                             else [t]) else ["null"])
+    if "enum" in s and None not in s["enum"]:
+        s["enum"] = s["enum"] + [None]
+    return s
+
 
 @dataclass
 class Scalar(Type):
@@ -115,6 +131,22 @@ class Scalar(Type):
                 return None
         return value
 
+    def json_schema(self) -> dict:
+        types = [t for py, t in ((bool, "boolean"), (str, "string")) if py in self.py]
+        types += ["number"] if float in self.py else ["integer"] if int in self.py else []
+        s: dict = {"type": types[0] if len(types) == 1 else types}
+        if self.pattern:
+            s["pattern"] = f"^(?:{self.pattern})$"
+        elif str in self.py:
+            s["pattern"] = "^[^\\x00-\\x1f\\x7f]*$"  # no control characters or newlines
+        if self.choices is not None:
+            s["enum"] = list(self.choices)
+        if self.minimum is not None:
+            s["minimum"] = self.minimum
+        if self.maximum is not None:
+            s["maximum"] = self.maximum
+        return _nullable(s) if self.nullable else s
+
 
 def Str(**kw) -> Scalar:
     return Scalar(py=(str,), name="a string", **kw)
@@ -161,6 +193,12 @@ class List(Type):
                 seen.add(key)
             out.append(v)
         return out
+
+    def json_schema(self) -> dict:
+        s = {"type": "array", "items": self.item.json_schema(), "minItems": self.min_len, "maxItems": self.max_len}
+        if self.unique:
+            s["uniqueItems"] = True
+        return _nullable(s) if self.nullable else s
 
 
 @dataclass
@@ -228,6 +266,25 @@ class Map(Type):
             self.cross(out, node, path, problems)
         return out
 
+    def json_schema(self) -> dict:
+        props, required = {}, []
+        for name, f in self.fields.items():
+            p = f.type.json_schema()
+            if f.doc:
+                p["description"] = f.doc
+            if f.required:
+                required.append(name)
+            else:
+                p = _nullable(p)  # an explicit null on an optional key means "the default"
+                default = f.default() if callable(f.default) else f.default
+                if default is not None:
+                    p["default"] = default
+            props[name] = p
+        s = {"type": "object", "properties": props, "additionalProperties": False}
+        if required:
+            s["required"] = required
+        return _nullable(s) if self.nullable else s
+
 
 @dataclass
 class FreeMap(Type):
@@ -251,6 +308,10 @@ class FreeMap(Type):
                 continue
             out[key] = self.value.check(vnode, _join(path, key), problems)
         return out
+
+    def json_schema(self) -> dict:
+        return _nullable({"type": "object", "patternProperties": {f"^(?:{self.key_pattern})$": self.value.json_schema()},
+                          "additionalProperties": False})
 
 
 def strip_nodes(value: Any) -> Any:

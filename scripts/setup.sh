@@ -3,7 +3,9 @@
 # Idempotent; safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
 need=()
+"$PY" -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
 command -v fuser >/dev/null 2>&1 || need+=(psmisc)
@@ -20,7 +22,6 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "setup: please install: ${need[*]} (the test bed needs them)" >&2
   fi
 fi
-PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e '.[test]' > .venv/pip-install.log 2>&1 || { cat .venv/pip-install.log >&2; exit 1; }

@@ -61,7 +61,9 @@ def _parse_containers(text, gpus):
               help="VMIDs on every host, comma-separated; VMID:0-1 (or VMID:0+2) gives a container only those GPUs")
 @click.option("--gpus", default=4, show_default=True, type=click.IntRange(1, 16), help="GPUs per host")
 @click.option("--dir", "root", default=None, help=DIR_HELP)
-def up_cmd(hosts, containers, gpus, root):
+@click.option("--net", default=None, metavar="127.X.Y.",
+              help="loopback prefix the hosts listen on (default: $VPD_TESTBED_NET or 127.77.0.)")
+def up_cmd(hosts, containers, gpus, root, net):
     """Start the test bed and write its inventory.
 
     \b
@@ -73,7 +75,9 @@ def up_cmd(hosts, containers, gpus, root):
     from .core import Testbed, TestbedError
     try:
         t0 = time.monotonic()
-        tb = Testbed(root=_root(root), hosts=hosts, containers=_parse_containers(containers, gpus), gpus=gpus).up()
+        tb = Testbed(root=_root(root), hosts=hosts, containers=_parse_containers(containers, gpus), gpus=gpus,
+                     **({"net": net or os.environ["VPD_TESTBED_NET"]}
+                        if net or os.environ.get("VPD_TESTBED_NET") else {})).up()
     except (TestbedError, ValueError) as e:
         _fail(e)
     for h in tb.hosts:

@@ -1,0 +1,85 @@
+"""`deploy init` and `deploy schema`: a working directory to edit, and the JSON Schemas editors use."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from .errors import UsageError
+from .locate import shipped_dir
+
+KINDS = ("playbook", "inventory")
+INVENTORY_EXAMPLE = "hosts.example.yaml"  # in the shipped examples; `deploy init` writes it as hosts.yaml
+MODELINE = "# yaml-language-server: $schema="
+
+
+def schema_text(kind: str) -> str:
+    from .spec import json_schema
+
+    if kind not in KINDS:
+        raise UsageError(f"unknown schema {kind!r}", fix="deploy schema playbook, or deploy schema inventory")
+    return json.dumps(json_schema(kind), indent=2, sort_keys=False) + "\n"
+
+
+def with_modeline(text: str, schema_path: str) -> str:
+    """text whose yaml-language-server modeline (first line) points at schema_path."""
+    lines = text.splitlines(keepends=True)
+    line = f"{MODELINE}{schema_path}\n"
+    if lines and lines[0].startswith(MODELINE):
+        lines[0] = line
+    else:
+        lines.insert(0, line)
+    return "".join(lines)
+
+
+def _files(src: Path) -> list[tuple[Path, str]]:
+    """(relative destination, text) of everything `init` writes."""
+    out = [(Path("hosts.yaml"), with_modeline((src / INVENTORY_EXAMPLE).read_text(),
+                                              "playbooks/schemas/inventory.schema.json"))]
+    for p in sorted(src.glob("*.yaml")):
+        if p.name != INVENTORY_EXAMPLE:
+            out.append((Path("playbooks") / p.name, p.read_text()))
+    for p in sorted((src / "drafters").glob("*.json")):
+        out.append((Path("playbooks") / "drafters" / p.name, p.read_text()))
+    for kind in KINDS:
+        out.append((Path("playbooks") / "schemas" / f"{kind}.schema.json", schema_text(kind)))
+    return out
+
+
+def init(directory: str, force: bool = False) -> dict:
+    """Write DIR/hosts.yaml (the inert example inventory) and DIR/playbooks/ (the shipped playbooks, pinned
+    drafter configs, schemas). An existing file that differs is refused, or with force replaced after a backup
+    (FILE.bak-UTC); one that is already identical is left alone. Every write is read back."""
+    src = shipped_dir()
+    if src is None or not (src / INVENTORY_EXAMPLE).is_file():
+        raise UsageError("the shipped examples are missing from this installation",
+                         fix="reinstall vllm-pve-deploy (pip install --force-reinstall vllm-pve-deploy)")
+    dest = Path(directory)
+    files = _files(src)
+    differs = [rel for rel, text in files if (dest / rel).exists() and (dest / rel).read_bytes() != text.encode()]
+    if differs and not force:
+        raise UsageError("would replace files that differ: " + ", ".join(str(dest / r) for r in differs),
+                         fix="keep them (edit in place), use another DIR, or deploy init --force "
+                             "(each replaced file is kept as FILE.bak-<UTC time>)")
+    written, unchanged, backups = [], [], []
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for rel, text in files:
+        target = dest / rel
+        if target.exists() and target.read_bytes() == text.encode():
+            unchanged.append(str(target))
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            backup = target.with_name(f"{target.name}.bak-{stamp}")
+            shutil.copy2(target, backup)
+            backups.append(str(backup))
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, target)
+        if target.read_bytes() != text.encode():
+            raise UsageError(f"{target}: read back differs from what was written", fix="check the disk and run again")
+        written.append(str(target))
+    return {"directory": str(dest.resolve()), "written": written, "unchanged": unchanged, "backups": backups}

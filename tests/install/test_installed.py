@@ -1,0 +1,101 @@
+"""The tool as a user gets it with pip: a non-editable install of the built wheel into a fresh venv, used from
+an empty directory. `deploy init`, then `deploy testbed up`, `plan`, `up` and `status` work there.
+(Dependencies come from the package index, or pip's cache; the venv lives only for this test.)"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow
+
+
+def _skip_reason():
+    if os.geteuid() != 0:
+        return "needs root (the test bed uses namespaces)"
+    if not os.access("/usr/sbin/sshd", os.X_OK):
+        return "needs OpenSSH's sshd at /usr/sbin/sshd"
+    return None
+
+
+def _free_net():
+    """A 127.77.N. prefix (N from 100) where nothing listens on port 2222 of .1."""
+    for n in range(100, 160):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.77.%d.1" % n, 2222))
+                return "127.77.%d." % n
+            except OSError:
+                continue
+    pytest.skip("no free 127.77.N.1:2222")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), REPO], check=True,
+                   capture_output=True, timeout=300)
+    (whl,) = out.glob("*.whl")
+    return whl
+
+
+def test_wheel_ships_playbooks_drafters_and_schemas(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in ("orchestrator/examples/qwen36-dflash.yaml", "orchestrator/examples/qwen36-mtp.yaml",
+              "orchestrator/examples/hosts.example.yaml",
+              "orchestrator/examples/drafters/qwen36-27b-dflash.config.json",
+              "orchestrator/examples/schemas/playbook.schema.json",
+              "orchestrator/examples/schemas/inventory.schema.json"):
+        assert f in names, f
+
+
+def test_installed_tool_from_an_empty_directory(wheel, tmp_path):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    venv, work, home = tmp_path / "venv", tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"{wheel}[testbed]"], capture_output=True,
+                         text=True, timeout=600)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEPLOY_", "VPD_", "PYTHON", "XDG_"))}
+    env.update(HOME=str(home), NO_COLOR="1", PATH=f"{venv / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}")
+    bed = f"/tmp/vpd-inst-{os.getpid()}"
+
+    def deploy(*args, timeout=180, **extra):
+        r = subprocess.run(["deploy", *args], cwd=work, env=dict(env, **extra), text=True, capture_output=True,
+                           timeout=timeout)
+        return r
+
+    r = deploy("plan", "qwen36-dflash")
+    assert r.returncode == 2 and "no inventory found; looked in:" in r.stderr, r.stderr
+    r = deploy("init")
+    assert r.returncode == 0, r.stderr
+    assert (work / "hosts.yaml").is_file() and (work / "playbooks" / "qwen36-dflash.yaml").is_file()
+    # the copies are the ones used: not the repo (not on sys.path) and not the shipped examples
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import orchestrator; print(orchestrator.__file__)"],
+                           cwd=work, env=env, text=True, capture_output=True, timeout=60)
+    assert probe.stdout.startswith(str(venv)), probe.stdout
+    try:
+        r = deploy("testbed", "up", "--dir", bed, "--net", _free_net(), timeout=120)
+        assert r.returncode == 0, r.stderr
+        inventory = r.stdout.strip().split("=", 1)[1]
+        r = deploy("plan", "qwen36-dflash", DEPLOY_INVENTORY=inventory)
+        assert r.returncode == 0, r.stderr
+        assert "pct exec 129" in r.stdout
+        r = deploy("up", "qwen36-dflash", DEPLOY_INVENTORY=inventory, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "qwen36-dflash is up on pve1/129" in r.stdout + r.stderr
+        r = deploy("status", "--json", DEPLOY_INVENTORY=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert '"qwen36-dflash"' in r.stdout
+    finally:
+        deploy("testbed", "down", "--dir", bed, timeout=120)
+        shutil.rmtree(bed + ".failed", ignore_errors=True)
