@@ -27,7 +27,7 @@ mkdir -p /root/.cache && mount -t tmpfs tmpfs /root/.cache
 export DEBIAN_FRONTEND=noninteractive
 apt-get purge -y -qq openssh-server psmisc >/dev/null 2>&1 || true
 mount -t tmpfs -o mode=0755 tmpfs /run
-have=$( { [ -x /usr/sbin/sshd ] && echo sshd; command -v fuser; ls -A /run /root/.cache; } | tr '\n' ' ')
+have=$( { [ -x /usr/sbin/sshd ] && echo sshd; command -v fuser; ls -A /run; ls -A /root/.cache; } | tr '\n' ' ')
 echo "fresh-machine: empty /run, no sshd, no fuser, empty pip cache${have:+ (NOT fresh: $have)}" >&2
 "$@"
 INNER

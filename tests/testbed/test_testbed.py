@@ -399,3 +399,33 @@ def test_cli_fault_and_status(tb):
     assert r.returncode == 1 and "container-level" in r.stderr
     r = subprocess.run(cli + ["fault", "--clear"], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and tb.faults("pve1", 129) == {}
+
+
+def test_failed_start_quotes_the_log_and_keeps_it(tb, monkeypatch):
+    """An sshd that cannot start: the error quotes its log's last lines, and the logs outlive the removed state
+    directory, at the path the message names."""
+    root = str(tb.root) + "-bad"
+    orig = Testbed._build_host
+
+    def broken(self, h, py):
+        orig(self, h, py)
+        with open(self.root / h / "sshd_config", "a") as fh:
+            fh.write("NoSuchSshdOption yes\n")
+    monkeypatch.setattr(Testbed, "_build_host", broken)
+    bed = Testbed(root=root, hosts=1, containers=[129], gpus=1, net="127.77.%d." % (200 + (os.getpid() + 7) % 50))
+    with pytest.raises(TestbedError) as e:
+        bed.up()
+    msg = str(e.value)
+    assert "sshd of pve1" in msg and "last lines of" in msg
+    assert "NoSuchSshdOption" in msg  # sshd's own words about the bad line
+    assert "kept in %s.failed" % root in msg
+    assert not os.path.exists(root)
+    kept = open(os.path.join(root + ".failed", "pve1", "sshd.log")).read()
+    assert "NoSuchSshdOption" in kept
+    import shutil
+    shutil.rmtree(root + ".failed")
+
+
+def test_hostinit_creates_sshd_privsep_dir(tb):
+    """/run is empty after a boot: the host's init makes sshd's privilege separation directory itself."""
+    assert "mkdir -p -m 0755 /run/sshd" in (tb.root / "pve1" / "hostinit.sh").read_text()
