@@ -29,5 +29,5 @@ apt-get purge -y -qq openssh-server psmisc >/dev/null 2>&1 || true
 mount -t tmpfs -o mode=0755 tmpfs /run
 have=$( { [ -x /usr/sbin/sshd ] && echo sshd; command -v fuser; ls -A /run; ls -A /root/.cache; } | tr '\n' ' ')
 echo "fresh-machine: empty /run, no sshd, no fuser, empty pip cache${have:+ (NOT fresh: $have)}" >&2
-"$@"
+"$@" </dev/null
 INNER
