@@ -1,4 +1,4 @@
-"""Parsers for remote command output, each testable on a string (formats in shared/domain/proxmox-lxc.md)."""
+"""Parsers for remote command output, each testable on a string (formats in docs/domain/proxmox-lxc.md)."""
 
 from __future__ import annotations
 

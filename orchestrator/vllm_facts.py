@@ -1,6 +1,6 @@
 """The one place that knows vLLM's names: fatal startup texts, log markers, metric names, spec-config keys.
 
-Facts from shared/domain/vllm.md (read from release wheels 0.20.2 to 0.34.0).
+Facts from docs/domain/vllm.md (read from release wheels 0.20.2 to 0.34.0).
 """
 
 from __future__ import annotations

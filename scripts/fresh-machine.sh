@@ -14,8 +14,6 @@ trap 'rm -rf "$scratch"' EXIT
 git clone -q . "$scratch/clone"
 echo "fresh-machine: a clean clone of $(git rev-parse --short HEAD) in $scratch/clone" >&2
 [ $# -gt 0 ] || set -- bash -c 'bash scripts/demo.sh && .venv/bin/deploy testbed down && bash scripts/test.sh'
-# tests that read the domain facts find them beside the repo, as in a normal checkout
-[ -n "${VPD_DOMAIN_DIR:-}" ] || [ ! -d ../shared/domain ] || export VPD_DOMAIN_DIR=$(realpath ../shared/domain)
 cd "$scratch/clone"
 unshare --mount --propagation private -- bash -euo pipefail -s "$scratch" "$@" <<'INNER'
 scratch=$1; shift

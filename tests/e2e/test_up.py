@@ -56,7 +56,11 @@ def test_forced_stale_config_fails_the_gate_and_falls_back_to_mtp(tb, deploy):
     fb = out["fallback"]
     assert fb["ok"] and fb["playbook"] == "qwen36-mtp" and fb["status"] == "up"
     assert fb["info"]["acceptance"]["draft_acceptance_rate"] > 0.4
-    assert "Fell back to qwen36-mtp" in deploy("up", "qwen36-dflash", "--skip-config-write").stderr or True
+    # a second up does not silently replace the fallback that now serves: it asks for -y and leaves it running
+    again = deploy("up", "qwen36-dflash", "--skip-config-write")
+    assert again.returncode == 1, again.stderr
+    assert "a different deployment is running; not replacing it without -y" in again.stderr
+    assert "fix: deploy up qwen36-dflash -y" in again.stderr
     st = json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))
     assert st["playbook"] == "qwen36-mtp" and st["method"] == "mtp"
 

@@ -17,7 +17,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAKE = os.path.join(REPO, "orchestrator", "testbed", "fake_vllm")
-DOMAIN = os.environ.get("VPD_DOMAIN_DIR") or os.path.join(os.path.dirname(REPO), "shared", "domain")
+DOMAIN = os.environ.get("VPD_DOMAIN_DIR") or os.path.join(REPO, "docs", "domain")
 
 sys.path.insert(0, FAKE)
 import build  # noqa: E402

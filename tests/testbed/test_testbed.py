@@ -1,5 +1,5 @@
 """Tests of the test bed itself: pct formats and errors, exec passthrough over real ssh, isolation, fake GPU
-memory and kill semantics, fault switches, reset and cleanup. Formats follow ../shared/domain/proxmox-lxc.md."""
+memory and kill semantics, fault switches, reset and cleanup. Formats follow docs/domain/proxmox-lxc.md."""
 import json
 import os
 import shlex

@@ -2,7 +2,7 @@
 
 Writes what a real install would have on disk and what the deploy tool inspects:
 - ``_version.py`` (``__version__``, ``__version_tuple__``, ``__commit_id__``),
-- the fix-marker source files at their real paths (see shared/domain/vllm.md),
+- the fix-marker source files at their real paths (see docs/domain/vllm.md),
 - the compiled extension files (empty files with the real names).
 
 ``_testbed_build.json`` records the base parameters (given at install time) and the effective ones (base

@@ -1,7 +1,7 @@
 """Acceptance model: per-position acceptance derived from the drafter config AS LOADED by transformers and
 from what this vLLM build does with it (taps, sliding windows). Deterministic per prompt.
 
-Reference (z-lab/Qwen3.6-27B-DFlash as published, see shared/domain/qwen36-dflash.md):
+Reference (z-lab/Qwen3.6-27B-DFlash as published, see docs/domain/qwen36-dflash.md):
 target_layer_ids [1, 16, 31, 46, 61] (taps (2, 17, 32, 47, 62) with the +1 fix), mask_token_id 248070,
 layer_types 4 x sliding + full, sliding_window 2048, rope_theta 1e7.
 """
