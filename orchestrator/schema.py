@@ -7,6 +7,7 @@ construct plain values, collecting *every* problem instead of stopping at the fi
 from __future__ import annotations
 
 import difflib
+import hashlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -323,8 +324,9 @@ def strip_nodes(value: Any) -> Any:
     return value
 
 
-def compose_file(path, problems: Problems) -> Node | None:
-    """Read a YAML file into a node tree, turning every way it can be unreadable into a problem."""
+def compose_file(path, problems: Problems, digest: dict | None = None) -> Node | None:
+    """Read a YAML file into a node tree, turning every way it can be unreadable into a problem. With `digest`,
+    digest["sha256"] is set to the hash of exactly the bytes that were parsed (read once)."""
     try:
         with open(path, "rb") as fh:
             raw = fh.read(MAX_FILE_BYTES + 1)
@@ -337,6 +339,8 @@ def compose_file(path, problems: Problems) -> Node | None:
     except OSError as e:
         problems.add(None, "", f"cannot read: {e.strerror}")
         return None
+    if digest is not None:
+        digest["sha256"] = hashlib.sha256(raw).hexdigest()
     if len(raw) > MAX_FILE_BYTES:
         problems.add(None, "", f"file is larger than {MAX_FILE_BYTES // 1024} KiB; refusing to parse it")
         return None

@@ -205,6 +205,7 @@ class Playbook:
     drafter_bytes: bytes | None = None
     drafter_config: dict | None = None
     fallback: "Playbook | None" = field(default=None, repr=False)
+    sha256: str = ""  # of the bytes that were validated (read once, at load: the planner reads no file)
 
     # convenient accessors
     @property
@@ -235,10 +236,6 @@ class Playbook:
     def runtime(self) -> dict:
         return self.data["runtime"]
 
-    @property
-    def sha256(self) -> str:
-        with open(self.path, "rb") as fh:
-            return hashlib.sha256(fh.read()).hexdigest()
 
 
 def _raise(problems: Problems, *others: Problems) -> None:
@@ -269,11 +266,12 @@ def load_inventory(path: str) -> Inventory:
 def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tuple = ()) -> Playbook:
     path = find_playbook(name_or_path)
     problems = Problems(path)
-    node = compose_file(path, problems)
+    digest: dict = {}
+    node = compose_file(path, problems, digest)
     data = PLAYBOOK.check(node, "", problems) if node is not None else None
     if data is None or problems.items:
         _raise(problems)
-    pb = Playbook(path=path, name=data["name"], data=data)
+    pb = Playbook(path=path, name=data["name"], data=data, sha256=digest["sha256"])
     _check_playbook(pb, inventory, problems)
     fallback_problems = None
     fb = data["acceptance"].get("fallback")
