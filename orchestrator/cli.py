@@ -508,6 +508,72 @@ def logs(obj, target, lines, follow, grep):
     run_guarded(go, obj)
 
 
+# ------------------------------------------------------------------ compare
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy compare qwen36-dflash qwen36-mtp -y
+  deploy compare qwen36-dflash qwen36-mtp --rounds 5 --prompts my-prompts.txt -y
+  deploy --json compare qwen36-dflash qwen36-mtp --keep qwen36-mtp -y""")
+@click.argument("playbook_a", shell_complete=complete_playbooks)
+@click.argument("playbook_b", shell_complete=complete_playbooks)
+@click.option("--prompts", "prompts_file", default=None, metavar="FILE",
+              help="One prompt per line (default: PLAYBOOK_A's acceptance.probe.prompts).")
+@click.option("--rounds", type=click.IntRange(1, 1000), default=None,
+              help="Times each prompt is sent (default: PLAYBOOK_A's acceptance.probe.rounds).")
+@click.option("--max-tokens", type=click.IntRange(1, 1_000_000), default=None,
+              help="Output tokens per request (default: PLAYBOOK_A's acceptance.probe.max_tokens).")
+@click.option("--keep", default=None, metavar="PLAYBOOK", help="Leave this one running (default: the winner).")
+@click.option("-y", "--yes", is_flag=True, help="Replace what runs on the container without asking.")
+@click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
+              help="Wait this long for another deploy's lock instead of failing at once.")
+@json_option
+@click.pass_obj
+def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep, yes, wait_lock):
+    """Which of two playbooks serves faster on one container: bring each up, time the same prompts, compare.
+
+    Both playbooks must target the same host and container. Each is brought up with its own gates (its
+    fallback is not used: the playbook itself is measured, or it failed), then the prompts are sent and timed:
+    output tokens per second from each completion's usage and wall time, draft acceptance, mean acceptance
+    length and per-position acceptance from /metrics deltas. Prints both side by side and the winner, and
+    leaves the winner (or --keep) running. Exit 0 when a winner was measured and left running.
+    """
+    def go():
+        from . import compare as C
+        from . import ops
+        from .errors import UsageError
+        from .remote import Fleet
+
+        inv = obj.inventory()
+        from .spec import load_playbook
+        a, b = load_playbook(playbook_a, inv), load_playbook(playbook_b, inv)
+        C.check_pair(a, b)
+        if keep and keep not in (a.name, b.name):
+            raise UsageError(f"--keep {keep} is neither {a.name} nor {b.name}", fix=f"--keep {a.name}")
+        probe = a.data["acceptance"]["probe"]
+        prompts = C.read_prompts(prompts_file) if prompts_file else list(probe["prompts"])
+        rounds_ = rounds or probe["rounds"]
+        if not yes and not _confirm(f"compare replaces whatever runs on {a.host}/{a.vmid} with {a.name}, then "
+                                    f"{b.name}; continue?"):
+            raise UsageError("not confirmed; nothing was changed",
+                             fix=f"deploy compare {a.name} {b.name} -y (in scripts)")
+        with Fleet(inv) as fleet:
+            res = C.compare(fleet, a, b, obj.progress(), ops.Options(yes=True, wait_lock_s=wait_lock),
+                            prompts=prompts, rounds=rounds_, max_tokens=max_tokens or probe["max_tokens"],
+                            timeout_s=probe["timeout_s"] * 2, keep=keep)
+        if obj.json:
+            from .report import dump_json
+            dump_json(res)
+        else:
+            for line in C.render(res):
+                click.echo(line)
+        sys.exit(EXIT_OK if res["ok"] else EXIT_FAILED)
+    run_guarded(go, obj)
+
+
 # ------------------------------------------------------------------ init, schema
 
 

@@ -1244,6 +1244,42 @@ ACTIONS = {
 }
 
 
+def act_speed(a):
+    """`deploy compare`: the probe prompts, each request timed; /metrics scraped before and after.
+    Output tokens come from each response's usage (what the server says it generated)."""
+    port, api_key = int(a["port"]), SECRETS.get("api_key")
+    deadline = now() + float(a["timeout_s"])
+    st, before = http(port, "/metrics", timeout=10)
+    if st != 200:
+        return {"ok": False, "message": "GET /metrics: %s %s" % (st, before[:200])}
+    requests, errors = [], []
+    for _ in range(int(a["rounds"])):
+        for prompt in a["prompts"]:
+            if now() >= deadline:
+                errors.append("time limit of %ss reached" % a["timeout_s"])
+                break
+            t0 = now()
+            st, body = http(port, "/v1/completions", "POST",
+                            {"model": a["model"], "prompt": prompt, "max_tokens": int(a["max_tokens"]),
+                             "temperature": 0}, timeout=max(1.0, deadline - now()), api_key=api_key)
+            took = now() - t0
+            try:
+                tokens = int(json.loads(body)["usage"]["completion_tokens"]) if st == 200 else None
+            except (ValueError, KeyError, TypeError):
+                tokens = None
+            if tokens is None:
+                errors.append("%s %s" % (st, body[:200]))
+                continue
+            requests.append({"tokens": tokens, "seconds": round(took, 6)})
+    st, after = http(port, "/metrics", timeout=10)
+    if st != 200:
+        return {"ok": False, "message": "GET /metrics after the requests: %s %s" % (st, after[:200])}
+    return {"ok": True, "before": before, "after": after, "requests": requests, "errors": errors[:5]}
+
+
+ACTIONS["speed"] = act_speed
+
+
 def main(argv):
     action, args = argv[1], json.loads(argv[2]) if len(argv) > 2 else {}
     args.update(INPUT)

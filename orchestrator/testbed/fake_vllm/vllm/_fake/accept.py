@@ -152,3 +152,27 @@ def for_mtp(k):
 
 def for_other(method, k):
     return Acceptance(method, k, rate=0.3 if method != "ngram" else 0.2, decay=0.97, seed=k, verdict=method)
+
+
+# Decode speed (what `deploy compare` measures): one target forward pass ("step") per verification, emitting
+# 1 + accepted tokens; drafting adds to each step's cost. DFlash drafts its whole block in one parallel pass of a
+# small model (+25 % of a target step, whatever k); MTP runs its head once per drafted token (+8 % each); without
+# speculation every token costs one step. The step time is VPD_FAKE_STEP_MS (default 1 ms: ~30x faster than
+# Qwen3.6-27B on 4 GPUs, so tests stay fast; the ratios between methods are what is plausible).
+DRAFT_COST = {"dflash": lambda k: 0.25, "mtp": lambda k: 0.08 * k}
+
+
+def step_seconds() -> float:
+    import os
+
+    try:
+        return max(0.0, float(os.environ.get("VPD_FAKE_STEP_MS", "1"))) / 1000.0
+    except ValueError:
+        return 0.001
+
+
+def decode_seconds(method, k, steps, gen):
+    """Wall time of one request's decode: `steps` verification passes (spec decode) or `gen` plain steps."""
+    if not k:
+        return gen * step_seconds()
+    return steps * step_seconds() * (1.0 + DRAFT_COST.get(method, lambda k: 0.1 * k)(k))

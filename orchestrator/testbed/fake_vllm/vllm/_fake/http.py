@@ -8,7 +8,7 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from vllm._fake import logs
+from vllm._fake import accept, logs
 from vllm._fake.metrics import Metrics
 
 WORDS = ("the", " model", " speculative", " decoding", " draft", " token", " accepted", " verify", " layer",
@@ -213,6 +213,7 @@ def run(ctx, args, sock, st, acc, r_status):
                 if k:
                     d, a, pp, gen = acc.simulate(prompt, mt)
                     spec = (d, a, pp)
+                time.sleep(accept.decode_seconds(acc.method if k else None, k, spec[0] if spec else 0, gen))
                 text = "".join(WORDS[(i * 7 + len(prompt)) % len(WORDS)] for i in range(gen))
                 metrics.record_request(prompt_tokens, gen, "length", spec)
                 stats.add(prompt_tokens, gen, spec)

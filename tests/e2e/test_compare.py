@@ -1,0 +1,49 @@
+"""`deploy compare`: both playbooks brought up with their gates on one container, timed on the same prompts,
+the faster left running. The fake vLLM's speed follows its acceptance and method (docs/testbed.md)."""
+
+import json
+
+from e2e_helpers import cat
+
+STATE = "/var/lib/vllm-pve-deploy/state.json"
+
+
+def test_compare_picks_the_faster_and_leaves_it_running(tb, deploy):
+    p = deploy("--json", "compare", "qwen36-dflash", "qwen36-mtp", "-y", "--rounds", "1")
+    assert p.returncode == 0, p.stderr
+    res = p.json
+    assert [r["playbook"] for r in res["results"]] == ["qwen36-dflash", "qwen36-mtp"]
+    for r in res["results"]:
+        assert r["ok"] and r["status"] == "up"
+        assert r["speed"]["requests"] == 3 and r["speed"]["tokens_per_s"] > 0
+        assert r["acceptance"]["draft_acceptance_rate"] > 0.3
+    dflash, mtp = res["results"]
+    assert dflash["acceptance"]["mean_acceptance_length"] > mtp["acceptance"]["mean_acceptance_length"]
+    assert res["winner"] == "qwen36-dflash" and res["speedup"] > 1.5
+    assert res["kept"] == {"playbook": "qwen36-dflash", "ok": True, "status": "up", "error": None}
+    assert json.loads(cat(tb, "pve1", 129, STATE))["playbook"] == "qwen36-dflash"  # brought back after mtp
+
+
+def test_compare_keep_and_the_table(tb, deploy):
+    p = deploy("compare", "qwen36-dflash", "qwen36-mtp", "-y", "--rounds", "1", "--keep", "qwen36-mtp")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].split() == ["qwen36-dflash", "qwen36-mtp"]
+    assert lines[1].split() == ["method", "dflash", "mtp"]
+    assert any(ln.startswith("winner: qwen36-dflash (") for ln in lines)
+    assert lines[-1] == "left running on pve1/129: qwen36-mtp"
+    assert json.loads(cat(tb, "pve1", 129, STATE))["playbook"] == "qwen36-mtp"
+
+
+def test_compare_refuses_before_anything_runs(tb, deploy, playbooks):
+    p = deploy("compare", "qwen36-dflash", "qwen36-mtp")  # no TTY, no -y
+    assert p.returncode == 2
+    assert "not confirmed; nothing was changed" in p.stderr and "-y" in p.stderr
+    p = deploy("compare", "qwen36-dflash", "qwen36-dflash", "-y")
+    assert p.returncode == 2 and "two different playbooks" in p.stderr
+    playbooks("qwen36-mtp", "host: pve1", "host: pve2")
+    p = deploy("compare", "qwen36-dflash", "qwen36-mtp", "-y", env=playbooks.env)
+    assert p.returncode == 2 and "targets pve1/129 but qwen36-mtp targets pve2/129" in p.stderr
+    p = deploy("compare", "qwen36-dflash", "qwen36-mtp", "-y", "--keep", "other")
+    assert p.returncode == 2 and "--keep other is neither" in p.stderr
+    assert cat(tb, "pve1", 129, STATE) == ""  # nothing was started
