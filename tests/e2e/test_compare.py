@@ -8,8 +8,16 @@ from e2e_helpers import cat
 STATE = "/var/lib/vllm-pve-deploy/state.json"
 
 
-def test_compare_picks_the_faster_and_leaves_it_running(tb, deploy):
-    p = deploy("--json", "compare", "qwen36-dflash", "qwen36-mtp", "-y", "--rounds", "1")
+def _slow_steps(playbooks):
+    """8 ms per target step (the fake's default is 1 ms): decode time, not a loaded machine's HTTP overhead,
+    decides the ratio, so the comparison is about the methods whatever else runs."""
+    playbooks("qwen36-dflash", "  env: {}", '  env: {VPD_FAKE_STEP_MS: "8"}')
+    playbooks("qwen36-mtp", "  load_timeout_s: 900", '  load_timeout_s: 900\n  env: {VPD_FAKE_STEP_MS: "8"}')
+    return playbooks.env
+
+
+def test_compare_picks_the_faster_and_leaves_it_running(tb, deploy, playbooks):
+    p = deploy("--json", "compare", "qwen36-dflash", "qwen36-mtp", "-y", "--rounds", "1", env=_slow_steps(playbooks))
     assert p.returncode == 0, p.stderr
     res = p.json
     assert [r["playbook"] for r in res["results"]] == ["qwen36-dflash", "qwen36-mtp"]
@@ -24,8 +32,9 @@ def test_compare_picks_the_faster_and_leaves_it_running(tb, deploy):
     assert json.loads(cat(tb, "pve1", 129, STATE))["playbook"] == "qwen36-dflash"  # brought back after mtp
 
 
-def test_compare_keep_and_the_table(tb, deploy):
-    p = deploy("compare", "qwen36-dflash", "qwen36-mtp", "-y", "--rounds", "1", "--keep", "qwen36-mtp")
+def test_compare_keep_and_the_table(tb, deploy, playbooks):
+    p = deploy("compare", "qwen36-dflash", "qwen36-mtp", "-y", "--rounds", "1", "--keep", "qwen36-mtp",
+               env=_slow_steps(playbooks))
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].split() == ["qwen36-dflash", "qwen36-mtp"]
