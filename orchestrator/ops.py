@@ -290,7 +290,8 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
         acc = pb.data["acceptance"]
         if acc["on_low_acceptance"] == "fallback" and pb.fallback is not None and _depth == 0:
             progress.say(ctx.where, f"{low}: stopping it and falling back to {pb.fallback.name}")
-            G.stop(ctx, P.step_stop(pb, True, when="low acceptance"))
+            # never fuser here: the operator asked for a deployment, not for killing GPU holders
+            G.stop(ctx, P.step_stop(pb, False, when="low acceptance"))
             launched = False
             out.status = "fell back"
             out.error = StepFailed("acceptance", low, where=ctx.where, fix="likeliest causes: " +
@@ -410,4 +411,30 @@ def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
     return out
 
 
-__all__ = ["up", "down", "verify_only", "apply_config", "Options", "Outcome", "StepResult"]
+def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress: Progress) -> dict:
+    """`deploy unlock`: show the holder of a container's lock; break it if confirm(holder) says yes.
+    -> {"holder": ..., "broken": bool, "state": "free" | "broken" | "kept" | "changed"}"""
+    from . import agent
+    from .status import DEFAULT_PYTHON, DEFAULT_STATE_DIR
+
+    sdir = runtime.get("state_dir") or DEFAULT_STATE_DIR
+    python = runtime.get("python") or DEFAULT_PYTHON
+    s = fleet.session(host)
+    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir}, timeout=30)
+    if r.get("error"):
+        raise DeployError(r["error"], where=f"{host}/{vmid}")
+    h = r.get("holder")
+    if not h:
+        return {"holder": None, "broken": False, "state": "free"}
+    view = {k: v for k, v in h.items() if k != "token"}
+    view["dead_here"] = holder_dead(h)
+    if not confirm(view):
+        return {"holder": view, "broken": False, "state": "kept"}
+    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir, "break_token": h.get("token")}, timeout=30)
+    if r.get("unlocked"):
+        return {"holder": view, "broken": True, "state": "broken"}
+    return {"holder": view, "broken": False, "state": "changed",
+            "now": {k: v for k, v in (r.get("holder") or {}).items() if k != "token"} or None}
+
+
+__all__ = ["up", "down", "verify_only", "apply_config", "unlock", "Options", "Outcome", "StepResult"]

@@ -191,7 +191,8 @@ def step_verify(pb):
 def step_stop(pb, clean_gpus, when="something of ours is running", only_this_playbook=False):
     g = pb.data["gpu"]
     return Step("stop", "stop vLLM: SIGTERM its process group, grace period, SIGKILL, find leftovers"
-                + (", then fuser -k -TERM/-KILL the container's /dev/nvidia*" if clean_gpus else ""),
+                + (", then fuser -k -TERM/-KILL the holders of " + ", ".join(f"/dev/nvidia{g}" for g in pb.gpus)
+                   if clean_gpus else ""),
                 action="stop", args={"state_dir": pb.runtime["state_dir"], "grace_s": g["stop_grace_s"],
                                      "clean_gpus": clean_gpus, "fuser_grace_s": 5, "gpus": pb.gpus,
                                      "nvidia_smi_timeout_s": g["nvidia_smi_timeout_s"],

@@ -1041,8 +1041,9 @@ def _read_lock(dfd, name="lock"):
             cur = json.loads(fh.read(65536).decode("utf-8", "replace"))
             if not isinstance(cur, dict):
                 raise ValueError("not an object")
-        except ValueError:
-            cur = {"holder": "unknown (unreadable lock file)", "expires": 0, "token": None}
+        except ValueError:  # damaged (or from an older agent that filled it after creating it): one term of grace
+            cur = {"holder": "unknown (unreadable lock file)", "token": None,
+                   "expires": os.fstat(fh.fileno()).st_mtime + 60}
     return cur, ino
 
 
