@@ -324,6 +324,9 @@ def write_json_atomic(path, data):
 # ------------------------------------------------------------------ HTTP
 
 
+HTTP_MAX_BYTES = 64 << 20
+
+
 def http(port, path, method="GET", body=None, timeout=5.0, api_key=None, host="127.0.0.1"):
     """(status, body_text) or (None, error_text). Loopback only: vLLM runs in this container.
 
@@ -341,7 +344,7 @@ def http(port, path, method="GET", body=None, timeout=5.0, api_key=None, host="1
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
             sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + data)
-            chunks = []
+            chunks, got = [], 0
             while True:
                 left = deadline - now()
                 if left <= 0:
@@ -351,6 +354,9 @@ def http(port, path, method="GET", body=None, timeout=5.0, api_key=None, host="1
                 if not chunk:
                     break
                 chunks.append(chunk)
+                got += len(chunk)
+                if got > HTTP_MAX_BYTES:
+                    raise OSError(errno.EFBIG, "answer larger than %d bytes" % HTTP_MAX_BYTES)
         finally:
             sock.close()
         raw = b"".join(chunks)
@@ -528,7 +534,7 @@ def act_stop(a):
         elif members:
             report["terminated"] = [{"pid": p, "comm": proc_name(p)} for p in members]
             sent = signal_proven(st, signal.SIGTERM)
-            emit(event="stop", message="SIGTERM sent to %d process(es) of group %d" % (len(sent), st["pgid"]))
+            emit(event="stop", message="SIGTERM sent to process group %d (%d processes)" % (st["pgid"], len(sent)))
             deadline = now() + grace
             while proven_members(st) and now() < deadline:
                 time.sleep(0.1)
@@ -835,18 +841,22 @@ def act_launch(a):
     return {"ok": True, "pid": proc.pid, "pgid": proc.pid, "log_path": log_path}
 
 
-def _tail_lines(path, pos):
+def _tail_lines(path, pos, limit=4 << 20):
+    """Complete lines after byte `pos`, at most `limit` bytes per call (a log that grows by gigabytes between two
+    polls is read in steps); a line longer than the limit is cut, not waited for forever."""
     try:
         with open(path, "rb") as fh:
             fh.seek(pos)
-            data = fh.read()
+            data = fh.read(limit)
     except OSError:
         return pos, []
     if not data:
         return pos, []
     cut = data.rfind(b"\n")
     if cut < 0:
-        return pos, []
+        if len(data) < limit:
+            return pos, []
+        return pos + len(data), [ANSI.sub("", data.decode("utf-8", "replace"))]
     lines = data[:cut].decode("utf-8", "replace").splitlines()
     return pos + cut + 1, [ANSI.sub("", ln) for ln in lines]
 
