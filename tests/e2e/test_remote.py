@@ -216,3 +216,27 @@ def test_a_newly_accepted_host_key_is_audited(tb, tmp_path, inventory):
         f.close()
     acc = [json.loads(ln) for ln in (tmp_path / "a.jsonl").read_text().splitlines() if "host key accepted" in ln]
     assert len(acc) == 1 and acc[0]["fingerprint"].startswith("SHA256:") and acc[0]["host"] == "pve1"
+
+
+def test_proxyjump_gateway_host_keys_are_checked(tb, tmp_path, monkeypatch):
+    """Fabric gives a ProxyJump gateway its own client with AutoAddPolicy: the gateway's key must be checked too."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host jump\n  HostName {tb.address('pve2')}\n  Port 2222\n  User root\n  IdentityFile {tb.identity_file}\n"
+        f"Host gpu-box\n  HostName {tb.address('pve1')}\n  Port 2222\n  User root\n"
+        f"  IdentityFile {tb.identity_file}\n  ProxyJump jump\n")
+    monkeypatch.setenv("HOME", str(home))
+    pve2 = f"[{tb.address('pve2')}]:2222"
+    (tmp_path / "kh").write_text("".join(ln for ln in open(tb.known_hosts).readlines() if pve2 not in ln))
+    (tmp_path / "inv.yaml").write_text(f"hosts:\n  - name: pve1\n    ssh_config_alias: gpu-box\n"
+                                       f"    known_hosts: {tmp_path / 'kh'}\n    identity_file: {tb.identity_file}\n"
+                                       "    containers:\n      - vmid: 129\n        gpus: [0, 1, 2, 3]\n")
+    f = Fleet(load_inventory(str(tmp_path / "inv.yaml")), audit=AuditLog(str(tmp_path / "a.jsonl")))
+    try:
+        with pytest.raises(HostKeyError) as ei:
+            f.session("pve1").run(["true"])
+        assert "unknown host key" in ei.value.message and tb.address("pve2") in ei.value.message
+    finally:
+        f.close()
+    assert pve2 not in (tmp_path / "kh").read_text()  # nothing was added behind our back
