@@ -144,3 +144,13 @@ def test_state_files_in_the_container_are_private(tb, deploy):
     assert modes == [STATE, "700", STATE + "/state.json", "600", STATE + "/vllm.log", "600"]
     assert os.stat(deploy.state_dir / "audit.jsonl").st_mode & 0o777 == 0o600
     assert os.stat(deploy.state_dir).st_mode & 0o777 == 0o700
+
+
+def test_restart_without_a_playbook_does_not_trust_names_from_the_container(tb, deploy):
+    assert deploy("up", "qwen36-mtp").returncode == 0
+    tb.container_exec("pve1", 129, ["sed", "-i", 's|"playbook": "qwen36-mtp"|"playbook": "../../tmp\\\\u001b[2Jx"|',
+                                    STATE + "/state.json"], check=True)
+    p = deploy("restart")
+    assert p.returncode == 1, p.stderr
+    assert "which is not a playbook here for that container; skipped" in p.stderr and "\x1b" not in p.stderr
+    assert "no container's state file names a running deployment" in p.stderr
