@@ -82,6 +82,12 @@ def test_a_key_protected_deployment_is_already_up_and_healthy(tb, deploy, playbo
     assert "VLLM_API_KEY" in st["env_keys"] and "sk-test-0123456789" not in json.dumps(st)
     ps = tb.container_exec("pve1", 129, ["ps", "-eo", "args"]).stdout
     assert "sk-test-0123456789" not in ps
+    # the state files are private, here and on the workstation
+    modes = tb.container_exec("pve1", 129, ["stat", "-c", "%n %a", STATE, STATE + "/state.json",
+                                            STATE + "/vllm.log"]).stdout.split()
+    assert modes == [STATE, "700", STATE + "/state.json", "600", STATE + "/vllm.log", "600"]
+    assert os.stat(deploy.state_dir / "audit.jsonl").st_mode & 0o777 == 0o600
+    assert os.stat(deploy.state_dir).st_mode & 0o777 == 0o700
 
 
 def test_secrets_by_reference_reach_vllm_and_nothing_else(tb, deploy, playbooks):
@@ -135,15 +141,6 @@ def test_a_lock_held_by_a_dead_process_on_this_workstation_is_broken_at_once(tb,
     assert "dead process on this workstation" in p.stderr and time.monotonic() - t0 < 60
     left = tb.container_exec("pve1", 129, ["sh", "-c", "ls -a %s" % STATE]).stdout.split()
     assert "lock" not in left and any(n.startswith(".lock.stale-") for n in left)
-
-
-def test_state_files_in_the_container_are_private(tb, deploy):
-    assert deploy("up", "qwen36-mtp").returncode == 0
-    modes = tb.container_exec("pve1", 129, ["stat", "-c", "%n %a", STATE, STATE + "/state.json",
-                                            STATE + "/vllm.log"]).stdout.split()
-    assert modes == [STATE, "700", STATE + "/state.json", "600", STATE + "/vllm.log", "600"]
-    assert os.stat(deploy.state_dir / "audit.jsonl").st_mode & 0o777 == 0o600
-    assert os.stat(deploy.state_dir).st_mode & 0o777 == 0o700
 
 
 def test_restart_without_a_playbook_does_not_trust_names_from_the_container(tb, deploy):
