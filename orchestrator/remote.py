@@ -89,9 +89,9 @@ def state_dir() -> str:
     d = os.environ.get("DEPLOY_STATE_DIR") or os.path.join(
         os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "vllm-pve-deploy")
     os.makedirs(d, mode=0o700, exist_ok=True)
-    try:
+    try:  # the default directory from an older version (0755) is tightened; a directory the user named is not
         st = os.stat(d)
-        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        if os.path.basename(d.rstrip("/")) == "vllm-pve-deploy" and st.st_uid == os.geteuid() and st.st_mode & 0o077:
             os.chmod(d, 0o700)
     except OSError:
         pass

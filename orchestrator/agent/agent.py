@@ -225,12 +225,25 @@ def open_dir(path, create_mode=None):
             raise UnsafeDirectory("%s is writable by %s (mode %o) without the sticky bit: other users could plant "
                                   "files under the names written there (fix: chmod go-w %s)"
                                   % (path, "others" if st.st_mode & 0o002 else "its group", st.st_mode & 0o7777, path))
-        if create_mode is not None and st.st_mode & 0o077 & ~create_mode:
-            os.fchmod(fd, st.st_mode & 0o7777 & ~(0o077 & ~create_mode))  # an older, wider state dir: tighten it
+        if create_mode is not None and st.st_mode & 0o077 & ~create_mode and _only_state_files(fd):
+            # a state dir from an older version (0755): tighten it, but only when it holds nothing but our files
+            # (runtime.state_dir could name a shared directory such as /var/lib)
+            os.fchmod(fd, st.st_mode & 0o7777 & ~(0o077 & ~create_mode))
         return fd
     except BaseException:
         os.close(fd)
         raise
+
+
+STATE_FILES = re.compile(r"(state\.json|state\.stopped\.json|vllm\.log(\.1)?|exit_code|lock|lock\.break"
+                         r"|\.lock\.stale-.*|lock\.break\.stale-.*|\..*\.tmp-.*)$")
+
+
+def _only_state_files(dfd):
+    try:
+        return all(STATE_FILES.match(n) for n in os.listdir(dfd))
+    except OSError:
+        return False
 
 
 def unique_name(prefix):

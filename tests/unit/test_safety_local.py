@@ -471,3 +471,12 @@ def test_escape_sequences_are_stripped_from_names_and_log_lines(tmp_path, procs)
     out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout)
     assert "\x1b" not in out[0] and "hidden" in out[0]
     assert "\x1b" not in out[1] and "\x9b" not in out[1] and out[1].startswith("a") and "link" in out[1]
+
+
+def test_a_shared_directory_named_as_state_dir_is_not_tightened(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o755)
+    (shared / "someone-elses-file").write_text("x")
+    assert launch(shared, ["/bin/true"])["ok"]
+    assert os.stat(shared).st_mode & 0o777 == 0o755  # not ours alone: left as it was
