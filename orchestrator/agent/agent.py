@@ -1684,8 +1684,14 @@ def act_speed(a):
     """`deploy compare`: the probe prompts, each request timed; /metrics scraped before and after.
     Output tokens come from each response's usage (what the server says it generated)."""
     port, api_key = int(a["port"]), SECRETS.get("api_key")
+    state = read_state(a["state_dir"]) if a.get("state_dir") else None
+    host = serving_host(state)
+    if api_key:
+        ok, problem = listener_check(state, port)
+        if not ok:
+            return {"ok": False, "message": problem}
     deadline = now() + float(a["timeout_s"])
-    st, before = http(port, "/metrics", timeout=10)
+    st, before = http(port, "/metrics", timeout=10, host=host)
     if st != 200:
         return {"ok": False, "message": "GET /metrics: %s %s" % (st, before[:200])}
     requests, errors = [], []
@@ -1697,7 +1703,7 @@ def act_speed(a):
             t0 = now()
             st, body = http(port, "/v1/completions", "POST",
                             {"model": a["model"], "prompt": prompt, "max_tokens": int(a["max_tokens"]),
-                             "temperature": 0}, timeout=max(1.0, deadline - now()), api_key=api_key)
+                             "temperature": 0}, timeout=max(1.0, deadline - now()), api_key=api_key, host=host)
             took = now() - t0
             try:
                 tokens = int(json.loads(body)["usage"]["completion_tokens"]) if st == 200 else None
@@ -1707,7 +1713,7 @@ def act_speed(a):
                 errors.append("%s %s" % (st, body[:200]))
                 continue
             requests.append({"tokens": tokens, "seconds": round(took, 6)})
-    st, after = http(port, "/metrics", timeout=10)
+    st, after = http(port, "/metrics", timeout=10, host=host)
     if st != 200:
         return {"ok": False, "message": "GET /metrics after the requests: %s %s" % (st, after[:200])}
     return {"ok": True, "before": before, "after": after, "requests": requests, "errors": errors[:5]}
