@@ -480,3 +480,39 @@ def test_a_shared_directory_named_as_state_dir_is_not_tightened(tmp_path):
     (shared / "someone-elses-file").write_text("x")
     assert launch(shared, ["/bin/true"])["ok"]
     assert os.stat(shared).st_mode & 0o777 == 0o755  # not ours alone: left as it was
+
+
+def test_the_heartbeat_renews_the_lock_until_stopped_and_reports_a_loss():
+    from orchestrator import ops
+    from orchestrator.plan import Step
+
+    calls, said = [], []
+
+    class Ctx:
+        where = "pve1/129"
+
+        class progress:
+            @staticmethod
+            def say(where, msg):
+                said.append(msg)
+
+        def __init__(self, answers):
+            self.answers = answers
+
+        def call(self, step):
+            calls.append(step.args)
+            return self.answers.pop(0) if self.answers else {"locked": True}
+
+    step = Step("lock", "t", "pve1", 129, action="lock", args={"token": "T", "term_s": 0.2, "lease_s": 60})
+    beat = ops.Heartbeat(Ctx([]), step).start()
+    assert wait_for(lambda: len(calls) >= 3, 5)
+    beat.stop()
+    n = len(calls)
+    time.sleep(0.15)
+    assert len(calls) == n and all(c["renew"] and c["token"] == "T" for c in calls)
+    calls.clear()
+    beat = ops.Heartbeat(Ctx([{"locked": False, "lost": True, "holder": {"holder": "bob", "expires": 0}}]), step)
+    beat.start()
+    assert wait_for(lambda: beat.lost is not None, 5)
+    beat.stop()
+    assert beat.lost["holder"] == "bob" and "lock was lost" in said[0] and len(calls) == 1
