@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import stat as _stat
 import subprocess
 import sys
 import time
@@ -290,8 +291,6 @@ def write_at(dfd, name, data, mode, owner=None):
 def open_regular(dfd, name, flags=os.O_RDONLY):
     """Open dir/name without following a final symlink and without blocking on a FIFO; only a regular file."""
     fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    import stat as _stat
-
     if not _stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file", name)
@@ -709,18 +708,16 @@ def act_write_file(a):
 
 def _sha_at(dfd, name, follow=True):
     fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW), dir_fd=dfd)
-    import stat as _stat
-
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fh.fileno())
         if not _stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", name)
         h = hashlib.sha256()
-        raw = b""
+        raw = bytearray()  # kept for the backup: the exact bytes hashed
         for chunk in iter(lambda: fh.read(1 << 16), b""):
             h.update(chunk)
-            raw += chunk if len(raw) < (64 << 20) else b""
-        return h.hexdigest(), raw, st
+            raw += chunk
+        return h.hexdigest(), bytes(raw), st
 
 
 def _write_in(dfd, d, name, path, data, want, res):
@@ -735,8 +732,6 @@ def _write_in(dfd, d, name, path, data, want, res):
     if old == want:
         res.update(ok=True, after_sha256=old)
         return res
-    import stat as _stat
-
     try:
         lst = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except FileNotFoundError:
