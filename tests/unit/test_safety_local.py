@@ -396,15 +396,18 @@ def test_a_lock_file_just_created_is_not_broken(tmp_path):
 
 def test_a_lock_not_renewed_within_its_term_is_broken_and_kept_aside_under_a_unique_name(tmp_path):
     sd = tmp_path / "state"
-    assert lock(sd, "A", term_s=0.4)["locked"]
-    time.sleep(0.2)
-    assert lock(sd, "A", term_s=0.4, renew=True)["locked"]  # the heartbeat
-    time.sleep(0.25)
+    expires = lambda: json.loads((sd / "lock").read_text())["expires"]  # noqa: E731
+    assert lock(sd, "A", term_s=30)["locked"]
+    e1 = expires()
+    time.sleep(0.05)
+    assert lock(sd, "A", term_s=30, renew=True)["locked"]  # the heartbeat pushes expires forward
+    assert expires() > e1
     assert lock(sd, "B")["locked"] is False  # renewed: still A's
-    time.sleep(0.5)
-    assert lock(sd, "B")["locked"] is True  # not renewed for a term: stale
-    assert lock(sd, "A", term_s=0.4, renew=True) == {"locked": False, "lost": True,
-                                                      "holder": json.loads((sd / "lock").read_text())}
+    assert lock(sd, "A", term_s=0.01, renew=True)["locked"]  # a last beat with a tiny term: stale right after
+    assert wait_for(lambda: time.time() > expires() + 0.05)
+    assert lock(sd, "B")["locked"] is True  # not renewed within its term: broken
+    assert lock(sd, "A", term_s=30, renew=True) == {"locked": False, "lost": True,
+                                                     "holder": json.loads((sd / "lock").read_text())}
     stale = [n for n in os.listdir(sd) if n.startswith(".lock.stale-")]
     assert len(stale) == 1 and json.loads((sd / stale[0]).read_text())["token"] == "A"
 
