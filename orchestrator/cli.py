@@ -327,10 +327,30 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus):
 
 
 def _running_playbooks(obj, inv):
+    """The playbooks the containers' state files name, kept only if they are local playbooks that target that
+    same container: a state file is data from the container, not an instruction to run some other playbook."""
+    from .errors import SpecError
+    from .spec import list_playbooks, load_playbook
     from .status import gather
 
-    rows = gather(inv, None)
-    return sorted({r["playbook"] for r in rows if r.get("playbook") and r.get("process") == "running"})
+    known = set(list_playbooks())
+    names = set()
+    for r in gather(inv, None):
+        name, where = r.get("playbook"), f"{r['host']}/{r['vmid']}"
+        if not name or r.get("process") != "running":
+            continue
+        pb = None
+        if name in known:
+            try:
+                pb = load_playbook(name, inv)
+            except SpecError:
+                pb = None
+        if pb is None or (pb.host, pb.vmid) != (r["host"], r["vmid"]):
+            click.echo(f"{where}: its state file names {name!r}, which is not a playbook here for that container; "
+                       "skipped (deploy restart PLAYBOOK to choose)", err=True)
+            continue
+        names.add(name)
+    return sorted(names)
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -361,7 +381,7 @@ def down(obj, playbook, clean_gpus, yes, wait_lock):
             holders = _preview_holders(inv, pb)
             if holders:
                 click.echo("Will kill (fuser -k -TERM, then -KILL) in container "
-                           f"{pb.host}/{pb.vmid}:", err=True)
+                           f"{pb.host}/{pb.vmid}, holders of GPU(s) {pb.gpus}:", err=True)
                 for h in holders:
                     click.echo(f"  PID {h['pid']} {h['comm']}: {h['cmdline'][:80]}", err=True)
                 if not _confirm("Proceed?"):
@@ -379,7 +399,8 @@ def _preview_holders(inv, pb):
     with Fleet(inv) as fleet:
         r = agent.call(fleet.session(pb.host), pb.vmid, pb.runtime["python"], "gpu_read",
                        {"nvidia_smi_timeout_s": 5}, timeout=30)
-    return r.get("holders") or []
+    devs = {f"/dev/nvidia{g}" for g in pb.gpus}  # fuser acts on the playbook's own GPUs only
+    return [h for h in r.get("holders") or [] if devs & set(h.get("devices") or [])]
 
 
 # ------------------------------------------------------------------ verify / apply-config
@@ -634,6 +655,63 @@ def schema(obj, kind):
     from .scaffold import schema_text
 
     click.echo(schema_text(kind), nl=False)
+
+
+# ------------------------------------------------------------------ unlock
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("target", metavar="HOST/VMID|PLAYBOOK")
+@click.option("-y", "--yes", is_flag=True, help="Break the lock without asking (for scripts).")
+@json_option
+@click.pass_obj
+def unlock(obj, target, yes):
+    """Show who holds a container's deploy lock, and break it after a confirmation.
+
+    A running deploy renews its lock every 15 s; a lock that is not renewed expires within 60 s, and one held by
+    a dead deploy process on this workstation is broken by the next deploy at once. Use unlock for the rest: a
+    deploy on a lost laptop, when you cannot wait a minute. Breaking the lock of a deploy that still runs lets
+    two deploys act on one container: check the holder first.
+
+    \b
+    Examples:
+      deploy unlock pve1/129
+      deploy unlock qwen36-dflash -y
+    """
+    def go():
+        from . import ops
+        from .remote import Fleet
+        from .report import dump_json
+        from .status import resolve_targets
+
+        inv = obj.inventory()
+        scope = resolve_targets(inv, [target])
+        if len(scope) != 1:
+            raise DeployError(f"{target} names {len(scope)} containers; unlock takes one", fix="deploy unlock HOST/VMID")
+        host, vmid, rt = scope[0]
+
+        def confirm(h):
+            click.echo(f"{host}/{vmid} is locked by {ops.describe_holder(h)}" +
+                       (f"; workstation {h.get('workstation')}, pid {h.get('pid')}" if h.get("workstation") else "") +
+                       (" (a dead process on this workstation)" if h.get("dead_here") else ""), err=True)
+            return yes or _confirm("Break this lock?")
+
+        with Fleet(inv) as fleet:
+            r = ops.unlock(fleet, host, vmid, rt, confirm, obj.progress())
+        if obj.json:
+            dump_json({"where": f"{host}/{vmid}", **r})
+        elif r["state"] == "free":
+            click.echo(f"{host}/{vmid}: no deploy lock is held.")
+        elif r["state"] == "broken":
+            click.echo(f"{host}/{vmid}: lock broken (it was held by {r['holder'].get('holder')}).")
+        elif r["state"] == "kept":
+            click.echo(f"{host}/{vmid}: not confirmed; the lock was left in place" +
+                       ("" if sys.stdin.isatty() else " (pass -y in scripts)"), err=True)
+        else:
+            click.echo(f"{host}/{vmid}: the lock changed hands meanwhile; nothing was broken" +
+                       (f" (now held by {r['now'].get('holder')})" if r.get("now") else ""), err=True)
+        sys.exit(EXIT_OK if r["state"] in ("free", "broken") else EXIT_FAILED)
+    run_guarded(go, obj)
 
 
 # ------------------------------------------------------------------ test bed

@@ -45,7 +45,8 @@ def step_speed(pb: Playbook, prompts: list[str], rounds: int, max_tokens: int, t
     return P.Step("speed", f"{len(prompts) * rounds} timed completions of {max_tokens} tokens; /metrics before and "
                            "after", action="speed",
                   args={"port": pb.serve["port"], "prompts": prompts, "rounds": rounds, "max_tokens": max_tokens,
-                        "timeout_s": timeout_s, "model": pb.serve["served_model_name"]},
+                        "timeout_s": timeout_s, "model": pb.serve["served_model_name"],
+                        "state_dir": pb.runtime["state_dir"]},
                   timeout=timeout_s + 30, host=pb.host, vmid=pb.vmid)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import getpass
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -58,14 +59,21 @@ def holder_id() -> str:
 
 
 def secrets_for(pb: Playbook) -> dict:
-    name = pb.serve.get("api_key_env")
-    if not name:
-        return {}
-    val = os.environ.get(name)
-    if not val:
-        raise DeployError(f"serve.api_key_env names {name}, but it is not set in this shell",
-                          where=pb.path, fix=f"export {name}=... before running deploy")
-    return {"VLLM_API_KEY": val}
+    """vLLM's secret environment, read from LOCAL variables named by the playbook (serve.api_key_env,
+    serve.secret_env): {NAME_IN_CONTAINER: value}. Sent on stdin only; every value is registered for redaction."""
+    refs = dict(pb.serve.get("secret_env") or {})
+    if pb.serve.get("api_key_env"):
+        refs["VLLM_API_KEY"] = pb.serve["api_key_env"]
+    out = {}
+    for name, local in sorted(refs.items()):
+        val = os.environ.get(local)
+        if not val:
+            key = "serve.api_key_env" if name == "VLLM_API_KEY" and local == pb.serve.get("api_key_env") \
+                else f"serve.secret_env.{name}"
+            raise DeployError(f"{key} names {local}, but it is not set in this shell",
+                              where=pb.path, fix=f"export {local}=... before running deploy")
+        out[name] = val
+    return out
 
 
 def new_context(fleet: Fleet, pb: Playbook, progress: Progress, token: str | None = None) -> Context:
@@ -92,22 +100,98 @@ def check_container(ctx: Context, step: P.Step) -> None:
     ctx.record(step.name, True, f"container {ctx.pb.vmid} running on {ctx.pb.host}", t0)
 
 
-def take_lock(ctx: Context, step: P.Step, wait_s: float) -> None:
+def holder_fields() -> dict:
+    """Who holds a lock, precisely enough for another deploy on this workstation to prove the holder dead."""
+    return {"workstation": socket.gethostname(), "pid": os.getpid(), "pid_start": _proc_start(os.getpid())}
+
+
+def _proc_start(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None  # no /proc (macOS): the pid alone decides
+
+
+def holder_dead(h: dict) -> bool:
+    """Is this lock's holder a deploy process on THIS workstation that no longer exists?"""
+    pid = h.get("pid")
+    if h.get("workstation") != socket.gethostname() or not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # it exists, under another user
+    return h.get("pid_start") is not None and _proc_start(pid) not in (None, h["pid_start"])
+
+
+def describe_holder(h: dict) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.get("since", 0)))
+    return (f"{h.get('holder')} ({h.get('operation')}) since {since}, lease until "
+            f"{time.strftime('%H:%M:%S', time.localtime(h.get('expires', 0)))} unless renewed")
+
+
+class Heartbeat:
+    """Renews the container lock every term/4 while a deploy runs, on its own channel of the same connection.
+    If the deploy dies (even by SIGKILL), renewals stop and the lock goes stale within one term."""
+
+    def __init__(self, ctx: Context, step: P.Step):
+        self.ctx, self.step = ctx, step
+        self.interval = float(step.args.get("term_s", P.LOCK_TERM_S)) / 4
+        self._stop = threading.Event()
+        self.lost = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="lock-heartbeat")
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def _run(self):
+        renew = P.Step(**{**self.step.__dict__, "args": dict(self.step.args, renew=True, wait_s=0), "timeout": 30})
+        while not self._stop.wait(self.interval):
+            try:
+                r = self.ctx.call(renew)
+            except Exception:  # noqa: BLE001 - a missed beat is retried; the lease term absorbs a few
+                continue
+            if not r.get("locked"):
+                self.lost = r.get("holder")
+                self.ctx.progress.say(self.ctx.where, "     WARNING: the container lock was lost" +
+                                      (f" to {describe_holder(self.lost)}" if self.lost else ""))
+                return
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=35)
+
+
+def take_lock(ctx: Context, step: P.Step, wait_s: float) -> Heartbeat:
     t0 = time.monotonic()
-    step.args = dict(step.args, wait_s=wait_s)
+    step.args = dict(step.args, wait_s=wait_s, **holder_fields())
     step.timeout = max(step.timeout, wait_s + 30)
-    r = ctx.call(step, on_event=lambda e: ctx.progress.say(ctx.where, "     " + e.get("message", "")))
-    if not r.get("locked"):
+    say = lambda e: ctx.progress.say(ctx.where, "     " + e.get("message", ""))  # noqa: E731
+    r = ctx.call(step, on_event=say)
+    h = r.get("holder") or {}
+    if not r.get("locked") and h and holder_dead(h):
+        ctx.progress.say(ctx.where, f"     the lock's holder ({h.get('holder')}) is a dead process on this "
+                                    "workstation: breaking its lock")
+        r = ctx.call(P.Step(**{**step.__dict__, "args": dict(step.args, break_token=h.get("token"))}), on_event=say)
         h = r.get("holder") or {}
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.get("since", 0)))
+    if not r.get("locked"):
+        if r.get("error"):
+            ctx.fail(step.name, t0, r["error"], fix="make the state directory root-owned and not writable by others")
         ctx.record(step.name, False, f"held by {h.get('holder')}", t0)
-        raise LockHeld(f"another deploy holds the lock: {h.get('holder')} ({h.get('operation')}) since {since}, "
-                       f"lease until {time.strftime('%H:%M:%S', time.localtime(h.get('expires', 0)))}",
-                       where=ctx.where, fix="wait for it to finish, or pass --wait-lock SECONDS")
+        raise LockHeld(f"another deploy holds the lock: {describe_holder(h)}", where=ctx.where,
+                       fix=f"wait for it to finish, or pass --wait-lock SECONDS; if that deploy is gone, its lock "
+                           f"expires within {P.LOCK_TERM_S:g} s, or break it now: deploy unlock {ctx.where}")
     ctx.record(step.name, True, "lock taken", t0)
+    return Heartbeat(ctx, step).start()
 
 
-def release_lock(ctx: Context, step: P.Step) -> None:
+def release_lock(ctx: Context, step: P.Step, beat: Heartbeat | None = None) -> None:
+    if beat is not None:
+        beat.stop()
     try:
         ctx.call(step)
     except DeployError:
@@ -139,15 +223,15 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
                                           restart=restart)}
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
     t_start = time.monotonic()
-    locked = False
+    locked = None
     launched = False
     changed: list[str] = []  # what this run changed on the host so far, for "state left" on failure
     try:
         check_container(ctx, steps["container"])
-        take_lock(ctx, steps["lock"], opts.wait_lock_s)
-        locked = True
+        locked = take_lock(ctx, steps["lock"], opts.wait_lock_s)
         t0 = time.monotonic()
-        cur = ctx.call(steps["current"])
+        key = ctx.secrets.get("VLLM_API_KEY")
+        cur = ctx.call(steps["current"], secrets={"api_key": key} if key else None)
         st = cur.get("state") or {}
         running = bool(st.get("alive"))
         diffs = diff_running(cur, pb) if running else []
@@ -206,7 +290,8 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
         acc = pb.data["acceptance"]
         if acc["on_low_acceptance"] == "fallback" and pb.fallback is not None and _depth == 0:
             progress.say(ctx.where, f"{low}: stopping it and falling back to {pb.fallback.name}")
-            G.stop(ctx, P.step_stop(pb, True, when="low acceptance"))
+            # never fuser here: the operator asked for a deployment, not for killing GPU holders
+            G.stop(ctx, P.step_stop(pb, False, when="low acceptance"))
             launched = False
             out.status = "fell back"
             out.error = StepFailed("acceptance", low, where=ctx.where, fix="likeliest causes: " +
@@ -240,7 +325,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
         return out
     finally:
         if locked:
-            release_lock(ctx, steps["unlock"])
+            release_lock(ctx, steps["unlock"], locked)
 
 
 def stop_after_failure(ctx: Context, pb: Playbook) -> str:
@@ -268,11 +353,10 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
     ctx = new_context(fleet, pb, progress)
     steps = {s.name: s for s in P.plan_down(pb, clean_gpus=opts.clean_gpus)}
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
-    locked = False
+    locked = None
     try:
         check_container(ctx, steps["container"])
-        take_lock(ctx, steps["lock"], opts.wait_lock_s)
-        locked = True
+        locked = take_lock(ctx, steps["lock"], opts.wait_lock_s)
         rep = G.stop(ctx, steps["stop"])
         free = G.prove_free(ctx, steps["gpus-free"])
         out.ok, out.status = True, "down"
@@ -283,7 +367,7 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
         out.error = e
     finally:
         if locked:
-            release_lock(ctx, steps["unlock"])
+            release_lock(ctx, steps["unlock"], locked)
     return out
 
 
@@ -311,20 +395,46 @@ def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
         out.error = DeployError("this playbook has no local drafter path to install a config into", where=pb.path,
                                 fix="apply-config needs speculative.drafter.path (a hub cache is never written)")
         return out
-    locked = False
+    locked = None
     try:
         check_container(ctx, P.step_container(pb))
-        take_lock(ctx, P.step_lock(pb, "apply-config", 600), 0)
-        locked = True
-        w = D.write_config(ctx, P.step_write_config(pb))
-        D.verify(ctx, P.step_verify(pb), written_sha=w.get("after_sha256"))
+        steps = [P.step_write_config(pb), P.step_verify(pb)]
+        locked = take_lock(ctx, P.step_lock(pb, "apply-config", P.lease_for(steps)), 0)
+        w = D.write_config(ctx, steps[0])
+        D.verify(ctx, steps[1], written_sha=w.get("after_sha256"))
         out.ok, out.status = True, "verified"
     except DeployError as e:
         out.error = e
     finally:
         if locked:
-            release_lock(ctx, P.step_unlock(pb))
+            release_lock(ctx, P.step_unlock(pb), locked)
     return out
 
 
-__all__ = ["up", "down", "verify_only", "apply_config", "Options", "Outcome", "StepResult"]
+def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress: Progress) -> dict:
+    """`deploy unlock`: show the holder of a container's lock; break it if confirm(holder) says yes.
+    -> {"holder": ..., "broken": bool, "state": "free" | "broken" | "kept" | "changed"}"""
+    from . import agent
+    from .status import DEFAULT_PYTHON, DEFAULT_STATE_DIR
+
+    sdir = runtime.get("state_dir") or DEFAULT_STATE_DIR
+    python = runtime.get("python") or DEFAULT_PYTHON
+    s = fleet.session(host)
+    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir}, timeout=30)
+    if r.get("error"):
+        raise DeployError(r["error"], where=f"{host}/{vmid}")
+    h = r.get("holder")
+    if not h:
+        return {"holder": None, "broken": False, "state": "free"}
+    view = {k: v for k, v in h.items() if k != "token"}
+    view["dead_here"] = holder_dead(h)
+    if not confirm(view):
+        return {"holder": view, "broken": False, "state": "kept"}
+    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir, "break_token": h.get("token")}, timeout=30)
+    if r.get("unlocked"):
+        return {"holder": view, "broken": True, "state": "broken"}
+    return {"holder": view, "broken": False, "state": "changed",
+            "now": {k: v for k, v in (r.get("holder") or {}).items() if k != "token"} or None}
+
+
+__all__ = ["up", "down", "verify_only", "apply_config", "unlock", "Options", "Outcome", "StepResult"]

@@ -104,6 +104,8 @@ def serve_argv(pb: Playbook) -> list[str]:
     if mnbt:
         argv += ["--max-num-batched-tokens", str(mnbt)]
     argv += ["--speculative-config", json.dumps(spec_config(pb), separators=(",", ":"))]
+    if sv.get("trust_remote_code"):
+        argv += ["--trust-remote-code"]
     argv += list(sv["extra_args"])
     return argv
 
@@ -120,7 +122,8 @@ def serve_env(pb: Playbook) -> dict:
 def state_record(pb: Playbook) -> dict:
     return {"playbook": pb.name, "playbook_sha256": pb.sha256, "drafter_sha256": (pb.drafter or {}).get("sha256"),
             "drafter_path": drafter_config_path(pb), "port": pb.serve["port"],
-            "served_model_name": pb.serve["served_model_name"], "method": pb.spec["method"], "gpus": pb.gpus}
+            "served_model_name": pb.serve["served_model_name"], "method": pb.spec["method"], "gpus": pb.gpus,
+            "api_key_env": pb.serve.get("api_key_env"), "host": pb.serve["host"]}
 
 
 def verify_args(pb: Playbook) -> dict:
@@ -129,7 +132,8 @@ def verify_args(pb: Playbook) -> dict:
             "sha256": d["sha256"], "target_path": pb.data["model"]["path"],
             "num_speculative_tokens": pb.spec["num_speculative_tokens"], "method": pb.spec["method"],
             "vllm_min_version": pb.data["requires"].get("vllm_min_version"),
-            "fixes": pb.data["requires"].get("fixes") or []}
+            "fixes": pb.data["requires"].get("fixes") or [],
+            "trust_remote_code": bool(pb.serve.get("trust_remote_code"))}
 
 
 def _common(pb: Playbook):
@@ -141,10 +145,20 @@ def step_container(pb):
                 timeout=20, **_common(pb))
 
 
+LOCK_TERM_S = 60.0  # a lock not renewed for this long is stale: its holder died or lost the connection
+
+
 def step_lock(pb, operation, lease_s):
-    return Step("lock", "take the container lock (fails fast if another deploy holds it)", action="lock",
+    return Step("lock", f"take the container lock (fails fast if another deploy holds it); a heartbeat renews it "
+                        f"every {LOCK_TERM_S / 4:g} s for at most {lease_s:g} s (the steps' timeouts)", action="lock",
                 args={"state_dir": pb.runtime["state_dir"], "token": TOKEN, "holder": HOLDER,
-                      "lease_s": lease_s, "wait_s": 0, "operation": operation}, timeout=30, **_common(pb))
+                      "lease_s": lease_s, "term_s": LOCK_TERM_S, "wait_s": 0, "operation": operation},
+                timeout=30, **_common(pb))
+
+
+def lease_for(steps: list[Step]) -> float:
+    """The longest a run of these steps may hold the lock: the sum of their timeouts, plus a margin."""
+    return round(sum(s.timeout for s in steps) + 120)
 
 
 def step_current(pb):
@@ -177,7 +191,8 @@ def step_verify(pb):
 def step_stop(pb, clean_gpus, when="something of ours is running", only_this_playbook=False):
     g = pb.data["gpu"]
     return Step("stop", "stop vLLM: SIGTERM its process group, grace period, SIGKILL, find leftovers"
-                + (", then fuser -k -TERM/-KILL the container's /dev/nvidia*" if clean_gpus else ""),
+                + (", then fuser -k -TERM/-KILL the holders of " + ", ".join(f"/dev/nvidia{g}" for g in pb.gpus)
+                   if clean_gpus else ""),
                 action="stop", args={"state_dir": pb.runtime["state_dir"], "grace_s": g["stop_grace_s"],
                                      "clean_gpus": clean_gpus, "fuser_grace_s": 5, "gpus": pb.gpus,
                                      "nvidia_smi_timeout_s": g["nvidia_smi_timeout_s"],
@@ -204,7 +219,13 @@ def step_launch(pb):
     return Step("launch", "start vllm serve detached (setsid, streams redirected) and record it in the state file",
                 action="launch", args={"argv": serve_argv(pb), "env": serve_env(pb), "state_dir": sp["state_dir"],
                                        "log_path": sp["log_path"], "record": state_record(pb)},
-                payload="secrets (env)" if pb.serve.get("api_key_env") else None, timeout=30, **_common(pb))
+                payload=("secrets (env: " + ", ".join(secret_env_names(pb)) + ")") if secret_env_names(pb) else None,
+                timeout=30, **_common(pb))
+
+
+def secret_env_names(pb: Playbook) -> list[str]:
+    """The names (never the values) of the secrets vLLM gets in its environment, sent on stdin."""
+    return sorted(set(pb.serve.get("secret_env") or {}) | ({"VLLM_API_KEY"} if pb.serve.get("api_key_env") else set()))
 
 
 def step_wait(pb):
@@ -231,7 +252,8 @@ def step_acceptance(pb):
                               f"requests, scrape again; gate at {acc['min_draft_acceptance']:.0%}",
                 action="probe", args={"port": pb.serve["port"], "prompts": p["prompts"], "rounds": p["rounds"],
                                       "max_tokens": p["max_tokens"], "timeout_s": p["timeout_s"],
-                                      "model": pb.serve["served_model_name"], "log_path": state_paths(pb)["log_path"]},
+                                      "model": pb.serve["served_model_name"], "log_path": state_paths(pb)["log_path"],
+                                      "state_dir": pb.runtime["state_dir"]},
                 timeout=p["timeout_s"] + 30, **_common(pb))
 
 
@@ -243,8 +265,7 @@ def step_unlock(pb):
 def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None = None,
             restart: bool = False) -> list[Step]:
     clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
-    lease = pb.serve["load_timeout_s"] + pb.data["gpu"]["free_timeout_s"] + 900
-    steps = [step_container(pb), step_lock(pb, "restart" if restart else "up", lease), step_current(pb)]
+    steps = [step_current(pb)]
     if pb.drafter and write_config and drafter_config_path(pb):
         steps.append(step_write_config(pb))
     steps.append(step_verify(pb))
@@ -253,12 +274,14 @@ def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None 
     steps += [step_gpus_free(pb), step_port(pb), step_launch(pb), step_wait(pb)]
     if drafter_config_path(pb):
         steps.append(step_drift(pb))
-    steps += [step_acceptance(pb), step_unlock(pb)]
-    return steps
+    steps.append(step_acceptance(pb))
+    # a fallback's own steps run under the same lock
+    fb = pb.fallback if pb.data["acceptance"]["on_low_acceptance"] == "fallback" and pb.fallback else None
+    lease = lease_for(steps) + (lease_for(plan_up(fb, write_config=write_config)) if fb else 0)
+    return [step_container(pb), step_lock(pb, "restart" if restart else "up", lease)] + steps + [step_unlock(pb)]
 
 
 def plan_down(pb: Playbook, *, clean_gpus: bool | None = None) -> list[Step]:
     clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
-    return [step_container(pb), step_lock(pb, "down", 600),
-            step_stop(pb, clean, when="it runs this playbook", only_this_playbook=True),
-            step_gpus_free(pb), step_unlock(pb)]
+    steps = [step_stop(pb, clean, when="it runs this playbook", only_this_playbook=True), step_gpus_free(pb)]
+    return [step_container(pb), step_lock(pb, "down", lease_for(steps))] + steps + [step_unlock(pb)]

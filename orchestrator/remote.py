@@ -85,14 +85,22 @@ class Redactor:
 
 
 def state_dir() -> str:
+    """The workstation's state directory (audit log, status samples): 0700, like ~/.ssh."""
     d = os.environ.get("DEPLOY_STATE_DIR") or os.path.join(
         os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "vllm-pve-deploy")
-    os.makedirs(d, exist_ok=True)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    try:  # the default directory from an older version (0755) is tightened; a directory the user named is not
+        st = os.stat(d)
+        if os.path.basename(d.rstrip("/")) == "vllm-pve-deploy" and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            os.chmod(d, 0o700)
+    except OSError:
+        pass
     return d
 
 
 class AuditLog:
-    """JSON lines: time, host, vmid, argv (secrets redacted), exit status, duration. One line per remote command."""
+    """JSON lines, 0600: time, host, vmid, argv (secrets redacted), exit status, duration. Per remote command one
+    `starting` line before it runs (so a Ctrl-C or a kill leaves a trace) and one line with the exit status."""
 
     def __init__(self, path: str | None = None, redact: Redactor | None = None):
         self.path = path or os.path.join(state_dir(), "audit.jsonl")
@@ -102,13 +110,22 @@ class AuditLog:
 
     def write(self, **entry) -> None:
         entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "invocation": self.invocation, **entry}
-        if "argv" in entry:
-            entry["argv"] = [self.redact(a) for a in entry["argv"]]
+        for key in ("argv", "starting"):
+            if key in entry:
+                entry[key] = [self.redact(a) for a in entry[key]]
+        for key in ("error", "message"):
+            if isinstance(entry.get(key), str):
+                entry[key] = self.redact(entry[key])
         line = json.dumps(entry, ensure_ascii=False)
         with self._lock:
             try:
-                with open(self.path, "a", encoding="utf-8") as fh:
-                    fh.write(line + "\n")
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    if os.fstat(fd).st_mode & 0o077:
+                        os.fchmod(fd, 0o600)  # an audit log from an older version was 0644
+                    os.write(fd, (line + "\n").encode("utf-8"))
+                finally:
+                    os.close(fd)
             except OSError:
                 pass  # an unwritable audit log must not break a deployment
 
@@ -146,21 +163,28 @@ class HostSession:
                                      connect_kwargs=kwargs)
         else:
             conn = _DirectConnection(h.address, h.port, h.user, h.connect_timeout_s, kwargs)
+        known = os.path.expanduser(h.known_hosts)
+        # the final client, and every ProxyJump gateway on the way (Fabric gives those its AutoAddPolicy)
+        c = conn
+        while c is not None and hasattr(c, "client"):
+            self._check_keys(c.client, known)
+            c = getattr(c, "gateway", None)
+        return conn
+
+    def _check_keys(self, client, known: str) -> None:
         import paramiko
 
-        client = conn.client
-        known = os.path.expanduser(h.known_hosts)
+        h = self.host
         if os.path.exists(known):
             client.load_host_keys(known)
         elif h.accept_new_host_keys:
-            os.makedirs(os.path.dirname(known) or ".", exist_ok=True)
+            os.makedirs(os.path.dirname(known) or ".", mode=0o700, exist_ok=True)
             open(known, "a").close()
             client.load_host_keys(known)
         if h.accept_new_host_keys:
-            client.set_missing_host_key_policy(_AcceptNew(known))
+            client.set_missing_host_key_policy(_AcceptNew(known, self.audit, h.name))
         else:
             client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        return conn
 
     def connect(self):
         with self._lock:
@@ -190,8 +214,8 @@ class HostSession:
             conn = attempt()
         except paramiko.BadHostKeyException as e:
             raise HostKeyError(
-                f"host key CHANGED: known_hosts has {e.expected_key.get_name()} "
-                f"{e.expected_key.get_fingerprint().hex()}, the server sent {e.key.get_fingerprint().hex()}",
+                f"host key CHANGED: known_hosts has {e.expected_key.get_name()} {sha256_fingerprint(e.expected_key)}, "
+                f"the server sent {e.key.get_name()} {sha256_fingerprint(e.key)}",
                 where=where, fix=f"if the host was reinstalled, remove the old key: ssh-keygen -f "
                                  f"{h.known_hosts} -R '{_known_hosts_name(h)}'; otherwise do not connect") from e
         except paramiko.AuthenticationException as e:
@@ -255,18 +279,27 @@ class HostSession:
 
     def run(self, argv: list[str], *, stdin: bytes | str | None = None, timeout: float = 60.0,
             vmid: int | None = None, label: str | None = None, audit_argv: list[str] | None = None,
-            on_line=None) -> Result:
+            on_line=None, max_output: int | None = None) -> Result:
         """Run argv on the host (quoted once for the login shell). Returns the exit status as is."""
         if isinstance(stdin, str):
             stdin = stdin.encode("utf-8")
         command = shell_join(argv)
         conn = self.connect()
         started = time.monotonic()
+        self.audit.write(host=self.host.name, vmid=vmid, starting=audit_argv or argv, label=label)
         try:
-            exited, out, err = _exec(conn.transport, command, stdin, timeout, on_line, spare=self._take_spare)
+            exited, out, err = _exec(conn.transport, command, stdin, timeout, on_line, spare=self._take_spare,
+                                     max_bytes=max_output)
         except RemoteTimeout as e:
+            e.message = self.audit.redact(e.message)
+            e.args = (e.message,)
             self.audit.write(host=self.host.name, vmid=vmid, argv=audit_argv or argv, exit=None,
-                             duration=round(time.monotonic() - started, 4), error="timeout", label=label)
+                             duration=round(time.monotonic() - started, 4), error=e.message[:300], label=label)
+            e.where = f"{self.host.name}" + (f"/{vmid}" if vmid is not None else "")
+            raise
+        except OutputTooLarge as e:
+            self.audit.write(host=self.host.name, vmid=vmid, argv=audit_argv or argv, exit=None,
+                             duration=round(time.monotonic() - started, 4), error=e.message, label=label)
             e.where = f"{self.host.name}" + (f"/{vmid}" if vmid is not None else "")
             raise
         except (OSError, EOFError, _ssh_exception()) as e:
@@ -305,15 +338,35 @@ def _ssh_exception():
     return paramiko.SSHException
 
 
+MAX_OUTPUT = 64 << 20  # bytes per stream of one remote command; far above any agent result
+
+
+class OutputTooLarge(DeployError):
+    pass
+
+
 def _exec(transport, command: str, stdin: bytes | None, timeout: float, on_line=None,
-          spare=None) -> tuple[int, bytes, bytes]:
+          spare=None, max_bytes: int | None = None) -> tuple[int, bytes, bytes]:
     """Run one command on a new channel of the shared transport. on_line(bytes) sees each stdout line as it
-    arrives (progress of long waits); the full stdout is returned as well. spare() may hand over a session
-    channel opened ahead of time (--watch), saving the channel-open round trip. (Sending the exec request
-    without waiting for its reply saves nothing against OpenSSH: sshd opens a session channel with a zero
-    window and grants it only once the exec is running, so stdin waits that round trip anyway; measured.)"""
+    arrives (progress of long waits); a line it returns False for is not kept (so `logs -f` holds only the line
+    in progress). The rest of stdout is returned, capped at max_bytes per stream; the deadline is checked while
+    data keeps arriving. spare() may hand over a session channel opened ahead of time (--watch), saving the
+    channel-open round trip. (Sending the exec request without waiting for its reply saves nothing against
+    OpenSSH: sshd opens a session channel with a zero window and grants it only once the exec is running, so stdin
+    waits that round trip anyway; measured.)"""
+    cap = max_bytes or MAX_OUTPUT
     deadline = time.monotonic() + timeout
     chan = (spare or (lambda: None))() or transport.open_session(timeout=min(timeout, 30))
+
+    def check(out, err):
+        if len(out) > cap or len(err) > cap:
+            raise OutputTooLarge(f"the command wrote more than {cap} bytes to {'stdout' if len(out) > cap else 'stderr'}"
+                                 f"; stopped reading: {command[:120]}",
+                                 fix="the remote side misbehaves (a runaway log?); check it directly")
+        if time.monotonic() > deadline:
+            raise RemoteTimeout(f"command did not finish within {timeout:g} s: {command[:200]}",
+                                fix="the remote side may be hung (e.g. a wedged nvidia-smi); check the host")
+
     try:
         chan.settimeout(max(0.1, timeout))
         chan.exec_command(command)
@@ -321,28 +374,35 @@ def _exec(transport, command: str, stdin: bytes | None, timeout: float, on_line=
             chan.sendall(stdin)
         chan.shutdown_write()
         out, err = bytearray(), bytearray()
+        line = bytearray()  # the stdout line in progress, for on_line
         # sshd sends all stream data before the exit status, so once the status is here the buffers are complete.
         while True:
             while chan.recv_ready():
                 chunk = chan.recv(65536)
                 if on_line is not None:
-                    start = out.rfind(b"\n") + 1
-                    out += chunk
-                    for line in bytes(out[start:]).split(b"\n")[:-1]:
-                        on_line(line)
+                    line += chunk
+                    if b"\n" in chunk:  # split only when a line ended: linear in the bytes received
+                        *done, rest = bytes(line).split(b"\n")
+                        line = bytearray(rest)
+                        for ln in done:
+                            if on_line(ln) is not False:
+                                out += ln + b"\n"
+                    check(line, err)
                 else:
                     out += chunk
+                check(out, err)
             while chan.recv_stderr_ready():
                 err += chan.recv_stderr(65536)
+                check(out, err)
             if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                 break
             if chan.closed:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RemoteTimeout(f"command did not finish within {timeout:g} s: {command[:200]}",
-                                    fix="the remote side may be hung (e.g. a wedged nvidia-smi); check the host")
-            select.select([chan], [], [], min(remaining, 1.0))
+                check(out, err)
+            select.select([chan], [], [], min(max(remaining, 0.01), 1.0))
+        out += line
         status = chan.recv_exit_status() if chan.exit_status_ready() else -1
         if status == -1 and not transport.is_active():
             raise EOFError("the SSH connection closed before the command finished")
@@ -373,16 +433,27 @@ class _DirectConnection:
         self.client.close()
 
 
-class _AcceptNew:
-    """Like OpenSSH's StrictHostKeyChecking=accept-new: record a new key, refuse a changed one."""
+def sha256_fingerprint(key) -> str:
+    """SHA256:... as OpenSSH prints it (ssh-keygen -lf), not paramiko's MD5 hex."""
+    import base64
+    import hashlib
 
-    def __init__(self, path: str):
-        self.path = path
+    return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
+
+
+class _AcceptNew:
+    """Like OpenSSH's StrictHostKeyChecking=accept-new: record a new key (and audit it), refuse a changed one."""
+
+    def __init__(self, path: str, audit: "AuditLog | None" = None, host: str = ""):
+        self.path, self.audit, self.host = path, audit, host
 
     def missing_host_key(self, client, hostname, key):
         client.get_host_keys().add(hostname, key.get_name(), key)
         with open(self.path, "a") as fh:
             fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+        if self.audit is not None:
+            self.audit.write(host=self.host, event="host key accepted", hostname=hostname, key_type=key.get_name(),
+                             fingerprint=sha256_fingerprint(key), known_hosts=self.path)
 
 
 class Fleet:

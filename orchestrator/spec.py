@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from yaml.nodes import MappingNode
+
 from .errors import SpecError
 from .locate import find_playbook, list_playbooks  # noqa: F401 - list_playbooks is part of this module's API
 from .schema import (ABS_PATH, Bool, Field, Float, FreeMap, Int, List, Map, Problems, Str, compose_file,
@@ -30,7 +32,15 @@ KNOWN_FIXES = ("dflash_layer_id_offset", "dflash_sliding_window")
 # Flags the tool sets itself from typed settings; passing them again in extra_args would fight the playbook.
 RESERVED_FLAGS = ("--port", "--host", "--speculative-config", "-sc", "--tensor-parallel-size", "-tp",
                   "--gpu-memory-utilization", "--max-model-len", "--served-model-name", "--api-key",
-                  "--attention-backend", "--max-num-batched-tokens")
+                  "--attention-backend", "--max-num-batched-tokens", "--trust-remote-code")
+# Environment names that hold secrets: their values must not be in the playbook (argv, plan, ps, audit log).
+SECRET_PARTS = {"KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "CREDENTIAL"}
+
+
+def is_secret_name(name: str) -> bool:
+    """HF_TOKEN, VLLM_API_KEY, AWS_SECRET_ACCESS_KEY, DB_PASSWORD...: any _-separated part names a secret."""
+    return bool(set(name.upper().split("_")) & SECRET_PARTS)
+
 
 def _method(value: str) -> str | None:
     if value in METHODS:
@@ -126,6 +136,13 @@ PLAYBOOK = Map({
         "env": Field(FreeMap(ENV_KEY, "environment variable names are A-Z, 0-9, _"), default=dict),
         "api_key_env": Field(Str(pattern=ENV_KEY, pattern_hint="an environment variable name"),
                              doc="name of a LOCAL environment variable holding the API key (never in argv)"),
+        "secret_env": Field(FreeMap(ENV_KEY, "environment variable names are A-Z, 0-9, _",
+                                    value=Str(pattern=ENV_KEY, pattern_hint="a LOCAL environment variable name")),
+                            default=dict, doc="secrets for vLLM's environment, by reference: NAME_IN_CONTAINER: "
+                                              "LOCAL_VARIABLE; the value travels on stdin, never in argv"),
+        "trust_remote_code": Field(Bool(), default=False,
+                                   doc="allow code named by the drafter config (auto_map) to run, in verify and "
+                                       "in vLLM (--trust-remote-code)"),
         "load_timeout_s": Field(Float(1, 7200), default=900.0),
     }), required=True),
     "speculative": Field(Map({
@@ -328,9 +345,20 @@ def _check_playbook(pb: Playbook, inv: Inventory | None, problems: Problems) -> 
         if arg and arg.split("=", 1)[0] in RESERVED_FLAGS:
             problems.add(serve["__nodes__"]["extra_args"].value[i], f"serve.extra_args[{i}]",
                          f"{arg.split('=', 1)[0]} is set by the playbook's own keys; use those instead")
-    if serve.get("api_key_env") and "VLLM_API_KEY" in serve["env"]:
-        problems.add(node_of(serve, "env"), "serve.env.VLLM_API_KEY",
-                     "put secrets in a local variable named by serve.api_key_env, not in the playbook")
+    env_node = node_of(serve, "env")
+    key_nodes = {k.value: k for k, _ in env_node.value} if isinstance(env_node, MappingNode) else {}
+    for name in serve["env"]:
+        if is_secret_name(name):
+            where_ = "serve.api_key_env" if name == "VLLM_API_KEY" else f"serve.secret_env: {{{name}: LOCAL_VARIABLE}}"
+            problems.add(key_nodes.get(name) or env_node, f"serve.env.{name}",
+                         f"looks like a secret: its value would be in argv, the plan and the audit log; export it "
+                         f"in a local variable and pass it by reference with {where_}")
+    for name in serve["secret_env"]:
+        if name in serve["env"]:
+            problems.add(node_of(serve, "secret_env"), f"serve.secret_env.{name}", "also set in serve.env")
+        if name == "VLLM_API_KEY" and serve.get("api_key_env"):
+            problems.add(node_of(serve, "secret_env"), "serve.secret_env.VLLM_API_KEY",
+                         "the API key comes from serve.api_key_env")
     # speculative method and drafter
     method, drafter = spec["method"], spec.get("drafter")
     if method in ("dflash", "eagle3") and drafter is None:

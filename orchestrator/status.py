@@ -43,7 +43,7 @@ def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
             want += [(t, c.vmid, {}) for c in inv.hosts[t].containers]
         elif t in playbooks or t.endswith((".yaml", ".yml")):
             pb = load_playbook(t, inv)
-            want.append((pb.host, pb.vmid, pb.runtime))
+            want.append((pb.host, pb.vmid, {**pb.runtime, "api_key_env": pb.serve.get("api_key_env")}))
         else:
             raise UsageError(f"{t!r} is not a host, HOST/VMID or playbook",
                              fix=f"hosts: {', '.join(inv.hosts) or 'none'}; playbooks: "
@@ -93,9 +93,23 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sa
     row = _row(host, vmid, container="running", process="none", healthy=True)
     sdir = runtime.get("state_dir") or DEFAULT_STATE_DIR
     python = runtime.get("python") or DEFAULT_PYTHON
+    key_env = runtime.get("api_key_env")
+    key = os.environ.get(key_env) if key_env else None
+    if key:
+        fleet.redact.add(key)
     try:
         r = agent.call(fleet.session(host), vmid, python, "status",
-                       {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15)
+                       {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15,
+                       secrets={"api_key": key} if key else None)
+        st = r.get("state") or {}
+        local = st.get("api_key_env") if isinstance(st, dict) else None
+        if not key and r.get("models_status") in (401, 403) and local and os.environ.get(local):
+            # key-protected, and the state file names the local variable holding its key: ask again, with it
+            key = os.environ[local]
+            fleet.redact.add(key)
+            r = agent.call(fleet.session(host), vmid, python, "status",
+                           {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15,
+                           secrets={"api_key": key})
     except ContainerNotRunning as e:
         row.update(container="stopped" if "not running" in e.message else "missing", healthy=False)
         row["problems"].append(e.message)
@@ -130,6 +144,14 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sa
         if r.get("health") != 200:
             row["healthy"] = False
             row["problems"].append(f"/health: {r.get('health') or 'no answer'}")
+        elif r.get("listener_problem"):
+            row["healthy"] = False
+            row["problems"].append(r["listener_problem"])
+        elif r.get("models_status") in (401, 403):
+            row["healthy"] = False
+            local = st.get("api_key_env")
+            row["problems"].append(f"/v1/models needs the API key ({r.get('models_status')})" +
+                                   (f": export {local} (serve.api_key_env) and run status again" if local else ""))
         elif st.get("served_model_name") not in (r.get("models") or []):
             row["healthy"] = False
             row["problems"].append(f"/v1/models does not list {st.get('served_model_name')}")

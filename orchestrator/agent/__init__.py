@@ -63,14 +63,16 @@ def call(session: HostSession, vmid: int, python: str, action: str, args: dict, 
     """Run one agent action in the container; returns its result dict. Raises on transport-level failure."""
 
     def on_line(raw: bytes):
-        if on_event is None:
-            return
+        """Events go to on_event and are not kept: a long `logs -f` holds only the line in progress."""
+        if not raw.startswith(b'{"event"'):
+            return True
         try:
             msg = json.loads(raw)
         except ValueError:
-            return
-        if "event" in msg:
+            return True
+        if on_event is not None:
             on_event(msg)
+        return False
 
     res = session.ct(vmid, agent_argv(python, action, args), stdin=agent_stdin(payload, secrets, bulk),
                      timeout=timeout, label=f"agent:{action}", on_line=on_line)

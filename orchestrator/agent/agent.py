@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import stat as _stat
 import subprocess
 import sys
 import time
@@ -33,7 +34,15 @@ try:
 except NameError:
     INPUT = {}
 
-ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+# Terminal control sequences in log lines, cmdlines and comms: CSI (colours, cursor moves), OSC (window titles,
+# hyperlinks; ended by BEL or ESC backslash), other ESC sequences (ESC c resets the terminal), and the remaining C0/C1
+# controls except tab. Any of them could hide or rewrite lines of a confirmation prompt.
+ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[PX^_][^\x1b]*(?:\x1b\\)?"
+                  r"|\x1b[ -/]*[0-~]?|[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]")
+
+
+def clean(text):
+    return ANSI.sub("", text)
 
 
 def emit(**kw):
@@ -104,15 +113,15 @@ def proc_cmdline(pid):
     try:
         with open("/proc/%d/cmdline" % pid, "rb") as fh:
             raw = fh.read()
-        return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        return clean(raw.replace(b"\0", b" ").decode("utf-8", "replace")).strip()
     except OSError:
         return ""
 
 
 def proc_comm(pid):
     try:
-        with open("/proc/%d/comm" % pid) as fh:
-            return fh.read().strip()
+        with open("/proc/%d/comm" % pid, encoding="utf-8", errors="replace") as fh:
+            return clean(fh.read()).strip()
     except OSError:
         return ""
 
@@ -187,6 +196,107 @@ def vllm_processes():
     return out
 
 
+# ------------------------------------------------------------------ files: every write through a checked directory fd
+
+
+class UnsafeDirectory(Exception):
+    pass
+
+
+def open_dir(path, create_mode=None):
+    """An fd of directory `path`, checked as a safe place for root to write in; with create_mode, created first.
+
+    Safe: owned by root (or by us), and not writable by group or others unless the sticky bit is set. A directory
+    that another user owns or may write in lets that user plant symlinks, hard links or FIFOs under names we are
+    about to use, or swap our files between the write and the read-back: refused. Every later open, rename and
+    unlink is relative to this fd, so renaming the path away after the check changes nothing."""
+    if create_mode is not None:
+        try:
+            os.makedirs(path, mode=create_mode)
+        except FileExistsError:
+            pass
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        st = os.fstat(fd)
+        me = os.geteuid()
+        if st.st_uid not in (0, me):
+            raise UnsafeDirectory("%s is owned by uid %d, not root: that user could swap the files written there "
+                                  "(fix: chown root:root %s, or use a root-owned directory)" % (path, st.st_uid, path))
+        if st.st_mode & 0o022 and not st.st_mode & 0o1000:
+            raise UnsafeDirectory("%s is writable by %s (mode %o) without the sticky bit: other users could plant "
+                                  "files under the names written there (fix: chmod go-w %s)"
+                                  % (path, "others" if st.st_mode & 0o002 else "its group", st.st_mode & 0o7777, path))
+        if create_mode is not None and st.st_mode & 0o077 & ~create_mode and _only_state_files(fd):
+            # a state dir from an older version (0755): tighten it, but only when it holds nothing but our files
+            # (runtime.state_dir could name a shared directory such as /var/lib)
+            os.fchmod(fd, st.st_mode & 0o7777 & ~(0o077 & ~create_mode))
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+STATE_FILES = re.compile(r"(state\.json|state\.stopped\.json|vllm\.log(\.1)?|exit_code|lock|lock\.break"
+                         r"|\.lock\.stale-.*|lock\.break\.stale-.*|\..*\.tmp-.*)$")
+
+
+def _only_state_files(dfd):
+    try:
+        return all(STATE_FILES.match(n) for n in os.listdir(dfd))
+    except OSError:
+        return False
+
+
+def unique_name(prefix):
+    return "%s%s" % (prefix, base64.b32encode(os.urandom(10)).decode().lower())
+
+
+def create_excl(dfd, prefix, mode):
+    """mkstemp relative to a directory fd: a new, unpredictable name, O_EXCL|O_NOFOLLOW. -> (fd, name)"""
+    for _ in range(100):
+        name = unique_name(prefix)
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
+        except FileExistsError:
+            continue
+        os.fchmod(fd, mode)  # the umask does not decide the mode of what we create
+        return fd, name
+    raise FileExistsError(errno.EEXIST, "no free temporary name", prefix)
+
+
+def write_at(dfd, name, data, mode, owner=None):
+    """Replace dir/name atomically: unique temp file (O_EXCL), write, fsync, rename, fsync the directory."""
+    fd, tmp = create_excl(dfd, ".%s.tmp-" % name, mode)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            if owner is not None:
+                try:
+                    os.fchown(fh.fileno(), *owner)
+                    os.fchmod(fh.fileno(), mode)
+                except OSError:
+                    pass
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except OSError:
+            pass
+        raise
+    os.fsync(dfd)
+
+
+def open_regular(dfd, name, flags=os.O_RDONLY):
+    """Open dir/name without following a final symlink and without blocking on a FIFO; only a regular file."""
+    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    if not _stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", name)
+    return fd
+
+
 # ------------------------------------------------------------------ state file
 
 
@@ -200,22 +310,33 @@ def read_state(state_dir):
     except (OSError, ValueError) as e:
         return {"corrupt": str(e), "path": path}
     pid = st.get("pid")
-    st["alive"] = bool(pid) and alive(pid) and (st.get("starttime") is None or proc_starttime(pid) == st.get("starttime"))
+    st["ours"] = ours(st)
+    st["alive"] = bool(pid) and alive(pid) and st["ours"]
     return st
 
 
+def ours(st):
+    """Is the process the state file names still the one we launched? Its leader's start time must match: after
+    a reboot, or once the pid is reused, a group with that id belongs to someone else."""
+    pid = st.get("pid")
+    if not pid or st.get("starttime") is None:
+        return False
+    return proc_starttime(pid) == st.get("starttime")
+
+
 def write_json_atomic(path, data):
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.rename(tmp, path)
+    """state.json and friends: 0600 in a 0700 state directory that is checked before every write."""
+    dfd = open_dir(os.path.dirname(path), 0o700)
+    try:
+        write_at(dfd, os.path.basename(path), json.dumps(data, indent=1, sort_keys=True).encode(), 0o600)
+    finally:
+        os.close(dfd)
 
 
 # ------------------------------------------------------------------ HTTP
+
+
+HTTP_MAX_BYTES = 64 << 20
 
 
 def http(port, path, method="GET", body=None, timeout=5.0, api_key=None, host="127.0.0.1"):
@@ -235,7 +356,7 @@ def http(port, path, method="GET", body=None, timeout=5.0, api_key=None, host="1
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
             sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + data)
-            chunks = []
+            chunks, got = [], 0
             while True:
                 left = deadline - now()
                 if left <= 0:
@@ -245,6 +366,9 @@ def http(port, path, method="GET", body=None, timeout=5.0, api_key=None, host="1
                 if not chunk:
                     break
                 chunks.append(chunk)
+                got += len(chunk)
+                if got > HTTP_MAX_BYTES:
+                    raise OSError(errno.EFBIG, "answer larger than %d bytes" % HTTP_MAX_BYTES)
         finally:
             sock.close()
         raw = b"".join(chunks)
@@ -289,6 +413,47 @@ def port_listeners(port):
     return found
 
 
+def socket_owners(inodes):
+    """{pid: [inode, ...]} of the processes holding the sockets with these inodes (from /proc/PID/fd links)."""
+    want = {"socket:[%s]" % i: i for i in inodes}
+    out = {}
+    for pid in pids():
+        try:
+            fds = os.listdir("/proc/%d/fd" % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                t = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+            except OSError:
+                continue
+            if t in want:
+                out.setdefault(pid, []).append(want[t])
+    return out
+
+
+def serving_host(st):
+    """Where to reach vLLM: serve.host when it is a specific address (then 127.0.0.1 is not vLLM's), else loopback."""
+    h = (st or {}).get("host")
+    return h if h and h not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
+
+
+def listener_check(st, port):
+    """May the API key go to whatever listens on `port`? Only if every process holding a listening socket on that
+    port is proven ours (the recorded group and launch id): any other listener could be the one that answers.
+    -> (ok, problem) where problem names the strangers."""
+    listeners = port_listeners(int(port))
+    if not listeners:
+        return False, "nothing listens on port %s yet" % port
+    owners = socket_owners([ln["inode"] for ln in listeners])
+    strangers = [p for p in owners if not (st and proven(st, p))]
+    if strangers or not owners:
+        who = ", ".join("pid %d (%s)" % (p, proc_comm(p)) for p in strangers[:5]) or "a process this agent cannot see"
+        return False, ("port %s is held by %s, not by the deployment's own processes: the API key was not sent"
+                       % (port, who))
+    return True, ""
+
+
 # ------------------------------------------------------------------ actions: GPU lifecycle
 
 
@@ -297,22 +462,67 @@ def act_gpu_read(a):
             "in_container": in_container()}
 
 
-def _signal_group(pgid, sig):
+LAUNCH_ID_VAR = "VLLM_PVE_DEPLOY_LAUNCH"  # a random id in the environment of everything `launch` starts
+
+
+def proc_env_has(pid, name, value):
+    """Does /proc/PID/environ hold name=value? Readable only by the process's owner and root, so an unprivileged
+    user can neither read our launch id nor forge it."""
     try:
-        os.killpg(pgid, sig)
-        return True
-    except ProcessLookupError:
+        with open("/proc/%d/environ" % pid, "rb") as fh:
+            env = fh.read().split(b"\0")
+    except OSError:
         return False
-    except PermissionError:
-        return False
+    return ("%s=%s" % (name, value)).encode() in env
 
 
-def _group_members(pgid):
-    return [p for p in pids() if proc_pgid(p) == pgid and alive(p)]
+def proven(st, p):
+    """Is process p one that deploy launched for this state file? The leader by its start time; the others by
+    their group and the launch id in their environment (or, for state files from before launch ids, by the leader
+    being proven: while one member of a group lives, its id cannot be handed to a new group)."""
+    if not st.get("pgid") or proc_pgid(p) != st["pgid"] or not alive(p):
+        return False
+    if p == st.get("pid") or not st.get("launch_id"):
+        return ours(st)
+    return proc_env_has(p, LAUNCH_ID_VAR, st["launch_id"])
+
+
+def proven_members(st):
+    return [p for p in pids() if proven(st, p)] if st.get("pgid") else []
+
+
+def signal_proven(st, sig):
+    """Signal each proven process through a pidfd opened, then proven again, so the signal reaches exactly the
+    process that was checked even if it exits and its pid is reused in between (os.kill where pidfds are missing).
+    -> the pids signalled."""
+    done = []
+    for p in proven_members(st):
+        fd = None
+        if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
+            try:
+                fd = os.pidfd_open(p)
+            except OSError:
+                fd = None
+        try:
+            if not proven(st, p):  # proven again, now that the pidfd pins the process
+                continue
+            if fd is not None:
+                signal.pidfd_send_signal(fd, sig)
+            else:
+                os.kill(p, sig)
+            done.append(p)
+        except (ProcessLookupError, PermissionError):
+            pass
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return done
 
 
 def act_stop(a):
-    """Stop what the state file says we launched: SIGTERM the group, grace, SIGKILL, then report leftovers."""
+    """Stop what the state file says we launched, and only that: SIGTERM each proven process, grace, SIGKILL
+    what is left of them (proven again), then report leftovers. fuser -k only with clean_gpus, only on the
+    playbook's own /dev/nvidiaN."""
     state_dir = a["state_dir"]
     grace = float(a.get("grace_s", 30))
     st = read_state(state_dir)
@@ -320,29 +530,33 @@ def act_stop(a):
     t0 = now()
     mem = read_gpu_memory(float(a.get("nvidia_smi_timeout_s", 5)))
     report["gpu_before"] = {str(g): v for g, v in mem.get("gpus", {}).items()} if "gpus" in mem else None
-    if st and not st.get("corrupt") and st.get("alive") and a.get("only_playbook") \
-            and st.get("playbook") != a["only_playbook"]:
-        return {"refused": "this container runs %s (pid %s), not %s" % (st.get("playbook"), st.get("pid"),
-                                                                      a["only_playbook"]),
+    if st and not st.get("corrupt") and a.get("only_playbook") and st.get("playbook") != a["only_playbook"]:
+        return {"refused": ("this container runs %s (pid %s), not %s" if st.get("alive") else
+                            "this container's state file names %s (pid %s, not running), not %s")
+                           % (st.get("playbook"), st.get("pid"), a["only_playbook"]),
                 "running": st.get("playbook")}
     if st and not st.get("corrupt"):
         report["state"] = {k: st.get(k) for k in ("pid", "pgid", "playbook", "started_at", "alive")}
-        pgid = st.get("pgid")
-        if pgid and _group_members(pgid):
-            members = _group_members(pgid)
+        members = proven_members(st)
+        if not members and st.get("pgid") and _group_members(st["pgid"]):
+            report["not_ours"] = ("the state file names process group %s (leader pid %s), but the processes now in "
+                                  "that group are not the ones deploy started (start time or launch id differ: a "
+                                  "reboot or a reused pid); nothing was signalled" % (st["pgid"], st.get("pid")))
+            emit(event="stop", message=report["not_ours"])
+        elif members:
             report["terminated"] = [{"pid": p, "comm": proc_name(p)} for p in members]
-            _signal_group(pgid, signal.SIGTERM)
-            emit(event="stop", message="SIGTERM sent to process group %d (%d processes)" % (pgid, len(members)))
+            sent = signal_proven(st, signal.SIGTERM)
+            emit(event="stop", message="SIGTERM sent to process group %d (%d processes)" % (st["pgid"], len(sent)))
             deadline = now() + grace
-            while _group_members(pgid) and now() < deadline:
+            while proven_members(st) and now() < deadline:
                 time.sleep(0.1)
-            left = _group_members(pgid)
+            left = proven_members(st)
             if left:
                 report["killed"] = [{"pid": p, "comm": proc_name(p), "cmdline": proc_cmdline(p)[:200]} for p in left]
                 emit(event="stop", message="%d process(es) ignored SIGTERM for %gs; SIGKILL" % (len(left), grace))
-                _signal_group(pgid, signal.SIGKILL)
+                signal_proven(st, signal.SIGKILL)
                 deadline = now() + 10
-                while _group_members(pgid) and now() < deadline:
+                while proven_members(st) and now() < deadline:
                     time.sleep(0.05)
     elif st and st.get("corrupt"):
         report["state_error"] = st["corrupt"]
@@ -355,33 +569,51 @@ def act_stop(a):
         report["leftovers"] = gpu_holders()
     if st is not None:
         try:
-            os.rename(os.path.join(state_dir, "state.json"), os.path.join(state_dir, "state.stopped.json"))
-        except OSError:
+            dfd = open_dir(state_dir)
+            try:
+                os.rename("state.json", "state.stopped.json", src_dir_fd=dfd, dst_dir_fd=dfd)
+            finally:
+                os.close(dfd)
+        except (OSError, UnsafeDirectory):
             pass
     report["seconds"] = round(now() - t0, 3)
     return report
 
 
+def _group_members(pgid):
+    return [p for p in pids() if proc_pgid(p) == pgid and alive(p)]
+
+
+def gpu_devices(gpus):
+    """The playbook's own GPU device files (/dev/nvidiaN for N in target.gpus). Never nvidiactl or nvidia-uvm:
+    every CUDA process holds those, so their holders include users of other GPUs."""
+    return ["/dev/nvidia%d" % int(g) for g in (gpus or []) if os.path.exists("/dev/nvidia%d" % int(g))]
+
+
+def our_gpu_holders(devs):
+    return [h for h in gpu_holders() if set(h["devices"]) & set(devs)]
+
+
 def fuser_kill(gpus, grace):
-    """fuser -k -TERM on this container's /dev/nvidia*, then -KILL after a grace period. Refuses on a PVE host."""
+    """fuser -k -TERM on the playbook's /dev/nvidiaN, then -KILL after a grace period. Refuses on a PVE host."""
     if not in_container():
         return {"refused": "not inside a container (no container= in /proc/1/environ): refusing to run "
                            "fuser -k here; it would kill every GPU user on the Proxmox host"}
-    devs = sorted("/dev/" + d for d in os.listdir("/dev") if re.match(r"nvidia(\d+|ctl|-uvm|-uvm-tools)$", d))
-    before = gpu_holders()
+    devs = gpu_devices(gpus)
+    before = our_gpu_holders(devs)
     res = {"devices": devs, "holders_before": before, "term": [], "kill": []}
     if not devs or not before:
         return res
     p = subprocess.run(["fuser", "-k", "-TERM"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
     res["term"] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
     deadline = now() + grace
-    while gpu_holders() and now() < deadline:
+    while our_gpu_holders(devs) and now() < deadline:
         time.sleep(0.1)
-    if gpu_holders():
+    if our_gpu_holders(devs):
         p = subprocess.run(["fuser", "-k", "-KILL"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
         res["kill"] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
         deadline = now() + 10
-        while gpu_holders() and now() < deadline:
+        while our_gpu_holders(devs) and now() < deadline:
             time.sleep(0.05)
     return res
 
@@ -451,21 +683,48 @@ def act_file_sha(a):
 
 
 def act_write_file(a):
-    """Write PAYLOAD to path only if its sha256 differs: backup, temp file in the same dir, fsync, rename,
-    read back. On any error the old file is untouched."""
+    """Write PAYLOAD to path only if its sha256 differs: backup (the original's bytes, mode and owner, under a new
+    unpredictable name), temp file, fsync, rename, read back; all through one checked directory fd, O_EXCL and
+    O_NOFOLLOW. On any error the old file is untouched."""
     path, want = a["path"], a["sha256"]
     data = PAYLOAD
     if data is None or hashlib.sha256(data).hexdigest() != want:
         return {"ok": False, "stage": "payload", "message": "payload does not match the pinned sha256 (transfer error)"}
-    d = os.path.dirname(path)
+    d, name = os.path.dirname(path), os.path.basename(path)
     res = {"path": path, "realpath": os.path.realpath(path), "changed": False, "backup": None}
     if not os.path.isdir(d):
         res.update(ok=False, stage="directory", message="directory %s does not exist" % d)
         return res
     try:
-        old = sha256_file(path)
+        dfd = open_dir(d)
+    except UnsafeDirectory as e:
+        res.update(ok=False, stage="directory", message="refusing to write in %s" % e)
+        return res
+    try:
+        return _write_in(dfd, d, name, path, data, want, res)
+    finally:
+        os.close(dfd)
+
+
+def _sha_at(dfd, name, follow=True):
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW), dir_fd=dfd)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not _stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", name)
+        h = hashlib.sha256()
+        raw = bytearray()  # kept for the backup: the exact bytes hashed
+        for chunk in iter(lambda: fh.read(1 << 16), b""):
+            h.update(chunk)
+            raw += chunk
+        return h.hexdigest(), bytes(raw), st
+
+
+def _write_in(dfd, d, name, path, data, want, res):
+    try:
+        old, old_raw, _ = _sha_at(dfd, name)
     except FileNotFoundError:
-        old = None
+        old = old_raw = None
     except OSError as e:
         res.update(ok=False, stage="read", message="cannot read %s: %s" % (path, e.strerror))
         return res
@@ -473,46 +732,36 @@ def act_write_file(a):
     if old == want:
         res.update(ok=True, after_sha256=old)
         return res
-    if os.path.islink(path):
+    try:
+        lst = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        lst = None
+    if lst is not None and _stat.S_ISLNK(lst.st_mode):
         res.update(ok=False, stage="symlink",
                    message="%s is a symlink to %s; refusing to write through it (a hub cache blob?)"
                            % (path, os.path.realpath(path)))
         return res
-    tmp = os.path.join(d, ".%s.tmp-%d" % (os.path.basename(path), os.getpid()))
     try:
         if old is not None:
-            backup = "%s.bak-%s" % (path, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
-            with open(path, "rb") as src, open(backup, "wb") as dst:
-                dst.write(src.read())
+            # the bytes, mode and owner of what the read saw, copied under a new name nobody could predict
+            bfd, bname = create_excl(dfd, "%s.bak-%s-" % (name, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())),
+                                     0o600)
+            res["backup"] = os.path.join(d, bname)
+            with os.fdopen(bfd, "wb") as dst:
+                try:
+                    os.fchown(dst.fileno(), lst.st_uid, lst.st_gid)
+                except OSError:
+                    pass
+                os.fchmod(dst.fileno(), lst.st_mode & 0o7777)
+                dst.write(old_raw)
                 dst.flush()
                 os.fsync(dst.fileno())
-            res["backup"] = backup
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if old is not None:
-            st = os.stat(path)
-            try:
-                os.chown(tmp, st.st_uid, st.st_gid)
-                os.chmod(tmp, st.st_mode & 0o7777)
-            except OSError:
-                pass
-        os.rename(tmp, path)
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        owner = (lst.st_uid, lst.st_gid) if lst is not None else None
+        write_at(dfd, name, data, (lst.st_mode & 0o7777) if lst is not None else 0o644, owner)
     except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         if res["backup"] and e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM):
             try:
-                os.unlink(res["backup"])
+                os.unlink(os.path.basename(res["backup"]), dir_fd=dfd)
                 res["backup"] = None
             except OSError:
                 pass
@@ -520,7 +769,7 @@ def act_write_file(a):
                    message="cannot write %s: %s" % (e.filename or path, e.strerror))
         return res
     res["changed"] = True
-    res["after_sha256"] = sha256_file(path)
+    res["after_sha256"] = _sha_at(dfd, name, follow=False)[0]
     res["ok"] = res["after_sha256"] == want
     if not res["ok"]:
         res.update(stage="readback", message="read back %s, expected %s" % (res["after_sha256"], want))
@@ -530,53 +779,92 @@ def act_write_file(a):
 # ------------------------------------------------------------------ actions: launch, wait, probe
 
 
+def _fd_open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
 def act_launch(a):
     """Start vLLM detached (setsid, every stream redirected) and record it in the state file."""
     state_dir, log_path = a["state_dir"], a["log_path"]
-    os.makedirs(state_dir, exist_ok=True)
+    try:
+        dfd = open_dir(state_dir, 0o700)
+    except UnsafeDirectory as e:
+        return {"ok": False, "message": "refusing to use the state directory: %s" % e}
+    launch_id = base64.b32encode(os.urandom(15)).decode().lower()
     env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
            "LANG": "C.UTF-8"}
     env.update(a.get("env") or {})
     env.update(SECRETS.get("env") or {})
-    if os.path.exists(log_path):
+    env[LAUNCH_ID_VAR] = launch_id
+    try:
+        if os.path.dirname(log_path) != state_dir.rstrip("/"):
+            return {"ok": False, "message": "the log %s must be in the state directory %s" % (log_path, state_dir)}
+        logname = os.path.basename(log_path)
         try:
-            os.rename(log_path, log_path + ".1")
-        except OSError:
+            os.rename(logname, logname + ".1", src_dir_fd=dfd, dst_dir_fd=dfd)
+        except FileNotFoundError:
             pass
-    logf = open(log_path, "ab")
+        for old in ("exit_code", logname):
+            try:
+                os.unlink(old, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+        # The log and the exit file are created here, new (O_EXCL, O_NOFOLLOW, 0600), and handed to the wrapper as
+        # open fds: nothing is opened by name after this agent is gone.
+        logfd = os.open(logname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND, 0o600,
+                        dir_fd=dfd)
+        exitfd = os.open("exit_code", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
+        os.fchmod(logfd, 0o600)
+        os.fchmod(exitfd, 0o600)
+    except OSError as e:
+        os.close(dfd)
+        return {"ok": False, "message": "cannot prepare %s: %s" % (state_dir, e.strerror)}
     devnull = open(os.devnull, "rb")
-    exit_file = os.path.join(state_dir, "exit_code")
+    # A one-line sh wrapper leads the new session and records the server's exit status on an inherited fd (closed
+    # for the server itself): an exit, even with code 0, is a failure the tool must be able to report after this
+    # agent is gone. An empty exit_code file means "not exited yet". (sh names fds 0-9 only: use a low one.)
+    n = exitfd
+    if exitfd > 9:
+        n = next(f for f in range(3, 10) if not _fd_open(f))
+        os.dup2(exitfd, n)
+        os.close(exitfd)
+    wrapped = ["/bin/sh", "-c", '"$@" %d>&-; echo $? >&%d' % (n, n), "vllm-pve-deploy"] + list(a["argv"])
     try:
-        os.unlink(exit_file)
-    except OSError:
-        pass
-    # A one-line sh wrapper leads the new session and records the server's exit status: an exit, even with
-    # code 0, is a failure the tool must be able to report after this agent is gone.
-    wrapped = ["/bin/sh", "-c", '"$@"; echo $? > "$0"', exit_file] + list(a["argv"])
-    try:
-        proc = subprocess.Popen(wrapped, stdin=devnull, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                cwd="/", start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(wrapped, stdin=devnull, stdout=logfd, stderr=subprocess.STDOUT, env=env,
+                                cwd="/", start_new_session=True, close_fds=True, pass_fds=(n,))
     except OSError as e:
         return {"ok": False, "message": "cannot start %s: %s" % (a["argv"][0], e.strerror)}
+    finally:
+        for fd in (logfd, n, dfd):
+            os.close(fd)
+        devnull.close()
     st = dict(a.get("record") or {})
     st.update(pid=proc.pid, pgid=proc.pid, argv=a["argv"], env_keys=sorted(env), log_path=log_path,
-              started_at=now(), starttime=proc_starttime(proc.pid))
+              started_at=now(), starttime=proc_starttime(proc.pid), launch_id=launch_id)
     write_json_atomic(os.path.join(state_dir, "state.json"), st)
     return {"ok": True, "pid": proc.pid, "pgid": proc.pid, "log_path": log_path}
 
 
-def _tail_lines(path, pos):
+def _tail_lines(path, pos, limit=4 << 20):
+    """Complete lines after byte `pos`, at most `limit` bytes per call (a log that grows by gigabytes between two
+    polls is read in steps); a line longer than the limit is cut, not waited for forever."""
     try:
         with open(path, "rb") as fh:
             fh.seek(pos)
-            data = fh.read()
+            data = fh.read(limit)
     except OSError:
         return pos, []
     if not data:
         return pos, []
     cut = data.rfind(b"\n")
     if cut < 0:
-        return pos, []
+        if len(data) < limit:
+            return pos, []
+        return pos + len(data), [ANSI.sub("", data.decode("utf-8", "replace"))]
     lines = data[:cut].decode("utf-8", "replace").splitlines()
     return pos + cut + 1, [ANSI.sub("", ln) for ln in lines]
 
@@ -597,8 +885,9 @@ def read_exit_code(state_dir, wait_s=1.0):
 
 def act_wait_ready(a):
     """Follow the log while polling /health; stop at once on a fatal text or an exit; ready = a completion."""
-    st = read_state(a["state_dir"]) or {}
+    st = state = read_state(a["state_dir"]) or {}
     pid, port, log_path = int(st.get("pid") or 0), int(a["port"]), a["log_path"]
+    host = serving_host(st)
     if not pid:
         return {"ready": False, "reason": "no_state", "message": "no state file in %s" % a["state_dir"]}
     deadline = now() + float(a["timeout_s"])
@@ -649,12 +938,17 @@ def act_wait_ready(a):
             return {"ready": False, "reason": "exited", "exit_code": code, "log_tail": last_lines[-15:],
                     "seconds": round(now() - t0, 1), "phases": seen_phases}
         if not ready_http:
-            st, body = http(port, "/health", timeout=2)
+            st, body = http(port, "/health", timeout=2, host=host)
             if st == 200:
                 ready_http = True
                 emit(event="phase", phase="health", line="/health 200", elapsed=round(now() - t0, 1))
+        if ready_http and api_key:
+            ok, problem = listener_check(state, port)
+            if not ok:
+                return {"ready": False, "reason": "foreign_listener", "message": problem,
+                        "seconds": round(now() - t0, 1), "alive": alive(pid)}
         if ready_http:
-            st, body = http(port, "/v1/models", timeout=5, api_key=api_key)
+            st, body = http(port, "/v1/models", timeout=5, api_key=api_key, host=host)
             models = []
             if st == 200:
                 try:
@@ -664,7 +958,7 @@ def act_wait_ready(a):
             if a["served_model_name"] in models:
                 st, body = http(port, "/v1/completions", "POST",
                                 {"model": a["served_model_name"], "prompt": "Hello", "max_tokens": 8},
-                                timeout=60, api_key=api_key)
+                                timeout=60, api_key=api_key, host=host)
                 if st == 200:
                     return {"ready": True, "seconds": round(now() - t0, 1), "models": models, "aux_layers": aux,
                             "phases": seen_phases}
@@ -683,8 +977,14 @@ def act_wait_ready(a):
 def act_probe(a):
     """Scrape /metrics, send the probe workload, scrape again; the caller computes the deltas."""
     port, api_key = int(a["port"]), SECRETS.get("api_key")
+    state = read_state(a["state_dir"]) if a.get("state_dir") else None
+    host = serving_host(state)
+    if api_key:
+        ok, problem = listener_check(state, port)
+        if not ok:
+            return {"ok": False, "message": problem}
     deadline = now() + float(a["timeout_s"])
-    st, before = http(port, "/metrics", timeout=10)
+    st, before = http(port, "/metrics", timeout=10, host=host)
     if st != 200:
         return {"ok": False, "message": "GET /metrics: %s %s" % (st, before[:200])}
     sent = ok = 0
@@ -696,12 +996,12 @@ def act_probe(a):
             sent += 1
             st, body = http(port, "/v1/completions", "POST",
                             {"model": a["model"], "prompt": prompt, "max_tokens": int(a["max_tokens"]),
-                             "temperature": 0}, timeout=max(1.0, deadline - now()), api_key=api_key)
+                             "temperature": 0}, timeout=max(1.0, deadline - now()), api_key=api_key, host=host)
             if st == 200:
                 ok += 1
             else:
                 errors.append("%s %s" % (st, body[:200]))
-    st, after = http(port, "/metrics", timeout=10)
+    st, after = http(port, "/metrics", timeout=10, host=host)
     if st != 200:
         return {"ok": False, "message": "GET /metrics after the probe: %s %s" % (st, after[:200])}
     return {"ok": True, "before": before, "after": after, "sent": sent, "succeeded": ok, "errors": errors[:5],
@@ -746,47 +1046,151 @@ def act_logs(a):
 # ------------------------------------------------------------------ actions: lock
 
 
-def act_lock(a):
-    """Take the container lock: an O_EXCL file with the holder's identity and a lease; stale leases are broken."""
-    path = os.path.join(a["state_dir"], "lock")
-    os.makedirs(a["state_dir"], exist_ok=True)
-    deadline = now() + float(a.get("wait_s", 0))
-    me = {"token": a["token"], "holder": a["holder"], "since": now(), "expires": now() + float(a["lease_s"]),
-          "operation": a.get("operation")}
-    while True:
+def _read_lock(dfd, name="lock"):
+    """(holder dict, inode) of the lock file, (None, None) when there is none. Lock files are complete when they
+    appear (written, then linked into place), so an unreadable one is damaged, not half-written."""
+    try:
+        fd = open_regular(dfd, name)
+    except FileNotFoundError:
+        return None, None
+    with os.fdopen(fd, "rb") as fh:
+        ino = os.fstat(fh.fileno()).st_ino
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(me, fh)
+            cur = json.loads(fh.read(65536).decode("utf-8", "replace"))
+            if not isinstance(cur, dict):
+                raise ValueError("not an object")
+        except ValueError:  # damaged (or from an older agent that filled it after creating it): one term of grace
+            cur = {"holder": "unknown (unreadable lock file)", "token": None,
+                   "expires": os.fstat(fh.fileno()).st_mtime + 60}
+    return cur, ino
+
+
+def _place_new(dfd, name, data):
+    """Create dir/name with these bytes, only if it does not exist: a complete temp file, link()ed into place."""
+    fd, tmp = create_excl(dfd, ".%s.tmp-" % name, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp, dir_fd=dfd)
+
+
+def _remove_lock_if(dfd, pred):
+    """Move the lock aside (to a unique name) if pred(holder) holds, atomically with respect to every other remover:
+    removers take the short `lock.break` mutex first, and takers can only add a lock where none is, so the file
+    read under the mutex is the file moved. -> True (removed), False (pred false or no lock), None (mutex busy)."""
+    if not _place_new(dfd, "lock.break", json.dumps({"pid": os.getpid(), "since": now()}).encode()):
+        try:
+            if now() - os.stat("lock.break", dir_fd=dfd, follow_symlinks=False).st_mtime > 10:
+                # a remover died inside its few milliseconds: clear its mutex
+                os.rename("lock.break", unique_name("lock.break.stale-"), src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError:
+            pass
+        return None
+    try:
+        cur, _ = _read_lock(dfd)
+        if cur is None or not pred(cur):
+            return False
+        os.rename("lock", unique_name(".lock.stale-"), src_dir_fd=dfd, dst_dir_fd=dfd)
+        for n in os.listdir(dfd):  # keep only the newest few stale copies (for the curious)
+            if n.startswith((".lock.stale-", "lock.break.stale-")):
+                try:
+                    if now() - os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime > 86400:
+                        os.unlink(n, dir_fd=dfd)
+                except OSError:
+                    pass
+        return True
+    finally:
+        try:
+            os.unlink("lock.break", dir_fd=dfd)
+        except OSError:
+            pass
+
+
+def act_lock(a):
+    """Take, or renew, the container lock. A lock file appears complete (temp file, then link()), carries its
+    holder's identity, a hard limit (`until`, from the operation's step timeouts) and a short `expires` that the
+    holder's heartbeat keeps pushing forward (term_s): a deploy killed by SIGKILL blocks others for one term only.
+    Expired locks, and the lock named by break_token (a holder the workstation proved dead), are broken."""
+    try:
+        dfd = open_dir(a["state_dir"], 0o700)
+    except UnsafeDirectory as e:
+        return {"locked": False, "error": "refusing to use the state directory: %s" % e}
+    try:
+        return _lock_in(dfd, a)
+    finally:
+        os.close(dfd)
+
+
+def _lock_in(dfd, a):
+    deadline = now() + float(a.get("wait_s", 0))
+    term = float(a.get("term_s", 60))
+    lease = float(a["lease_s"])
+    while True:
+        t = now()
+        me = {"token": a["token"], "holder": a["holder"], "since": t, "until": t + lease,
+              "expires": min(t + term, t + lease), "operation": a.get("operation"),
+              "workstation": a.get("workstation"), "pid": a.get("pid"), "pid_start": a.get("pid_start")}
+        if not a.get("renew") and _place_new(dfd, "lock", json.dumps(me).encode()):
             return {"locked": True}
-        except FileExistsError:
-            try:
-                with open(path) as fh:
-                    cur = json.load(fh)
-            except (OSError, ValueError):
-                cur = {"holder": "unknown (unreadable lock file)", "expires": 0}
-            if cur.get("token") == a["token"]:
-                return {"locked": True}
+        cur, _ = _read_lock(dfd)
+        if cur is None:
+            if a.get("renew"):
+                return {"locked": False, "lost": True, "holder": None}
+            continue
+        if cur.get("token") == a["token"]:
             if float(cur.get("expires", 0)) < now():
-                os.rename(path, path + ".stale")
-                emit(event="lock", message="broke a stale lock held by %s" % cur.get("holder"))
-                continue
-            if now() >= deadline:
-                return {"locked": False, "holder": cur}
-            time.sleep(0.5)
+                return {"locked": False, "lost": True, "holder": cur}
+            # renew: the same identity, a later expiry (never past `until`); replaced atomically by rename
+            cur["expires"] = min(now() + term, float(cur.get("until", now() + term)))
+            write_at(dfd, "lock", json.dumps(cur).encode(), 0o600)
+            return {"locked": True, "expires": cur["expires"]}
+        if a.get("renew"):
+            return {"locked": False, "lost": True, "holder": cur}
+        stale = float(cur.get("expires", 0)) < now()
+        named = a.get("break_token") and cur.get("token") == a["break_token"]
+        if stale or named:
+            tok = cur.get("token")
+            gone = _remove_lock_if(dfd, lambda c: c.get("token") == tok and (
+                float(c.get("expires", 0)) < now() or (named and c.get("token") == a["break_token"])))
+            if gone:
+                emit(event="lock", message="broke the lock held by %s (%s)"
+                     % (cur.get("holder"), "its holder is a dead process on this workstation" if named
+                        else "its lease ran out: the holder stopped renewing it"))
+            continue
+        if now() >= deadline:
+            return {"locked": False, "holder": cur}
+        time.sleep(min(0.5, max(0.01, deadline - now())))
 
 
 def act_unlock(a):
-    path = os.path.join(a["state_dir"], "lock")
+    """Release our lock (token), or break the one named by break_token (`deploy unlock` after a confirmation);
+    without either, just show the holder."""
     try:
-        with open(path) as fh:
-            cur = json.load(fh)
-    except (OSError, ValueError):
-        return {"unlocked": False}
-    if cur.get("token") == a["token"]:
-        os.unlink(path)
-        return {"unlocked": True}
-    return {"unlocked": False, "holder": cur}
+        dfd = open_dir(a["state_dir"], 0o700)
+    except UnsafeDirectory as e:
+        return {"unlocked": False, "error": "refusing to use the state directory: %s" % e}
+    try:
+        cur, _ = _read_lock(dfd)
+        if cur is None:
+            return {"unlocked": False, "holder": None}
+        want = a.get("token") or a.get("break_token")
+        if not want or cur.get("token") != want:
+            return {"unlocked": False, "holder": cur}
+        deadline = now() + 5
+        while True:
+            gone = _remove_lock_if(dfd, lambda c: c.get("token") == want)
+            if gone is not None or now() >= deadline:
+                return {"unlocked": bool(gone)} if a.get("token") else {"unlocked": bool(gone), "holder": cur}
+            time.sleep(0.02)
+    finally:
+        os.close(dfd)
 
 
 # ------------------------------------------------------------------ action: status (one exec per container)
@@ -818,26 +1222,40 @@ def act_status(a):
 
 def _status_rest(res, state_dir):
     st = res["state"]
-    lock = os.path.join(state_dir, "lock")
-    if os.path.exists(lock):
+    try:
+        dfd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        dfd = None
+    if dfd is not None:
         try:
-            with open(lock) as fh:
-                res["lock"] = json.load(fh)
-        except (OSError, ValueError):
+            cur, _ = _read_lock(dfd)
+            if cur is not None:
+                cur.pop("token", None)  # the holder's token is its own
+                res["lock"] = cur
+        except OSError:
             res["lock"] = {"holder": "unreadable"}
+        finally:
+            os.close(dfd)
     if st and not st.get("corrupt"):
         port = st.get("port")
         key = SECRETS.get("api_key")
+        host = serving_host(st)
         if port:
-            hs, _ = http(port, "/health", timeout=2)
+            hs, _ = http(port, "/health", timeout=2, host=host)
             res["health"] = hs
             if hs == 200:
-                ms, body = http(port, "/v1/models", timeout=3, api_key=key)
+                if key:
+                    ok, problem = listener_check(st, port)
+                    if not ok:
+                        key = None
+                        res["listener_problem"] = problem
+                ms, body = http(port, "/v1/models", timeout=3, api_key=key, host=host)
+                res["models_status"] = ms
                 try:
                     res["models"] = [m.get("id") for m in json.loads(body).get("data", [])] if ms == 200 else None
                 except ValueError:
                     res["models"] = None
-                ms, body = http(port, "/metrics", timeout=3)
+                ms, body = http(port, "/metrics", timeout=3, host=host)
                 res["metrics"] = body if ms == 200 else None
         if st.get("drafter_path"):
             try:
@@ -1033,7 +1451,7 @@ def act_verify(a):
     cross(disk, target, a, check)
 
     # 4. as loaded by the container's Python (the one that runs vLLM)
-    loaded = load_as_vllm(os.path.dirname(path), out, check)
+    loaded = load_as_vllm(os.path.dirname(path), out, check, disk, bool(a.get("trust_remote_code")))
     if loaded is not None:
         crit = ["layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "dflash_config",
                 "bos_token_id", "rope_theta", "num_hidden_layers", "hidden_size", "vocab_size", "block_size",
@@ -1140,8 +1558,21 @@ def cross(disk, target, a, check):
               reason="mask_token_id must be a token of the target's vocabulary")
 
 
-def load_as_vllm(dirpath, out, check):
-    """Load the config the way vLLM does, in this Python; return a plain dict of attributes (or None)."""
+def load_as_vllm(dirpath, out, check, disk, trust_remote_code=False):
+    """Load the config the way vLLM does, in this Python; return a plain dict of attributes (or None).
+
+    Without the playbook's serve.trust_remote_code, code named by the config (auto_map.AutoConfig) is never run:
+    this agent runs as root, and vLLM itself refuses such a config without --trust-remote-code."""
+    am = disk.get("auto_map") if isinstance(disk.get("auto_map"), dict) else {}
+    out["trust_remote_code"] = trust_remote_code
+    if "AutoConfig" in am and not trust_remote_code:
+        check("remote code", False, expected="no auto_map.AutoConfig, or serve.trust_remote_code: true",
+              on_disk="auto_map.AutoConfig = %s" % am["AutoConfig"],
+              reason="loading this config would run %s.py from %s as root; not loaded. Fix: drop auto_map."
+                     "AutoConfig from the config, or, if you trust that code, set serve.trust_remote_code: true "
+                     "in the playbook (it also passes --trust-remote-code to vLLM)"
+                     % (str(am["AutoConfig"]).split(".")[0], dirpath))
+        return None
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
@@ -1154,7 +1585,7 @@ def load_as_vllm(dirpath, out, check):
     out["transformers_version"] = transformers.__version__
     out["loader"] = "transformers.AutoConfig"
     try:
-        cfg = AutoConfig.from_pretrained(dirpath, trust_remote_code=True)
+        cfg = AutoConfig.from_pretrained(dirpath, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001
         msg = "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         check("as loaded", False, expected="loads", as_loaded=msg, reason="AutoConfig.from_pretrained failed: " + msg)
@@ -1248,8 +1679,14 @@ def act_speed(a):
     """`deploy compare`: the probe prompts, each request timed; /metrics scraped before and after.
     Output tokens come from each response's usage (what the server says it generated)."""
     port, api_key = int(a["port"]), SECRETS.get("api_key")
+    state = read_state(a["state_dir"]) if a.get("state_dir") else None
+    host = serving_host(state)
+    if api_key:
+        ok, problem = listener_check(state, port)
+        if not ok:
+            return {"ok": False, "message": problem}
     deadline = now() + float(a["timeout_s"])
-    st, before = http(port, "/metrics", timeout=10)
+    st, before = http(port, "/metrics", timeout=10, host=host)
     if st != 200:
         return {"ok": False, "message": "GET /metrics: %s %s" % (st, before[:200])}
     requests, errors = [], []
@@ -1261,7 +1698,7 @@ def act_speed(a):
             t0 = now()
             st, body = http(port, "/v1/completions", "POST",
                             {"model": a["model"], "prompt": prompt, "max_tokens": int(a["max_tokens"]),
-                             "temperature": 0}, timeout=max(1.0, deadline - now()), api_key=api_key)
+                             "temperature": 0}, timeout=max(1.0, deadline - now()), api_key=api_key, host=host)
             took = now() - t0
             try:
                 tokens = int(json.loads(body)["usage"]["completion_tokens"]) if st == 200 else None
@@ -1271,7 +1708,7 @@ def act_speed(a):
                 errors.append("%s %s" % (st, body[:200]))
                 continue
             requests.append({"tokens": tokens, "seconds": round(took, 6)})
-    st, after = http(port, "/metrics", timeout=10)
+    st, after = http(port, "/metrics", timeout=10, host=host)
     if st != 200:
         return {"ok": False, "message": "GET /metrics after the requests: %s %s" % (st, after[:200])}
     return {"ok": True, "before": before, "after": after, "requests": requests, "errors": errors[:5]}

@@ -64,8 +64,9 @@ class Context:
     def call(self, step: Step, *, payload: bytes | None = None, secrets: dict | None = None, on_event=None) -> dict:
         fill = {TOKEN: self.token, HOLDER: self.holder}
         args = {k: fill.get(v, v) if isinstance(v, str) else v for k, v in step.args.items()}
-        self.progress.detail(self.where, f"$ pct exec {step.vmid} -- {self.pb.runtime['python']} - {step.action} "
-                                         f"{json.dumps(args, sort_keys=True)[:300]}")
+        self.progress.detail(self.where, self.session.audit.redact(
+            f"$ pct exec {step.vmid} -- {self.pb.runtime['python']} - {step.action} "
+            f"{json.dumps(args, sort_keys=True)[:300]}"))
         return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, payload=payload,
                           secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event)
 

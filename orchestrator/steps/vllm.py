@@ -72,6 +72,9 @@ def wait_ready(ctx: Context, step: Step) -> dict:
     elif reason == "auth":
         msg = f"the server refused our API key ({r.get('status')})"
         fix = "export the key in the variable named by serve.api_key_env"
+    elif reason == "foreign_listener":
+        msg = r.get("message")
+        fix = "find what else listens on that port in the container (ss -ltnp) and stop it, or set serve.port"
     elif reason == "no_state":
         msg = f"the state file written at launch is gone ({r.get('message')}): something removed it"
         fix = f"deploy status {ctx.pb.name}, then deploy down/up"

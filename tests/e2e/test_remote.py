@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from orchestrator.errors import HostKeyError, RemoteTimeout, Unreachable
-from orchestrator.remote import AuditLog, Fleet, Redactor
+from orchestrator.remote import AuditLog, Fleet, OutputTooLarge, Redactor
 from orchestrator.spec import load_inventory
 
 HOSTILE = ["it's", 'say "hi"', "$(touch /tmp/pwned)", "`touch /tmp/pwned2`", "a; touch /tmp/pwned3", "x && y",
@@ -111,6 +111,7 @@ def test_changed_host_key_is_refused(tb, tmp_path, inventory):
     with pytest.raises(HostKeyError) as ei:
         f.session("pve1").run(["true"])
     assert "host key CHANGED" in ei.value.message
+    assert ei.value.message.count("SHA256:") == 2  # as OpenSSH shows it (ssh-keygen -lf), not MD5 hex
 
 
 def test_unreachable_host_is_a_clear_error(tb, fleet):
@@ -147,3 +148,95 @@ def test_ssh_config_alias_is_resolved_by_fabric(tb, tmp_path, monkeypatch):
         assert r.ok and r.out.strip() == "vllm-qwen"
     finally:
         f.close()
+
+
+# ---------------------------------------------------------------- issue 12: bounded output, redaction, audit
+
+
+def test_output_without_newlines_cannot_outlive_the_deadline(fleet):
+    """32 MiB with no newline used to take 9.6 s against a 3 s timeout (an rfind over the buffer per chunk)."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises((RemoteTimeout, OutputTooLarge)):
+        fleet.session("pve1").run(["sh", "-c", "head -c 33554432 /dev/zero; sleep 30"], timeout=3,
+                                  on_line=lambda line: None)
+    assert time.monotonic() - t0 < 5
+
+
+def test_output_is_capped_in_bytes(fleet):
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(OutputTooLarge) as ei:
+        fleet.session("pve1").run(["sh", "-c", "head -c 20000000 /dev/zero"], timeout=30, max_output=1 << 20)
+    assert "more than 1048576 bytes to stdout" in ei.value.message and time.monotonic() - t0 < 10
+
+
+def test_lines_the_reader_consumed_are_not_kept(fleet):
+    seen = []
+
+    def on_line(line):
+        if line.startswith(b"event"):
+            seen.append(line)
+            return False  # consumed: not kept in stdout
+
+    r = fleet.session("pve1").run(["sh", "-c", "for i in 1 2 3; do echo event$i; done; echo result"], timeout=10,
+                                  on_line=on_line)
+    assert seen == [b"event1", b"event2", b"event3"] and r.stdout == b"result\n"
+
+
+def test_a_timeout_message_is_redacted_and_the_audit_log_is_private_with_a_line_before_each_command(inventory,
+                                                                                                     tmp_path):
+    red = Redactor()
+    red.add("hunter2-secret")
+    f = Fleet(load_inventory(inventory), audit=AuditLog(str(tmp_path / "a.jsonl"), red), redact=red)
+    try:
+        with pytest.raises(RemoteTimeout) as ei:
+            f.session("pve1").run(["sh", "-c", "sleep 5 # hunter2-secret"], timeout=1)
+    finally:
+        f.close()
+    assert "hunter2-secret" not in ei.value.message and "***" in ei.value.message
+    text = (tmp_path / "a.jsonl").read_text()
+    assert "hunter2-secret" not in text
+    assert os.stat(tmp_path / "a.jsonl").st_mode & 0o777 == 0o600
+    lines = [json.loads(ln) for ln in text.splitlines()]
+    starting = [ln for ln in lines if "starting" in ln]
+    done = [ln for ln in lines if "argv" in ln]
+    assert len(starting) == 1 and len(done) == 1 and lines.index(starting[0]) < lines.index(done[0])
+
+
+def test_a_newly_accepted_host_key_is_audited(tb, tmp_path, inventory):
+    text = open(inventory).read().replace(tb.known_hosts, str(tmp_path / "kh"))
+    (tmp_path / "inv.yaml").write_text(text.replace("accept_new_host_keys: false", "accept_new_host_keys: true"))
+    f = Fleet(load_inventory(str(tmp_path / "inv.yaml")), audit=AuditLog(str(tmp_path / "a.jsonl")))
+    try:
+        assert f.session("pve1").run(["true"]).ok
+    finally:
+        f.close()
+    acc = [json.loads(ln) for ln in (tmp_path / "a.jsonl").read_text().splitlines() if "host key accepted" in ln]
+    assert len(acc) == 1 and acc[0]["fingerprint"].startswith("SHA256:") and acc[0]["host"] == "pve1"
+
+
+def test_proxyjump_gateway_host_keys_are_checked(tb, tmp_path, monkeypatch):
+    """Fabric gives a ProxyJump gateway its own client with AutoAddPolicy: the gateway's key must be checked too."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host jump\n  HostName {tb.address('pve2')}\n  Port 2222\n  User root\n  IdentityFile {tb.identity_file}\n"
+        f"Host gpu-box\n  HostName {tb.address('pve1')}\n  Port 2222\n  User root\n"
+        f"  IdentityFile {tb.identity_file}\n  ProxyJump jump\n")
+    monkeypatch.setenv("HOME", str(home))
+    pve2 = f"[{tb.address('pve2')}]:2222"
+    (tmp_path / "kh").write_text("".join(ln for ln in open(tb.known_hosts).readlines() if pve2 not in ln))
+    (tmp_path / "inv.yaml").write_text(f"hosts:\n  - name: pve1\n    ssh_config_alias: gpu-box\n"
+                                       f"    known_hosts: {tmp_path / 'kh'}\n    identity_file: {tb.identity_file}\n"
+                                       "    containers:\n      - vmid: 129\n        gpus: [0, 1, 2, 3]\n")
+    f = Fleet(load_inventory(str(tmp_path / "inv.yaml")), audit=AuditLog(str(tmp_path / "a.jsonl")))
+    try:
+        with pytest.raises(HostKeyError) as ei:
+            f.session("pve1").run(["true"])
+        assert "unknown host key" in ei.value.message and tb.address("pve2") in ei.value.message
+    finally:
+        f.close()
+    assert pve2 not in (tmp_path / "kh").read_text()  # nothing was added behind our back

@@ -218,3 +218,58 @@ def test_deprecated_mtp_alias_is_refused_with_the_fix(work):
     p = edit(work, "qwen36-mtp", "method: mtp", "method: qwen3_next_mtp")
     (msg,) = problems(lambda: load_playbook(p, inv(work)))
     assert "'qwen3_next_mtp' is a deprecated alias that vLLM rewrites to 'mtp'" in msg and "write method: mtp" in msg
+
+
+# ---------------------------------------------------------------- issue 12: secrets by reference, remote code
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN", "VLLM_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD"])
+def test_a_secret_in_serve_env_is_refused_with_its_line(work, name):
+    path = edit(work, "qwen36-dflash", "  env: {}", f"  env:\n    NCCL_DEBUG: WARN\n    {name}: hf_abcdef123456")
+    probs = problems(lambda: load_playbook(path, inv(work)))
+    want = f"{path}:{line_of(path, name + ':')}:"
+    hit = [p for p in probs if f"serve.env.{name}" in p]
+    assert hit and hit[0].startswith(want), probs
+    assert "looks like a secret" in hit[0] and ("serve.secret_env" in hit[0] or "serve.api_key_env" in hit[0])
+    assert not [p for p in probs if "NCCL_DEBUG" in p]
+
+
+def test_secrets_by_reference_reach_the_launch_on_stdin_only(work, monkeypatch):
+    from orchestrator import ops
+    from orchestrator import plan as P
+    from orchestrator.remote import shell_join
+
+    path = edit(work, "qwen36-dflash", "  env: {}", "  env: {}\n  secret_env:\n    HF_TOKEN: MY_LOCAL_HF")
+    pb = load_playbook(path, inv(work))
+    monkeypatch.setenv("MY_LOCAL_HF", "hf_verysecretvalue")
+    assert ops.secrets_for(pb) == {"HF_TOKEN": "hf_verysecretvalue"}
+    steps = P.plan_up(pb)
+    launch = next(s for s in steps if s.name == "launch")
+    assert "HF_TOKEN" in launch.payload
+    assert all("hf_verysecretvalue" not in shell_join(s.remote_argv("/py")) for s in steps)
+    monkeypatch.delenv("MY_LOCAL_HF")
+    with pytest.raises(Exception) as ei:
+        ops.secrets_for(pb)
+    assert "serve.secret_env.HF_TOKEN names MY_LOCAL_HF, but it is not set" in str(ei.value)
+
+
+def test_trust_remote_code_is_an_explicit_opt_in(work):
+    from orchestrator import plan as P
+
+    pb = load_playbook(str(work / "playbooks" / "qwen36-dflash.yaml"), inv(work))
+    assert "--trust-remote-code" not in P.serve_argv(pb) and P.verify_args(pb)["trust_remote_code"] is False
+    path = edit(work, "qwen36-dflash", "  env: {}", "  env: {}\n  trust_remote_code: true")
+    pb = load_playbook(path, inv(work))
+    assert "--trust-remote-code" in P.serve_argv(pb) and P.verify_args(pb)["trust_remote_code"] is True
+
+
+def test_lock_leases_cover_the_steps_they_guard(work):
+    """The old leases were fixed numbers (down: 600 s) shorter than the steps under them (stop grace 3600 s)."""
+    from orchestrator import plan as P
+
+    path = edit(work, "qwen36-dflash", "  stop_grace_s: 30", "  stop_grace_s: 3600")
+    pb = load_playbook(path, inv(work))
+    for steps in (P.plan_down(pb), P.plan_up(pb)):
+        lock = next(s for s in steps if s.name == "lock")
+        assert lock.args["lease_s"] >= sum(s.timeout for s in steps if s.name not in ("lock", "unlock"))
+        assert lock.args["term_s"] == 60
