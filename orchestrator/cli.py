@@ -383,7 +383,7 @@ def down(obj, playbook, clean_gpus, yes, wait_lock):
                 click.echo("Will kill (fuser -k -TERM, then -KILL) in container "
                            f"{pb.host}/{pb.vmid}, holders of GPU(s) {pb.gpus}:", err=True)
                 for h in holders:
-                    click.echo(f"  PID {h['pid']} {h['comm']}: {h['cmdline'][:80]}", err=True)
+                    click.echo(f"  PID {h['pid']} {h['comm']}: {h['cmdline']}", err=True)
                 if not _confirm("Proceed?"):
                     raise DeployError("not confirmed; nothing was killed", fix="pass -y in scripts")
         with Fleet(inv) as fleet:
@@ -424,7 +424,7 @@ def verify(obj, playbook):
     def go():
         from . import ops
         from .remote import Fleet
-        from .report import check_rows, dump_json, table
+        from .report import check_rows, dump_json, table, term_width
 
         inv, pb = load(obj, playbook)
         with Fleet(inv) as fleet:
@@ -434,9 +434,10 @@ def verify(obj, playbook):
                        "error": out.error.as_dict() if out.error else None, **r})
         else:
             checks = r.get("checks", []) + [c for c in r.get("failed", []) if c not in r.get("checks", [])]
-            rows = check_rows(checks, (26, 26, 18))
+            rows = check_rows(checks)
             if rows:
-                click.echo(table(rows, ["check", "expected", "on disk", "as loaded", "verdict", "reason"], 160))
+                click.echo(table(rows, ["check", "expected", "on disk", "as loaded", "verdict", "reason"],
+                                 term_width()))
             st = r.get("stack") or {}
             loc = r.get("location") or {}
             click.echo(f"\nfile: {loc.get('path')} -> {loc.get('realpath')}\nvLLM {st.get('version')} "

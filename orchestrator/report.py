@@ -1,19 +1,114 @@
-"""Progress on stderr while things run; tables and JSON at the end. Colour only on a TTY."""
+"""Progress on stderr while things run; tables and JSON at the end. Colour only on a TTY.
+
+Nothing a user needs is cut: on a TTY, text wraps at the terminal width; otherwise lines are written whole. A table
+cell too long for its column moves, whole, to a details block under the table (`[n]` marks where it belongs).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import textwrap
 import time
+
+DETAIL_CELL = 60  # a cell longer than this goes to the details block, so a table stays a table
 
 
 def _tty(stream) -> bool:
-    return stream.isatty() and not os.environ.get("NO_COLOR")
+    try:
+        return stream.isatty() and not os.environ.get("NO_COLOR")
+    except (AttributeError, ValueError):
+        return False
+
+
+def term_width(stream=None) -> int | None:
+    """The terminal's width when `stream` is a TTY (COLUMNS wins); None (no limit) when it is not."""
+    stream = stream or sys.stdout
+    try:
+        if not stream.isatty():
+            return None
+    except (AttributeError, ValueError):
+        return None
+    return max(40, shutil.get_terminal_size((100, 24)).columns)
+
+
+def wrap(text: str, width: int | None, indent: int = 0) -> str:
+    """Wrap each line of text at width, continuation lines indented by `indent`; words (paths) are never broken."""
+    if not width:
+        return text
+    out = []
+    for line in text.split("\n"):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        lead = len(line) - len(line.lstrip(" "))
+        out += textwrap.wrap(line, width=width, subsequent_indent=" " * max(lead, indent), break_long_words=False,
+                             break_on_hyphens=False, drop_whitespace=True) or [line]
+    return "\n".join(out)
+
+
+class SafeStream:
+    """A stdout/stderr whose reader went away (a closed pipe, `| head`) must not abort the operation: writes to
+    it are dropped from then on. The audit log keeps the record."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.closed_by_reader = False
+
+    def write(self, s):
+        if self.closed_by_reader:
+            return len(s)
+        try:
+            return self._stream.write(s)
+        except (BrokenPipeError, ValueError, OSError):
+            self._gone()
+            return len(s)
+
+    def flush(self):
+        if self.closed_by_reader:
+            return
+        try:
+            self._stream.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            self._gone()
+
+    def _gone(self):
+        self.closed_by_reader = True
+        try:  # point the fd at /dev/null so the interpreter's final flush does not complain either
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def isatty(self):
+        try:
+            return not self.closed_by_reader and self._stream.isatty()
+        except (ValueError, AttributeError):
+            return False
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def guard_std_streams() -> None:
+    if not isinstance(sys.stdout, SafeStream):
+        sys.stdout = SafeStream(sys.stdout)
+    if not isinstance(sys.stderr, SafeStream):
+        sys.stderr = SafeStream(sys.stderr)
 
 
 class Progress:
-    """One line per event, prefixed with where it happens; quiet=True for --json consumers that want silence."""
+    """One line per event, prefixed with where it happens; quiet=True for --json consumers that want silence.
+
+    Every line also goes to the audit log (when one is attached), so a closed stderr loses nothing.
+    Waits report on change: `waiting()` prints a line when its text changes, or every WAIT_EVERY_S seconds when
+    it does not (on a TTY, one line updated in place).
+    """
+
+    WAIT_EVERY_S = 10.0
 
     def __init__(self, quiet: bool = False, stream=None, verbose: bool = False):
         self.stream = stream or sys.stderr
@@ -21,20 +116,62 @@ class Progress:
         self.verbose = verbose
         self.color = _tty(self.stream)
         self.t0 = time.monotonic()
+        self.audit = None  # an AuditLog; set by whoever opens the connections
+        self._wait: dict[str, tuple[str, float]] = {}
+        self._inplace = False
 
     def _c(self, code: str, text: str) -> str:
         return f"\x1b[{code}m{text}\x1b[0m" if self.color else text
 
-    def say(self, where: str, msg: str) -> None:
-        if not self.quiet:
-            print(f"{self._c('2', f'{time.monotonic() - self.t0:6.1f}s')} [{where}] {msg}", file=self.stream,
-                  flush=True)
+    def _write(self, text: str) -> None:
+        try:
+            print(text, file=self.stream, flush=True)
+        except (BrokenPipeError, ValueError, OSError):
+            self.quiet = True  # the reader went away; the operation goes on, the audit log keeps the record
 
-    def step(self, where: str, name: str, ok: bool | None, summary: str, seconds: float) -> None:
+    def _end_inplace(self) -> None:
+        if self._inplace:
+            self._inplace = False
+            self._write("")
+
+    def say(self, where: str, msg: str) -> None:
+        if self.audit is not None:
+            self.audit.write(event="progress", where=where, message=msg)
         if self.quiet:
             return
-        mark = {True: self._c("32", "ok  "), False: self._c("31;1", "FAIL"), None: self._c("33", "skip")}[ok]
-        self.say(where, f"{mark} {name:<15} {summary} ({seconds:.2f}s)")
+        self._end_inplace()
+        self._wait.pop(where, None)
+        stamp = f"{time.monotonic() - self.t0:6.1f}s"
+        head = f"{stamp} [{where}] "
+        text = wrap(head + msg, term_width(self.stream), indent=len(head) + 5)
+        self._write(text.replace(stamp, self._c("2", stamp), 1))
+
+    def waiting(self, where: str, key: str, msg: str) -> None:
+        """A wait's status: printed when `key` (what the user would see change) changes, else every 10 s."""
+        now = time.monotonic()
+        last = self._wait.get(where)
+        if last and last[0] == key and now - last[1] < self.WAIT_EVERY_S:
+            if self.audit is not None:
+                self.audit.write(event="progress", where=where, message=msg)
+            if self.color and not self.quiet:  # one line, updated in place
+                try:
+                    self.stream.write(f"\r\x1b[2K{time.monotonic() - self.t0:6.1f}s [{where}] {msg}")
+                    self.stream.flush()
+                    self._inplace = True
+                except (BrokenPipeError, ValueError, OSError):
+                    self.quiet = True
+            return
+        self.say(where, msg)
+        self._wait[where] = (key, now)
+
+    def step(self, where: str, name: str, ok: bool | None, summary: str, seconds: float) -> None:
+        mark = {True: "ok  ", False: "FAIL", None: "skip"}[ok]
+        if self.quiet:
+            if self.audit is not None:
+                self.audit.write(event="progress", where=where, message=f"{mark} {name:<15} {summary} ({seconds:.2f}s)")
+            return
+        colored = {True: self._c("32", mark), False: self._c("31;1", mark), None: self._c("33", mark)}[ok]
+        self.say(where, f"{colored} {name:<15} {summary} ({seconds:.2f}s)")
 
     def detail(self, where: str, msg: str) -> None:
         if self.verbose:
@@ -45,44 +182,73 @@ def dump_json(data) -> None:
     print(json.dumps(data, indent=2, sort_keys=False, default=str))
 
 
-def table(rows: list[list[str]], headers: list[str], width: int = 100) -> str:
+def table(rows: list[list[str]], headers: list[str], width: int | None = None, *,
+          detail_cell: int = DETAIL_CELL) -> str:
+    """A plain-text table. No cell is ever cut: a cell longer than `detail_cell`, or one that keeps the table from
+    fitting `width` (None: no limit), is replaced by `[n]` and printed whole in a details block under the table."""
     cols = len(headers)
-    widths = [len(h) for h in headers]
-    for r in rows:
-        for i in range(cols):
-            widths[i] = max(widths[i], len(str(r[i])))
-    # shrink the widest columns until the table fits
-    while sum(widths) + 2 * (cols - 1) > width and max(widths) > 8:
-        i = widths.index(max(widths))
-        widths[i] -= 1
+    cells = [[str(r[i]) for i in range(cols)] for r in rows]
+    moved: dict[tuple[int, int], int] = {}
+
+    def move(ri, ci):
+        if (ri, ci) not in moved:
+            moved[(ri, ci)] = len(moved) + 1
+            cells[ri][ci] = f"[{moved[(ri, ci)]}]"
+
+    for ri, r in enumerate(cells):
+        for ci, c in enumerate(r):
+            if len(c) > detail_cell:
+                move(ri, ci)
+
+    def widths():
+        return [max([len(headers[i])] + [len(r[i]) for r in cells]) for i in range(cols)]
+
+    if width:
+        while sum(widths()) + 2 * (cols - 1) > width:
+            w = widths()
+            # the widest column still holding a cell wider than its header (and than a marker) gives way
+            cand = [i for i in range(cols) if any(len(r[i]) == w[i] and len(r[i]) > max(len(headers[i]), 5)
+                                                  for r in cells)]
+            if not cand:
+                break
+            i = max(cand, key=lambda k: w[k])
+            for ri, r in enumerate(cells):
+                if len(r[i]) == w[i]:
+                    move(ri, i)
+    w = widths()
 
     def fmt(r):
-        cells = []
-        for i in range(cols):
-            s = str(r[i])
-            if len(s) > widths[i]:
-                s = s[: widths[i] - 1] + "~"
-            cells.append(s.ljust(widths[i]))
-        return "  ".join(cells).rstrip()
+        return "  ".join(r[i].ljust(w[i]) for i in range(cols)).rstrip()
 
-    return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+    text = "\n".join([fmt(headers), fmt(["-" * x for x in w])] + [fmt(r) for r in cells])
+    if moved:
+        text += "\n\nDetails:"
+        for (ri, ci), n in sorted(moved.items(), key=lambda x: x[1]):
+            label = f"  [{n}] " + (f"{rows[ri][0]}, " if ci else "") + f"{headers[ci]}: "
+            text += "\n" + wrap(label + str(rows[ri][ci]), width, indent=len(f"  [{n}] ") + 2)
+    return text
 
 
 def short(value, n: int = 40, none: str = "-") -> str:
+    """A value for a table cell: null as `none`, JSON for non-strings. Never cut (the table moves long ones)."""
     if value is None:
         return none
-    s = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
-    return s if len(s) <= n else s[: n - 1] + "~"
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
-def check_rows(checks: list[dict], widths=(30, 30, 24)) -> list[list[str]]:
+def sha(value, none: str = "none") -> str:
+    """A sha256 abbreviated to 12 hex digits (git-style: an identifier, not a cut message)."""
+    return none if not value else str(value)[:12]
+
+
+def check_rows(checks: list[dict], widths=None) -> list[list[str]]:
     """Rows of check, expected, on disk, as loaded, verdict, reason: null is shown as null, n/a as -."""
     rows = []
     for c in checks:
         loaded = c["check"].startswith("loaded ") or c["check"] == "as loaded"
         field = c["check"].startswith(("field ", "loaded "))
         verdict = "ok" if c["ok"] else ("WARN" if c.get("severity") == "warning" else "FAIL")
-        rows.append([c["check"], short(c.get("expected"), widths[0], "null" if field else "-"),
-                     short(c.get("on_disk"), widths[1], "null" if field else "-"),
-                     short(c.get("as_loaded"), widths[2], "null" if loaded else "-"), verdict, c.get("reason", "")])
+        rows.append([c["check"], short(c.get("expected"), none="null" if field else "-"),
+                     short(c.get("on_disk"), none="null" if field else "-"),
+                     short(c.get("as_loaded"), none="null" if loaded else "-"), verdict, c.get("reason", "")])
     return rows

@@ -132,7 +132,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sa
         if stray:
             row["process"] = "not ours"
             row["problems"].append(f"{len(stray)} vLLM process(es) not started by deploy: "
-                                   + ", ".join(str(p["pid"]) for p in stray[:5]))
+                                   + ", ".join(f"{p['pid']} ({p['comm']})" for p in stray)
+                                   + "; deploy status never touches them, --clean-gpus on down/restart frees GPUs")
             row["healthy"] = False
         return row
     row.update(playbook=st.get("playbook"), pid=st.get("pid"), method=st.get("method"),
@@ -167,8 +168,9 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sa
                           "drift": disk != pinned}
         if disk != pinned:
             row["healthy"] = False
-            row["problems"].append(f"drafter config drift: {st['drafter_path']} has {str(disk)[:12]}, "
-                                   f"pinned {str(pinned)[:12]}")
+            row["problems"].append(f"drafter config drift: {st['drafter_path']} has sha256 {disk or 'none (unreadable)'}, "
+                                   f"launched with {pinned}; deploy apply-config {st.get('playbook')} reinstalls "
+                                   f"the pinned bytes, then deploy restart {st.get('playbook')}")
     if r.get("metrics"):
         counters = vf.parse_spec_counters(r["metrics"])
         life = vf.lifetime_acceptance(r["metrics"]) if counters else None
@@ -247,36 +249,53 @@ def _pct(x):
     return "-" if x is None else f"{x:.0%}"
 
 
-def render_table(rows, color: bool) -> str:
-    from .report import table
+def acceptance_cell(acc: dict | None) -> str:
+    """ACCEPT/LEN: lifetime rate/mean length (recent rate); `no drafts yet` before the first draft."""
+    acc = acc or {}
+    life = acc.get("lifetime") or {}
+    rec = acc.get("recent") or {}
+    if not acc:
+        return "-"
+    if not life or life.get("draft_acceptance_rate") is None or not life.get("drafts", 1):
+        return "no drafts yet"
+    s = f"{_pct(life.get('draft_acceptance_rate'))}/{life.get('mean_acceptance_length') or 0:.1f}"
+    if rec and rec.get("draft_acceptance_rate") is not None:
+        s += f" ({_pct(rec['draft_acceptance_rate'])})"
+    return s
+
+
+def render_table(rows, color: bool, width: int | None = None) -> str:
+    """The status table; problems under it, whole (wrapped at `width` on a TTY, never cut)."""
+    from .report import table, wrap
 
     out = []
     for r in rows:
-        acc = (r.get("acceptance") or {})
-        life = acc.get("lifetime") or {}
-        rec = acc.get("recent") or {}
         gpus = _gpu_cell(r["gpus"])
-        acc_s = "-"
-        if life:
-            acc_s = f"{_pct(life.get('draft_acceptance_rate'))}/{life.get('mean_acceptance_length') or 0:.1f}"
-            if rec and rec.get("draft_acceptance_rate") is not None:
-                acc_s += f" ({_pct(rec['draft_acceptance_rate'])})"
         drift = "-" if not r.get("drafter") else ("DRIFT" if r["drafter"]["drift"] else "ok")
-        state = "ok" if r["healthy"] else ("UNREACHABLE" if not r["reachable"] else "UNHEALTHY")
+        state = state_word(r)
         up = "-" if r.get("uptime_s") is None else _dur(r["uptime_s"])
         out.append([f"{r['host']}/{r['vmid']}", state, r.get("playbook") or "-", r["process"],
-                    str(r.get("health") or "-"), r.get("method") or "-", acc_s, drift, gpus, up])
+                    str(r.get("health") or "-"), r.get("method") or "-", acceptance_cell(r.get("acceptance")),
+                    drift, gpus, up])
     text = table(out, ["CONTAINER", "STATE", "PLAYBOOK", "VLLM", "HTTP", "METHOD", "ACCEPT/LEN", "DRAFTER",
-                       "GPU MEM", "UP"], width=100)
+                       "GPU MEM", "UP"], width=width)
     probs = [f"  {r['host']}/{r['vmid']}: {p}" for r in rows for p in r["problems"]]
     probs += [f"  {r['host']}/{r['vmid']}: last error: {r['last_error']}" for r in rows if r.get("last_error")]
-    probs = [p if len(p) <= 100 else p[:99] + "~" for p in probs]
     if probs:
-        text += "\n\nProblems:\n" + "\n".join(probs)
+        text += "\n\nProblems:\n" + "\n".join(wrap(p, width, indent=4) for p in probs)
     if color:
         text = text.replace("UNHEALTHY", "\x1b[31mUNHEALTHY\x1b[0m").replace(
-            "UNREACHABLE", "\x1b[31;1mUNREACHABLE\x1b[0m").replace("DRIFT", "\x1b[33mDRIFT\x1b[0m")
+            "UNREACHABLE", "\x1b[31;1mUNREACHABLE\x1b[0m").replace("TIMEOUT", "\x1b[31;1mTIMEOUT\x1b[0m").replace(
+            "DRIFT", "\x1b[33mDRIFT\x1b[0m")
     return text
+
+
+def state_word(r: dict) -> str:
+    if r["healthy"]:
+        return "ok"
+    if not r["reachable"]:
+        return "TIMEOUT" if r.get("timeout") else "UNREACHABLE"
+    return "UNHEALTHY"
 
 
 def _gpu_cell(gpus: list) -> str:
@@ -297,7 +316,7 @@ def _dur(s: float) -> str:
 
 
 def run_status(obj, targets, watch, deadline) -> int:
-    from .report import dump_json
+    from .report import dump_json, term_width
 
     inv = obj.inventory()
     resolve_targets(inv, targets)  # bad targets fail before any connection
@@ -316,7 +335,7 @@ def run_status(obj, targets, watch, deadline) -> int:
                 else:
                     if watch and color:
                         click.echo("\x1b[H\x1b[2J", nl=False)
-                    click.echo(render_table(rows, color))
+                    click.echo(render_table(rows, color, term_width()))
                     if watch:
                         click.echo(f"\n(refreshed in {time.monotonic() - t0:.2f}s; every {watch:g}s; Ctrl-C to stop)")
                 if not watch:

@@ -77,5 +77,5 @@ class Context:
         return r
 
     def fail(self, name: str, t0: float, message: str, *, fix: str = "", state_left: str = "", **details):
-        self.record(name, False, message.splitlines()[0][:120], t0, **details)
+        self.record(name, False, message.splitlines()[0], t0, **details)
         raise StepFailed(name, message, where=self.where, fix=fix, details=details, state_left=state_left)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 from .. import vllm_facts as vf
 from ..plan import Step
-from ..report import check_rows, short, table
+from ..report import check_rows, sha, table, term_width
 from . import Context
 
 
@@ -17,7 +18,7 @@ def write_config(ctx: Context, step: Step) -> dict:
     if not r.get("ok"):
         ctx.fail(step.name, t0, f"could not install the pinned drafter config at {path} ({r.get('stage')}): "
                                 f"{r.get('message')}; the old file is untouched "
-                                f"(sha256 {short(r.get('before_sha256'), 16)})",
+                                f"(sha256 {r.get('before_sha256') or 'none: no file yet'})",
                  fix={"directory": "create the drafter directory, or fix speculative.drafter.path",
                       "symlink": "use a plain local directory for speculative.drafter.path",
                       "write": "make the directory writable (read-only mount? full disk?) and run again",
@@ -26,7 +27,7 @@ def write_config(ctx: Context, step: Step) -> dict:
                       "read": "make the existing config.json readable by root in the container"}.get(
                      r.get("stage"), "check the container"), result=r)
     if r.get("changed"):
-        ctx.record(step.name, True, f"wrote {path} (was {short(r.get('before_sha256'), 12)}, now "
+        ctx.record(step.name, True, f"wrote {path} (was {sha(r.get('before_sha256'), 'absent')}, now "
                                     f"{r['after_sha256'][:12]}, read back); backup {r.get('backup') or '-'}",
                    t0, result=r)
     else:
@@ -86,7 +87,8 @@ def extra_key_problems(ctx: Context, stack: dict) -> list[dict]:
 
 
 def render_failures(bad: list[dict]) -> str:
-    return table(check_rows(bad), ["check", "expected", "on disk", "as loaded", "verdict", "reason"], width=160)
+    return table(check_rows(bad), ["check", "expected", "on disk", "as loaded", "verdict", "reason"],
+                 width=term_width(sys.stderr))
 
 
 def verify_fix(bad: list[dict], playbook: str) -> str:

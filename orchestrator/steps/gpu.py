@@ -38,7 +38,7 @@ def stop(ctx: Context, step: Step) -> dict:
                      + ", ".join(f"{p['pid']} {p['comm']}" for p in foreign[:4]) + ")")
     left = rep.get("leftovers") or []
     if left:
-        names = "; ".join(f"PID {p['pid']} ({p['comm']}: {p['cmdline'][:60]}) holds {', '.join(p['devices'])}"
+        names = "; ".join(f"PID {p['pid']} ({p['comm']}: {p['cmdline']}) holds {', '.join(p['devices'])}"
                           for p in left)
         ctx.record(step.name, None, ("; ".join(parts) + "; " if parts else "") + f"still holding GPUs: {names}",
                    t0, report=rep)
@@ -72,7 +72,7 @@ def prove_free(ctx: Context, step: Step, *, clean_gpus_hint: bool = True) -> dic
                                 f"{r['seen']})", fix="check the container's GPU passthrough (pct config)", result=r)
     busy = ", ".join(f"GPU{g} {r['after'][str(g)]['used']} MiB" for g in r.get("busy", []))
     if v == "held_inside":
-        holders = "; ".join(f"PID {h['pid']} ({h['comm']}: {h['cmdline'][:80]}) holds {', '.join(h['devices'])}"
+        holders = "; ".join(f"PID {h['pid']} ({h['comm']}: {h['cmdline']}) holds {', '.join(h['devices'])}"
                             for h in r["holders"])
         ctx.fail(step.name, t0, f"GPU memory still used after {r['seconds']:.0f}s ({busy} > {thr} MiB); "
                                 f"holders in this container: {holders}",
