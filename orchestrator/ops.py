@@ -226,6 +226,8 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
     locked = None
     launched = False
     changed: list[str] = []  # what this run changed on the host so far, for "state left" on failure
+    written: dict = {}
+    verified = None
     try:
         check_container(ctx, steps["container"])
         locked = take_lock(ctx, steps["lock"], opts.wait_lock_s)
@@ -258,11 +260,9 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
                        (f" ({len(cur.get('vllm_processes') or [])} vLLM process(es) not started by deploy seen: "
                         "left alone; if they hold the GPUs, --clean-gpus frees them)"
                         if cur.get("vllm_processes") else ""), t0)
-        verified = None
         written = D.write_config(ctx, steps["drafter-config"]) if "drafter-config" in steps else {}
         if written.get("changed"):
-            changed.append(f"the drafter config {written['path']} now holds the pinned bytes (the old file is kept "
-                           f"as {written.get('backup')})")
+            changed.append("config")  # described from a fresh read if this run fails (state_left)
         verified = D.verify(ctx, steps["verify"], blocking=opts.write_config or not pb.drafter,
                             written_sha=written.get("after_sha256"))
         if running or restart or cur.get("vllm_processes"):
@@ -309,10 +309,19 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
         if launched and isinstance(e, Unreachable):
             e.fix = (e.fix + "; " if e.fix else "") + ("vLLM was launched and is recorded in the state file in "
                                                        "the container: deploy status shows it, deploy down stops it")
-        elif launched:
+            return out
+        if isinstance(e, Unreachable) or isinstance(e, LockHeld):
+            return out
+        if launched:
             changed.append(stop_after_failure(ctx, pb))
+        verified_sha = (verified or {}).get("sha256")
+        if isinstance(e, StepFailed) and verified_sha and "drift" in steps and e.step not in (
+                "drafter-config", "verify", "drift"):
+            e = out.error = drift_instead(ctx, steps["drift"], verified_sha, e)
         if isinstance(e, StepFailed) and not e.state_left:
-            e.state_left = "; ".join(changed) if changed else "nothing was changed on the host"
+            e.state_left = state_left(ctx, pb, changed, written)
+        if changed or launched:
+            note_failure(ctx, pb, e)
         return out
     except KeyboardInterrupt:
         out.status = "interrupted"
@@ -326,6 +335,56 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
     finally:
         if locked:
             release_lock(ctx, steps["unlock"], locked)
+
+
+def drift_instead(ctx: Context, step: P.Step, verified_sha: str, err: StepFailed) -> StepFailed:
+    """A step after verify failed: if the drafter config changed since verify, that change is the news (whatever
+    step noticed it first), reported as drift with both hashes; the step's own failure follows as its symptom."""
+    try:
+        r = ctx.call(step)
+    except DeployError:
+        return err
+    now = r.get("sha256")
+    if now == verified_sha:
+        return err
+    pinned = ctx.pb.drafter["sha256"]
+    msg = (f"the drafter config changed behind our back while vLLM started: {step.args['path']} now has sha256 "
+           f"{now or r.get('error')}, it had {verified_sha} when verified (pinned {pinned}); "
+           f"{err.step} failed as a consequence: {err.message}")
+    ctx.record("drift", False, msg.split(";")[0], time.monotonic(), result=r)
+    return StepFailed("drift", msg, where=err.where, details=err.details,
+                      fix=f"find what rewrites {step.args['path']} (a sync job, a download) and stop it; "
+                          f"then deploy up {ctx.pb.name} again")
+
+
+def state_left(ctx: Context, pb: Playbook, changed: list[str], written: dict) -> str:
+    """What the host holds now, from facts read after the failure (not from what this run meant to do)."""
+    if not changed:
+        return "nothing was changed on the host"
+    parts = [c for c in changed if c != "config"]
+    if "config" in changed:
+        path = written.get("path")
+        try:
+            now = ctx.call(P.step_drift(pb)).get("sha256")
+        except DeployError as e:
+            now = None
+            parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.get('backup')}); "
+                            f"it could not be read back now ({e.message})")
+        else:
+            pinned = pb.drafter["sha256"]
+            what = "the pinned bytes" if now == pinned else f"NOT the pinned bytes ({pinned}): something rewrote it"
+            parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.get('backup')}); "
+                            f"read now: sha256 {now}, {what}")
+    return "; ".join(parts)
+
+
+def note_failure(ctx: Context, pb: Playbook, err: DeployError) -> None:
+    """Leave a record in the container so `deploy status` reports the failed up/restart (best effort)."""
+    try:
+        ctx.call(P.step_note_failure(pb, {"playbook": pb.name, "step": getattr(err, "step", ""),
+                                          "message": err.message.splitlines()[0]}))
+    except DeployError:
+        pass
 
 
 def stop_after_failure(ctx: Context, pb: Playbook) -> str:

@@ -257,6 +257,12 @@ def step_acceptance(pb):
                 timeout=p["timeout_s"] + 30, **_common(pb))
 
 
+def step_note_failure(pb, failure: dict | None = None):
+    return Step("note-failure", "record the failure in the state directory, for deploy status", action="note_failure",
+                args={"state_dir": pb.runtime["state_dir"], "failure": failure or {}}, timeout=20,
+                when="the run failed after changing something", **_common(pb))
+
+
 def step_unlock(pb):
     return Step("unlock", "release the container lock", action="unlock",
                 args={"state_dir": pb.runtime["state_dir"], "token": TOKEN}, timeout=20, **_common(pb))

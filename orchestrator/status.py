@@ -128,6 +128,15 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sa
         row["healthy"] = False
         return row
     if not st:
+        fail = r.get("last_failure")
+        if fail and fail.get("at", 0) >= (r.get("stopped_at") or 0):
+            pb = fail.get("playbook")
+            row.update(playbook=pb, process="failed", healthy=False)
+            row["problems"].append(
+                f"the last deploy up/restart of {pb} failed at "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(fail['at']))} ({fail.get('step')}: "
+                f"{fail.get('message')}); nothing of ours runs now. deploy logs {pb} shows the server's log; "
+                f"deploy up {pb} tries again")
         stray = r.get("vllm_processes") or []
         if stray:
             row["process"] = "not ours"

@@ -187,8 +187,11 @@ def gpu_holders():
 
 
 def vllm_processes():
+    """Live vLLM processes; zombies (exited, not yet reaped: a stopped group's workers) are not processes to report."""
     out = []
     for pid in pids():
+        if not alive(pid):
+            continue
         comm = proc_comm(pid)
         cmd = proc_cmdline(pid)
         if comm.startswith("VLLM::") or cmd.startswith("VLLM::") or re.search(r"(^|/)vllm serve", cmd):
@@ -915,7 +918,7 @@ def act_wait_ready(a):
             for rx, info in fatal:
                 if rx.search(ln):
                     return {"ready": False, "reason": "fatal", "cause": info["cause"], "fix": info["fix"],
-                            "line": ln if len(ln) <= 400 else ln[:400] + " ...", "log_tail": last_lines[-15:],
+                            "line": ln if len(ln) <= 4000 else ln[:4000] + " ... (%d more characters: deploy logs)" % (len(ln) - 4000), "log_tail": last_lines[-15:],
                             "seconds": round(now() - t0, 1), "alive": alive(pid), "phases": seen_phases}
         return None
 
@@ -927,7 +930,7 @@ def act_wait_ready(a):
             return failed
         if now() - last_beat >= float(a.get("heartbeat_s", 10)):  # a 27B model loads for minutes: show life
             last_beat = now()
-            emit(event="waiting", elapsed=round(now() - t0, 1), line=(last_lines[-1] if last_lines else "")[-200:])
+            emit(event="waiting", elapsed=round(now() - t0, 1), line=(last_lines[-1] if last_lines else "")[-4000:])
         if not alive(pid):
             # read what is left of the log first: the fatal line may be the last thing it wrote
             pos, lines = _tail_lines(log_path, pos)
@@ -1268,9 +1271,32 @@ def _status_rest(res, state_dir):
         if not st.get("alive") or res.get("health") != 200:
             errs = [ln for ln in tail_file(st.get("log_path", ""), 400)
                     if re.search(r"Error|error:|Traceback|died|failed", ln)]
-            res["last_error"] = errs[-1][-300:] if errs else None
+            res["last_error"] = errs[-1][-4000:] if errs else None
     else:
         res["vllm_processes"] = vllm_processes()
+    failure = _read_json(os.path.join(state_dir, "last_failure.json"))
+    if failure:
+        res["last_failure"] = failure
+        try:
+            res["stopped_at"] = os.path.getctime(  # rename sets ctime: when it was stopped
+                os.path.join(state_dir, "state.stopped.json"))
+        except OSError:
+            res["stopped_at"] = None
+
+
+def _read_json(path):
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def act_note_failure(a):
+    """Record that an up/restart failed after changing something, for `deploy status` to report."""
+    rec = dict(a.get("failure") or {}, at=now())
+    write_json_atomic(os.path.join(a["state_dir"], "last_failure.json"), rec)
+    return {"ok": True}
 
 
 # ------------------------------------------------------------------ action: verify the drafter config
@@ -1671,7 +1697,7 @@ ACTIONS = {
     "gpu_read": act_gpu_read, "stop": act_stop, "wait_free": act_wait_free, "port_check": act_port_check,
     "file_sha": act_file_sha, "write_file": act_write_file, "launch": act_launch, "wait_ready": act_wait_ready,
     "probe": act_probe, "logs": act_logs, "lock": act_lock, "unlock": act_unlock, "status": act_status,
-    "verify": act_verify,
+    "verify": act_verify, "note_failure": act_note_failure,
 }
 
 

@@ -48,8 +48,8 @@ def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = Tr
     if written_sha and now:
         ctx.fail(step.name, t0, f"the drafter config changed behind our back between the write and verify: "
                                 f"{(r.get('location') or {}).get('path')} was read back as {written_sha} and is now "
-                                f"{now}", fix="find what rewrites it (a sync job, a download) and stop it; "
-                                                      "then deploy up again", result=r)
+                                f"{now}", fix=f"find what rewrites it (a sync job, a download) and stop it; then "
+                                             f"deploy up {ctx.pb.name} again", result=r)
     bad = failing(r.get("checks", []))
     bad += extra_key_problems(ctx, r.get("stack") or {})
     r["failed"] = bad
@@ -109,7 +109,8 @@ def drift(ctx: Context, step: Step, launched_sha: str | None) -> dict:
         ctx.fail(step.name, t0, f"the drafter config changed behind our back while vLLM started: "
                                 f"{step.args['path']} now has sha256 {r.get('sha256') or r.get('error')}, "
                                 f"it had {want} when verified (pinned {ctx.pb.drafter['sha256']})",
-                 fix="find what rewrites it (a sync job, a download) and stop it; then deploy up again", result=r)
+                 fix=f"find what rewrites {step.args['path']} (a sync job, a download) and stop it; then deploy up "
+                     f"{ctx.pb.name} again", result=r)
     note = "" if want == ctx.pb.drafter["sha256"] else " (NOT the pinned config: --skip-config-write)"
     ctx.record(step.name, True, f"unchanged since verify (sha256 {want[:12]}){note}", t0)
     return r
