@@ -329,13 +329,21 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus):
 def _running_playbooks(obj, inv):
     """The playbooks the containers' state files name, kept only if they are local playbooks that target that
     same container: a state file is data from the container, not an instruction to run some other playbook."""
-    from .errors import SpecError
+    from .errors import SpecError, Unreachable
     from .spec import list_playbooks, load_playbook
     from .status import gather
 
+    rows = gather(inv, None)
+    lost = [r for r in rows if not r["reachable"]]
+    if lost:
+        raise Unreachable("cannot tell what runs where without every container's state file: "
+                          + "; ".join(f"{r['host']}/{r['vmid']}: {r['problems'][0] if r['problems'] else '?'}"
+                                      for r in lost),
+                          fix="bring the host(s) back (deploy status shows them), or name what to restart: "
+                              "deploy restart PLAYBOOK")
     known = set(list_playbooks())
     names = set()
-    for r in gather(inv, None):
+    for r in rows:
         name, where = r.get("playbook"), f"{r['host']}/{r['vmid']}"
         if not name or r.get("process") != "running":
             continue
@@ -440,9 +448,16 @@ def verify(obj, playbook):
                                  term_width()))
             st = r.get("stack") or {}
             loc = r.get("location") or {}
-            click.echo(f"\nfile: {loc.get('path')} -> {loc.get('realpath')}\nvLLM {st.get('version')} "
-                       f"(commit {st.get('commit_id') or '-'}) at {st.get('path')}; transformers "
-                       f"{r.get('transformers_version')}; python {r.get('python')}")
+            if loc.get("path"):
+                click.echo(f"\nfile: {loc['path']}" + (f" -> {loc['realpath']}" if loc.get("realpath") else
+                                                        " (does not resolve)"))
+            if st.get("installed") is False:
+                click.echo(f"vLLM: not installed for {r.get('python')}")
+            elif st.get("version"):
+                click.echo(f"vLLM {st['version']}" + (f" (commit {st['commit_id']})" if st.get("commit_id") else "")
+                           + (f" at {st['path']}" if st.get("path") else "")
+                           + (f"; transformers {r['transformers_version']}" if r.get("transformers_version") else "")
+                           + (f"; python {r['python']}" if r.get("python") else ""))
             if out.error:
                 click.echo("FAILED: " + out.error.render(), err=True)
             else:

@@ -14,7 +14,7 @@ from . import plan as P
 from .errors import DeployError, Unreachable
 from .facts import parse_pct_status
 from .remote import Fleet
-from .report import Progress
+from .report import Progress, sha
 from .spec import Playbook
 from .steps import Context, StepFailed, StepResult
 from .steps import drafter as D
@@ -204,15 +204,22 @@ def diff_running(cur: dict, pb: Playbook) -> list[str]:
     diffs = []
     want_argv = P.serve_argv(pb)
     if st.get("argv") != want_argv:
-        have = st.get("argv") or []
-        diffs.append("argv:\n      running: " + " ".join(have) + "\n      wanted:  " + " ".join(want_argv))
+        have = st.get("argv")
+        diffs.append("argv:\n      running: " + (" ".join(have) if have else "(not recorded in the state file)")
+                     + "\n      wanted:  " + " ".join(want_argv))
     if st.get("playbook") != pb.name:
-        diffs.append(f"playbook: running {st.get('playbook')!r}, wanted {pb.name!r}")
+        diffs.append(f"playbook: running {st.get('playbook') or '(not recorded)'}, wanted {pb.name}")
     elif st.get("playbook_sha256") != pb.sha256:
-        diffs.append(f"playbook file changed: {str(st.get('playbook_sha256'))[:12]} -> {pb.sha256[:12]}")
+        diffs.append(f"playbook file changed: {sha(st.get('playbook_sha256'), '(not recorded)')} -> {sha(pb.sha256)}")
     want_d = (pb.drafter or {}).get("sha256")
     if want_d and cur.get("drafter_sha256") != want_d:
-        diffs.append(f"drafter config on disk {str(cur.get('drafter_sha256'))[:12]}, pinned {want_d[:12]}")
+        have = cur.get("drafter_sha256")
+        if have:
+            diffs.append(f"drafter config on disk {sha(have)}, pinned {sha(want_d)}")
+        elif cur.get("drafter_error"):
+            diffs.append(f"drafter config unreadable ({cur['drafter_error']}), pinned {sha(want_d)}")
+        else:
+            diffs.append(f"drafter config: the running deployment has none, this playbook pins {sha(want_d)}")
     return diffs
 
 
@@ -440,7 +447,7 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
         out.status = "verified" if out.ok else "failed"
         if not out.ok:
             out.error = StepFailed("verify", f"{len(r['failed'])} check(s) failed", where=ctx.where,
-                                   fix=D.verify_fix(r["failed"], pb.name))
+                                   fix=D.verify_fix(r["failed"], pb, r.get("stack")))
         return out, r
     except DeployError as e:
         out.error = e

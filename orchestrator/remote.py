@@ -146,6 +146,8 @@ class HostSession:
     keep_env_supported: bool | None = field(default=None, init=False)
     connects: int = field(default=0, init=False)
     _spare: object = field(default=None, init=False, repr=False)
+    _closed: bool = field(default=False, init=False, repr=False)
+    last_connect_error: BaseException | None = field(default=None, init=False, repr=False)
 
     # -------------------------------------------------------------- connection
 
@@ -190,7 +192,13 @@ class HostSession:
         with self._lock:
             if self._conn is not None and self._conn.is_connected:
                 return self._conn
+            self._closed = False
             self._conn = self._open_with_retries()
+            if self._closed:  # closed by the caller while connecting (its deadline passed)
+                conn, self._conn = self._conn, None
+                conn.close()
+                raise Unreachable("connection closed: the caller's deadline passed while connecting",
+                                  where=self.host.name)
             return self._conn
 
     def _open_with_retries(self):
@@ -206,7 +214,12 @@ class HostSession:
                wait=wait_exponential(multiplier=0.2, max=2), reraise=True)
         def attempt():
             conn = self._connection()
-            conn.open()
+            try:
+                conn.open()
+            except Exception as e:  # noqa: BLE001 - remembered for a caller whose deadline ends the retries
+                self.last_connect_error = e
+                raise
+            self.last_connect_error = None
             return conn
 
         where = f"{h.name} ({h.user}@{h.ssh_config_alias or h.address}:{h.port})"
@@ -266,7 +279,12 @@ class HostSession:
         return chan
 
     def close(self) -> None:
-        with self._lock:
+        # A connect still in progress (a slow or dead host past its deadline) holds the lock: do not wait for it.
+        # The connecting thread sees `_closed` when it is done and closes what it opened.
+        self._closed = True
+        if not self._lock.acquire(timeout=0.5):
+            return
+        try:
             self._spare = None
             if self._conn is not None:
                 try:
@@ -274,6 +292,8 @@ class HostSession:
                 except Exception:
                     pass
                 self._conn = None
+        finally:
+            self._lock.release()
 
     # -------------------------------------------------------------- commands
 
@@ -514,7 +534,8 @@ def run_parallel(items, fn, *, deadline_s: float):
     for i, ev in enumerate(done):
         if not ev.wait(max(0.0, end - time.monotonic())):
             results[i] = (items[i], None, RemoteTimeout(f"no answer within {deadline_s:g} s",
-                                                        fix="the host is slow or hung; check it directly"))
+                                                        fix=f"the host is slow or hung: give it more time (--deadline {max(2 * deadline_s, 30):g}) or "
+                                                            "check it directly"))
     return results
 
 

@@ -86,12 +86,43 @@ def _inventory_cross(out, node, path, problems):
         names[h["name"]] = h
         if not h.get("address") and not h.get("ssh_config_alias"):
             problems.add(h["__node__"], f"hosts[{i}]", "needs 'address' or 'ssh_config_alias'")
+        _check_identity_file(h, i, problems)
         vmids = set()
         for j, c in enumerate(h.get("containers") or []):
             if c and c["vmid"] in vmids:
                 problems.add(node_of(c, "vmid"), f"hosts[{i}].containers[{j}].vmid", f"duplicate vmid {c['vmid']}")
             if c:
                 vmids.add(c["vmid"])
+
+
+def _resolve_near(filename: str, p: str) -> str:
+    """A path from a file, relative to that file's directory (~ expanded)."""
+    p = os.path.expanduser(p)
+    return p if os.path.isabs(p) else str((Path(filename).resolve().parent / p).resolve())
+
+
+def _check_identity_file(h: dict, i: int, problems) -> None:
+    """A missing or empty key file is caught here, before any connection (SSH would blame the host)."""
+    if not h.get("identity_file"):
+        return
+    path = _resolve_near(problems.filename, h["identity_file"])
+    where, key = node_of(h, "identity_file"), f"hosts[{i}].identity_file"
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb"):
+            pass
+    except FileNotFoundError:
+        problems.add(where, key, f"no such file: {path} (create the key with ssh-keygen -t ed25519 -f {path}, "
+                                 "or correct the path; remove the key to use ssh-agent and ~/.ssh keys)")
+        return
+    except OSError as e:
+        problems.add(where, key, f"cannot read {path}: {e.strerror} (chmod 600 {path} as its owner)")
+        return
+    if os.path.isdir(path):
+        problems.add(where, key, f"{path} is a directory, not a private key file")
+    elif size == 0:
+        problems.add(where, key, f"{path} is empty: not a private key (regenerate it with ssh-keygen -t ed25519 "
+                                 f"-f {path}, or point identity_file at the real key)")
 
 
 INVENTORY = Map({"hosts": Field(List(HOST, max_len=1000), required=True)}, cross=_inventory_cross)

@@ -16,7 +16,7 @@ import click
 from . import agent
 from . import vllm_facts as vf
 from .agent import ContainerNotRunning
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, Unreachable, UsageError
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, RemoteTimeout, Unreachable, UsageError
 from .remote import Fleet, run_parallel, state_dir
 
 SCHEMA = "vllm-pve-deploy/status/v1"
@@ -219,6 +219,12 @@ def gather(inv, targets, fleet: Fleet | None = None, *, deadline: float = 15.0, 
         if err is None:
             rows += value
         else:
+            refused = fleet.session(host).last_connect_error
+            if isinstance(err, RemoteTimeout) and refused is not None:  # still retrying a refused/failed connect
+                h = inv.host(host)
+                err = Unreachable(f"cannot connect to {h.user}@{h.address or h.ssh_config_alias}:{h.port}: "
+                                  f"{getattr(refused, 'strerror', None) or refused or type(refused).__name__}",
+                                  fix="check the address/port in the inventory and that the host and its sshd are up")
             rows += [_error_row(host, vmid, err) for vmid, _ in by_host[host]]
     sampler.save()
     return rows
@@ -232,10 +238,17 @@ def _row_or_error(fleet, host, vmid, rt, sampler, smi_timeout):
 
 
 def _error_row(host, vmid, err) -> dict:
-    unreachable = isinstance(err, Unreachable) or "no answer within" in str(err)
-    msg = err.render() if isinstance(err, DeployError) else f"{type(err).__name__}: {err}"
-    return _row(host, vmid, reachable=not unreachable, container="unknown", process="unknown", healthy=False,
-                problems=[msg.splitlines()[0]])
+    """A container whose host did not answer: TIMEOUT when it was too slow for --deadline, UNREACHABLE when the
+    connection was refused, unroutable or rejected."""
+    timed_out = isinstance(err, RemoteTimeout)
+    unreachable = isinstance(err, Unreachable) or timed_out
+    if isinstance(err, DeployError):
+        msg = (f"{err.where}: " if err.where and not err.where.startswith(f"{host}/") else "") + err.message + \
+            (f" (fix: {err.fix})" if err.fix else "")
+    else:
+        msg = f"{type(err).__name__}: {err}"
+    return _row(host, vmid, reachable=not unreachable, timed_out=timed_out, container="unknown", process="unknown",
+                healthy=False, problems=[msg])
 
 
 def _row(host, vmid, **values) -> dict:
@@ -243,7 +256,7 @@ def _row(host, vmid, **values) -> dict:
     row = {"host": host, "vmid": vmid, "reachable": True, "container": "unknown", "playbook": None, "pid": None,
            "process": "unknown", "health": None, "served_model": None, "method": None, "gpus": [],
            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
-           "healthy": False, "problems": []}
+           "healthy": False, "timed_out": False, "problems": []}
     row.update(values)
     return row
 
@@ -303,7 +316,7 @@ def state_word(r: dict) -> str:
     if r["healthy"]:
         return "ok"
     if not r["reachable"]:
-        return "TIMEOUT" if r.get("timeout") else "UNREACHABLE"
+        return "TIMEOUT" if r.get("timed_out") else "UNREACHABLE"
     return "UNHEALTHY"
 
 

@@ -66,7 +66,7 @@ def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = Tr
             return r
         if bad:
             ctx.fail(step.name, t0, f"{len(bad)} check(s) failed ({sfx}):\n" + render_failures(bad),
-                     fix=verify_fix(bad, ctx.pb.name), result=r)
+                     fix=verify_fix(bad, ctx.pb, r.get("stack")), result=r)
         what = "serving stack can run this method" if step.args.get("stack_only") else \
             "drafter config correct on disk and as loaded"
         ctx.record(step.name, True, f"{what}; {sfx}", t0, result=r)
@@ -91,13 +91,49 @@ def render_failures(bad: list[dict]) -> str:
                  width=term_width(sys.stderr))
 
 
-def verify_fix(bad: list[dict], playbook: str) -> str:
-    names = " ".join(c["check"] for c in bad)
-    if "vllm" in names or "fix:" in names:
-        return "install a vLLM that can serve this drafter (>= 0.26.0 or the PR #40898 build), then deploy verify"
-    if "sha256" in names or "field" in names:
-        return f"deploy up {playbook} installs the pinned config (or deploy apply-config {playbook})"
-    return "correct the pinned config in the repo (a new sha256 in the playbook), then deploy verify"
+def verify_fix(bad: list[dict], pb, stack: dict | None = None) -> str:
+    """One fix per class of failed check, each naming the command or edit that addresses that failure."""
+    name = pb.name
+    py = pb.runtime["python"]
+    ver = (stack or {}).get("version")
+    minv = pb.data["requires"].get("vllm_min_version")
+    fixes: list[str] = []
+
+    def add(f):
+        if f not in fixes:
+            fixes.append(f)
+
+    stale = any(c["check"] == "sha256" for c in bad)  # the file is not the pinned one: its content is no news
+    for c in bad:
+        n = c["check"]
+        if stale and not n.startswith(("vllm", "fix: ", "spec key ", "path", "weights")):
+            n = "sha256"
+        if n == "vllm installed":
+            add(f"install vLLM into the container's Python: {py} -m pip install 'vllm>={minv or '0.26.0'}' "
+                "(or set runtime.python to the Python that has vLLM)")
+        elif n in ("vllm import", "vllm extensions"):
+            pin = f"=={ver}" if ver else ""
+            add(f"the installed vLLM {ver or ''} build is incomplete: reinstall it, {py} -m pip install "
+                f"--force-reinstall --no-deps 'vllm{pin}' (a source build: rebuild with its compiled extensions)")
+        elif n == "vllm version":
+            add(f"upgrade vLLM: {py} -m pip install 'vllm>={minv}', then deploy verify {name}")
+        elif n.startswith("fix: "):
+            add(f"install a vLLM that has this fix: {py} -m pip install 'vllm>=0.26.0' (or the PR #40898 build), "
+                f"then deploy verify {name}")
+        elif n.startswith("spec key "):
+            add(f"upgrade vLLM ({py} -m pip install 'vllm{c.get('expected', '').replace(' ', '')}'), or remove "
+                f"{n[len('spec key '):]} from speculative.extra in {pb.path}")
+        elif n in ("sha256", "unchanged during verify") or n.startswith(("field ", "fields", "json", "loaded ")):
+            add(f"deploy apply-config {name} installs the pinned config (deploy up {name} does it too)")
+        elif n == "path":
+            add(f"check speculative.drafter.path in {pb.path}: the directory must exist in the container")
+        elif n.startswith("weights"):
+            add("the drafter weights do not match this config: download the drafter that goes with the pinned "
+                "config into speculative.drafter.path")
+        else:
+            add(f"correct the pinned config {pb.drafter.get('pinned_config') if pb.drafter else ''} (and its "
+                f"sha256 in {pb.path}), then deploy verify {name}")
+    return "; ".join(fixes) or f"deploy verify {name}"
 
 
 def drift(ctx: Context, step: Step, launched_sha: str | None) -> dict:
