@@ -86,7 +86,9 @@ def new_context(fleet: Fleet, pb: Playbook, progress: Progress, token: str | Non
 
 def check_container(ctx: Context, step: P.Step) -> None:
     t0 = time.monotonic()
-    r = ctx.session.run(step.host_argv, timeout=step.timeout, vmid=ctx.pb.vmid)
+    with ctx.progress.heartbeat(ctx.where, f"connect to {ctx.pb.host} and run {' '.join(step.host_argv)}",
+                                step.timeout):
+        r = ctx.session.run(step.host_argv, timeout=step.timeout, vmid=ctx.pb.vmid)
     if r.exited != 0:
         ctx.fail(step.name, t0, f"`pct status {ctx.pb.vmid}` failed: {(r.err or r.out).strip()}",
                  fix="check target.vmid and the inventory")

@@ -11,7 +11,9 @@ import os
 import shutil
 import sys
 import textwrap
+import threading
 import time
+from contextlib import contextmanager
 
 DETAIL_CELL = 60  # a cell longer than this goes to the details block, so a table stays a table
 
@@ -119,11 +121,13 @@ class Progress:
         self.audit = None  # an AuditLog; set by whoever opens the connections
         self._wait: dict[str, tuple[str, float]] = {}
         self._inplace = False
+        self.last_out = time.monotonic()
 
     def _c(self, code: str, text: str) -> str:
         return f"\x1b[{code}m{text}\x1b[0m" if self.color else text
 
     def _write(self, text: str) -> None:
+        self.last_out = time.monotonic()
         try:
             print(text, file=self.stream, flush=True)
         except (BrokenPipeError, ValueError, OSError):
@@ -151,6 +155,7 @@ class Progress:
         now = time.monotonic()
         last = self._wait.get(where)
         if last and last[0] == key and now - last[1] < self.WAIT_EVERY_S:
+            self.last_out = now  # the line on screen is still current: not silence
             if self.audit is not None:
                 self.audit.write(event="progress", where=where, message=msg)
             if self.color and not self.quiet:  # one line, updated in place
@@ -163,6 +168,29 @@ class Progress:
             return
         self.say(where, msg)
         self._wait[where] = (key, now)
+
+    @contextmanager
+    def heartbeat(self, where: str, what: str, limit_s: float | None = None, quiet_s: float = 2.0):
+        """No silent step longer than `quiet_s`: while the body runs and nothing else was printed for that long,
+        say what it waits for (then every 10 s, or one updating line on a TTY)."""
+        done = threading.Event()
+        t0 = time.monotonic()
+
+        def beat():
+            while not done.wait(0.25):
+                if time.monotonic() - self.last_out >= quiet_s:
+                    el = time.monotonic() - t0
+                    self.waiting(where, "heartbeat " + what, f"     still waiting: {what} ({el:.0f}s"
+                                 + (f" of at most {limit_s:g}s)" if limit_s else ")"))
+
+        th = threading.Thread(target=beat, daemon=True)
+        th.start()
+        try:
+            yield
+        finally:
+            done.set()
+            th.join(1.0)
+            self._end_inplace()
 
     def step(self, where: str, name: str, ok: bool | None, summary: str, seconds: float) -> None:
         mark = {True: "ok  ", False: "FAIL", None: "skip"}[ok]

@@ -66,9 +66,11 @@ class Context:
         args = {k: fill.get(v, v) if isinstance(v, str) else v for k, v in step.args.items()}
         self.progress.detail(self.where, self.session.audit.redact(
             f"$ pct exec {step.vmid} -- {self.pb.runtime['python']} - {step.action} "
-            f"{json.dumps(args, sort_keys=True)[:300]}"))
-        return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, payload=payload,
-                          secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event)
+            f"{json.dumps(args, sort_keys=True)}"))
+        with self.progress.heartbeat(self.where, f"{step.name}: {step.title}", step.timeout):
+            return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args,
+                              payload=payload, secrets=secrets, bulk=step.bulk, timeout=step.timeout,
+                              on_event=on_event)
 
     def record(self, name: str, ok: bool | None, summary: str, t0: float, **details) -> StepResult:
         r = StepResult(name, ok, summary, time.monotonic() - t0, details)

@@ -124,7 +124,7 @@ def verify_fix(bad: list[dict], pb, stack: dict | None = None) -> str:
             add(f"upgrade vLLM ({py} -m pip install 'vllm{c.get('expected', '').replace(' ', '')}'), or remove "
                 f"{n[len('spec key '):]} from speculative.extra in {pb.path}")
         elif n in ("sha256", "unchanged during verify") or n.startswith(("field ", "fields", "json", "loaded ")):
-            add(f"deploy apply-config {name} installs the pinned config (deploy up {name} does it too)")
+            add(f"deploy up {name} installs the pinned config (or deploy apply-config {name})")
         elif n == "path":
             add(f"check speculative.drafter.path in {pb.path}: the directory must exist in the container")
         elif n.startswith("weights"):

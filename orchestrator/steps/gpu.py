@@ -51,9 +51,10 @@ def stop(ctx: Context, step: Step) -> dict:
 def prove_free(ctx: Context, step: Step, *, clean_gpus_hint: bool = True) -> dict:
     t0 = time.monotonic()
 
-    def on_event(e):
-        ctx.progress.say(ctx.where, f"     waiting for GPU memory: {fmt_mem(e.get('readings'))} "
-                                    f"(busy {e.get('busy')}, {e.get('elapsed')}s)")
+    def on_event(e):  # printed when the readings change, else every 10 s (one updating line on a TTY)
+        mem = fmt_mem(e.get("readings"))
+        ctx.progress.waiting(ctx.where, f"gpu {mem} {e.get('busy')}",
+                             f"     waiting for GPU memory: {mem} (busy {e.get('busy')}, {e.get('elapsed')}s)")
 
     r = ctx.call(step, on_event=on_event)
     v = r.get("verdict")

@@ -43,8 +43,9 @@ def wait_ready(ctx: Context, step: Step) -> dict:
     def on_event(e):
         if e.get("event") == "phase":
             ctx.progress.say(ctx.where, f"     {e['elapsed']:>6}s  {e['phase']:<22} {e['line']}")
-        elif e.get("event") == "waiting":
-            ctx.progress.say(ctx.where, f"     {e['elapsed']:>6}s  still loading; last log line: {e['line']}")
+        elif e.get("event") == "waiting":  # on change of the last log line, else every 10 s
+            ctx.progress.waiting(ctx.where, "load " + e["line"],
+                                 f"     {e['elapsed']:>6}s  still loading; last log line: {e['line']}")
 
     api_key = ctx.secrets.get("VLLM_API_KEY")
     r = ctx.call(step, secrets={"api_key": api_key} if api_key else None, on_event=on_event)

@@ -8,7 +8,7 @@ ROW_KEYS = {"host": str, "vmid": int, "reachable": bool, "container": str, "play
             "pid": (int, type(None)), "process": str, "health": (int, type(None)), "served_model": (str, type(None)),
             "method": (str, type(None)), "gpus": list, "acceptance": (dict, type(None)), "drafter": (dict, type(None)),
             "uptime_s": (float, int, type(None)), "last_error": (str, type(None)), "lock": (dict, type(None)),
-            "healthy": bool, "problems": list}
+            "healthy": bool, "timed_out": bool, "problems": list}
 
 
 def validate_schema(doc):
@@ -22,7 +22,7 @@ def validate_schema(doc):
         for g in row["gpus"]:
             assert set(g) == {"index", "used_mib", "total_mib"}
         assert row["container"] in ("running", "stopped", "missing", "unknown")
-        assert row["process"] in ("none", "running", "exited", "not ours", "unknown")
+        assert row["process"] in ("none", "running", "exited", "failed", "not ours", "unknown")
         if row["acceptance"]:
             assert set(row["acceptance"]) == {"lifetime", "recent"}
 
@@ -73,7 +73,12 @@ def test_healthy_crashed_drifted_unreachable_in_one_run(tb, deploy, playbooks):
     # the table fits 100 columns and names every problem
     t = deploy("status", env=env)
     assert t.returncode == 3
-    assert max(len(ln) for ln in t.stdout.splitlines()) <= 100
+    table, _, problems = t.stdout.partition("\n\nProblems:\n")
+    assert max(len(ln) for ln in table.splitlines()) <= 100
+    for r in doc["rows"]:  # not a TTY: every problem whole, one line each (nothing cut)
+        for x in r["problems"]:
+            assert f"  {r['host']}/{r['vmid']}: {x}\n" in problems + "\n", x
+    assert "~" not in t.stdout
     assert "UNREACHABLE" in t.stdout and "DRIFT" in t.stdout and "has exited" in t.stdout
 
 

@@ -62,9 +62,27 @@ def test_revert_during_startup_is_caught_as_drift(tb, deploy):
     assert p.returncode == 1, p.stderr
     assert "drift: the drafter config changed behind our back while vLLM started" in p.stderr
     assert f"now has sha256 {STALE_SHA}, it had {PINNED_SHA}" in p.stderr
-    assert "state left: the drafter config /root/models/Qwen3.6-27B-DFlash/config.json now holds the pinned " \
-           "bytes (the old file is kept as /root/models/Qwen3.6-27B-DFlash/config.json.bak-" in p.stderr
+    # state left is read after the failure: the file was replaced, and now holds the reverted bytes again
+    assert "state left: the drafter config /root/models/Qwen3.6-27B-DFlash/config.json was replaced (old file " \
+           "kept as /root/models/Qwen3.6-27B-DFlash/config.json.bak-" in p.stderr
+    assert f"read now: sha256 {STALE_SHA}, NOT the pinned bytes ({PINNED_SHA})" in p.stderr
     assert "; the failed server was stopped" in p.stderr
+    assert "fix: find what rewrites /root/models/Qwen3.6-27B-DFlash/config.json" in p.stderr
+    assert "deploy up qwen36-dflash again" in p.stderr
+    # status afterwards says the last up failed (not `ok ... none`, exit 0)
+    s = deploy("status", "pve1/129")
+    assert s.returncode == 1 and "failed" in s.stdout and "the last deploy up/restart of qwen36-dflash failed" \
+        in s.stdout, s.stdout
+
+
+def test_revert_noticed_first_by_aux_layers_is_still_drift(tb, deploy):
+    """The fault from the issue: the revert lands while vLLM loads, so the taps are wrong before the drift step."""
+    tb.set_fault("pve1", 129, "config_revert_s", 2.0)
+    p = deploy("up", "qwen36-dflash")
+    assert p.returncode == 1, p.stderr
+    assert "drift: the drafter config changed behind our back while vLLM started" in p.stderr, p.stderr
+    assert f"now has sha256 {STALE_SHA}, it had {PINNED_SHA}" in p.stderr
+    assert "fix: deploy verify" not in p.stderr
 
 
 def test_old_vllm_without_the_fixes_is_reported_with_its_version(tb, deploy):
