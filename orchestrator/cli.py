@@ -8,7 +8,7 @@ import sys
 import click
 
 from . import __version__
-from .errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, DeployError
+from .errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, DeployError, UsageError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -81,6 +81,9 @@ def main(ctx, inventory, verbose, as_json):
     Shell completion (bash; zsh and fish alike, see docs/cli.md):
       eval "$(_DEPLOY_COMPLETE=bash_source deploy)"
     """
+    from .report import guard_std_streams
+
+    guard_std_streams()  # a reader that goes away (| head) must not abort an operation half-way
     ctx.obj = Obj(inventory, verbose, as_json)
 
 
@@ -222,7 +225,7 @@ def render_outcome(out, indent=""):
 
 def up_options(f):
     f = click.option("-y", "--yes", is_flag=True, help="Replace a different running deployment without asking.")(f)
-    f = click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
+    f = click.option("--wait-lock", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
                      help="Wait this long for another deploy's lock instead of failing at once.")(f)
     f = click.option("--dry-run", is_flag=True, help="Print the plan and run nothing (same as deploy plan).")(f)
     return f
@@ -275,7 +278,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus):
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("playbook", required=False, shell_complete=complete_playbooks)
-@click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
+@click.option("--wait-lock", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
               help="Wait this long for another deploy's lock instead of failing at once.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and run nothing.")
 @click.option("--clean-gpus", is_flag=True, default=None,
@@ -366,7 +369,7 @@ def _running_playbooks(obj, inv):
 @click.option("--clean-gpus", is_flag=True, default=None,
               help="Also fuser -k -TERM, then -KILL, whatever in the container still holds /dev/nvidia*.")
 @click.option("-y", "--yes", is_flag=True, help="Do not ask before killing GPU holders (for scripts).")
-@click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
+@click.option("--wait-lock", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
               help="Wait this long for another deploy's lock instead of failing at once.")
 @json_option
 @click.pass_obj
@@ -495,8 +498,9 @@ def apply_config(obj, playbook):
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("targets", nargs=-1, metavar="[PLAYBOOK|HOST|HOST/VMID]...", shell_complete=complete_targets)
-@click.option("--watch", type=float, default=None, metavar="N", help="Refresh every N seconds (connections stay open).")
-@click.option("--deadline", type=float, default=15.0, show_default=True, metavar="S",
+@click.option("--watch", type=click.FloatRange(min=0, min_open=True), default=None, metavar="N",
+              help="Refresh every N seconds (connections stay open).")
+@click.option("--deadline", type=click.FloatRange(min=0, min_open=True), default=15.0, show_default=True, metavar="S",
               help="Per-host deadline; a slower host becomes a row that says so.")
 @json_option
 @click.pass_obj
@@ -524,24 +528,48 @@ def status(obj, targets, watch, deadline):
     run_guarded(go, obj)
 
 
+def _regex(_ctx, _param, value):
+    """--grep is a Python regular expression, checked here: a bad one is a usage error before anything runs."""
+    import re
+
+    if value is not None:
+        try:
+            re.compile(value)
+        except re.error as e:
+            raise click.BadParameter(f"not a valid regular expression: {e} (escape literal characters, e.g. "
+                                     "'\\(' for a parenthesis)")
+    return value
+
+
+def refuse_json(obj, command: str) -> None:
+    if obj.json:
+        raise UsageError(f"deploy {command} has no --json output", fix=f"run deploy {command} without --json")
+
+
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("target", metavar="PLAYBOOK|HOST/VMID", shell_complete=complete_targets)
-@click.option("-n", "lines", type=int, default=50, show_default=True, help="How many lines.")
+@click.option("-n", "lines", type=click.IntRange(min=1), default=50, show_default=True, help="How many lines.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until Ctrl-C.")
-@click.option("--grep", default=None, metavar="REGEX", help="Only lines matching REGEX.")
+@click.option("--grep", default=None, metavar="REGEX", callback=_regex, help="Only lines matching REGEX.")
+@click.option("--all", "show_all", is_flag=True,
+              help="Also show this tool's own /health, /v1/models and /metrics requests (left out by default).")
 @click.pass_obj
-def logs(obj, target, lines, follow, grep):
+def logs(obj, target, lines, follow, grep, show_all):
     """Show the vLLM log of a deployment (read from the container's state file).
+
+    The tool's own probe requests (GET /health, /v1/models, /metrics from 127.0.0.1) are left out unless --all.
 
     \b
     Examples:
       deploy logs qwen36-dflash -n 100
       deploy logs pve1/129 -f --grep 'SpecDecoding|ERROR'
+      deploy logs pve1/129 --all -n 20
     """
     def go():
         from .status import run_logs
 
-        sys.exit(run_logs(obj, target, lines, follow, grep))
+        refuse_json(obj, "logs")
+        sys.exit(run_logs(obj, target, lines, follow, grep, show_all))
     run_guarded(go, obj)
 
 

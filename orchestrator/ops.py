@@ -80,6 +80,8 @@ def new_context(fleet: Fleet, pb: Playbook, progress: Progress, token: str | Non
     secrets = secrets_for(pb)
     for v in secrets.values():
         fleet.redact.add(v)
+    if getattr(progress, "audit", None) is None:
+        progress.audit = fleet.audit  # progress also goes to the audit log: a closed stderr loses nothing
     return Context(session=fleet.session(pb.host), pb=pb, progress=progress, token=token or uuid.uuid4().hex,
                    holder=holder_id(), secrets=secrets)
 

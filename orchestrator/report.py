@@ -96,6 +96,11 @@ class SafeStream:
 
 
 def guard_std_streams() -> None:
+    """Called first by the CLI: from here on a closed stdout/stderr drops output instead of raising."""
+    if sys.stdout is None:  # started with the descriptor closed (>&-)
+        sys.stdout = open(os.devnull, "w")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
     if not isinstance(sys.stdout, SafeStream):
         sys.stdout = SafeStream(sys.stdout)
     if not isinstance(sys.stderr, SafeStream):

@@ -317,9 +317,20 @@ def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tupl
     digest: dict = {}
     node = compose_file(path, problems, digest)
     data = PLAYBOOK.check(node, "", problems) if node is not None else None
-    if data is None or problems.items:
+    if data is None:
         _raise(problems)
-    pb = Playbook(path=path, name=data["name"], data=data, sha256=digest["sha256"])
+    pb = Playbook(path=path, name=data["name"], data=data, sha256=digest.get("sha256", ""))
+    if problems.items:
+        # every problem at once: the cross-checks run on what did parse; a key already reported (its value is
+        # unusable) is not reported twice, and a check that cannot run on a broken value is skipped
+        more = Problems(path)
+        try:
+            _check_playbook(pb, inventory, more)
+        except (TypeError, KeyError, AttributeError, ValueError, OSError):
+            pass
+        seen = {p.split(": ", 2)[1] for p in problems.items if p.count(": ") >= 2}
+        problems.items += [p for p in more.items if p.count(": ") < 2 or p.split(": ", 2)[1] not in seen]
+        _raise(problems)
     _check_playbook(pb, inventory, problems)
     fallback_problems = None
     fb = data["acceptance"].get("fallback")

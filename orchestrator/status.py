@@ -30,7 +30,13 @@ def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
 
     want = []
     if not targets:
-        return [(h.name, c.vmid, {}) for h in inv.hosts.values() for c in h.containers]
+        every = [(h.name, c.vmid, {}) for h in inv.hosts.values() for c in h.containers]
+        if not every:
+            raise UsageError(f"the inventory {inv.path} lists no " + ("containers" if inv.hosts else "hosts")
+                             + ": there is nothing to show",
+                             fix="add your Proxmox hosts and containers to it, or try the test bed: deploy testbed "
+                                 "up, then export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml (or pass -i PATH)")
+        return every
     playbooks = set(list_playbooks())
     for t in targets:
         if "/" in t and t.split("/", 1)[1].isdigit():
@@ -370,14 +376,15 @@ def run_status(obj, targets, watch, deadline) -> int:
         return code
 
 
-def run_logs(obj, target, n, follow, grep) -> int:
+def run_logs(obj, target, n, follow, grep, show_all=False) -> int:
     inv = obj.inventory()
     scope = resolve_targets(inv, [target])
     host, vmid, rt = scope[0]
     log_path = os.path.join(rt.get("state_dir") or DEFAULT_STATE_DIR, "vllm.log")
     python = rt.get("python") or DEFAULT_PYTHON
     with Fleet(inv) as fleet:
-        args = {"log_path": log_path, "n": n, "grep": grep, "follow": follow, "follow_s": 24 * 3600}
+        args = {"log_path": log_path, "n": n, "grep": grep, "follow": follow, "follow_s": 24 * 3600,
+                "exclude": None if show_all else vf.OWN_PROBE_REQUESTS}
         if not follow:
             r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
             if not r.get("exists"):

@@ -157,3 +157,8 @@ def acceptance_from_log(lines: list[str]) -> Acceptance | None:
 def lifetime_acceptance(text: str) -> Acceptance | None:
     """Acceptance since the server started (for status): the counters against zero."""
     return acceptance_from_metrics("", text)
+
+
+# The tool's own probe requests in vLLM's access log (the agent asks over loopback): left out of `deploy logs`
+# unless --all.
+OWN_PROBE_REQUESTS = r'127\.0\.0\.1:\d+ - "GET (/health|/v1/models|/metrics) HTTP'

@@ -1011,7 +1011,7 @@ def act_probe(a):
             "log_tail": tail_file(a.get("log_path"), 200) if a.get("log_path") else []}
 
 
-def tail_file(path, n, grep=None):
+def tail_file(path, n, grep=None, exclude=None):
     try:
         with open(path, "rb") as fh:
             fh.seek(0, 2)
@@ -1024,23 +1024,27 @@ def tail_file(path, n, grep=None):
     if grep:
         rx = re.compile(grep)
         lines = [ln for ln in lines if rx.search(ln)]
+    if exclude:
+        ex = re.compile(exclude)
+        lines = [ln for ln in lines if not ex.search(ln)]
     return lines[-n:]
 
 
 def act_logs(a):
-    path, n, grep = a["log_path"], int(a.get("n", 50)), a.get("grep")
-    lines = tail_file(path, n, grep)
+    path, n, grep, exclude = a["log_path"], int(a.get("n", 50)), a.get("grep"), a.get("exclude")
+    lines = tail_file(path, n, grep, exclude)
     if not a.get("follow"):
         return {"lines": lines, "exists": os.path.exists(path)}
     for ln in lines:
         emit(event="line", line=ln)
     rx = re.compile(grep) if grep else None
+    ex = re.compile(exclude) if exclude else None
     pos = os.path.getsize(path) if os.path.exists(path) else 0
     deadline = now() + float(a.get("follow_s", 3600))
     while now() < deadline:
         pos, new = _tail_lines(path, pos)
         for ln in new:
-            if rx is None or rx.search(ln):
+            if (rx is None or rx.search(ln)) and (ex is None or not ex.search(ln)):
                 emit(event="line", line=ln)
         time.sleep(0.25)
     return {"followed_s": a.get("follow_s")}

@@ -21,7 +21,8 @@ def _fail(e):
 
 
 @click.group("testbed")
-def testbed():
+@click.pass_context
+def testbed(ctx):
     """A local simulated Proxmox VE GPU fleet to rehearse deployments on (needs root).
 
     \b
@@ -34,6 +35,9 @@ def testbed():
 
     See docs/testbed.md.
     """
+    if getattr(ctx.obj, "json", False) and ctx.invoked_subcommand != "status":
+        raise click.UsageError("--json is not supported by deploy testbed %s (only testbed status has JSON "
+                               "output)" % ctx.invoked_subcommand)
 
 
 def _parse_containers(text, gpus):
@@ -115,7 +119,8 @@ def down_cmd(root):
 @testbed.command("status")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.option("--dir", "root", default=None, help=DIR_HELP)
-def status_cmd(as_json, root):
+@click.pass_context
+def status_cmd(ctx, as_json, root):
     """Show hosts, containers, GPU memory and active faults.
 
     \b
@@ -123,6 +128,7 @@ def status_cmd(as_json, root):
       deploy testbed status --json
     """
     from .core import Testbed, TestbedError
+    as_json = as_json or getattr(ctx.obj, "json", False)  # deploy --json testbed status
     try:
         st = Testbed.load(_root(root)).status()
     except TestbedError as e:
