@@ -293,7 +293,7 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus):
     \b
     Examples:
       deploy restart qwen36-dflash --clean-gpus
-      deploy restart --clean-gpus -y
+      deploy restart --clean-gpus
     """
     def go():
         from . import ops

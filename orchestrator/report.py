@@ -15,7 +15,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-DETAIL_CELL = 60  # a cell longer than this goes to the details block, so a table stays a table
+DETAIL_CELL = 48  # a longer cell goes to the details block, so a table stays a table (not the last column)
 
 
 def _tty(stream) -> bool:
@@ -217,8 +217,9 @@ def dump_json(data) -> None:
 
 def table(rows: list[list[str]], headers: list[str], width: int | None = None, *,
           detail_cell: int = DETAIL_CELL) -> str:
-    """A plain-text table. No cell is ever cut: a cell longer than `detail_cell`, or one that keeps the table from
-    fitting `width` (None: no limit), is replaced by `[n]` and printed whole in a details block under the table."""
+    """A plain-text table. No cell is ever cut. A middle cell longer than `detail_cell` is replaced by `[n]` and
+    printed whole in a details block under the table. With a `width` (a TTY), more middle cells move there until
+    the table fits, and the last column wraps inside its own column; the first column (the row's name) stays."""
     cols = len(headers)
     cells = [[str(r[i]) for i in range(cols)] for r in rows]
     moved: dict[tuple[int, int], int] = {}
@@ -229,35 +230,47 @@ def table(rows: list[list[str]], headers: list[str], width: int | None = None, *
             cells[ri][ci] = f"[{moved[(ri, ci)]}]"
 
     for ri, r in enumerate(cells):
-        for ci, c in enumerate(r):
-            if len(c) > detail_cell:
+        for ci in range(1, cols - 1):
+            if len(r[ci]) > detail_cell:
                 move(ri, ci)
 
     def widths():
         return [max([len(headers[i])] + [len(r[i]) for r in cells]) for i in range(cols)]
 
+    last_min = min(24, widths()[-1])
     if width:
-        while sum(widths()) + 2 * (cols - 1) > width:
+        while True:
             w = widths()
-            # the widest column still holding a cell wider than its header (and than a marker) gives way
-            cand = [i for i in range(cols) if any(len(r[i]) == w[i] and len(r[i]) > max(len(headers[i]), 5)
-                                                  for r in cells)]
-            if not cand:
+            if sum(w[:-1]) + 2 * (cols - 1) + last_min <= width:
                 break
-            i = max(cand, key=lambda k: w[k])
-            for ri, r in enumerate(cells):
-                if len(r[i]) == w[i]:
-                    move(ri, i)
+            movable = [(len(r[ci]), ri, ci) for ri, r in enumerate(cells) for ci in range(1, cols - 1)
+                       if (ri, ci) not in moved and len(r[ci]) > max(len(headers[ci]), 5)]
+            if not movable:
+                break
+            _, ri, ci = max(movable)
+            move(ri, ci)
     w = widths()
+    lead = sum(w[:-1]) + 2 * (cols - 1)
+    last_w = max(10, width - lead) if width else None
+    if last_w:  # a word too long for the last column's room: that cell goes to the details block instead
+        for ri, r in enumerate(cells):
+            if len(r[-1]) > last_w and max(map(len, r[-1].split() or [""])) > last_w:
+                move(ri, cols - 1)
 
     def fmt(r):
-        return "  ".join(r[i].ljust(w[i]) for i in range(cols)).rstrip()
+        head = "  ".join(r[i].ljust(w[i]) for i in range(cols - 1)) + "  "
+        tail = r[-1]
+        if last_w and len(tail) > last_w:
+            parts = textwrap.wrap(tail, width=last_w, break_long_words=False, break_on_hyphens=False) or [tail]
+            return "\n".join([(head + parts[0]).rstrip()] + [" " * lead + p for p in parts[1:]])
+        return (head + tail).rstrip()
 
-    text = "\n".join([fmt(headers), fmt(["-" * x for x in w])] + [fmt(r) for r in cells])
+    text = "\n".join([fmt(headers), fmt(["-" * x for x in w[:-1]] + ["-" * min(w[-1], last_w or w[-1])])]
+                     + [fmt(r) for r in cells])
     if moved:
         text += "\n\nDetails:"
         for (ri, ci), n in sorted(moved.items(), key=lambda x: x[1]):
-            label = f"  [{n}] " + (f"{rows[ri][0]}, " if ci else "") + f"{headers[ci]}: "
+            label = f"  [{n}] {rows[ri][0]}, {headers[ci]}: "
             text += "\n" + wrap(label + str(rows[ri][ci]), width, indent=len(f"  [{n}] ") + 2)
     return text
 

@@ -1,0 +1,328 @@
+"""Examples are tests: every `deploy ...` example in every --help, and every command line in the fenced blocks of
+README.md and docs/**/*.md, is checked against the code.
+
+- Every example is parsed by click itself (the real command tree, option types, ranges and callbacks): an option
+  that does not exist, or a bad value, fails here. Synopsis lines (`deploy up PLAYBOOK [-y] ...`) must name only
+  options the command has.
+- Cheap, read-only examples (plan, status, verify, logs, --help, --dry-run, testbed status, and new read-only
+  commands named in CHEAP) run for real against the test bed: no usage error, no traceback, JSON where --json.
+- Where a doc shows output (`$ deploy ...` followed by output lines), that output is checked against the real
+  output: its lines, normalised (numbers, hashes, addresses and spacing), must appear in order.
+- The rest (up, down, restart, apply-config, testbed up/down/fault, --watch, -f) change or hold the test bed or
+  run until Ctrl-C: they are parsed only, each with the reason in NOT_RUN. A doc block can ask for more with a
+  marker line right before its fence:
+    <!-- examples: state up:PLAYBOOK -->   run the block's examples (all of them) after `deploy up PLAYBOOK`
+    <!-- examples: not run (why) -->       parse only, for the reason given
+    <!-- examples: illustrative (why) -->  run, but do not compare the documented output
+
+Examples are collected generically (every command of the click tree, every doc file), so new commands and new
+doc sections are picked up without touching this file.
+"""
+
+import glob
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+
+import click
+import pytest
+
+from e2e_helpers import REPO
+
+DOC_FILES = sorted([os.path.join(REPO, "README.md")] + glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
+                                                                 recursive=True))
+# Read-only commands that answer in about a second: run for real. (First words after `deploy`.)
+CHEAP = {"plan", "status", "verify", "logs", "schema", "completion", ("testbed", "status")}
+NOT_RUN = {
+    "up": "changes the deployment (tests/e2e/test_up.py runs it)",
+    "down": "changes the deployment (tests/e2e/test_gpu.py runs it)",
+    "restart": "changes the deployment (tests/e2e/test_up.py runs it)",
+    "apply-config": "writes the drafter config (tests/e2e/test_verify.py runs it)",
+    "init": "writes files in the current directory",
+    ("testbed", "up"): "the suite's test bed is already up (tests/testbed/ runs it)",
+    ("testbed", "down"): "would tear down the suite's test bed (tests/testbed/ runs it)",
+    ("testbed", "fault"): "changes the test bed (tests/testbed/ runs every fault)",
+    "--watch": "runs until Ctrl-C",
+    "-f": "follows until Ctrl-C",
+    "--follow": "follows until Ctrl-C",
+}
+
+
+@dataclass
+class Example:
+    source: str  # file:line, or "deploy up --help"
+    argv: list  # after "deploy"
+    line: str  # as written
+    output: list = field(default_factory=list)  # documented output lines
+    state: str = ""  # "" (a fresh test bed) or "up:PLAYBOOK"
+    mode: str = ""  # "", "not run (why)", "illustrative (why)"
+
+    def __str__(self):
+        return f"{self.source}: {self.line}"
+
+
+# ------------------------------------------------------------------ collecting
+
+
+def split_commands(line: str) -> list[list[str]]:
+    """The `deploy ...` commands of a shell line: comments dropped, split at | && || ; and redirections."""
+    lex = shlex.shlex(line, posix=True, punctuation_chars=";&|<>")
+    lex.whitespace_split = True
+    lex.commenters = "#"
+    try:
+        tokens = list(lex)
+    except ValueError:
+        return []
+    cmds, cur, skip = [], [], False
+    for t in tokens + [";"]:
+        if t in (";", "&&", "||", "|", "&"):
+            if cur and cur[0] == "deploy":
+                cmds.append(cur[1:])
+            cur, skip = [], False
+        elif t in (">", ">>", "<", "2>", "&>"):
+            skip = True
+        elif skip:
+            skip = False
+        else:
+            cur.append(t)
+    return cmds
+
+
+def is_synopsis(argv: list[str]) -> bool:
+    return any(re.fullmatch(r"\[.*|.*\]|.*\.\.\.|[A-Z][A-Z_/|]*[A-Z](\[.*)?|[A-Z]", t) for t in argv) or \
+        any(t.startswith("[") for t in argv)
+
+
+def help_examples() -> list[Example]:
+    """Every line under `Example:`/`Examples:` in the --help of every command (walked from the click tree)."""
+    from orchestrator.cli import main
+
+    out = []
+
+    def walk(cmd, path):
+        ctx = click.Context(cmd, info_name=" ".join(path))
+        text = cmd.get_help(ctx)
+        in_ex = False
+        for ln in text.splitlines():
+            s = ln.strip()
+            if re.fullmatch(r"Examples?:", s):
+                in_ex = True
+                continue
+            if not s:
+                in_ex = False
+                continue
+            if in_ex:
+                for argv in split_commands(s):
+                    out.append(Example(f"{' '.join(path)} --help", argv, s))
+        if isinstance(cmd, click.Group):
+            for name, sub in sorted(cmd.commands.items()):
+                walk(sub, path + [name])
+
+    walk(main, ["deploy"])
+    return out
+
+
+def doc_examples() -> list[Example]:
+    out = []
+    for path in DOC_FILES:
+        rel = os.path.relpath(path, REPO)
+        lines = open(path, encoding="utf-8").read().splitlines()
+        i = 0
+        while i < len(lines):
+            m = re.match(r"\s*```(\w*)", lines[i])
+            if not m:
+                i += 1
+                continue
+            lang = m.group(1)
+            marker = lines[i - 1].strip() if i else ""
+            mm = re.fullmatch(r"<!-- examples: (.*) -->", marker)
+            state = mode = ""
+            if mm:
+                what = mm.group(1)
+                if what.startswith("state "):
+                    state = what[len("state "):].strip()
+                else:
+                    mode = what
+            j = i + 1
+            while j < len(lines) and not re.match(r"\s*```", lines[j]):
+                j += 1
+            if lang in ("", "bash", "sh", "console", "shell", "text"):
+                cur = None
+                for k in range(i + 1, j):
+                    s = lines[k].strip()
+                    cmd = s[2:] if s.startswith("$ ") else s
+                    if cmd.startswith("deploy ") or cmd == "deploy":
+                        cur = None
+                        for argv in split_commands(cmd):
+                            cur = Example(f"{rel}:{k + 1}", argv, cmd, state=state, mode=mode)
+                            out.append(cur)
+                        if not s.startswith("$ "):
+                            cur = None  # a command list, not a console transcript: no output follows
+                    elif s.startswith("$ "):
+                        cur = None
+                    elif cur is not None:
+                        cur.output.append(lines[k])
+            i = j + 1
+    return out
+
+
+ALL = help_examples() + doc_examples()
+
+
+def words(argv):
+    """The command path of argv: the leading subcommand words (after global options)."""
+    from orchestrator.cli import main
+
+    cmd, path = main, []
+    for t in argv:
+        if t.startswith("-"):
+            continue
+        if isinstance(cmd, click.Group) and t in cmd.commands:
+            cmd = cmd.commands[t]
+            path.append(t)
+        else:
+            break
+    return path
+
+
+def why_not_run(ex: Example) -> str:
+    if ex.mode.startswith("not run"):
+        return ex.mode
+    if is_synopsis(ex.argv):
+        return "a synopsis (checked: its options exist)"
+    for t in ex.argv:
+        if t.startswith("-") and t in NOT_RUN:
+            return NOT_RUN[t]
+    if "--help" in ex.argv or "-h" in ex.argv or "--version" in ex.argv or "--dry-run" in ex.argv:
+        return ""
+    path = tuple(words(ex.argv))
+    key = path[0] if len(path) == 1 else path[:2]
+    if ex.state and key in NOT_RUN and key not in CHEAP:
+        return ""  # a block that sets up its own state runs its (expensive) examples too
+    if key in CHEAP or (path and path[0] in CHEAP):
+        return ""
+    return NOT_RUN.get(key) or f"{' '.join(path) or '(no command)'}: not known to be read-only (add it to CHEAP " \
+                               "if it is)"
+
+
+# ------------------------------------------------------------------ checking without a test bed
+
+
+def click_parse(argv):
+    """Parse argv with the real click tree, as `deploy` would, without running anything."""
+    from orchestrator.cli import Obj, main
+
+    ctx = main.make_context("deploy", list(argv), obj=Obj("hosts.yaml", False, False))
+    cmd = main
+    while isinstance(cmd, click.Group):
+        rest = list(getattr(ctx, "_protected_args", [])) + list(ctx.args)
+        if not rest:
+            break
+        name, sub, rest = cmd.resolve_command(ctx, rest)
+        ctx = sub.make_context(name, rest, parent=ctx)
+        cmd = sub
+    return cmd
+
+
+def synopsis_options(argv):
+    """A synopsis names only options its command (or the group above it) has."""
+    from orchestrator.cli import main
+
+    cmd, chain = main, [main]
+    for t in argv:
+        if isinstance(cmd, click.Group) and t in cmd.commands:
+            cmd = cmd.commands[t]
+            chain.append(cmd)
+    known = {o for c in chain for p in c.params for o in p.opts + p.secondary_opts}
+    known |= {"-h", "--help", "--version"}
+    used = {m for t in argv for m in re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", t)}
+    return sorted(used - known)
+
+
+def test_examples_were_found():
+    sources = {e.source.split(":")[0] for e in ALL}
+    assert len(ALL) > 50, len(ALL)
+    assert any(s.endswith("--help") for s in sources) and "README.md" in sources and "docs/cli.md" in sources
+
+
+@pytest.mark.parametrize("ex", ALL, ids=str)
+def test_example_parses(ex, capsys):
+    if is_synopsis(ex.argv):
+        assert not synopsis_options(ex.argv), f"{ex}: no such option(s) {synopsis_options(ex.argv)}"
+        return
+    try:
+        click_parse(ex.argv)
+    except click.exceptions.Exit:
+        pass  # --help, --version
+    except click.ClickException as e:
+        pytest.fail(f"{ex}: {e.format_message()}")
+    capsys.readouterr()
+
+
+# ------------------------------------------------------------------ running the cheap ones
+
+
+def _norm(line: str) -> str:
+    s = re.sub(r"127\.77\.\d+\.\d+", "ADDR", line.strip())
+    s = re.sub(r"\b[0-9a-f]{7,64}\b", "H", s)
+    s = re.sub(r"\d+", "0", s)
+    s = re.sub(r"-{2,}", "--", s)  # table rules follow the column widths
+    return re.sub(r"\s+", " ", s)
+
+
+def check_output(ex: Example, stdout: str, stderr: str):
+    want = [_norm(x) for x in ex.output if x.strip() and x.strip() not in ("...", "…")]
+    have = [_norm(x) for x in (stdout + "\n" + stderr).splitlines()]
+    pos = 0
+    for w in want:
+        while pos < len(have) and have[pos] != w:
+            pos += 1
+        assert pos < len(have), (f"{ex}: documented output line not in the real output (in this order):\n  {w}\n"
+                                 f"real output:\n{stdout}{stderr}")
+        pos += 1
+
+
+RUN = [e for e in ALL if not why_not_run(e)]
+STATES = sorted({e.state for e in RUN})
+
+
+@pytest.mark.parametrize("state", STATES, ids=lambda s: s or "fresh test bed")
+def test_examples_run_on_the_test_bed(state, tb, deploy):
+    """Each runnable example for real, in doc order, on the state it asks for."""
+    if state.startswith("up:"):
+        p = deploy("up", state[3:], "-y", env={"VPD_TESTBED_DIR": str(tb.root)})
+        assert p.returncode == 0, p.stderr
+    seen = set()
+    failures = []
+    for ex in [e for e in RUN if e.state == state]:
+        key = tuple(ex.argv)
+        if key in seen and not ex.output:
+            continue  # the same command line, already run: one run is enough
+        seen.add(key)
+        p = deploy(*ex.argv, timeout=120, env={"VPD_TESTBED_DIR": str(tb.root)})
+        problems = []
+        if p.returncode == 2:
+            problems.append(f"exit 2 (usage):\n{p.stderr}")
+        if "Traceback" in p.stderr:
+            problems.append(f"a traceback:\n{p.stderr}")
+        if "--json" in ex.argv and p.returncode != 2:
+            try:
+                json.loads(p.stdout)
+            except ValueError:
+                problems.append(f"--json but stdout is not JSON:\n{p.stdout[:500]}")
+        if ex.output and not ex.mode.startswith("illustrative"):
+            try:
+                check_output(ex, p.stdout, p.stderr)
+            except AssertionError as e:
+                problems.append(str(e))
+        if problems:
+            failures.append(f"{ex}\n  " + "\n  ".join(problems))
+    assert not failures, "\n\n".join(failures)
+
+
+def test_every_example_not_run_says_why():
+    for ex in ALL:
+        reason = why_not_run(ex)
+        assert "not known to be read-only" not in reason, f"{ex}: {reason}"

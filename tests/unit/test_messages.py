@@ -1,0 +1,194 @@
+"""Messages a user can trust: every kind rendered at 80 columns loses no text; fixes name what to run."""
+
+import io
+import re
+
+import click
+import pytest
+
+from orchestrator.errors import DeployError, SpecError
+from orchestrator.report import Progress, SafeStream, check_rows, table, wrap
+from orchestrator.status import _row, render_table
+from orchestrator.steps import StepFailed
+
+LONG_PATH = "/root/models/Qwen3.6-27B-DFlash-with-a-very-long-directory-name/snapshots/0123456789abcdef/config.json"
+SHA = "5d208bf4315f0ab499cbe48effa3473e33a5020c04e9b81fff139cb3d4ed3ede"
+
+
+def norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def assert_whole(value: str, out: str):
+    assert norm(value) in norm(out), f"lost text: {value!r}\nin:\n{out}"
+
+
+def assert_fits_or_unbreakable(out: str, width: int):
+    for ln in out.splitlines():
+        if len(ln) > width:  # only a single word longer than the width (a path, a hash) may overflow
+            assert any(len(w) > width // 3 for w in ln.split()), f"line over {width} columns: {ln!r}"
+
+
+CHECKS = [
+    {"check": "path", "ok": True, "expected": LONG_PATH, "on_disk": LONG_PATH, "as_loaded": None, "reason": ""},
+    {"check": "sha256", "ok": False, "expected": "df82" * 16, "on_disk": SHA, "as_loaded": None,
+     "reason": f"the file vLLM reads is not the pinned config ({LONG_PATH})"},
+    {"check": "field layer_types", "ok": False, "expected": ["sliding_attention"] * 4 + ["full_attention"],
+     "on_disk": ["full_attention"] * 5, "as_loaded": None, "reason": "differs from the pinned config"},
+    {"check": "vllm extensions", "ok": False, "expected": "complete build",
+     "on_disk": ["_C_stable_libtorch.abi3.so", "_moe_C.abi3.so"], "as_loaded": None,
+     "reason": "compiled extension(s) missing: _C_stable_libtorch.abi3.so, _moe_C.abi3.so (an incomplete build)"},
+    {"check": "fix: DFlash sliding window", "ok": False, "expected": ">= 0.26 or the PR #40898 build",
+     "on_disk": "0.25.0", "as_loaded": None,
+     "reason": "vLLM 0.25.0 refuses mixed sliding/full DFlash drafters (NotImplementedError)"},
+]
+
+
+@pytest.mark.parametrize("width", [80, None])
+def test_verify_table_keeps_every_value(width):
+    rows = check_rows(CHECKS)
+    out = table(rows, ["check", "expected", "on disk", "as loaded", "verdict", "reason"], width)
+    assert "~" not in out
+    for r in rows:
+        for v in r:
+            assert_whole(v, out)
+    if width:
+        assert_fits_or_unbreakable(out, width)
+    else:  # not a TTY: one line per row
+        assert len([ln for ln in out.splitlines() if ln.startswith(("path", "sha256", "field", "vllm", "fix"))]) == 5
+
+
+def test_status_table_and_problems_at_80_columns():
+    problems = [f"the last deploy up/restart of qwen36-dflash failed at 2026-12-03 20:04:13 (drift: the drafter "
+                f"config changed behind our back while vLLM started: {LONG_PATH} now has sha256 {SHA})",
+                "nvidia-smi: `nvidia-smi --query-gpu=index,memory.used,memory.total` did not answer within 5 s"]
+    rows = [_row("pve1", 129, container="running", process="failed", playbook="qwen36-dflash", problems=problems),
+            _row("pve2", 129, reachable=False, timed_out=True, problems=["no answer within 1 s (fix: raise "
+                                                                         "--deadline)"]),
+            _row("pve3", 129, reachable=False, problems=["cannot connect: Connection refused"])]
+    rows[0]["last_error"] = "torch.OutOfMemoryError: CUDA out of memory. " * 6
+    out = render_table(rows, False, 80)
+    for p in problems + ["no answer within 1 s (fix: raise --deadline)", rows[0]["last_error"].strip()]:
+        assert_whole(p, out)
+    assert "TIMEOUT" in out and "UNREACHABLE" in out and "~" not in out
+    assert_fits_or_unbreakable(out, 80)
+    full = render_table(rows, False, None)  # not a TTY: every problem on one line
+    assert f"  pve1/129: {problems[0]}" in full.splitlines()
+
+
+def test_acceptance_cell_before_any_draft():
+    r = _row("pve1", 129, healthy=True, process="running")
+    r["acceptance"] = {"lifetime": {"draft_acceptance_rate": None, "mean_acceptance_length": None, "drafts": 0},
+                       "recent": None}
+    out = render_table([r], False, None)
+    assert "no drafts yet" in out and "-/0.0" not in out
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_wraps_on_a_tty_and_keeps_whole_lines_otherwise(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("NO_COLOR", "1")
+    msg = f"FAIL drafter-config  cannot write {LONG_PATH}: Read-only file system; the old file is untouched"
+    tty = FakeTTY()
+    Progress(stream=tty).say("pve1/129", msg)
+    assert_whole(msg, tty.getvalue())
+    assert_fits_or_unbreakable(tty.getvalue(), 80)
+    plain = io.StringIO()
+    Progress(stream=plain).say("pve1/129", msg)
+    assert len(plain.getvalue().splitlines()) == 1 and msg in plain.getvalue()
+
+
+def test_errors_render_whole():
+    e = StepFailed("wait-ready", "vLLM failed to start: CUDA out of memory\n    > " + "x" * 500,
+                   where="pve1/129", fix="lower serve.gpu_memory_utilization", state_left="nothing was changed")
+    out = e.render()
+    assert "x" * 500 in out and "fix: lower serve.gpu_memory_utilization" in out and "state left:" in out
+    s = SpecError([f"p.yaml:{i}:1: key{i}: problem {i}" for i in range(3)])
+    assert all(f"key{i}: problem {i}" in s.render() for i in range(3)) and "3 problem(s)" in s.render()
+
+
+def test_wrap_never_breaks_a_word():
+    out = wrap("see " + LONG_PATH + " now", 40, indent=4)
+    assert LONG_PATH in out.split()
+
+
+def test_a_closed_stream_is_dropped_not_raised():
+    class Closed(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            raise io.UnsupportedOperation
+
+    s = SafeStream(Closed())
+    assert s.write("hello\n") == 6 and s.closed_by_reader
+    s.flush()
+    p = Progress(stream=Closed())
+    p.say("pve1/129", "still going")  # no exception: the operation goes on
+    assert p.quiet
+
+
+def test_waits_print_on_change_only(monkeypatch):
+    out = io.StringIO()
+    p = Progress(stream=out)
+    for _ in range(55):
+        p.waiting("pve1/129", "GPU0 30000 MiB", "waiting for GPU memory: GPU0 30000 MiB")
+    p.waiting("pve1/129", "GPU0 100 MiB", "waiting for GPU memory: GPU0 100 MiB")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    monkeypatch.setattr(Progress, "WAIT_EVERY_S", 0.0)  # the same reading again after 10 s: a line again
+    p.waiting("pve1/129", "GPU0 100 MiB", "waiting for GPU memory: GPU0 100 MiB")
+    assert len(out.getvalue().splitlines()) == 3
+
+
+def test_heartbeat_names_a_silent_step():
+    import time
+
+    out = io.StringIO()
+    p = Progress(stream=out)
+    with p.heartbeat("pve1/129", "current: read what runs there now", 20, quiet_s=0.2):
+        time.sleep(0.6)
+    assert "still waiting: current: read what runs there now" in out.getvalue()
+
+
+def test_cli_usage_errors_before_anything_runs():
+    from click.testing import CliRunner
+
+    from orchestrator.cli import main
+
+    r = CliRunner()
+    for args, text in [(["logs", "pve1/129", "--grep", "("], "not a valid regular expression"),
+                       (["status", "--deadline", "0"], "--deadline"),
+                       (["status", "--watch", "-1"], "--watch"),
+                       (["up", "x", "--wait-lock", "-5"], "--wait-lock"),
+                       (["logs", "pve1/129", "-n", "0"], "-n"),
+                       (["--json", "testbed", "fault", "pve1", "x"], "--json is not supported")]:
+        res = r.invoke(main, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert text in res.output, (args, res.output)
+    res = r.invoke(main, ["--json", "logs", "pve1/129"])
+    assert res.exit_code == 2 and "has no --json output" in res.output
+
+
+def test_every_help_example_uses_existing_options():
+    """Cheap version of tests/e2e/test_examples.py for machines without the test bed."""
+    from orchestrator.cli import main
+
+    def walk(cmd, path):
+        text = cmd.get_help(click.Context(cmd, info_name=" ".join(path)))
+        assert "restart --clean-gpus -y" not in text
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                walk(sub, path + [name])
+
+    walk(main, ["deploy"])
+
+
+def test_deploy_error_fix_text_is_rendered():
+    e = DeployError("boom", where="pve1", fix="deploy status")
+    assert e.render() == "pve1: boom\n  fix: deploy status"
+    assert re.search(r"fix: deploy", e.render())
