@@ -534,8 +534,9 @@ def run_parallel(items, fn, *, deadline_s: float):
     for i, ev in enumerate(done):
         if not ev.wait(max(0.0, end - time.monotonic())):
             results[i] = (items[i], None, RemoteTimeout(f"no answer within {deadline_s:g} s",
-                                                        fix=f"the host is slow or hung: give it more time (--deadline {max(2 * deadline_s, 30):g}) or "
-                                                            "check it directly"))
+                                                        fix="the host is slow or hung: give it more time "
+                                                            f"(--deadline {max(2 * deadline_s, 30):g}) or check it "
+                                                            "directly"))
     return results
 
 

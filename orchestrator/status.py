@@ -183,7 +183,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sa
                           "drift": disk != pinned}
         if disk != pinned:
             row["healthy"] = False
-            row["problems"].append(f"drafter config drift: {st['drafter_path']} has sha256 {disk or 'none (unreadable)'}, "
+            row["problems"].append(f"drafter config drift: {st['drafter_path']} has sha256 "
+                                   f"{disk or 'none (unreadable)'}, "
                                    f"launched with {pinned}; deploy apply-config {st.get('playbook')} reinstalls "
                                    f"the pinned bytes, then deploy restart {st.get('playbook')}")
     if r.get("metrics"):

@@ -911,14 +911,16 @@ def act_wait_ready(a):
                 m = rx.search(ln)
                 if m and ph not in seen_phases:
                     seen_phases.append(ph)
-                    emit(event="phase", phase=ph, line=ln[m.start():m.start() + 300], elapsed=round(now() - t0, 1))
+                    emit(event="phase", phase=ph, line=ln[m.start():], elapsed=round(now() - t0, 1))
             m = aux_re.search(ln)
             if m:
                 aux = [int(x) for x in re.findall(r"-?\d+", m.group(1))]
             for rx, info in fatal:
                 if rx.search(ln):
                     return {"ready": False, "reason": "fatal", "cause": info["cause"], "fix": info["fix"],
-                            "line": ln if len(ln) <= 4000 else ln[:4000] + " ... (%d more characters: deploy logs)" % (len(ln) - 4000), "log_tail": last_lines[-15:],
+                            "line": ln if len(ln) <= 4000 else
+                            ln[:4000] + " ... (%d more characters: deploy logs)" % (len(ln) - 4000),
+                            "log_tail": last_lines[-15:],
                             "seconds": round(now() - t0, 1), "alive": alive(pid), "phases": seen_phases}
         return None
 
