@@ -241,9 +241,19 @@ class HostSession:
                                    fix=f"add the host's key to {h.known_hosts} (ssh-keyscan -p {h.port} "
                                        f"{h.address or h.ssh_config_alias}, then compare its fingerprint), or set "
                                        "accept_new_host_keys: true for this host") from e
-            raise Unreachable(f"SSH error: {msg}", where=where, fix="check that sshd runs on the host") from e
+            if "private key" in msg or "key file" in msg or "not a valid" in msg:
+                raise Unreachable(f"the key file {h.identity_file} cannot be used: {msg}", where=where,
+                                  fix=f"point identity_file at a real private key, or make one: ssh-keygen -t ed25519 "
+                                      f"-f {h.identity_file} (and add its .pub to the host's authorized_keys)") from e
+            raise Unreachable(f"SSH error: {msg}", where=where,
+                              fix=f"check that sshd runs on the host: ssh -p {h.port} {h.user}@"
+                                  f"{h.address or h.ssh_config_alias} true") from e
         except (OSError, EOFError) as e:
             reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)) and h.identity_file:
+                raise Unreachable(f"cannot read the key file {h.identity_file}: {reason}", where=where,
+                                  fix=f"correct identity_file in the inventory, or make the key: ssh-keygen -t ed25519 "
+                                      f"-f {h.identity_file}") from e
             raise Unreachable(f"cannot connect: {reason}", where=where,
                               fix="check the address/port in the inventory and that the host is up") from e
         self.connects += 1

@@ -98,7 +98,7 @@ def call(session: HostSession, vmid: int, python: str, action: str, args: dict, 
                              fix="set runtime.python in the playbook to the Python that runs vLLM")
         if res.exited == -1:
             raise AgentError(f"agent action {action!r} ended without an exit status (killed by a signal?)",
-                             where=where, fix="check the container for an OOM kill or a process killer")
+                             where=where, fix="look for an OOM kill on the host: dmesg -T | grep -i -e oom -e killed")
         raise AgentError(f"agent action {action!r} failed (exit {res.exited}): {err[:500]}", where=where)
     if isinstance(result, dict) and "error" in result and "traceback" in result:
         raise AgentError(f"agent action {action!r} crashed: {result['error']}", where=where,

@@ -66,7 +66,8 @@ def prove_free(ctx: Context, step: Step, *, clean_gpus_hint: bool = True) -> dic
     if v and v.startswith("nvidia_smi_"):
         ctx.fail(step.name, t0, f"`{r.get('command', 'nvidia-smi')}` {r.get('message')} "
                                 f"(timeout {r.get('timeout_s')}s)",
-                 fix="the NVIDIA driver may be wedged: check nvidia-smi on the host; nothing was launched",
+                 fix=f"the NVIDIA driver may be wedged: run nvidia-smi on {ctx.pb.host} itself (a hung one needs the "
+                     "driver reloaded or the host rebooted); nothing was launched",
                  result=r)
     if v == "gpu_missing":
         ctx.fail(step.name, t0, f"GPU(s) {r['missing']} not visible in the container (nvidia-smi shows "
