@@ -356,7 +356,8 @@ def run_status(obj, targets, watch, deadline) -> int:
         with Fleet(inv) as fleet:
             while True:
                 t0 = time.monotonic()
-                rows = gather(inv, targets, fleet, deadline=deadline, sampler=sampler)
+                with obj.progress().heartbeat("status", "the slowest host(s) to answer", deadline):
+                    rows = gather(inv, targets, fleet, deadline=deadline, sampler=sampler)
                 code = exit_code(rows)
                 if obj.json:
                     dump_json({"schema": SCHEMA, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -14,6 +14,9 @@ README.md and docs/**/*.md, is checked against the code.
     <!-- examples: state up:PLAYBOOK -->   run the block's examples (all of them) after `deploy up PLAYBOOK`
     <!-- examples: not run (why) -->       parse only, for the reason given
     <!-- examples: illustrative (why) -->  run, but do not compare the documented output
+    <!-- examples: run -->                 run it even if it changes the test bed (after the read-only ones of
+                                            its state, in doc order: a walkthrough such as up, then down)
+  A plain block right after a block with a single command is that command's documented output.
   (`state ...` and one of the others may be combined, separated by `;`)
 
 Examples are collected generically (every command of the click tree, every doc file), so new commands and new
@@ -131,6 +134,7 @@ def doc_examples() -> list[Example]:
         rel = os.path.relpath(path, REPO)
         lines = open(path, encoding="utf-8").read().splitlines()
         i = 0
+        last_single = last_end = None
         while i < len(lines):
             m = re.match(r"\s*```(\w*)", lines[i])
             if not m:
@@ -140,7 +144,7 @@ def doc_examples() -> list[Example]:
             marker = lines[i - 1].strip() if i else ""
             mm = re.fullmatch(r"<!-- examples: (.*) -->", marker)
             state = mode = ""
-            directives = r"state [^;\s]+|not run \([^)]*\)|illustrative \([^)]*\)"
+            directives = r"state [^;\s]+|not run \([^)]*\)|illustrative \([^)]*\)|\brun\b"
             for what in re.findall(directives, mm.group(1) if mm else ""):
                 if what.startswith("state "):
                     state = what[len("state "):].strip()
@@ -149,19 +153,31 @@ def doc_examples() -> list[Example]:
             j = i + 1
             while j < len(lines) and not re.match(r"\s*```", lines[j]):
                 j += 1
+            body = [ln for ln in lines[i + 1:j] if ln.strip()]
+            if lang == "" and not any(ln.startswith(("$ deploy", "deploy ")) for ln in body) and out and \
+                    out[-1].source == last_single and all(not x.strip() for x in lines[last_end + 1:i]):
+                if not mm or not mode:  # the output of the command block just above
+                    out[-1].output = lines[i + 1:j]
+                i = j + 1
+                continue
+            last_single = last_end = None
+            cmds = [ln for ln in body if ln.strip().startswith("deploy ")]
+            if len(body) == 1 and len(cmds) == 1:
+                last_single, last_end = f"{rel}:{i + 2}", j
             if lang in ("", "bash", "sh", "console", "shell", "text"):
                 cur = None
                 for k in range(i + 1, j):
                     s = lines[k].strip()
-                    cmd = s[2:] if s.startswith("$ ") else s
-                    if cmd.startswith("deploy ") or cmd == "deploy":
+                    prompt = lines[k].startswith("$ ")  # a transcript's command (indented `$ ...` is output)
+                    cmd = s[2:] if prompt else s
+                    if (prompt or not lines[k].startswith(" " * 4)) and (cmd.startswith("deploy ") or cmd == "deploy"):
                         cur = None
                         for argv in split_commands(cmd):
                             cur = Example(f"{rel}:{k + 1}", argv, cmd, state=state, mode=mode)
                             out.append(cur)
-                        if not s.startswith("$ "):
+                        if not prompt:
                             cur = None  # a command list, not a console transcript: no output follows
-                    elif s.startswith("$ "):
+                    elif prompt:
                         cur = None
                     elif cur is not None:
                         cur.output.append(lines[k])
@@ -191,6 +207,8 @@ def words(argv):
 def why_not_run(ex: Example) -> str:
     if ex.mode.startswith("not run"):
         return ex.mode
+    if ex.mode == "run":
+        return ""
     if is_synopsis(ex.argv):
         return "a synopsis (checked: its options exist)"
     for t in ex.argv:
@@ -273,10 +291,26 @@ def _norm(line: str) -> str:
     return re.sub(r"\s+", " ", s)
 
 
+def _matches(doc: str, real: str) -> bool:
+    """`...` in a documented line elides part of the real one: the pieces must appear in order."""
+    if doc == real:
+        return True
+    pieces = [p.strip() for p in re.split(r"\.\.\.|…", doc)]
+    if len(pieces) == 1:
+        return False
+    pos = 0
+    for p in pieces:
+        k = real.find(p, pos)
+        if k < 0:
+            return False
+        pos = k + len(p)
+    return True
+
+
 def _missing(want, have):
     pos = 0
     for w in want:
-        while pos < len(have) and have[pos] != w:
+        while pos < len(have) and not _matches(w, have[pos]):
             pos += 1
         if pos == len(have):
             return w
@@ -306,8 +340,8 @@ def test_examples_run_on_the_test_bed(state, tb, deploy):
     seen = set()
     failures = []
     mine = [e for e in RUN if e.state == state]
-    changes = [e for e in mine if NOT_RUN.get(tuple(words(e.argv))[0] if len(words(e.argv)) == 1
-                                              else tuple(words(e.argv))[:2])]
+    changes = [e for e in mine if e.mode == "run" or NOT_RUN.get(
+        tuple(words(e.argv))[0] if len(words(e.argv)) == 1 else tuple(words(e.argv))[:2])]
     for ex in [e for e in mine if e not in changes] + changes:  # what changes the state runs last
         key = tuple(ex.argv)
         if key in seen and not ex.output:
