@@ -429,6 +429,10 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
         locked = take_lock(ctx, steps["lock"], opts.wait_lock_s)
         rep = G.stop(ctx, steps["stop"])
         free = G.prove_free(ctx, steps["gpus-free"])
+        try:  # a deliberate, successful down ends the story of an earlier failed up (deploy status)
+            ctx.call(P.step_note_failure(pb, None))
+        except DeployError:
+            pass
         out.ok, out.status = True, "down"
         out.info = {"stopped": rep.get("stopped"), "fuser": rep.get("fuser"), "stop_s": rep.get("seconds"),
                     "gpu_mib_before": rep.get("gpu_before") or free.get("before"), "gpu_mib_after": free.get("after"),

@@ -1299,9 +1299,17 @@ def _read_json(path):
 
 
 def act_note_failure(a):
-    """Record that an up/restart failed after changing something, for `deploy status` to report."""
+    """Record that an up/restart failed after changing something, for `deploy status` to report; with no
+    failure (after a successful down), forget the last one."""
+    path = os.path.join(a["state_dir"], "last_failure.json")
+    if not a.get("failure"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return {"ok": True}
     rec = dict(a.get("failure") or {}, at=now())
-    write_json_atomic(os.path.join(a["state_dir"], "last_failure.json"), rec)
+    write_json_atomic(path, rec)
     return {"ok": True}
 
 

@@ -73,6 +73,10 @@ def test_revert_during_startup_is_caught_as_drift(tb, deploy):
     s = deploy("status", "pve1/129")
     assert s.returncode == 1 and "failed" in s.stdout and "the last deploy up/restart of qwen36-dflash failed" \
         in s.stdout, s.stdout
+    tb.set_fault("pve1", 129, "config_revert_s", None)
+    assert deploy("down", "qwen36-dflash").returncode == 0  # a deliberate down ends that story
+    s = deploy("status", "pve1/129")
+    assert s.returncode == 0 and "failed" not in s.stdout, s.stdout
 
 
 def test_revert_noticed_first_by_aux_layers_is_still_drift(tb, deploy):
