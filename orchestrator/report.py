@@ -176,17 +176,20 @@ class Progress:
 
     @contextmanager
     def heartbeat(self, where: str, what: str, limit_s: float | None = None, quiet_s: float = 2.0):
-        """No silent step longer than `quiet_s`: while the body runs and nothing else was printed for that long,
-        say what it waits for (then every 10 s, or one updating line on a TTY)."""
+        """No silent step longer than `quiet_s`: while the body runs and nothing was printed for that long, say
+        what it waits for; after that, again whenever 10 s pass without any line (a step that reports its own
+        progress, such as a GPU wait, is not interrupted)."""
         done = threading.Event()
         t0 = time.monotonic()
 
         def beat():
+            first = True
             while not done.wait(0.25):
-                if time.monotonic() - self.last_out >= quiet_s:
+                if time.monotonic() - self.last_out >= (quiet_s if first else self.WAIT_EVERY_S):
+                    first = False
                     el = time.monotonic() - t0
-                    self.waiting(where, "heartbeat " + what, f"     still waiting: {what} ({el:.0f}s"
-                                 + (f" of at most {limit_s:g}s)" if limit_s else ")"))
+                    self.say(where, f"     still waiting: {what} ({el:.0f}s"
+                             + (f" of at most {limit_s:g}s)" if limit_s else ")"))
 
         th = threading.Thread(target=beat, daemon=True)
         th.start()
