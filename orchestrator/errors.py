@@ -57,9 +57,10 @@ class UsageError(DeployError):
 
 
 class Unreachable(DeployError):
-    """The host could not be reached (connect, auth, host key)."""
+    """The host could not be reached (connect, auth, host key). `timed_out`: it did not refuse, it was too slow."""
 
     exit_code = EXIT_UNREACHABLE
+    timed_out = False
 
 
 class HostKeyError(Unreachable):

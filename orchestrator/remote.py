@@ -245,6 +245,12 @@ class HostSession:
                 raise Unreachable(f"the key file {h.identity_file} cannot be used: {msg}", where=where,
                                   fix=f"point identity_file at a real private key, or make one: ssh-keygen -t ed25519 "
                                       f"-f {h.identity_file} (and add its .pub to the host's authorized_keys)") from e
+            if "banner" in msg.lower() or "timed out" in msg.lower() or "timeout" in msg.lower():
+                err = Unreachable(f"no SSH answer within {h.connect_timeout_s:g} s ({msg})", where=where,
+                                  fix=f"the host is slow or overloaded: raise connect_timeout_s for {h.name} in the "
+                                      "inventory, or check it directly")
+                err.timed_out = True
+                raise err from e
             raise Unreachable(f"SSH error: {msg}", where=where,
                               fix=f"check that sshd runs on the host: ssh -p {h.port} {h.user}@"
                                   f"{h.address or h.ssh_config_alias} true") from e
@@ -254,6 +260,12 @@ class HostSession:
                 raise Unreachable(f"cannot read the key file {h.identity_file}: {reason}", where=where,
                                   fix=f"correct identity_file in the inventory, or make the key: ssh-keygen -t ed25519 "
                                       f"-f {h.identity_file}") from e
+            if isinstance(e, (socket.timeout, TimeoutError)):
+                err = Unreachable(f"no answer to the connection within {h.connect_timeout_s:g} s ({reason})",
+                                  where=where, fix=f"a slow or overloaded host: raise connect_timeout_s for {h.name} in "
+                                                   "the inventory; an unroutable one: check the address")
+                err.timed_out = True
+                raise err from e
             raise Unreachable(f"cannot connect: {reason}", where=where,
                               fix="check the address/port in the inventory and that the host is up") from e
         self.connects += 1

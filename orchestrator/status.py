@@ -227,7 +227,8 @@ def gather(inv, targets, fleet: Fleet | None = None, *, deadline: float = 15.0, 
             rows += value
         else:
             refused = fleet.session(host).last_connect_error
-            if isinstance(err, RemoteTimeout) and refused is not None:  # still retrying a refused/failed connect
+            # still retrying a connect that was refused (not one that was merely slow): UNREACHABLE, not TIMEOUT
+            if isinstance(err, RemoteTimeout) and refused is not None and not isinstance(refused, TimeoutError):
                 h = inv.host(host)
                 err = Unreachable(f"cannot connect to {h.user}@{h.address or h.ssh_config_alias}:{h.port}: "
                                   f"{getattr(refused, 'strerror', None) or refused or type(refused).__name__}",
@@ -247,7 +248,7 @@ def _row_or_error(fleet, host, vmid, rt, sampler, smi_timeout):
 def _error_row(host, vmid, err) -> dict:
     """A container whose host did not answer: TIMEOUT when it was too slow for --deadline, UNREACHABLE when the
     connection was refused, unroutable or rejected."""
-    timed_out = isinstance(err, RemoteTimeout)
+    timed_out = isinstance(err, RemoteTimeout) or getattr(err, "timed_out", False)
     unreachable = isinstance(err, Unreachable) or timed_out
     if isinstance(err, DeployError):
         msg = (f"{err.where}: " if err.where and not err.where.startswith(f"{host}/") else "") + err.message + \

@@ -320,3 +320,15 @@ def json_loads(s):
     import json
 
     return json.loads(s)
+
+
+def test_a_slow_connect_is_timeout_a_refused_one_unreachable():
+    from orchestrator.errors import RemoteTimeout, Unreachable
+    from orchestrator.status import _error_row, state_word
+
+    slow = Unreachable("no answer to the connection within 10 s (timed out)", where="pve1")
+    slow.timed_out = True
+    rows = [_error_row("pve1", 129, slow), _error_row("pve2", 129, RemoteTimeout("no answer within 1 s")),
+            _error_row("pve3", 129, Unreachable("cannot connect: Connection refused", where="pve3"))]
+    assert [state_word(r) for r in rows] == ["TIMEOUT", "TIMEOUT", "UNREACHABLE"]
+    assert [r["timed_out"] for r in rows] == [True, True, False]
