@@ -148,7 +148,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sa
             row["process"] = "not ours"
             row["problems"].append(f"{len(stray)} vLLM process(es) not started by deploy: "
                                    + ", ".join(f"{p['pid']} ({p['comm']})" for p in stray)
-                                   + "; deploy status never touches them, --clean-gpus on down/restart frees GPUs")
+                                   + "; deploy never signals them: stop them yourself, or free their GPUs with deploy down "
+                                     "PLAYBOOK --clean-gpus")
             row["healthy"] = False
         return row
     row.update(playbook=st.get("playbook"), pid=st.get("pid"), method=st.get("method"),
