@@ -44,7 +44,7 @@ NOT_RUN = {
     "down": "changes the deployment (tests/e2e/test_gpu.py runs it)",
     "restart": "changes the deployment (tests/e2e/test_up.py runs it)",
     "apply-config": "writes the drafter config (tests/e2e/test_verify.py runs it)",
-    "init": "writes files in the current directory",
+    "init": "writes files where it is run (tests/unit/test_locate.py runs it in a scratch directory)",
     ("testbed", "up"): "the suite's test bed is already up (tests/testbed/ runs it)",
     ("testbed", "down"): "would tear down the suite's test bed (tests/testbed/ runs it)",
     ("testbed", "fault"): "changes the test bed (tests/testbed/ runs every fault)",
