@@ -18,7 +18,9 @@ FATAL = [
      "cause": "the KV cache is too small for max_model_len",
      "fix": "lower serve.max_model_len or raise serve.gpu_memory_utilization"},
     {"regex": r"(torch\.OutOfMemoryError|torch\.cuda\.OutOfMemoryError): CUDA out of memory",
-     "cause": "CUDA out of memory", "fix": "lower serve.gpu_memory_utilization / max_model_len, or free the GPUs"},
+     "cause": "CUDA out of memory",
+     "fix": "lower serve.gpu_memory_utilization or serve.max_model_len in the playbook, or free the GPUs: "
+            "deploy restart PLAYBOOK --clean-gpus"},
     {"regex": r"does not have non-causal support, which is required for DFlash",
      "cause": "the attention backend lacks non-causal attention", "fix": "set serve.attention_backend: flash_attn"},
     {"regex": r"NotImplementedError: DFlash does not yet support mixed sliding/full attention",

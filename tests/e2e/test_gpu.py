@@ -77,6 +77,7 @@ def test_holder_in_another_container_is_outside_and_nothing_launches(tb, deploy,
         assert "given the busy GPU(s): 130 (" in msg and "GPUs [0])" in msg
         assert "launch" not in [s["step"] for s in p.json["steps"]]
         assert p.json["error"]["state_left"] == "nothing was changed on the host"
+        assert p.json["error"]["fix"].startswith("stop the holder on the host or in the other container")
     finally:
         hog.kill()
 
@@ -88,6 +89,7 @@ def test_host_level_holder_is_reported_as_the_host(tb, deploy, playbooks):
     assert p.returncode == 1
     assert "held OUTSIDE this container (GPU2 12000 MiB" in p.stderr
     assert "the holder is the host itself" in p.stderr
+    assert "fix: stop the holder on the host or in the other container" in p.stderr
 
 
 def test_hanging_nvidia_smi_times_out_with_the_command(tb, deploy, playbooks):
@@ -98,6 +100,7 @@ def test_hanging_nvidia_smi_times_out_with_the_command(tb, deploy, playbooks):
     assert p.returncode == 1
     assert "nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits" in p.stderr
     assert "did not answer within 1s" in p.stderr
+    assert "fix: the NVIDIA driver may be wedged: run nvidia-smi on pve1 itself" in p.stderr
     assert time.monotonic() - t0 < 20
 
 

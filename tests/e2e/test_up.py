@@ -91,6 +91,8 @@ def test_oom_at_startup_fails_fast_with_cause_and_fix(tb, deploy):
     assert "torch.OutOfMemoryError: CUDA out of memory" in p.stderr
     assert time.monotonic() - t0 < 30
     assert "state left: the failed server" in p.stderr
+    assert "fix: lower serve.gpu_memory_utilization or serve.max_model_len in the playbook, or free the GPUs: " \
+           "deploy restart qwen36-mtp --clean-gpus" in p.stderr
 
 
 def test_free_memory_error_points_at_clean_gpus(tb, deploy):
@@ -114,6 +116,7 @@ def test_port_in_use_is_caught_before_launch(tb, deploy):
     p = deploy("--json", "up", "qwen36-mtp")
     assert p.returncode == 1
     assert "port 8000 is already in use in the container" in p.json["error"]["message"]
+    assert p.json["error"]["fix"] == "stop what listens there, or set serve.port to a free port"
     assert "launch" not in [s["step"] for s in p.json["steps"]]
 
 
@@ -123,6 +126,7 @@ def test_missing_extension_stops_before_launch(tb, deploy):
     assert p.returncode == 1
     assert "compiled extension(s) missing: _C_stable_libtorch.abi3.so" in p.stderr
     assert "vLLM 0.34.0" in p.stderr
+    assert "fix: the installed vLLM 0.34.0 build is incomplete: reinstall it" in p.stderr, p.stderr
     assert tb.container_exec("pve1", 129, ["test", "-e", "/var/lib/vllm-pve-deploy/state.json"]).returncode == 1
 
 
@@ -138,6 +142,7 @@ def test_two_concurrent_ups_do_not_both_launch(tb, deploy):
     assert codes == [0, 1], [r.stderr for r in results]
     loser = [r for r in results if r.returncode == 1][0]
     assert "another deploy holds the lock" in loser.stderr and "pid" in loser.stderr
+    assert "fix: wait for it to finish, or pass --wait-lock SECONDS" in loser.stderr
     launches = [a for a in audit(deploy) if a.get("label") == "agent:launch" and "argv" in a]  # not `starting`
     assert len(launches) == 1
 
