@@ -246,8 +246,9 @@ def table(rows: list[list[str]], headers: list[str], width: int | None = None, *
             w = widths()
             if sum(w[:-1]) + 2 * (cols - 1) + last_min <= width:
                 break
+            # only a long value is worth a details line; short ones stay (the terminal wraps an overlong row)
             movable = [(len(r[ci]), ri, ci) for ri, r in enumerate(cells) for ci in range(1, cols - 1)
-                       if (ri, ci) not in moved and len(r[ci]) > max(len(headers[ci]), 5)]
+                       if (ri, ci) not in moved and len(r[ci]) > max(len(headers[ci]), 16)]
             if not movable:
                 break
             _, ri, ci = max(movable)

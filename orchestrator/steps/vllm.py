@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from .. import vllm_facts as vf
@@ -15,6 +16,23 @@ LOW_ACCEPTANCE_CAUSES = [
     "a vLLM without the +1 layer-id fix (PR #40727) or without DFlash sliding-window support",
     "use_sliding_window false/absent: transformers drops the window silently",
 ]
+
+
+def whole_object(line: str) -> str:
+    """`SpeculativeConfig(...), tokenizer=...`: the phase's own object, whole up to its closing parenthesis (the rest
+    of vLLM's engine-config line is in deploy logs); any other line as it is."""
+    m = re.match(r"\w+\(", line)
+    if not m:
+        return line
+    depth = 0
+    for i, ch in enumerate(line):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return line[:i + 1]
+    return line
 
 
 def port_free(ctx: Context, step: Step) -> None:
@@ -42,7 +60,7 @@ def wait_ready(ctx: Context, step: Step) -> dict:
 
     def on_event(e):
         if e.get("event") == "phase":
-            ctx.progress.say(ctx.where, f"     {e['elapsed']:>6}s  {e['phase']:<22} {e['line']}")
+            ctx.progress.say(ctx.where, f"     {e['elapsed']:>6}s  {e['phase']:<22} {whole_object(e['line'])}")
         elif e.get("event") == "waiting":  # on change of the last log line, else every 10 s
             ctx.progress.waiting(ctx.where, "load " + e["line"],
                                  f"     {e['elapsed']:>6}s  still loading; last log line: {e['line']}")
