@@ -313,3 +313,17 @@ def test_a_slow_connect_is_timeout_a_refused_one_unreachable():
             _error_row("pve3", 129, Unreachable("cannot connect: Connection refused", where="pve3"))]
     assert [state_word(r) for r in rows] == ["TIMEOUT", "TIMEOUT", "UNREACHABLE"]
     assert [r["timed_out"] for r in rows] == [True, True, False]
+
+
+def test_outcomes_and_plans_render_whole(capsys):
+    from orchestrator.cli import render_outcome
+    from orchestrator.ops import Outcome
+
+    err = StepFailed("drift", f"the drafter config changed behind our back while vLLM started: {LONG_PATH} now "
+                              f"has sha256 {SHA}", where="pve1/129", fix=f"find what rewrites {LONG_PATH}",
+                     state_left=f"the drafter config {LONG_PATH} was replaced; read now: sha256 {SHA}")
+    render_outcome(Outcome(False, "qwen36-dflash", "pve1/129", "failed", [], err))
+    out = capsys.readouterr()
+    for text in (err.message, err.fix, err.state_left):
+        assert text in out.err
+    assert "None" not in out.err + out.out
