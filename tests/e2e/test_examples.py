@@ -44,6 +44,7 @@ NOT_RUN = {
     "down": "changes the deployment (tests/e2e/test_gpu.py runs it)",
     "restart": "changes the deployment (tests/e2e/test_up.py runs it)",
     "apply-config": "writes the drafter config (tests/e2e/test_verify.py runs it)",
+    "compare": "brings up each playbook in turn and leaves the winner running (tests/e2e/test_compare.py runs it)",
     "init": "writes files where it is run (tests/unit/test_locate.py runs it in a scratch directory)",
     # commands of branches not merged yet, classified ahead so that merging them needs no edit here
     "discover": "connects to the address it is given, which may be outside the test bed (its own tests run it)",
