@@ -406,8 +406,9 @@ def down(obj, playbook, clean_gpus, yes, wait_lock):
 def _preview_holders(inv, pb):
     from . import agent
     from .remote import Fleet
+    from .report import Progress
 
-    with Fleet(inv) as fleet:
+    with Fleet(inv) as fleet, Progress().heartbeat(f"{pb.host}/{pb.vmid}", "list what holds the GPUs", 30):
         r = agent.call(fleet.session(pb.host), pb.vmid, pb.runtime["python"], "gpu_read",
                        {"nvidia_smi_timeout_s": 5}, timeout=30)
     devs = {f"/dev/nvidia{g}" for g in pb.gpus}  # fuser acts on the playbook's own GPUs only

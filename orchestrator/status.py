@@ -390,7 +390,8 @@ def run_logs(obj, target, n, follow, grep, show_all=False) -> int:
         args = {"log_path": log_path, "n": n, "grep": grep, "follow": follow, "follow_s": 24 * 3600,
                 "exclude": None if show_all else vf.OWN_PROBE_REQUESTS}
         if not follow:
-            r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
+            with obj.progress().heartbeat(f"{host}/{vmid}", f"read {log_path}", 30):
+                r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
             if not r.get("exists"):
                 click.echo(f"{host}/{vmid}: no log at {log_path} (nothing was launched there?)", err=True)
                 return EXIT_FAILED
