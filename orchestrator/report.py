@@ -163,9 +163,12 @@ class Progress:
             self.last_out = now  # the line on screen is still current: not silence
             if self.audit is not None:
                 self.audit.write(event="progress", where=where, message=msg)
-            if self.color and not self.quiet:  # one line, updated in place
+            line = f"{time.monotonic() - self.t0:6.1f}s [{where}] {msg}"
+            # one line updated in place, when it fits the terminal (a wrapped line cannot be rewritten in place;
+            # it was printed whole when it last changed)
+            if self.color and not self.quiet and len(line) < (term_width(self.stream) or 0):
                 try:
-                    self.stream.write(f"\r\x1b[2K{time.monotonic() - self.t0:6.1f}s [{where}] {msg}")
+                    self.stream.write(f"\r\x1b[2K{line}")
                     self.stream.flush()
                     self._inplace = True
                 except (BrokenPipeError, ValueError, OSError):
