@@ -327,3 +327,16 @@ def test_outcomes_and_plans_render_whole(capsys):
     for text in (err.message, err.fix, err.state_left):
         assert text in out.err
     assert "None" not in out.err + out.out
+
+
+def test_a_wait_on_a_tty_is_one_line_updated_in_place(monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("COLUMNS", "120")
+    tty = FakeTTY()
+    p = Progress(stream=tty)
+    for i in range(5):
+        p.waiting("pve1/129", "GPU0 30000 MiB", f"waiting for GPU memory: GPU0 30000 MiB ({i}s)")
+    p.say("pve1/129", "ok   gpus-free")
+    text = tty.getvalue()
+    assert text.count("\r\x1b[2K") == 4 and text.count("\n") == 3  # first line, in-place updates, end, next line
+    assert "(4s)" in text and "gpus-free" in text
