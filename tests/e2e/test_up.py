@@ -127,6 +127,7 @@ def test_missing_extension_stops_before_launch(tb, deploy):
     assert "compiled extension(s) missing: _C_stable_libtorch.abi3.so" in p.stderr
     assert "vLLM 0.34.0" in p.stderr
     assert "fix: the installed vLLM 0.34.0 build is incomplete: reinstall it" in p.stderr, p.stderr
+    assert "--force-reinstall --no-deps 'vllm==0.34.0'" in p.stderr and ">= 0.26.0" not in p.stderr
     assert tb.container_exec("pve1", 129, ["test", "-e", "/var/lib/vllm-pve-deploy/state.json"]).returncode == 1
 
 
