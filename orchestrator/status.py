@@ -370,7 +370,7 @@ def run_status(obj, targets, watch, deadline) -> int:
                     click.echo(render_table(rows, color, term_width()))
                     if watch:
                         click.echo(f"\n(refreshed in {time.monotonic() - t0:.2f}s; every {watch:g}s; Ctrl-C to stop)")
-                if not watch:
+                if not watch or reader_gone():  # `--watch | head`: nobody reads any more, stop watching
                     return code
                 fleet.open_spares()  # the next refresh then costs one round trip less per host
                 time.sleep(max(0.0, watch - (time.monotonic() - t0)))
@@ -398,9 +398,22 @@ def run_logs(obj, target, n, follow, grep, show_all=False) -> int:
             for ln in r["lines"]:
                 click.echo(ln)
             return EXIT_OK
+        def line(e):
+            click.echo(e.get("line", ""))
+            if reader_gone():  # `logs -f | head`: stop following (closing the channel ends the remote side)
+                raise _ReaderGone()
+
         try:
-            agent.call(fleet.session(host), vmid, python, "logs", args, timeout=24 * 3600 + 60,
-                       on_event=lambda e: click.echo(e.get("line", "")))
-        except KeyboardInterrupt:
+            agent.call(fleet.session(host), vmid, python, "logs", args, timeout=24 * 3600 + 60, on_event=line)
+        except (KeyboardInterrupt, _ReaderGone):
             pass
         return EXIT_OK
+
+
+class _ReaderGone(Exception):
+    pass
+
+
+def reader_gone() -> bool:
+    """stdout's reader went away (see report.SafeStream)."""
+    return bool(getattr(sys.stdout, "closed_by_reader", False))

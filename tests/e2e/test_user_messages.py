@@ -71,3 +71,15 @@ def test_json_is_refused_where_there_is_none(tb, deploy):
     assert p.returncode == 2 and p.json and p.json["message"] == "deploy logs has no --json output"
     q = deploy("--json", "testbed", "status", env={"VPD_TESTBED_DIR": str(tb.root)})
     assert q.returncode == 0 and q.json and "hosts" in q.json
+
+
+def test_watch_stops_when_its_reader_goes_away(tb, deploy):
+    env = dict(__import__("os").environ, DEPLOY_INVENTORY=tb.inventory_path,
+               DEPLOY_STATE_DIR=str(deploy.state_dir), NO_COLOR="1")
+    # like `deploy status --watch 0.2 | head -1`
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "status", "pve1/129", "--watch", "0.2"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    assert b"Traceback" not in proc.stderr.read()
