@@ -239,8 +239,8 @@ def open_dir(path, create_mode=None):
         raise
 
 
-STATE_FILES = re.compile(r"(state\.json|state\.stopped\.json|vllm\.log(\.1)?|exit_code|lock|lock\.break"
-                         r"|\.lock\.stale-.*|lock\.break\.stale-.*|\..*\.tmp-.*)$")
+STATE_FILES = re.compile(r"(state\.json|state\.stopped\.json|last_failure\.json|vllm\.log(\.1)?|exit_code|lock"
+                         r"|lock\.break|\.lock\.stale-.*|lock\.break\.stale-.*|\..*\.tmp-.*)$")
 
 
 def _only_state_files(dfd):
@@ -1292,7 +1292,7 @@ def _status_rest(res, state_dir):
 
 def _read_json(path):
     try:
-        with open(path) as fh:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as fh:
             return json.load(fh)
     except (OSError, ValueError):
         return None
@@ -1304,9 +1304,15 @@ def act_note_failure(a):
     path = os.path.join(a["state_dir"], "last_failure.json")
     if not a.get("failure"):
         try:
-            os.unlink(path)
+            dfd = open_dir(a["state_dir"])
+        except (OSError, UnsafeDirectory):
+            return {"ok": True}
+        try:
+            os.unlink("last_failure.json", dir_fd=dfd)
         except OSError:
             pass
+        finally:
+            os.close(dfd)
         return {"ok": True}
     rec = dict(a.get("failure") or {}, at=now())
     write_json_atomic(path, rec)
