@@ -561,6 +561,11 @@ def act_stop(a):
                 deadline = now() + 10
                 while proven_members(st) and now() < deadline:
                     time.sleep(0.05)
+            # A process on its way out can no longer be proven (its environ and cmdline are gone) but still holds
+            # its /dev/nvidia* fds for a moment: wait, without signalling anything, until the group has left.
+            deadline = now() + min(max(grace, 1.0), 10.0)
+            while _group_members(st["pgid"]) and now() < deadline:
+                time.sleep(0.05)
     elif st and st.get("corrupt"):
         report["state_error"] = st["corrupt"]
     # vLLM processes outside our recorded group were not started by deploy: never signalled here. They are
