@@ -640,6 +640,48 @@ def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep,
     run_guarded(go, obj)
 
 
+# ------------------------------------------------------------------ discover
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy discover pve1                          # a host of the inventory: print what it has
+  deploy discover root@10.1.2.5 --name pve1     # a host not in the inventory yet
+  deploy discover pve1 --write                  # merge into the inventory (shows the diff, asks first)
+  deploy discover pve1 --json""")
+@click.argument("host", metavar="HOST")
+@click.option("--write", is_flag=True, help="Merge into the inventory file: show the diff, ask, keep a backup.")
+@click.option("-y", "--yes", is_flag=True, help="With --write: do not ask.")
+@click.option("--name", default=None, metavar="NAME", help="Inventory name for a host given by address.")
+@click.option("--user", default=None, metavar="USER", help="SSH user for an address (default root).")
+@click.option("--identity-file", default=None, metavar="PATH", help="Private key for an address.")
+@click.option("--known-hosts", default=None, metavar="PATH", help="known_hosts for an address "
+              "(default ~/.ssh/known_hosts).")
+@click.option("--accept-new-host-key", is_flag=True,
+              help="For an address not in the inventory: trust and record a host key seen for the first time.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, metavar="S", help="Per-command deadline.")
+@json_option
+@click.pass_obj
+def discover(obj, host, write, yes, name, user, identity_file, known_hosts, accept_new_host_key, timeout):
+    """Read a Proxmox host as it is and print its inventory entry: every container (running or not), the GPUs
+    passed into each (devN, lxc.mount.entry, cgroup `c 195:*` = every GPU; shared GPUs flagged), and for
+    running containers their address and the vLLM runtimes inside (Python, vLLM and transformers versions).
+
+    HOST is an inventory host name or [user@]address[:port]. One SSH connection, read-only: nothing is
+    written on the host. Host keys follow the inventory's policy; an address not in the inventory refuses
+    unknown keys unless --accept-new-host-key.
+    """
+    def go():
+        from .discover import run_discover
+
+        sys.exit(run_discover(obj, host, write=write, yes=yes, accept_new=accept_new_host_key,
+                              identity_file=identity_file, known_hosts=known_hosts, user=user, name=name,
+                              timeout=timeout))
+    run_guarded(go, obj)
+
+
 # ------------------------------------------------------------------ init, schema
 
 

@@ -60,6 +60,14 @@ CONTAINER = Map({
     "name": Field(Str(**NAME), doc="container name (informational)"),
     "gpus": Field(List(Int(0, 63), min_len=0, max_len=64, unique=True), default=list,
                   doc="host GPU indices passed into the container"),
+    "address": Field(Str(**HOSTNAME), doc="the container's own IP or DNS name (service URLs); filled by "
+                                          "`deploy discover`"),
+    "runtime": Field(Map({
+        "python": Field(Str(**ABS_PATH), required=True, doc="the Python that runs vLLM in the container"),
+        "vllm": Field(Str(**ABS_PATH), doc="the vllm executable (default: next to python)"),
+        "state_dir": Field(Str(**ABS_PATH), default="/var/lib/vllm-pve-deploy"),
+    }), doc="the container's vLLM runtime (filled by `deploy discover`; a playbook's runtime overrides it); "
+            "without one `deploy status` shows `no vLLM runtime`"),
 })
 
 HOST = Map({
@@ -217,6 +225,8 @@ class ContainerSpec:
     vmid: int
     name: str | None
     gpus: tuple[int, ...]
+    address: str | None = None
+    runtime: dict | None = None  # {python, vllm, state_dir} from the inventory, or None
 
 
 @dataclass(frozen=True)
@@ -307,8 +317,16 @@ def load_inventory(path: str) -> Inventory:
             name=h["name"], address=h["address"], ssh_config_alias=h["ssh_config_alias"], port=h["port"],
             user=h["user"], identity_file=rel(h["identity_file"]), known_hosts=rel(h["known_hosts"]),
             accept_new_host_keys=h["accept_new_host_keys"], connect_timeout_s=h["connect_timeout_s"],
-            containers=tuple(ContainerSpec(c["vmid"], c["name"], tuple(c["gpus"])) for c in h["containers"]))
+            containers=tuple(ContainerSpec(c["vmid"], c["name"], tuple(c["gpus"]), c.get("address"),
+                                           _runtime(c.get("runtime"))) for c in h["containers"]))
     return Inventory(path=path, hosts=hosts)
+
+
+def _runtime(rt: dict | None) -> dict | None:
+    if not rt:
+        return None
+    return {"python": rt["python"], "vllm": rt.get("vllm") or os.path.join(os.path.dirname(rt["python"]), "vllm"),
+            "state_dir": rt.get("state_dir") or "/var/lib/vllm-pve-deploy"}
 
 
 def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tuple = ()) -> Playbook:

@@ -94,6 +94,55 @@ def _normalize_containers(hosts: int, containers, gpus: int) -> dict:
     return spec
 
 
+CT_OPTIONS = {"passthrough": ("dev", "mount", "cgroup-all"), "ip": None, "python": ("venv", "system", "none")}
+
+
+def _normalize_options(spec: dict, options) -> dict:
+    """-> {host: {vmid: {option: value}}}: per-container variations of the pct config and the container's
+    contents (default: `devN:` passthrough, ip=dhcp, the /root/ml-env venv). See docs/testbed.md."""
+    out = {h: {} for h in spec}
+    for h, cts in (options or {}).items():
+        if h not in spec:
+            raise TestbedError("options given for unknown host %r (hosts are %s)" % (h, list(spec)))
+        for v, o in cts.items():
+            v = int(v)
+            if v not in spec[h]:
+                raise TestbedError("options given for unknown container %s/%d" % (h, v))
+            for k, val in o.items():
+                if k not in CT_OPTIONS:
+                    raise TestbedError("unknown container option %r (known: %s)" % (k, ", ".join(CT_OPTIONS)))
+                if CT_OPTIONS[k] and val not in CT_OPTIONS[k]:
+                    raise TestbedError("container option %s=%r: one of %s" % (k, val, ", ".join(CT_OPTIONS[k])))
+            out[h][v] = dict(o)
+    return out
+
+
+def _pct_conf(v: int, gpus, opt: dict) -> str:
+    """The container's /etc/pve/nodes/<host>/lxc/<vmid>.conf, as `pct config` prints it.
+
+    passthrough "dev" (default, PVE >= 8.1): `devN: /dev/nvidiaK` entries; "mount": `lxc.mount.entry` bind
+    mounts of each device; "cgroup-all": only `lxc.cgroup2.devices.allow: c 195:* rwm` plus the control devices
+    (the GPU nodes come from a hook, as with an autodev script): every GPU of the host is allowed."""
+    style = opt.get("passthrough", "dev")
+    ctl_devs = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    lines = ["arch: amd64", "cores: 32"]
+    if style == "dev":
+        devs = ["/dev/nvidia%d" % i for i in gpus] + ctl_devs
+        lines += ["dev%d: %s" % (n, d) for n, d in enumerate(devs)]
+    lines += ["features: nesting=1", "hostname: %s" % _container_name(v), "memory: 262144",
+              "net0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:00:%02X:%02X,ip=%s,type=veth"
+              % (v // 256 % 256, v % 256, opt.get("ip") or "dhcp"),
+              "ostype: debian", "rootfs: local-lvm:vm-%d-disk-0,size=200G" % v, "swap: 0",
+              "lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 508:* rwm"]
+    if style == "mount":
+        lines += ["lxc.mount.entry: %s %s none bind,optional,create=file" % (d, d[1:])
+                  for d in ["/dev/nvidia%d" % i for i in gpus] + ctl_devs]
+    elif style == "cgroup-all":
+        lines += ["lxc.mount.entry: %s %s none bind,optional,create=file" % (d, d[1:]) for d in ctl_devs]
+        lines += ["lxc.hook.autodev: /var/lib/lxc/%d/nvidia-autodev.sh" % v]
+    return "\n".join(lines) + "\n"
+
+
 def safetensors_header(hidden=5120, inter=17408, heads=32, kv=8, head_dim=128, layers=5, taps=5) -> bytes:
     tensors = {}
     off = 0
@@ -212,7 +261,7 @@ class Testbed:
     __test__ = False  # not a pytest test class
 
     def __init__(self, root: str | None = None, hosts: int = 1, containers=None, gpus: int = 4,
-                 net: str = SUB_ADDR):
+                 net: str = SUB_ADDR, options=None):
         self.root = Path(root or default_root()).absolute()
         if not (net.startswith("127.") and net.endswith(".") and net.count(".") == 3):
             raise TestbedError("net must look like 127.X.Y. (loopback only)")
@@ -224,6 +273,7 @@ class Testbed:
         if not 1 <= self.ngpus <= 16:
             raise TestbedError("gpus must be 1..16")
         self.spec = _normalize_containers(self.nhosts, containers, self.ngpus)
+        self.options = _normalize_options(self.spec, options)
         self.python = lean_python()
 
     # ---- paths -----------------------------------------------------------------------------------
@@ -268,7 +318,8 @@ class Testbed:
         except (OSError, ValueError):
             raise TestbedError("no test bed at %s (start one with `deploy testbed up`)" % root) from None
         tb = cls(root=str(root), hosts=st["hosts"], gpus=st["gpus"], net=st.get("net", SUB_ADDR),
-                 containers={h: {int(v): g for v, g in c.items()} for h, c in st["containers"].items()})
+                 containers={h: {int(v): g for v, g in c.items()} for h, c in st["containers"].items()},
+                 options=st.get("options"))
         return tb
 
     def is_up(self) -> bool:
@@ -354,6 +405,7 @@ class Testbed:
                                              "-f", str(hd / "ssh_host_ed25519_key")], stdin=subprocess.DEVNULL))
         state = {"hosts": self.nhosts, "gpus": self.ngpus, "python": self.python, "net": self.net,
                  "containers": {h: {str(v): g for v, g in c.items()} for h, c in self.spec.items()},
+                 "options": {h: {str(v): o for v, o in c.items()} for h, c in self.options.items()},
                  "created": time.time()}
         (root / STATE).write_text(json.dumps(state, indent=1))
         pyinfo = self._python_info()
@@ -412,16 +464,8 @@ class Testbed:
         lxc = hd / "pve" / "nodes" / h / "lxc"
         lxc.mkdir(parents=True)
         for v, g in vm.items():
-            lines = ["arch: amd64", "cores: 32"]
-            devs = ["/dev/nvidia%d" % i for i in g] + ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
-            lines += ["dev%d: %s" % (n, d) for n, d in enumerate(devs)]
-            lines += ["features: nesting=1", "hostname: %s" % _container_name(v), "memory: 262144",
-                      "net0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:00:%02X:%02X,ip=dhcp,type=veth"
-                      % (v // 256 % 256, v % 256),
-                      "ostype: debian", "rootfs: local-lvm:vm-%d-disk-0,size=200G" % v, "swap: 0",
-                      "lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 508:* rwm"]
-            (lxc / ("%d.conf" % v)).write_text("\n".join(lines) + "\n")
-            self._build_container(h, v, g, py)
+            (lxc / ("%d.conf" % v)).write_text(_pct_conf(v, g, self.options.get(h, {}).get(v, {})))
+            self._build_container(h, v, g, py, self.options.get(h, {}).get(v, {}))
         # the host's own mount namespace: our pct and nvidia-smi, then sshd
         (hd / "hostinit.sh").write_text(
             "#!/bin/sh\nset -e\n"
@@ -453,7 +497,7 @@ class Testbed:
             "Subsystem sftp internal-sftp",
             ""]))
 
-    def _build_container(self, h, vmid, gpus, py):
+    def _build_container(self, h, vmid, gpus, py, opt=None):
         d = self.ctdir(h, vmid)
         for sub in ("root", "tmp", "faults"):
             (d / sub).mkdir(parents=True)
@@ -469,6 +513,16 @@ class Testbed:
             'export PATH="/root/ml-env/bin:$PATH"\n')
         (r / ".bashrc").write_text("# vllm-pve-deploy test bed container\n")
         self._write_models(d)
+        ct = {"ctdir": str(d), "hostdir": str(self.root / h), "cbin": str(self.root / h / "cbin"),
+              "name": _container_name(vmid), "gpus": list(gpus), "binds": []}
+        pyopt = (opt or {}).get("python", "venv")
+        if pyopt != "venv":
+            # "system": no /root/ml-env (only the machine's own python3, without vLLM); "none": not even that
+            # (python* in /usr/bin are hidden by whiteouts in an extra overlay layer)
+            if pyopt == "none":
+                ct["hide_usr_bin"] = sorted(n for n in os.listdir("/usr/bin") if n.startswith("python"))
+            (d / "ct.json").write_text(json.dumps(ct, indent=1))
+            return
         # the venv: /root/ml-env, against the machine's Python (bind-mounted in when it lives under /root or /tmp)
         env = r / "ml-env"
         (env / "bin").mkdir(parents=True)
@@ -494,8 +548,7 @@ class Testbed:
             pth.append("/root/ml-env/lib/python%s/host-site%d" % (py["ver"], n))
         (sp / "_vpd_testbed_host_site.pth").write_text("\n".join(pth) + "\n")
         self._install_fake_vllm(sp, env)
-        ct = {"ctdir": str(d), "hostdir": str(self.root / h), "cbin": str(self.root / h / "cbin"),
-              "name": _container_name(vmid), "gpus": list(gpus), "binds": binds}
+        ct["binds"] = binds
         (d / "ct.json").write_text(json.dumps(ct, indent=1))
 
     def _build_dev(self, h, d: Path, gpus):

@@ -36,7 +36,15 @@ def setup(ct):
     d = ct["ctdir"]
     hostdir = ct["hostdir"]
     # /usr/bin: nvidia-smi (read-only overlay on top of the real /usr/bin)
-    sh("mount", "-t", "overlay", "overlay", "-o", "lowerdir=%s:/usr/bin" % ct["cbin"], "/usr/bin")
+    lower = ct["cbin"]
+    if ct.get("hide_usr_bin"):  # a container without Python: whiteouts (0/0 char devices) hide these names
+        wd = os.path.join(d, "usr-bin-hide")
+        os.makedirs(wd, exist_ok=True)
+        for n in ct["hide_usr_bin"]:
+            if not os.path.lexists(os.path.join(wd, n)):
+                os.mknod(os.path.join(wd, n), 0o600 | 0o020000, os.makedev(0, 0))
+        lower += ":" + wd
+    sh("mount", "-t", "overlay", "overlay", "-o", "lowerdir=%s:/usr/bin" % lower, "/usr/bin")
     # /etc and /var/lib: writable per-container overlays
     for target, name in (("/etc", "etc"), ("/var/lib", "varlib")):
         up, wk = os.path.join(d, name + "-upper"), os.path.join(d, name + "-work")
