@@ -207,7 +207,7 @@ def render_outcome(out, indent=""):
             e(f"{indent}{out.playbook} is already up on {out.where} (pid {i.get('pid')}): nothing changed.")
         elif out.status == "up":
             a = i["acceptance"]
-            e(f"{indent}{out.playbook} is up on {out.where}: {i['url']}  model {i['model']}  method {i['method']}")
+            e(f"{indent}{out.playbook} is up on {out.where}: {_where_it_answers(i)}  model {i['model']}  method {i['method']}")
             e(f"{indent}  draft acceptance {a['draft_acceptance_rate']:.1%}, mean acceptance length "
               f"{a['mean_acceptance_length']:.2f} ({a['source']}); total {i['total_s']}s")
             e(f"{indent}  phases: " + ", ".join(f"{k} {v:g}s" for k, v in i["phases_s"].items()))
@@ -221,6 +221,12 @@ def render_outcome(out, indent=""):
               + f"; free after {i.get('free_s')}s")
         elif out.status == "verified":
             e(f"{indent}{out.playbook}: drafter config installed and verified on {out.where}.")
+
+
+def _where_it_answers(info) -> str:
+    from .endpoint import describe
+
+    return describe(info["endpoint"]) if info.get("endpoint") else str(info.get("url"))
 
 
 def up_options(f):

@@ -252,7 +252,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
         if running and not diffs and healthy and not restart:
             ctx.record("current", True, f"already up: pid {st.get('pid')}, same argv and drafter sha256, healthy", t0)
             out.ok, out.status = True, "already up"
-            out.info = {"url": url(pb), "pid": st.get("pid")}
+            out.info = {**_ep(url(pb, fleet.inventory)), "pid": st.get("pid")}
             return out
         if running and diffs and not restart:
             ctx.record("current", True, f"running {st.get('playbook')} (pid {st.get('pid')}) differs:", t0,
@@ -291,7 +291,8 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
             D.drift(ctx, steps["drift"], (verified or {}).get("sha256"))
         m = V.measure(ctx, steps["acceptance"])
         low = V.gate(ctx, steps["acceptance"], m)
-        out.info = {"url": url(pb), "model": pb.serve["served_model_name"], "method": pb.spec["method"],
+        out.info = {**_ep(url(pb, fleet.inventory)), "model": pb.serve["served_model_name"],
+                    "method": pb.spec["method"],
                     "acceptance": m["acceptance"].as_dict(),
                     "phases_s": {r.step: round(r.seconds, 2) for r in ctx.results},
                     "total_s": round(time.monotonic() - t_start, 2)}
@@ -415,8 +416,18 @@ def stop_after_failure(ctx: Context, pb: Playbook) -> str:
         return f"could not stop the failed server ({e.message}); run deploy down {pb.name}"
 
 
-def url(pb: Playbook) -> str:
-    return f"http://<{pb.host} container {pb.vmid}>:{pb.serve['port']}/v1"
+def _ep(ep: dict) -> dict:
+    return {"url": ep["url"], "tunnel": ep.get("tunnel"), "endpoint": ep}
+
+
+def url(pb: Playbook, inv=None) -> dict:
+    """{url, tunnel, ...}: the container's real address from the inventory (orchestrator/endpoint.py)."""
+    from .endpoint import endpoint
+
+    host = inv.hosts.get(pb.host) if inv is not None else None
+    if host is None:
+        return {"url": None, "tunnel": None, "port": pb.serve["port"], "note": "address unknown"}
+    return endpoint(host, host.container(pb.vmid), pb.serve["port"])
 
 
 def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outcome:

@@ -264,6 +264,7 @@ class Playbook:
     drafter_config: dict | None = None
     fallback: "Playbook | None" = field(default=None, repr=False)
     sha256: str = ""  # of the bytes that were validated (read once, at load: the planner reads no file)
+    runtime_source: str = "default"  # playbook | inventory | default (see _resolve_runtime)
 
     # convenient accessors
     @property
@@ -322,6 +323,19 @@ def load_inventory(path: str) -> Inventory:
     return Inventory(path=path, hosts=hosts)
 
 
+def _resolve_runtime(pb: Playbook, inv: Inventory | None) -> None:
+    """A playbook's own `runtime` key wins; without it, the target container's inventory runtime (filled by
+    `deploy discover`); else the defaults. pb.runtime_source says which."""
+    if "__nodes__" in pb.data["runtime"]:
+        pb.runtime_source = "playbook"
+        return
+    host = inv.hosts.get(pb.host) if inv is not None else None
+    ct = host.container(pb.vmid) if host is not None else None
+    if ct is not None and ct.runtime:
+        pb.data["runtime"] = dict(ct.runtime)
+        pb.runtime_source = "inventory"
+
+
 def _runtime(rt: dict | None) -> dict | None:
     if not rt:
         return None
@@ -349,6 +363,7 @@ def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tupl
         seen = {p.split(": ", 2)[1] for p in problems.items if p.count(": ") >= 2}
         problems.items += [p for p in more.items if p.count(": ") < 2 or p.split(": ", 2)[1] not in seen]
         _raise(problems)
+    _resolve_runtime(pb, inventory)
     _check_playbook(pb, inventory, problems)
     fallback_problems = None
     fb = data["acceptance"].get("fallback")

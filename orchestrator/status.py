@@ -15,11 +15,12 @@ import click
 
 from . import agent
 from . import vllm_facts as vf
-from .agent import ContainerNotRunning
+from .agent import AgentError, ContainerNotRunning
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, RemoteTimeout, Unreachable, UsageError
 from .remote import Fleet, run_parallel, state_dir
 
 SCHEMA = "vllm-pve-deploy/status/v1"
+NO_RUNTIME = "no vLLM runtime"
 DEFAULT_STATE_DIR = "/var/lib/vllm-pve-deploy"
 DEFAULT_PYTHON = "/root/ml-env/bin/python"
 
@@ -30,13 +31,13 @@ def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
 
     want = []
     if not targets:
-        every = [(h.name, c.vmid, {}) for h in inv.hosts.values() for c in h.containers]
+        every = [(h.name, c.vmid, c.runtime) for h in inv.hosts.values() for c in h.containers]
         if not every:
             raise UsageError(f"the inventory {inv.path} lists no " + ("containers" if inv.hosts else "hosts")
                              + ": there is nothing to show",
                              fix="add your Proxmox hosts and containers to it, or try the test bed: deploy testbed "
                                  "up, then export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml (or pass -i PATH)")
-        return every
+        return _with_playbook_runtimes(inv, every)
     playbooks = set(list_playbooks())
     for t in targets:
         if "/" in t and t.split("/", 1)[1].isdigit():
@@ -44,9 +45,9 @@ def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
             if host not in inv.hosts or inv.hosts[host].container(int(vmid)) is None:
                 raise UsageError(f"no container {t} in inventory {inv.path}",
                                  fix="deploy status with no arguments lists everything")
-            want.append((host, int(vmid), {}))
+            want.append((host, int(vmid), inv.hosts[host].container(int(vmid)).runtime))
         elif t in inv.hosts:
-            want += [(t, c.vmid, {}) for c in inv.hosts[t].containers]
+            want += [(t, c.vmid, c.runtime) for c in inv.hosts[t].containers]
         elif t in playbooks or t.endswith((".yaml", ".yml")):
             pb = load_playbook(t, inv)
             want.append((pb.host, pb.vmid, {**pb.runtime, "api_key_env": pb.serve.get("api_key_env")}))
@@ -54,7 +55,26 @@ def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
             raise UsageError(f"{t!r} is not a host, HOST/VMID or playbook",
                              fix=f"hosts: {', '.join(inv.hosts) or 'none'}; playbooks: "
                                  f"{', '.join(sorted(playbooks)) or 'none'}")
-    return want
+    return _with_playbook_runtimes(inv, want)
+
+
+def _with_playbook_runtimes(inv, want):
+    """A container without an inventory runtime takes the runtime of a playbook that targets it (a deployment
+    that playbook started is then still seen), marked implicit: if that Python is not there, nothing deploy
+    started can run there, and the row says `no vLLM runtime` instead of an error about a path nobody set."""
+    if all(rt is not None for _, _, rt in want):
+        return want
+    from .spec import list_playbooks, load_playbook
+
+    by_target = {}
+    for name in list_playbooks():
+        try:
+            pb = load_playbook(name, inv)
+        except DeployError:
+            continue  # an invalid playbook says so when it is used; it must not break status
+        by_target.setdefault((pb.host, pb.vmid), {**pb.runtime, "api_key_env": pb.serve.get("api_key_env"),
+                                                  "implicit": f"playbook {pb.name}"})
+    return [(h, v, rt if rt is not None else by_target.get((h, v))) for h, v, rt in want]
 
 
 class Sampler:
@@ -95,7 +115,27 @@ class Sampler:
                 pass
 
 
-def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sampler, smi_timeout: float) -> dict:
+def no_runtime_row(fleet: Fleet, host: str, vmid: int) -> dict:
+    """A container whose inventory entry has no vLLM runtime (and no playbook names it): nothing of vLLM is
+    expected there, so only whether it runs is read (`pct status`), and it is healthy."""
+    from .facts import parse_pct_status
+
+    row = _row(host, vmid, container="unknown", process=NO_RUNTIME, healthy=True)
+    r = fleet.session(host).run(["pct", "status", str(vmid)], timeout=15, vmid=vmid, label="status")
+    try:
+        row["container"] = parse_pct_status(r.out) if r.ok else "missing"
+    except ValueError:
+        row["container"] = "unknown"
+    if not r.ok:
+        row["healthy"] = False
+        row["problems"].append(f"container {vmid} does not exist on this host ({r.err.strip()[:200]})")
+    return row
+
+
+def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, sampler: Sampler,
+                  smi_timeout: float) -> dict:
+    if runtime is None:
+        return no_runtime_row(fleet, host, vmid)
     row = _row(host, vmid, container="running", process="none", healthy=True)
     sdir = runtime.get("state_dir") or DEFAULT_STATE_DIR
     python = runtime.get("python") or DEFAULT_PYTHON
@@ -116,6 +156,11 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sa
             r = agent.call(fleet.session(host), vmid, python, "status",
                            {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15,
                            secrets={"api_key": key})
+    except AgentError as e:
+        if runtime.get("implicit") and e.message.startswith("cannot run "):
+            row.update(process=NO_RUNTIME)
+            return row  # that playbook's Python is not in this container: nothing it started runs here
+        raise
     except ContainerNotRunning as e:
         row.update(container="stopped" if "not running" in e.message else "missing", healthy=False)
         row["problems"].append(e.message)
@@ -154,6 +199,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict, sampler: Sa
         return row
     row.update(playbook=st.get("playbook"), pid=st.get("pid"), method=st.get("method"),
                served_model=st.get("served_model_name"))
+    if st.get("alive"):
+        _add_endpoint(row, fleet, host, vmid, st.get("port") or 8000)
     if st.get("alive"):
         row["process"] = "running"
         row["uptime_s"] = round(time.time() - st.get("started_at", time.time()), 1)
@@ -260,12 +307,30 @@ def _error_row(host, vmid, err) -> dict:
                 healthy=False, problems=[msg])
 
 
+def _add_endpoint(row, fleet, host, vmid, port) -> None:
+    from .endpoint import endpoint
+
+    hs = fleet.inventory.hosts.get(host)
+    if hs is not None:
+        ep = endpoint(hs, hs.container(vmid), port)
+        row.update(url=ep["url"], tunnel=ep["tunnel"])
+        row["_endpoint"] = ep
+
+
+def render_endpoints(rows) -> str:
+    """Where each running deployment answers (after the table): URL, tunnel, or why it is unknown."""
+    from .endpoint import describe
+
+    lines = [f"  {r['host']}/{r['vmid']}: {describe(r['_endpoint'])}" for r in rows if r.get("_endpoint")]
+    return "\n\nEndpoints:\n" + "\n".join(lines) if lines else ""
+
+
 def _row(host, vmid, **values) -> dict:
     """One row of the status/v1 schema: every key present, in schema order."""
     row = {"host": host, "vmid": vmid, "reachable": True, "container": "unknown", "playbook": None, "pid": None,
            "process": "unknown", "health": None, "served_model": None, "method": None, "gpus": [],
            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
-           "healthy": False, "timed_out": False, "problems": []}
+           "url": None, "tunnel": None, "healthy": False, "timed_out": False, "problems": []}
     row.update(values)
     return row
 
@@ -363,11 +428,12 @@ def run_status(obj, targets, watch, deadline) -> int:
                 code = exit_code(rows)
                 if obj.json:
                     dump_json({"schema": SCHEMA, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                               "seconds": round(time.monotonic() - t0, 3), "exit_code": code, "rows": rows})
+                               "seconds": round(time.monotonic() - t0, 3), "exit_code": code,
+                               "rows": [{k: v for k, v in r.items() if k != "_endpoint"} for r in rows]})
                 else:
                     if watch and color:
                         click.echo("\x1b[H\x1b[2J", nl=False)
-                    click.echo(render_table(rows, color, term_width()))
+                    click.echo(render_table(rows, color, term_width()) + render_endpoints(rows))
                     if watch:
                         click.echo(f"\n(refreshed in {time.monotonic() - t0:.2f}s; every {watch:g}s; Ctrl-C to stop)")
                 if not watch or reader_gone():  # `--watch | head`: nobody reads any more, stop watching
@@ -384,6 +450,10 @@ def run_logs(obj, target, n, follow, grep, show_all=False) -> int:
     inv = obj.inventory()
     scope = resolve_targets(inv, [target])
     host, vmid, rt = scope[0]
+    if rt is None:
+        click.echo(f"{host}/{vmid}: {NO_RUNTIME} in the inventory and no playbook targets it: nothing deploy "
+                   f"launched there (deploy discover {host} --write records a runtime)", err=True)
+        return EXIT_FAILED
     log_path = os.path.join(rt.get("state_dir") or DEFAULT_STATE_DIR, "vllm.log")
     python = rt.get("python") or DEFAULT_PYTHON
     with Fleet(inv) as fleet:

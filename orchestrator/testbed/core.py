@@ -709,6 +709,12 @@ class Testbed:
             for v, g in self.spec[h].items():
                 lines += ["      - vmid: %d" % v, "        name: %s" % _container_name(v),
                           "        gpus: [%s]" % ", ".join(str(x) for x in g)]
+                o = self.options.get(h, {}).get(v, {})
+                if o.get("ip"):
+                    lines += ["        address: %s" % o["ip"].split("/")[0]]
+                if o.get("python", "venv") == "venv":  # what `deploy discover` finds there
+                    lines += ["        runtime: {python: /root/ml-env/bin/python, vllm: /root/ml-env/bin/vllm,"
+                              " state_dir: /var/lib/vllm-pve-deploy}"]
         tmp = self.root / "hosts.yaml.tmp"
         tmp.write_text("\n".join(lines) + "\n")
         os.replace(tmp, self.root / "hosts.yaml")

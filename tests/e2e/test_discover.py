@@ -146,3 +146,97 @@ def test_discover_by_address_follows_the_host_key_policy(dbed, tmp_path):
     assert "name: newpve" in p.stdout and "[%s]:2222" % dbed.address("pve1") in empty_kh.read_text()
     p = run(dbed, "discover", "nosuchhost!", inventory=str(tmp_path / "none.yaml"))
     assert p.returncode == 2 and "not [user@]address[:port]" in p.stderr
+
+
+# ---------------------------------------------------------------- the inventory runtime, status and URLs
+
+
+def _playbooks(tmp_path, vmid, gpus, runtime=False):
+    """The shipped MTP playbook aimed at another container of this test bed (copy in tmp_path)."""
+    import shutil
+    d = tmp_path / "playbooks"
+    shutil.copytree(os.path.join(REPO, "playbooks"), d)
+    text = (d / "qwen36-mtp.yaml").read_text()
+    text = text.replace("  vmid: 129\n  gpus: [0, 1, 2, 3]", "  vmid: %d\n  gpus: %s" % (vmid, gpus))
+    text = text.replace("tensor_parallel_size: 4", "tensor_parallel_size: %d" % len(gpus))
+    if runtime:
+        text += "\nruntime:\n  python: /root/ml-env/bin/python\n"
+    (d / "qwen36-mtp.yaml").write_text(text)
+    (d / "qwen36-dflash.yaml").unlink()  # it targets pve1/129, which these tests leave alone
+    return {"DEPLOY_PLAYBOOKS": str(d)}
+
+
+def run_env(bed, *args, env, inventory=None):
+    e = dict(os.environ, DEPLOY_INVENTORY=inventory or bed.inventory_path, NO_COLOR="1",
+             DEPLOY_STATE_DIR=bed.root.as_posix() + "-state", **env)
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, env=e, text=True,
+                          capture_output=True, timeout=180)
+
+
+def test_status_without_a_runtime_is_healthy_not_an_error(dbed, tmp_path):
+    env = _playbooks(tmp_path, 130, [0, 1])
+    p = run_env(dbed, "status", "pve1/133", "pve1/134", "--json", env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(p.stdout)["rows"]
+    assert [(r["vmid"], r["process"], r["container"], r["healthy"], r["problems"]) for r in rows] == \
+        [(133, "no vLLM runtime", "running", True, []), (134, "no vLLM runtime", "running", True, [])]
+    p = run_env(dbed, "status", "pve1/133", env=env)
+    assert "no vLLM runtime" in p.stdout and "UNHEALTHY" not in p.stdout and "ml-env" not in p.stdout
+    p = run_env(dbed, "logs", "pve1/134", env=env)
+    assert p.returncode == 1 and "no vLLM runtime in the inventory" in p.stderr
+
+
+def test_a_playbook_targeting_a_container_without_python_is_no_runtime_too(dbed, tmp_path):
+    env = _playbooks(tmp_path, 133, [0])  # the playbook has no runtime key: its defaults are implicit
+    p = run_env(dbed, "status", "pve1/133", "--json", env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    row = json.loads(p.stdout)["rows"][0]
+    assert row["process"] == "no vLLM runtime" and row["healthy"]
+
+
+def test_up_and_status_print_the_real_address_with_a_tunnel(dbed, tmp_path):
+    env = _playbooks(tmp_path, 131, [2])
+    try:
+        p = run_env(dbed, "up", "qwen36-mtp", env=env)
+        assert p.returncode == 0, p.stderr
+        host = "%s" % dbed.address("pve1")
+        tunnel = "ssh -N -L 8000:10.99.0.31:8000 -p 2222 -i %s root@%s" % (dbed.identity_file, host)
+        assert "is up on pve1/131: http://10.99.0.31:8000/v1 (not routable from here: %s, then " \
+               "http://127.0.0.1:8000/v1)" % tunnel in p.stdout, p.stdout
+        assert "<pve1 container" not in p.stdout
+        p = run_env(dbed, "status", "pve1/131", "--json", env=env)
+        row = json.loads(p.stdout)["rows"][0]
+        assert row["url"] == "http://10.99.0.31:8000/v1" and row["tunnel"] == tunnel
+        p = run_env(dbed, "status", "pve1/131", env=env)
+        assert "Endpoints:\n  pve1/131: http://10.99.0.31:8000/v1 (not routable" in p.stdout
+        # a container whose address the inventory does not have: no made-up URL
+        env2 = _playbooks(tmp_path / "b", 130, [0, 1])
+        p = run_env(dbed, "--json", "up", "qwen36-mtp", env=env2)
+        assert p.returncode == 0, p.stderr
+        info = json.loads(p.stdout)["info"]
+        assert info["url"] is None and "deploy discover pve1 --write" in info["endpoint"]["note"]
+    finally:
+        run_env(dbed, "down", "qwen36-mtp", env=env)
+        run_env(dbed, "down", "qwen36-mtp", env=_playbooks(tmp_path / "c", 130, [0, 1]))
+
+
+def test_a_playbook_runtime_overrides_the_inventory(dbed, tmp_path):
+    from orchestrator.spec import load_inventory, load_playbook
+    env = _playbooks(tmp_path, 131, [2])
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(open(dbed.inventory_path).read().replace(
+        "runtime: {python: /root/ml-env/bin/python, vllm: /root/ml-env/bin/vllm",
+        "runtime: {python: /opt/other/bin/python, vllm: /opt/other/bin/vllm"))
+    old = os.environ.get("DEPLOY_PLAYBOOKS")
+    os.environ["DEPLOY_PLAYBOOKS"] = env["DEPLOY_PLAYBOOKS"]
+    try:
+        pb = load_playbook("qwen36-mtp", load_inventory(str(inv)))
+        assert pb.runtime["python"] == "/opt/other/bin/python" and pb.runtime_source == "inventory"
+        os.environ["DEPLOY_PLAYBOOKS"] = _playbooks(tmp_path / "r", 131, [2], runtime=True)["DEPLOY_PLAYBOOKS"]
+        pb = load_playbook("qwen36-mtp", load_inventory(str(inv)))
+        assert pb.runtime["python"] == "/root/ml-env/bin/python" and pb.runtime_source == "playbook"
+    finally:
+        if old is None:
+            os.environ.pop("DEPLOY_PLAYBOOKS", None)
+        else:
+            os.environ["DEPLOY_PLAYBOOKS"] = old

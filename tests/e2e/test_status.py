@@ -8,7 +8,8 @@ ROW_KEYS = {"host": str, "vmid": int, "reachable": bool, "container": str, "play
             "pid": (int, type(None)), "process": str, "health": (int, type(None)), "served_model": (str, type(None)),
             "method": (str, type(None)), "gpus": list, "acceptance": (dict, type(None)), "drafter": (dict, type(None)),
             "uptime_s": (float, int, type(None)), "last_error": (str, type(None)), "lock": (dict, type(None)),
-            "healthy": bool, "timed_out": bool, "problems": list}
+            "url": (str, type(None)), "tunnel": (str, type(None)), "healthy": bool, "timed_out": bool,
+            "problems": list}
 
 
 def validate_schema(doc):
