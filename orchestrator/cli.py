@@ -688,6 +688,38 @@ def discover(obj, host, write, yes, name, user, identity_file, known_hosts, acce
     run_guarded(go, obj)
 
 
+# ------------------------------------------------------------------ doctor
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy doctor pve1/129           # the vLLM someone started by hand there
+  deploy doctor                    # every container with a vLLM runtime in the inventory
+  deploy doctor pve1 --json""")
+@click.argument("targets", nargs=-1, metavar="[HOST|HOST/VMID|PLAYBOOK]...", shell_complete=complete_targets)
+@click.option("--budget", type=float, default=12.0, show_default=True, metavar="S",
+              help="Time for the in-container examination (the `import vllm` check gets at most 8 s of it).")
+@json_option
+@click.pass_obj
+def doctor(obj, targets, budget):
+    """Read-only diagnosis of a vLLM that deploy did not start (or did): its processes (argv,
+    --speculative-config, GPUs held, parent/child tree), the drafter config it read checked against the pinned
+    configs of the playbooks and the target model's config, the vLLM build (version, the two DFlash fixes,
+    compiled extensions), GPU holders, and draft acceptance from /metrics. Names each failure class of the
+    field report it finds (guessed config, stale write, missing fix, incomplete build, leftover holder, low
+    acceptance) with its cause and the deploy command that fixes it. Changes nothing.
+
+    Exit: 0 nothing found, 1 something found, 3 some host unreachable.
+    """
+    def go():
+        from .doctor import run_doctor
+
+        sys.exit(run_doctor(obj, targets, budget))
+    run_guarded(go, obj)
+
+
 # ------------------------------------------------------------------ init, schema
 
 

@@ -1786,6 +1786,131 @@ def main(argv):
     return 0
 
 
+# ------------------------------------------------------------------ action: doctor (read-only diagnosis)
+
+
+def _argv(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            return [x.decode("utf-8", "replace") for x in fh.read().split(b"\0") if x]
+    except OSError:
+        return []
+
+
+def _environ(pid, names):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as fh:
+            env = dict(e.decode("utf-8", "replace").split("=", 1) for e in fh.read().split(b"\0") if b"=" in e)
+    except OSError:
+        return {}
+    return {k: env[k] for k in names if k in env}
+
+
+def _boot_time():
+    try:
+        with open("/proc/stat") as fh:
+            for ln in fh:
+                if ln.startswith("btime "):
+                    return int(ln.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _serve_args(argv):
+    """The `vllm serve` arguments that matter here: model, port, --speculative-config (raw and parsed)."""
+    if "serve" not in argv:
+        return None
+    rest = argv[argv.index("serve") + 1:]
+    out = {"model": None, "port": 8000, "spec_raw": None, "spec": None, "spec_error": None}
+    i = 0
+    while i < len(rest):
+        a = rest[i]
+        key, eq, val = a.partition("=")
+        if key in ("--port", "--model", "--speculative-config", "-sc"):
+            if not eq:
+                val = rest[i + 1] if i + 1 < len(rest) else ""
+                i += 1
+            if key == "--port":
+                out["port"] = int(val) if val.isdigit() else val
+            elif key == "--model":
+                out["model"] = val
+            else:
+                out["spec_raw"] = val
+        elif not a.startswith("-") and out["model"] is None and i == 0:
+            out["model"] = a
+        i += 1
+    if out["spec_raw"]:
+        try:
+            out["spec"] = json.loads(out["spec_raw"])
+        except ValueError as e:
+            out["spec_error"] = str(e)
+    return out
+
+
+def _read_config(path, limit=1 << 20):
+    info = {"path": path}
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as fh:
+            raw = fh.read(limit)
+        info.update(realpath=os.path.realpath(path), mtime=st.st_mtime, size=st.st_size,
+                    sha256=hashlib.sha256(raw).hexdigest(), text=raw.decode("utf-8", "replace"))
+    except OSError as e:
+        info["error"] = e.strerror or str(e)
+    return info
+
+
+def act_doctor(a):
+    """Everything `deploy doctor` needs, read-only: vLLM processes (argv, tree, GPUs held, start time), the
+    drafter and target configs each server read, the vLLM build, GPU memory and holders, /health and /metrics."""
+    end = now() + float(a.get("budget_s", 12))
+    btime, tck = _boot_time(), os.sysconf("SC_CLK_TCK")
+    holders = gpu_holders()
+    held = {h["pid"]: h["devices"] for h in holders}
+    procs = []
+    for p in vllm_processes():
+        f = proc_stat(p["pid"]) or []
+        st = int(f[19]) if len(f) > 19 else None
+        procs.append({"pid": p["pid"], "ppid": int(f[1]) if len(f) > 1 else None,
+                      "pgid": int(f[2]) if len(f) > 2 else None, "comm": proc_name(p["pid"]),
+                      "argv": _argv(p["pid"])[:200], "devices": held.get(p["pid"], []),
+                      "started_at": (btime + st / float(tck)) if btime and st is not None else None,
+                      "env": _environ(p["pid"], ("CUDA_VISIBLE_DEVICES", "HF_HOME", "HF_HUB_OFFLINE"))})
+    servers = []
+    for p in procs:
+        sa = _serve_args(p["argv"])
+        if sa is None:
+            continue
+        srv = {"pid": p["pid"], "args": sa, "drafter": None, "target": None}
+        if sa["model"]:
+            srv["target"] = _read_config(os.path.join(sa["model"], "config.json")) if sa["model"].startswith("/") \
+                else {"hub_id": sa["model"]}
+        spec = sa["spec"] if isinstance(sa["spec"], dict) else {}
+        dm = spec.get("model")
+        if dm:
+            if dm.startswith("/"):
+                srv["drafter"] = dict(_read_config(os.path.join(dm, "config.json")), kind="local", dir=dm)
+            else:
+                r = resolve_drafter_path({"hub_id": dm, "hf_home": p["env"].get("HF_HOME")})
+                srv["drafter"] = dict(_read_config(r["path"]) if r.get("path") else {"error": r.get("error")},
+                                      kind="hub", hub_id=dm, revision=r.get("revision"))
+        if now() < end - 1:
+            srv["health"], _ = http(sa["port"], "/health", timeout=min(2.0, end - now())) \
+                if isinstance(sa["port"], int) else (None, "")
+            if srv["health"] == 200:
+                ms, body = http(sa["port"], "/metrics", timeout=min(3.0, max(0.5, end - now())))
+                srv["metrics"] = body if ms == 200 else None
+        servers.append(srv)
+    mem = read_gpu_memory(min(float(a.get("nvidia_smi_timeout_s", 4)), max(0.5, end - now())))
+    stack = _vllm_stack(max(1.0, min(8.0, end - now() - 0.5)))
+    return {"processes": procs, "servers": servers, "holders": holders, "memory": mem, "stack": stack,
+            "state": read_state(a.get("state_dir") or "/var/lib/vllm-pve-deploy"), "now": now()}
+
+
+ACTIONS["doctor"] = act_doctor
+
+
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main(sys.argv))

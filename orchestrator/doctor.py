@@ -1,0 +1,362 @@
+"""`deploy doctor [HOST|HOST/VMID ...]`: read-only diagnosis of a vLLM that `deploy` may not have started.
+
+One agent `doctor` call per container (orchestrator/agent/agent.py: act_doctor) gathers the facts; `diagnose()`
+(pure, tested on dicts) names each field-report failure class it finds, with its cause and the `deploy` command
+that fixes it. Nothing is changed anywhere.
+
+Classes (shared/domain/field-report.md, "What happened"):
+  guessed-config     the drafter config the server read is not the published (pinned) one          FR 1
+  stale-write        the file now holds the pinned config, but the server started before it changed FR 3
+  missing-fix        vLLM lacks the +1 layer-id offset (PR #40727) or DFlash sliding windows (#40898) FR 4
+  incomplete-build   compiled extensions missing, or `import vllm` fails                             FR 4
+  leftover-holder    a process holds the GPUs that belongs to no running vLLM server               FR 7
+  low-acceptance     the server's own /metrics show draft acceptance below the bar                   FR 1
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from . import vllm_facts as vf
+
+CRITICAL = ("dflash_config.target_layer_ids", "dflash_config.mask_token_id", "layer_types", "sliding_window",
+            "use_sliding_window", "bos_token_id", "block_size", "num_target_layers")
+MIN_ACCEPTANCE = 0.30  # without a playbook's own acceptance.min_draft_acceptance
+SCHEMA = "vllm-pve-deploy/doctor/v1"
+CLASSES = ("guessed-config", "stale-write", "missing-fix", "incomplete-build", "leftover-holder", "low-acceptance")
+
+
+def _get(d, dotted):
+    cur = d
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return "<absent>"
+        cur = cur[part]
+    return cur
+
+
+def config_differences(actual: dict, pinned: dict) -> list[dict]:
+    """The critical fields that differ (then every other top-level key that differs), as
+    [{field, on_disk, pinned}]."""
+    out = [{"field": k, "on_disk": _get(actual, k), "pinned": _get(pinned, k)} for k in CRITICAL
+           if _get(actual, k) != _get(pinned, k)]
+    seen = {k.split(".")[0] for k in CRITICAL}
+    for k in sorted(set(actual) | set(pinned)):
+        if k not in seen and k != "dflash_config" and actual.get(k, "<absent>") != pinned.get(k, "<absent>"):
+            out.append({"field": k, "on_disk": actual.get(k, "<absent>"), "pinned": pinned.get(k, "<absent>")})
+    return out
+
+
+def pick_pinned(drafter: dict, pinned: list[dict]) -> dict | None:
+    """The pinned config for the drafter a server reads: a playbook naming the same path or hub id first, else
+    the one of the same architecture that shares the most keys."""
+    for p in pinned:
+        if drafter.get("dir") and p.get("path") == drafter.get("dir"):
+            return p
+        if drafter.get("hub_id") and p.get("hub_id") == drafter.get("hub_id"):
+            return p
+    try:
+        cfg = json.loads(drafter.get("text") or "")
+    except ValueError:
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    same = [p for p in pinned if p["config"].get("architectures") == cfg.get("architectures")]
+    return max(same, key=lambda p: len(set(p["config"]) & set(cfg)), default=None)
+
+
+def fixes_present(stack: dict) -> tuple[bool, bool]:
+    """(+1 layer-id offset, DFlash sliding window), by the same rules as verify's serving checks (agent.py)."""
+    v = vf.vtuple(stack.get("version"))
+    m = stack.get("markers") or {}
+    plus1 = bool(m.get("plus1_fix") or (v is not None and v >= (0, 22) and m.get("pr40898_sliding_window")))
+    sw = bool(m.get("pr40898_sliding_window") or (v is not None and v >= (0, 26) and m.get("resolve_layer_attention")))
+    return plus1, sw
+
+
+def _fmt(v):
+    return json.dumps(v) if not isinstance(v, str) or v == "<absent>" else v
+
+
+def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook: dict | None = None) -> list[dict]:
+    """-> [{class, cause, fix, evidence}] for one container. `pinned`: [{playbook, path, hub_id, config, sha256,
+    min_acceptance, fallback}]; `playbook`: the one that targets this container (for the fix commands)."""
+    pbname = (playbook or {}).get("playbook") or "PLAYBOOK"
+    fallback = (playbook or {}).get("fallback")
+    findings = []
+
+    def add(cls, cause, fix, **evidence):
+        findings.append({"class": cls, "cause": cause, "fix": fix, "evidence": evidence})
+
+    servers = facts.get("servers") or []
+    stack = facts.get("stack") or {}
+    procs = facts.get("processes") or []
+    guessed_in = set()
+    for srv in servers:
+        d = srv.get("drafter")
+        spec = (srv.get("args") or {}).get("spec") or {}
+        if not d or d.get("error"):
+            if d and d.get("error"):
+                add("guessed-config", f"server pid {srv['pid']}: its drafter config cannot be read "
+                                      f"({d.get('path')}: {d['error']})",
+                    f"deploy up {pbname} --clean-gpus (installs the pinned config and relaunches)", pid=srv["pid"])
+            continue
+        p = pick_pinned(d, pinned)
+        try:
+            cfg = json.loads(d.get("text") or "")
+        except ValueError as e:
+            add("guessed-config", f"server pid {srv['pid']}: {d['path']} is not valid JSON ({e})",
+                f"deploy up {p['playbook'] if p else pbname} --clean-gpus", pid=srv["pid"])
+            continue
+        d["matches_pinned"] = None
+        if p is None:
+            continue
+        # the fix names a playbook that targets this container: the matching one if it does, else the one
+        # that targets it (or a copy of the matching one, retargeted)
+        here = f"{host}/{vmid}"
+        pb = p["playbook"] if p.get("target") in (None, here) else \
+            (playbook or {}).get("playbook") or f"PLAYBOOK (a copy of {p['playbook']} with target {here})"
+        d["pinned_by"] = p["playbook"]
+        if d.get("sha256") != p["sha256"]:
+            diffs = config_differences(cfg, p["config"])
+            d["matches_pinned"] = False
+            guessed_in.add(srv["pid"])
+            shown = ", ".join(f"{x['field']} {_fmt(x['on_disk'])} (published {_fmt(x['pinned'])})"
+                              for x in diffs[:4]) or "bytes differ"
+            if d.get("kind") == "hub":
+                fix = (f"the hub snapshot {d.get('path')} is never written by deploy: serve a local copy "
+                       f"(speculative.drafter.path in the playbook), then deploy up {pb} --clean-gpus")
+            else:
+                fix = (f"deploy up {pb} --clean-gpus (stops the hand-started server's GPU holders, installs the "
+                       f"pinned config, verifies it as vLLM loads it, relaunches, measures acceptance)")
+            add("guessed-config", f"server pid {srv['pid']} reads {d['path']}, which is not the published config "
+                                  f"pinned by {p['playbook'] or 'playbooks/drafters'}: {shown}", fix,
+                pid=srv["pid"], path=d["path"], differences=diffs)
+        else:
+            d["matches_pinned"] = True
+            proc = next((x for x in procs if x["pid"] == srv["pid"]), {})
+            started, mtime = proc.get("started_at"), d.get("mtime")
+            if started and mtime and mtime > started + 1:
+                add("stale-write", f"server pid {srv['pid']} started at {_t(started)}, before {d['path']} got the "
+                                   f"published bytes at {_t(mtime)}: vLLM still runs with what it read at start",
+                    f"deploy up {pb} --clean-gpus (relaunches reading the pinned config)",
+                    pid=srv["pid"], started_at=started, mtime=mtime)
+        # the target model and the drafter must agree
+        tgt = srv.get("target") or {}
+        if tgt.get("text") and cfg:
+            try:
+                tcfg = json.loads(tgt["text"])
+                tcfg = tcfg.get("text_config", tcfg) if isinstance(tcfg, dict) else {}
+            except ValueError:
+                tcfg = {}
+            layers = tcfg.get("num_hidden_layers")
+            ids = _get(cfg, "dflash_config.target_layer_ids")
+            if isinstance(layers, int) and isinstance(ids, list) and ids and max(ids) >= layers:
+                add("guessed-config", f"drafter target_layer_ids {ids} reach past the target's {layers} layers "
+                                      f"({tgt['path']})", f"deploy up {pb} --clean-gpus", pid=srv["pid"])
+        # the fixes the drafter needs
+        if spec.get("method") == "dflash" and stack.get("installed"):
+            plus1, sw = fixes_present(stack)
+            sliding = "sliding_attention" in (cfg.get("layer_types") or [])
+            need = [("the +1 layer-id offset (vLLM PR #40727)", plus1)]
+            if sliding:
+                need.append(("sliding-window support for DFlash drafters (vLLM PR #40898, or >= 0.26)", sw))
+            m = stack.get("markers") or {}
+            missing = [n for n, ok in need if not ok]
+            if missing:
+                add("missing-fix", f"vLLM {stack.get('version')} lacks " + " and ".join(missing),
+                    f"install a vLLM build with the fix (deploy verify {pb} checks it); until then "
+                    f"deploy up {fallback or 'qwen36-mtp'} --clean-gpus (MTP needs neither fix)",
+                    version=stack.get("version"), markers=m)
+        # acceptance, from the server's own counters
+        if srv.get("metrics"):
+            life = vf.lifetime_acceptance(srv["metrics"])
+            rate = life.draft_acceptance if life else None
+            bar = (p or {}).get("min_acceptance") or MIN_ACCEPTANCE
+            srv["acceptance"] = life.as_dict() if life else None
+            if rate is not None and rate < bar:
+                why = "the guessed drafter config above" if srv["pid"] in guessed_in else \
+                    "missing vLLM fixes above" if any(f["class"] == "missing-fix" for f in findings) else \
+                    "not a config or build problem found here"
+                add("low-acceptance", f"server pid {srv['pid']}: draft acceptance {rate:.1%} (mean acceptance "
+                                      f"length {life.mean_acceptance_length or 0:.2f}) over {life.drafts:g} drafts, "
+                                      f"below {bar:.0%}; likely cause: {why}",
+                    f"deploy up {pb if srv['pid'] in guessed_in else fallback or 'qwen36-mtp'} --clean-gpus",
+                    pid=srv["pid"], acceptance=life.as_dict())
+    if stack.get("installed") and (stack.get("extensions_missing") or stack.get("import_ok") is False):
+        what = []
+        if stack.get("extensions_missing"):
+            what.append("compiled extensions missing: " + ", ".join(stack["extensions_missing"]))
+        if stack.get("import_ok") is False:
+            what.append(f"import vllm fails: {stack.get('import_error')}")
+        add("incomplete-build", f"vLLM {stack.get('version')} at {stack.get('path')}: " + "; ".join(what),
+            f"reinstall vLLM completely (let the build finish), then deploy verify {pbname}", **{"stack": stack})
+    # GPU holders that belong to no running server
+    serving = {s["pid"] for s in servers}
+    by_pid = {x["pid"]: x for x in procs}
+
+    def under_server(pid, hops=0):
+        x = by_pid.get(pid)
+        if pid in serving:
+            return True
+        return bool(x) and hops < 20 and under_server(x.get("ppid"), hops + 1)
+
+    for h in facts.get("holders") or []:
+        if h["pid"] in serving or under_server(h["pid"]):
+            continue
+        add("leftover-holder", f"PID {h['pid']} ({h.get('comm')}) holds {', '.join(h.get('devices') or [])} "
+                               f"but belongs to no running vLLM server (e.g. an engine left by pkill -9 -f vllm)",
+            f"deploy down {pbname} --clean-gpus (lists the holders, asks, then fuser -k in this container only)",
+            pid=h["pid"], cmdline=h.get("cmdline"))
+    mem = (facts.get("memory") or {}).get("gpus") or {}
+    if not facts.get("holders") and mem:
+        used = {int(i): g["used"] for i, g in mem.items() if g["used"] > 1024}
+        if used:
+            add("leftover-holder", "GPU memory is in use but no process in this container holds a GPU: "
+                                   + ", ".join(f"GPU {i} {u} MiB" for i, u in sorted(used.items()))
+                                   + "; the holder is outside (another container given the same GPU, or the host)",
+                f"deploy discover {host} (shows which containers share GPU "
+                f"{', '.join(str(i) for i in sorted(used))}); nothing in this container can free it", used_mib=used)
+    return findings
+
+
+def _t(ts) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(ts)) + "Z"
+
+
+# ------------------------------------------------------------------ gathering
+
+
+def pinned_configs(inv) -> tuple[list[dict], dict]:
+    """Every valid playbook's pinned drafter config, and {(host, vmid): playbook info} for the fix commands."""
+    from .errors import DeployError
+    from .spec import list_playbooks, load_playbook
+
+    pinned, targets = [], {}
+    for name in list_playbooks():
+        try:
+            pb = load_playbook(name, inv)
+        except DeployError:
+            continue
+        acc = pb.data["acceptance"]
+        info = {"playbook": pb.name, "fallback": acc.get("fallback"), "target": f"{pb.host}/{pb.vmid}",
+                "min_acceptance": acc.get("min_draft_acceptance")}
+        targets.setdefault((pb.host, pb.vmid), info)
+        if pb.drafter and pb.drafter_config is not None:
+            import hashlib
+
+            pinned.append({**info, "path": pb.drafter.get("path"), "hub_id": pb.drafter.get("hub_id"),
+                           "config": pb.drafter_config, "sha256": hashlib.sha256(pb.drafter_bytes).hexdigest()})
+    return pinned, targets
+
+
+def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
+    import click
+
+    from . import agent
+    from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, Unreachable
+    from .remote import Fleet, run_parallel
+    from .report import dump_json
+    from .status import resolve_targets
+
+    inv = obj.inventory()
+    scope = resolve_targets(inv, targets)
+    pinned, by_target = pinned_configs(inv)
+    t0 = time.monotonic()
+
+    def one(item):
+        host, vmid, rt = item
+        row = {"host": host, "vmid": vmid, "reachable": True, "runtime": rt and rt.get("python"), "servers": [],
+               "processes": [], "findings": [], "error": None, "seconds": None}
+        t = time.monotonic()
+        if rt is None:
+            row["note"] = "no vLLM runtime (deploy discover shows what the container has)"
+            return row
+        try:
+            facts = agent.call(fleet.session(host), vmid, rt["python"], "doctor",
+                               {"budget_s": budget_s, "state_dir": rt.get("state_dir")}, timeout=budget_s + 10)
+        except DeployError as e:
+            row["error"] = e.render()
+            row["reachable"] = not isinstance(e, Unreachable)
+            return row
+        pbi = by_target.get((host, vmid))
+        if facts.get("state") and not (facts["state"] or {}).get("corrupt"):
+            pbi = {**(pbi or {}), "playbook": facts["state"].get("playbook") or (pbi or {}).get("playbook")}
+        row["findings"] = diagnose(facts, pinned, host=host, vmid=vmid, playbook=pbi)
+        row["processes"] = [{k: p.get(k) for k in ("pid", "ppid", "pgid", "comm", "devices", "started_at")}
+                            | {"argv": " ".join(p.get("argv") or [])[:400]} for p in facts.get("processes") or []]
+        row["servers"] = [_server_view(s) for s in facts.get("servers") or []]
+        row["stack"] = {k: (facts.get("stack") or {}).get(k) for k in ("version", "path", "markers",
+                                                                      "extensions_missing", "import_ok")}
+        row["started_by_deploy"] = bool(facts.get("state"))
+        row["seconds"] = round(time.monotonic() - t, 2)
+        return row
+
+    with Fleet(inv) as fleet:
+        res = run_parallel(scope, one, deadline_s=budget_s + 20)
+    rows = []
+    for item, value, err in res:
+        if err is not None:
+            value = {"host": item[0], "vmid": item[1], "reachable": False, "servers": [], "processes": [],
+                     "findings": [], "error": str(getattr(err, "message", err)), "seconds": None}
+        rows.append(value)
+    code = EXIT_UNREACHABLE if any(not r["reachable"] for r in rows) else \
+        EXIT_FAILED if any(r["findings"] or r.get("error") for r in rows) else EXIT_OK
+    if obj.json:
+        dump_json({"schema": SCHEMA, "seconds": round(time.monotonic() - t0, 2), "exit_code": code,
+                   "containers": rows})
+    else:
+        click.echo(render(rows))
+    return code
+
+
+def _server_view(s: dict) -> dict:
+    d = s.get("drafter") or {}
+    return {"pid": s["pid"], "port": (s.get("args") or {}).get("port"), "model": (s.get("args") or {}).get("model"),
+            "speculative_config": (s.get("args") or {}).get("spec") or (s.get("args") or {}).get("spec_raw"),
+            "drafter": {k: d.get(k) for k in ("kind", "path", "realpath", "sha256", "mtime", "hub_id", "revision",
+                                              "matches_pinned", "pinned_by", "error")} if d else None,
+            "health": s.get("health"), "acceptance": s.get("acceptance")}
+
+
+def render(rows) -> str:
+    out = []
+    for r in rows:
+        where = f"{r['host']}/{r['vmid']}"
+        if r.get("error"):
+            out.append(f"{where}: could not be examined: {r['error']}")
+            continue
+        if r.get("note"):
+            out.append(f"{where}: {r['note']}")
+            continue
+        st = r.get("stack") or {}
+        plus1, sw = fixes_present(st)
+        out.append(f"{where}: vLLM {st.get('version') or 'not installed'}"
+                   + (f" (+1 layer-id fix {'yes' if plus1 else 'no'}, DFlash sliding window {'yes' if sw else 'no'})"
+                      if st.get("version") else "")
+                   + f"; {len(r['servers'])} vLLM server(s)"
+                   + ("" if not r["servers"] else " (started by deploy)" if r.get("started_by_deploy")
+                      else " (not started by deploy)") + f"; examined in {r['seconds']}s")
+        for s in r["servers"]:
+            d = s.get("drafter") or {}
+            acc = s.get("acceptance") or {}
+            out.append(f"  server pid {s['pid']} port {s['port']} model {s['model']}  /health {s.get('health') or '-'}")
+            if s.get("speculative_config"):
+                out.append(f"    --speculative-config {json.dumps(s['speculative_config'], separators=(',', ':'))}")
+            if d:
+                verdict = {True: f"= the published config ({d.get('pinned_by')})", False: "differs from the published "
+                           f"config ({d.get('pinned_by')})", None: "no pinned config to compare"}[d.get("matches_pinned")]
+                out.append(f"    drafter config {d.get('path')} sha256 {str(d.get('sha256'))[:12]}: {verdict}")
+            if acc.get("draft_acceptance_rate") is not None:
+                out.append(f"    draft acceptance {acc['draft_acceptance_rate']:.1%}, mean acceptance length "
+                           f"{acc.get('mean_acceptance_length') or 0:.2f} ({acc.get('drafts'):g} drafts, /metrics)")
+        for p in r["processes"]:
+            out.append(f"  pid {p['pid']} (parent {p['ppid']}, group {p['pgid']}) {p['comm']}"
+                       + (f" holds {', '.join(p['devices'])}" if p.get("devices") else ""))
+        if not r["findings"]:
+            out.append("  no problem found")
+        for f in r["findings"]:
+            out.append(f"  {f['class'].upper()}: {f['cause']}")
+            out.append(f"    fix: {f['fix']}")
+    return "\n".join(out)
