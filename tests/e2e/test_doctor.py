@@ -1,0 +1,111 @@
+"""`deploy doctor` on a vLLM started by hand (not by deploy): the guessed config, the published one, a stale
+write; and the fix it names really fixes it. Read-only: nothing changes in the container."""
+
+import json
+import shlex
+import subprocess
+import time
+
+from e2e_helpers import DRAFTER, PINNED_SHA, REPO, sha
+
+SPEC = {"method": "dflash", "model": "/root/models/Qwen3.6-27B-DFlash", "num_speculative_tokens": 15}
+
+
+def start_by_hand(tb, vmid=129, gpus="0,1,2,3"):
+    script = ("CUDA_VISIBLE_DEVICES=%s setsid /root/ml-env/bin/vllm serve /root/models/Qwen3.6-27B "
+              "--tensor-parallel-size %d --served-model-name byhand --attention-backend flash_attn "
+              "--speculative-config %s > /tmp/byhand.log 2>&1 < /dev/null &"
+              % (gpus, len(gpus.split(",")), shlex.quote(json.dumps(SPEC))))
+    subprocess.run(tb.ssh_argv("pve1", shlex.join(["pct", "exec", str(vmid), "--", "sh", "-c", script])),
+                   timeout=30, check=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        r = tb.container_exec("pve1", vmid, ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                             "http://127.0.0.1:8000/health"])
+        if r.stdout.strip() == "200":
+            return
+        time.sleep(0.2)
+    raise AssertionError("the hand-started vLLM did not come up: "
+                         + tb.container_exec("pve1", vmid, ["tail", "-5", "/tmp/byhand.log"]).stdout)
+
+
+def traffic(tb, vmid=129, n=3):
+    body = json.dumps({"model": "byhand", "prompt": "Explain why the sky is blue.", "max_tokens": 64})
+    for _ in range(n):
+        tb.container_exec("pve1", vmid, ["curl", "-s", "-X", "POST", "-H", "Content-Type: application/json",
+                                         "-d", body, "http://127.0.0.1:8000/v1/completions"])
+
+
+def pinned_bytes():
+    with open(REPO + "/playbooks/drafters/qwen36-27b-dflash.config.json", "rb") as fh:
+        return fh.read()
+
+
+def test_doctor_names_the_guessed_config_and_its_fix_fixes_it(tb, deploy):
+    start_by_hand(tb)
+    traffic(tb)
+    before = (sha(tb, "pve1", 129, DRAFTER), sorted(tb.container_pids("pve1", 129)))
+    t0 = time.monotonic()
+    p = deploy("doctor", "pve1/129", "--json")
+    assert time.monotonic() - t0 < 15
+    assert p.returncode == 1, p.stdout + p.stderr
+    row = p.json["containers"][0]
+    assert row["started_by_deploy"] is False
+    classes = [f["class"] for f in row["findings"]]
+    assert classes == ["guessed-config", "low-acceptance"], row["findings"]
+    g = row["findings"][0]
+    assert "dflash_config.target_layer_ids [1, 17, 33, 49, 63] (published [1, 16, 31, 46, 61])" in g["cause"]
+    assert g["fix"].startswith("deploy up qwen36-dflash --clean-gpus")
+    srv = row["servers"][0]
+    assert srv["speculative_config"] == SPEC and srv["drafter"]["matches_pinned"] is False
+    assert srv["acceptance"]["draft_acceptance_rate"] < 0.05
+    assert any(pr["comm"].startswith("VLLM::Worker") and "/dev/nvidia0" in pr["devices"] for pr in row["processes"])
+    # changed nothing
+    assert (sha(tb, "pve1", 129, DRAFTER), sorted(tb.container_pids("pve1", 129))) == before
+    text = deploy("doctor", "pve1/129").stdout
+    assert "GUESSED-CONFIG: server pid" in text and "(not started by deploy)" in text
+    assert "    fix: deploy up qwen36-dflash --clean-gpus" in text
+    # the named fix really fixes it
+    p = deploy("up", "qwen36-dflash", "--clean-gpus", "-y")
+    assert p.returncode == 0, p.stderr
+    p = deploy("doctor", "pve1/129", "--json")
+    row = p.json["containers"][0]
+    assert p.returncode == 0 and row["findings"] == [] and row["started_by_deploy"], row
+    assert row["servers"][0]["drafter"]["matches_pinned"] is True
+
+
+def test_doctor_on_the_published_config_finds_nothing_and_a_stale_write_is_named(tb, deploy):
+    tb.container_exec("pve1", 129, ["sh", "-c", "cat > %s" % DRAFTER], input=pinned_bytes(), text=False)
+    assert sha(tb, "pve1", 129, DRAFTER) == PINNED_SHA
+    start_by_hand(tb)
+    traffic(tb)
+    p = deploy("doctor", "pve1/129", "--json")
+    row = p.json["containers"][0]
+    assert p.returncode == 0 and row["findings"] == [], row["findings"]
+    assert row["servers"][0]["drafter"]["matches_pinned"] is True
+    assert "no problem found" in deploy("doctor", "pve1/129").stdout
+
+
+def test_doctor_names_a_stale_write(tb, deploy):
+    start_by_hand(tb)
+    started = min(pr["started_at"] for pr in deploy("doctor", "pve1/129", "--json").json["containers"][0]["processes"])
+    deadline = time.monotonic() + 5
+    while time.time() < started + 1.5 and time.monotonic() < deadline:  # the start time has 1 s resolution
+        time.sleep(0.1)
+    tb.container_exec("pve1", 129, ["sh", "-c", "cat > %s" % DRAFTER], input=pinned_bytes(), text=False)
+    p = deploy("doctor", "pve1/129", "--json")
+    classes = [f["class"] for f in p.json["containers"][0]["findings"]]
+    assert classes == ["stale-write"], p.json["containers"][0]["findings"]
+    f = p.json["containers"][0]["findings"][0]
+    assert "vLLM still runs with what it read at start" in f["cause"]
+    assert f["fix"].startswith("deploy up qwen36-dflash --clean-gpus")
+
+
+def test_doctor_without_vllm_and_on_a_broken_build(tb, deploy):
+    p = deploy("doctor", "pve1/129", "--json")
+    assert p.returncode == 0 and p.json["containers"][0]["servers"] == []
+    tb.set_fault("pve1", 129, "missing_extension", "_C_stable_libtorch.abi3.so")
+    p = deploy("doctor", "pve1/129", "--json")
+    f = p.json["containers"][0]["findings"]
+    assert p.returncode == 1 and [x["class"] for x in f] == ["incomplete-build"]
+    assert "_C_stable_libtorch.abi3.so" in f[0]["cause"] and "deploy verify qwen36-dflash" in f[0]["fix"]

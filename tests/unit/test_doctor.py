@@ -1,0 +1,84 @@
+"""`deploy doctor`'s classification on facts dicts (no container needed)."""
+
+import hashlib
+import json
+import os
+
+from orchestrator.doctor import config_differences, diagnose, fixes_present
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PUB = open(os.path.join(REPO, "playbooks/drafters/qwen36-27b-dflash.config.json"), "rb").read()
+STALE = open(os.path.join(REPO, "orchestrator/testbed/data/qwen36-27b-dflash.stale-guess.config.json"), "rb").read()
+PINNED = [{"playbook": "qwen36-dflash", "fallback": "qwen36-mtp", "target": "pve1/129", "min_acceptance": 0.4,
+           "path": "/root/models/Qwen3.6-27B-DFlash", "hub_id": None, "config": json.loads(PUB),
+           "sha256": hashlib.sha256(PUB).hexdigest()}]
+STACK = {"installed": True, "version": "0.34.0", "path": "/x/vllm", "import_ok": True, "extensions_missing": [],
+         "markers": {"plus1_fix": True, "pr40898_sliding_window": False, "resolve_layer_attention": True}}
+
+
+def facts(raw=PUB, kind="local", stack=STACK, holders=None, procs=None, mem=None, started=100.0, mtime=50.0):
+    d = {"kind": kind, "path": "/root/models/Qwen3.6-27B-DFlash/config.json", "dir": "/root/models/Qwen3.6-27B-DFlash",
+         "text": raw.decode(), "sha256": hashlib.sha256(raw).hexdigest(), "mtime": mtime}
+    if kind == "hub":
+        d.update(dir=None, hub_id="z-lab/Qwen3.6-27B-DFlash")
+    srv = {"pid": 10, "args": {"spec": {"method": "dflash", "model": "x"}, "port": 8000}, "drafter": d, "target": None}
+    return {"servers": [srv], "stack": stack, "holders": holders or [],
+            "processes": procs if procs is not None else [{"pid": 10, "ppid": 1, "started_at": started}],
+            "memory": mem or {}}
+
+
+def classes(f):
+    return [x["class"] for x in f]
+
+
+def test_published_config_is_fine_and_guessed_is_named():
+    assert diagnose(facts(), PINNED, host="pve1", vmid=129) == []
+    f = diagnose(facts(STALE), PINNED, host="pve1", vmid=129)
+    assert classes(f) == ["guessed-config"] and "deploy up qwen36-dflash --clean-gpus" in f[0]["fix"]
+    fields = [x["field"] for x in config_differences(json.loads(STALE), json.loads(PUB))]
+    assert fields[:6] == ["dflash_config.target_layer_ids", "dflash_config.mask_token_id", "layer_types",
+                          "sliding_window", "use_sliding_window", "bos_token_id"]
+
+
+def test_a_hub_snapshot_is_never_written_so_the_fix_says_what_instead():
+    f = diagnose(facts(STALE, kind="hub"), [dict(PINNED[0], path=None, hub_id="z-lab/Qwen3.6-27B-DFlash")],
+                 host="pve1", vmid=129)
+    assert classes(f) == ["guessed-config"] and "is never written by deploy" in f[0]["fix"]
+
+
+def test_stale_write_missing_fix_incomplete_build():
+    assert classes(diagnose(facts(mtime=200.0), PINNED, host="pve1", vmid=129)) == ["stale-write"]
+    old = dict(STACK, version="0.24.0", markers={"plus1_fix": False, "pr40898_sliding_window": False,
+                                                 "resolve_layer_attention": False})
+    f = diagnose(facts(stack=old), PINNED, host="pve1", vmid=129)
+    assert classes(f) == ["missing-fix"] and "PR #40727" in f[0]["cause"] and "PR #40898" in f[0]["cause"]
+    assert "deploy up qwen36-mtp --clean-gpus" in f[0]["fix"]
+    assert fixes_present(dict(STACK, version="0.22.0", markers={"pr40898_sliding_window": True})) == (True, True)
+    broken = dict(STACK, extensions_missing=["cumem_allocator.abi3.so"], import_ok=False, import_error="boom")
+    f = diagnose(facts(stack=broken), PINNED, host="pve1", vmid=129, playbook={"playbook": "qwen36-dflash"})
+    assert classes(f) == ["incomplete-build"] and "cumem_allocator" in f[0]["cause"] and "boom" in f[0]["cause"]
+
+
+def test_leftover_holders_inside_and_outside():
+    procs = [{"pid": 10, "ppid": 1}, {"pid": 11, "ppid": 10, "comm": "VLLM::EngineCore"},
+             {"pid": 20, "ppid": 1, "comm": "VLLM::Worker_TP0"}]
+    holders = [{"pid": 11, "comm": "VLLM::EngineCore", "devices": ["/dev/nvidia0"]},
+               {"pid": 20, "comm": "VLLM::Worker_TP0", "devices": ["/dev/nvidia1"]}]
+    f = diagnose(facts(procs=procs, holders=holders), PINNED, host="pve1", vmid=129,
+                 playbook={"playbook": "qwen36-dflash"})
+    assert classes(f) == ["leftover-holder"] and "PID 20" in f[0]["cause"]
+    assert f[0]["fix"].startswith("deploy down qwen36-dflash --clean-gpus")
+    f = diagnose({"servers": [], "holders": [], "memory": {"gpus": {"0": {"used": 30000, "total": 81559}}}},
+                 PINNED, host="pve1", vmid=129)
+    assert classes(f) == ["leftover-holder"] and "outside" in f[0]["cause"]
+    assert f[0]["fix"].startswith("deploy discover pve1")
+
+
+def test_low_acceptance_from_metrics():
+    m = ("vllm:spec_decode_num_drafts_total 100\nvllm:spec_decode_num_draft_tokens_total 1500\n"
+         "vllm:spec_decode_num_accepted_tokens_total 15\n")
+    fx = facts()
+    fx["servers"][0]["metrics"] = m
+    f = diagnose(fx, PINNED, host="pve1", vmid=129)
+    assert classes(f) == ["low-acceptance"] and "1.0%" in f[0]["cause"] and "below 40%" in f[0]["cause"]
+    assert "deploy up qwen36-mtp --clean-gpus" == f[0]["fix"]
