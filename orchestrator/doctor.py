@@ -125,8 +125,9 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
             shown = ", ".join(f"{x['field']} {_fmt(x['on_disk'])} (published {_fmt(x['pinned'])})"
                               for x in diffs[:4]) or "bytes differ"
             if d.get("kind") == "hub":
-                fix = (f"the hub snapshot {d.get('path')} is never written by deploy: serve a local copy "
-                       f"(speculative.drafter.path in the playbook), then deploy up {pb} --clean-gpus")
+                fix = (f"deploy up {pb} --clean-gpus (serves the pinned config from deploy's own drafter "
+                       f"directory with links to the snapshot's other files; the hub snapshot {d.get('path')} "
+                       f"is never written)")
             else:
                 fix = (f"deploy up {pb} --clean-gpus (stops the hand-started server's GPU holders, installs the "
                        f"pinned config, verifies it as vLLM loads it, relaunches, measures acceptance)")

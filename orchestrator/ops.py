@@ -477,8 +477,8 @@ def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
     ctx = new_context(fleet, pb, progress)
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
     if not pb.drafter or not P.drafter_config_path(pb):
-        out.error = DeployError("this playbook has no local drafter path to install a config into", where=pb.path,
-                                fix="apply-config needs speculative.drafter.path (a hub cache is never written)")
+        out.error = DeployError("this playbook has no drafter to install a config for", where=pb.path,
+                                fix="none needed: nothing to install (method mtp/ngram)")
         return out
     locked = None
     try:

@@ -69,10 +69,19 @@ def state_paths(pb: Playbook) -> dict:
 
 
 def drafter_config_path(pb: Playbook) -> str | None:
+    """The config.json vLLM reads: in the drafter directory, or for a hub id in deploy's own drafter directory
+    (hub_drafter_dir: the pinned config + links to the snapshot's other files; the hub cache is never written)."""
     d = pb.drafter
     if not d:
         return None
-    return os.path.join(d["path"], "config.json") if d.get("path") else None
+    return os.path.join(d["path"] or hub_drafter_dir(pb), "config.json")
+
+
+def hub_drafter_dir(pb: Playbook) -> str | None:
+    d = pb.drafter
+    if not d or not d.get("hub_id"):
+        return None
+    return os.path.join(pb.runtime["state_dir"], "drafters", d["hub_id"].replace("/", "--"))
 
 
 def spec_config(pb: Playbook) -> dict:
@@ -80,7 +89,7 @@ def spec_config(pb: Playbook) -> dict:
     cfg = {"method": s["method"]}
     d = s.get("drafter")
     if d:
-        cfg["model"] = d["path"] or d["hub_id"]
+        cfg["model"] = d["path"] or hub_drafter_dir(pb)
     cfg["num_speculative_tokens"] = s["num_speculative_tokens"]
     cfg.update(s["extra"])
     return cfg
@@ -128,7 +137,7 @@ def state_record(pb: Playbook) -> dict:
 
 def verify_args(pb: Playbook) -> dict:
     d = pb.drafter
-    return {"path": d.get("path"), "hub_id": d.get("hub_id"), "hf_home": d.get("hf_home"),
+    return {"path": d.get("path") or hub_drafter_dir(pb), "hub_id": d.get("hub_id"), "hf_home": d.get("hf_home"),
             "sha256": d["sha256"], "target_path": pb.data["model"]["path"],
             "num_speculative_tokens": pb.spec["num_speculative_tokens"], "method": pb.spec["method"],
             "vllm_min_version": pb.data["requires"].get("vllm_min_version"),
@@ -170,6 +179,15 @@ def step_current(pb):
 
 def step_write_config(pb):
     path = drafter_config_path(pb)
+    if hub_drafter_dir(pb):
+        d = pb.drafter
+        return Step("drafter-config", f"serve the pinned config from {hub_drafter_dir(pb)}: config.json (pinned) "
+                                      f"+ links to the other files of the hub snapshot of {d['hub_id']} "
+                                      f"(the hub cache is only read)", action="hub_drafter",
+                    args={"path": path, "dir": hub_drafter_dir(pb), "hub_id": d["hub_id"], "hf_home": d["hf_home"],
+                          "sha256": d["sha256"]}, timeout=30,
+                    payload=f"{os.path.basename(d['pinned_config'])} ({len(pb.drafter_bytes)} bytes, "
+                            f"sha256 {d['sha256'][:12]}...)", **_common(pb))
     return Step("drafter-config", f"install the pinned drafter config at {path} if its sha256 differs "
                                   "(backup, temp file, fsync, rename, read back)", action="write_file",
                 args={"path": path, "sha256": pb.drafter["sha256"]}, timeout=30,

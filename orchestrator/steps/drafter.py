@@ -24,9 +24,18 @@ def write_config(ctx: Context, step: Step) -> dict:
                       "write": "make the directory writable (read-only mount? full disk?) and run again",
                       "readback": "something rewrote the file while we wrote it; find the sync job",
                       "payload": "the pinned bytes were damaged in transfer; run again (check the SSH link)",
-                      "read": "make the existing config.json readable by root in the container"}.get(
+                      "read": "make the existing config.json readable by root in the container",
+                      "snapshot": "download the drafter into the container's hub cache first (HF_HOME="
+                                  f"{(ctx.pb.drafter or {}).get('hf_home')} huggingface-cli download "
+                                  f"{(ctx.pb.drafter or {}).get('hub_id')}), or use speculative.drafter.path"}.get(
                      r.get("stage"), "check the container"), result=r)
-    if r.get("changed"):
+    if r.get("snapshot") is not None:
+        what = "built" if r.get("changed") else "already holds the pinned config:"
+        ctx.record(step.name, True, f"{what} {r['dir']}: config.json {r['after_sha256'][:12]} (pinned) + "
+                                    f"{len(r.get('links') or [])} link(s) to {r['snapshot']} (revision "
+                                    f"{str(r.get('revision'))[:12]}; the hub cache is untouched, its config.json is "
+                                    f"{sha(r.get('snapshot_config_sha256'), 'unreadable')})", t0, result=r)
+    elif r.get("changed"):
         ctx.record(step.name, True, f"wrote {path} (was {sha(r.get('before_sha256'), 'absent')}, now "
                                     f"{r['after_sha256'][:12]}, read back); backup {r.get('backup') or '-'}",
                    t0, result=r)

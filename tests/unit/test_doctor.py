@@ -43,7 +43,8 @@ def test_published_config_is_fine_and_guessed_is_named():
 def test_a_hub_snapshot_is_never_written_so_the_fix_says_what_instead():
     f = diagnose(facts(STALE, kind="hub"), [dict(PINNED[0], path=None, hub_id="z-lab/Qwen3.6-27B-DFlash")],
                  host="pve1", vmid=129)
-    assert classes(f) == ["guessed-config"] and "is never written by deploy" in f[0]["fix"]
+    assert classes(f) == ["guessed-config"] and "is never written" in f[0]["fix"]
+    assert f[0]["fix"].startswith("deploy up qwen36-dflash --clean-gpus (serves the pinned config from deploy's own")
 
 
 def test_stale_write_missing_fix_incomplete_build():
