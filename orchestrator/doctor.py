@@ -4,7 +4,7 @@ One agent `doctor` call per container (orchestrator/agent/agent.py: act_doctor) 
 (pure, tested on dicts) names each field-report failure class it finds, with its cause and the `deploy` command
 that fixes it. Nothing is changed anywhere.
 
-Classes (shared/domain/field-report.md, "What happened"):
+Classes (docs/domain/field-report.md, "What happened"):
   guessed-config     the drafter config the server read is not the published (pinned) one          FR 1
   stale-write        the file now holds the pinned config, but the server started before it changed FR 3
   missing-fix        vLLM lacks the +1 layer-id offset (PR #40727) or DFlash sliding windows (#40898) FR 4
