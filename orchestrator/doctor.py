@@ -79,7 +79,50 @@ def _fmt(v):
     return json.dumps(v) if not isinstance(v, str) or v == "<absent>" else v
 
 
-def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook: dict | None = None) -> list[dict]:
+HOST_HOLDERS_SH = r"""
+T=""; command -v timeout >/dev/null 2>&1 && T="timeout -k 2 10"
+apps=$($T nvidia-smi --query-compute-apps=pid,used_memory,gpu_uuid --format=csv,noheader,nounits 2>/dev/null)
+$T nvidia-smi --query-gpu=index,uuid --format=csv,noheader 2>/dev/null | sed 's/^/gpu /'
+printf '%s\n' "$apps" | sed '/^$/d; s/^/app /'
+echo "hostns $(readlink /proc/self/ns/pid)"  # this SSH session runs in the host's own namespaces
+for p in $(printf '%s\n' "$apps" | cut -d, -f1); do
+  cg=$(grep -o 'lxc/[0-9]*' /proc/$p/cgroup 2>/dev/null | head -n 1)
+  echo "proc $p $(readlink /proc/$p/ns/pid) cg=${cg:--} $(cat /proc/$p/comm 2>/dev/null)"
+done
+exit 0
+"""
+
+
+def parse_host_holders(text: str) -> dict:
+    """The host's GPU processes (HOST_HOLDERS_SH output) -> {host_pid_ns, holders: [{pid, gpu, mib, pid_ns,
+    vmid, comm}]}. Host PIDs: a holder is in this container when its PID namespace is the container's."""
+    uuid, apps, procs, host_ns = {}, [], {}, None
+    for ln in text.splitlines():
+        kind, _, rest = ln.partition(" ")
+        if kind == "gpu":
+            i, _, u = rest.partition(",")
+            if i.strip().isdigit():
+                uuid[u.strip()] = int(i)
+        elif kind == "app":
+            f = [x.strip() for x in rest.split(",")]
+            if len(f) >= 3 and f[0].isdigit():
+                apps.append((int(f[0]), int(float(f[1])) if f[1].replace(".", "").isdigit() else 0, f[2]))
+        elif kind == "hostns":
+            host_ns = rest.strip() or None
+        elif kind == "proc":
+            f = rest.split(" ", 3)
+            if len(f) >= 3 and f[0].isdigit():
+                cg = f[2][3:] if f[2].startswith("cg=") else "-"
+                procs[int(f[0])] = {"pid_ns": f[1] or None, "vmid": int(cg[4:]) if cg.startswith("lxc/") else None,
+                                    "comm": f[3].strip() if len(f) > 3 else None}
+    holders = [{"pid": pid, "gpu": uuid.get(u), "mib": mib, **procs.get(pid, {"pid_ns": None, "vmid": None,
+                                                                             "comm": None})}
+               for pid, mib, u in apps if u in uuid]
+    return {"host_pid_ns": host_ns, "holders": holders}
+
+
+def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook: dict | None = None,
+             host_holders: dict | None = None) -> list[dict]:
     """-> [{class, cause, fix, evidence}] for one container. `pinned`: [{playbook, path, hub_id, config, sha256,
     min_acceptance, fallback}]; `playbook`: the one that targets this container (for the fix commands)."""
     pbname = (playbook or {}).get("playbook") or "PLAYBOOK"
@@ -211,7 +254,22 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
             f"deploy down {pbname} --clean-gpus (lists the holders, asks, then fuser -k in this container only)",
             pid=h["pid"], cmdline=h.get("cmdline"))
     mem = (facts.get("memory") or {}).get("gpus") or {}
-    if not facts.get("holders") and mem:
+    mine = {int(i) for i in mem}
+    outside = [h for h in (host_holders or {}).get("holders", [])
+               if h["gpu"] in mine and h.get("pid_ns") and h["pid_ns"] != facts.get("pid_ns")]
+    for h in outside:
+        if h.get("vmid"):
+            where, fix = (f"container {h['vmid']}", f"GPU {h['gpu']} is shared with container {h['vmid']}: "
+                          f"deploy doctor {host}/{h['vmid']} (and stop it there), or give each container its own GPU")
+        elif h["pid_ns"] == (host_holders or {}).get("host_pid_ns"):
+            where, fix = ("the host itself (no container)", f"nothing deploy may stop (it never kills on the host): "
+                          f"stop host PID {h['pid']} yourself; deploy discover {host} shows who shares GPU {h['gpu']}")
+        else:
+            where, fix = ("another container", f"deploy discover {host} shows which containers share GPU "
+                                               f"{h['gpu']}; stop it there")
+        add("leftover-holder", f"GPU {h['gpu']} is held outside this container, by {where}: host PID {h['pid']} "
+                               f"({h.get('comm') or '?'}) uses {h['mib']} MiB", fix, **h)
+    if not facts.get("holders") and mem and host_holders is None:
         used = {int(i): g["used"] for i, g in mem.items() if g["used"] > 1024}
         if used:
             add("leftover-holder", "GPU memory is in use but no process in this container holds a GPU: "
@@ -265,6 +323,27 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
     scope = resolve_targets(inv, targets)
     pinned, by_target = pinned_configs(inv)
     t0 = time.monotonic()
+    hosts_read: dict = {}
+    import threading
+    lock = threading.Lock()
+
+    def host_info(host):
+        """The host's GPU processes, read once per host (read-only); None when that fails."""
+        with lock:
+            ev = hosts_read.get(host)
+            first = ev is None
+            if first:
+                ev = hosts_read[host] = {"done": threading.Event(), "value": None}
+        if first:
+            try:
+                r = fleet.session(host).run(["sh", "-c", HOST_HOLDERS_SH], timeout=25, label="doctor")
+                ev["value"] = parse_host_holders(r.out) if r.ok else None
+            except DeployError:
+                ev["value"] = None
+            finally:
+                ev["done"].set()
+        ev["done"].wait(30)
+        return ev["value"]
 
     def one(item):
         host, vmid, rt = item
@@ -281,10 +360,11 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
             row["error"] = e.render()
             row["reachable"] = not isinstance(e, Unreachable)
             return row
+        hh = host_info(host)
         pbi = by_target.get((host, vmid))
         if facts.get("state") and not (facts["state"] or {}).get("corrupt"):
             pbi = {**(pbi or {}), "playbook": facts["state"].get("playbook") or (pbi or {}).get("playbook")}
-        row["findings"] = diagnose(facts, pinned, host=host, vmid=vmid, playbook=pbi)
+        row["findings"] = diagnose(facts, pinned, host=host, vmid=vmid, playbook=pbi, host_holders=hh)
         row["processes"] = [{k: p.get(k) for k in ("pid", "ppid", "pgid", "comm", "devices", "started_at")}
                             | {"argv": " ".join(p.get("argv") or [])[:400]} for p in facts.get("processes") or []]
         row["servers"] = [_server_view(s) for s in facts.get("servers") or []]

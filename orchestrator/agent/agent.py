@@ -1904,8 +1904,12 @@ def act_doctor(a):
         servers.append(srv)
     mem = read_gpu_memory(min(float(a.get("nvidia_smi_timeout_s", 4)), max(0.5, end - now())))
     stack = _vllm_stack(max(1.0, min(8.0, end - now() - 0.5)))
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")  # namespace inodes are global: the host compares its holders'
+    except OSError:
+        pid_ns = None
     return {"processes": procs, "servers": servers, "holders": holders, "memory": mem, "stack": stack,
-            "state": read_state(a.get("state_dir") or "/var/lib/vllm-pve-deploy"), "now": now()}
+            "state": read_state(a.get("state_dir") or "/var/lib/vllm-pve-deploy"), "now": now(), "pid_ns": pid_ns}
 
 
 ACTIONS["doctor"] = act_doctor

@@ -109,3 +109,15 @@ def test_doctor_without_vllm_and_on_a_broken_build(tb, deploy):
     f = p.json["containers"][0]["findings"]
     assert p.returncode == 1 and [x["class"] for x in f] == ["incomplete-build"]
     assert "_C_stable_libtorch.abi3.so" in f[0]["cause"] and "deploy verify qwen36-dflash" in f[0]["fix"]
+
+
+def test_doctor_names_a_holder_outside_the_container(tb, deploy):
+    tb.set_fault("pve1", None, "foreign_holder", {"gpu": 0, "mib": 30000})
+    deadline = time.monotonic() + 10
+    while tb.gpu_used("pve1")[0] < 30000 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    p = deploy("doctor", "pve1/129", "--json")
+    f = p.json["containers"][0]["findings"]
+    assert p.returncode == 1 and [x["class"] for x in f] == ["leftover-holder"], f
+    assert "GPU 0 is held outside this container, by the host itself (no container)" in f[0]["cause"]
+    assert "30000 MiB" in f[0]["cause"] and "never kills on the host" in f[0]["fix"]

@@ -83,3 +83,30 @@ def test_low_acceptance_from_metrics():
     f = diagnose(fx, PINNED, host="pve1", vmid=129)
     assert classes(f) == ["low-acceptance"] and "1.0%" in f[0]["cause"] and "below 40%" in f[0]["cause"]
     assert "deploy up qwen36-mtp --clean-gpus" == f[0]["fix"]
+
+
+HOST_OUT = """gpu 0, GPU-aaa
+gpu 1, GPU-bbb
+app 501, 30000, GPU-aaa
+app 777, 70000, GPU-bbb
+app 888, 1000, GPU-bbb
+hostns pid:[4026531836]
+proc 501 pid:[4026531836] cg=- python3
+proc 777 pid:[4026532999] cg=lxc/130 VLLM::Worker_TP
+proc 888 pid:[4026532111] cg=lxc/129 VLLM::Worker_TP
+"""
+
+
+def test_holders_outside_the_container_are_named_by_where_they_are():
+    from orchestrator.doctor import parse_host_holders
+    hh = parse_host_holders(HOST_OUT)
+    assert hh["host_pid_ns"] == "pid:[4026531836]"
+    assert [(h["pid"], h["gpu"], h["mib"], h["vmid"]) for h in hh["holders"]] == \
+        [(501, 0, 30000, None), (777, 1, 70000, 130), (888, 1, 1000, 129)]
+    fx = {"servers": [], "holders": [], "pid_ns": "pid:[4026532111]",
+          "memory": {"gpus": {"0": {"used": 30000, "total": 81559}, "1": {"used": 71000, "total": 81559}}}}
+    f = diagnose(fx, PINNED, host="pve1", vmid=129, host_holders=hh)
+    assert [x["class"] for x in f] == ["leftover-holder", "leftover-holder"]  # its own PID 888 is not outside
+    assert "by the host itself (no container): host PID 501 (python3) uses 30000 MiB" in f[0]["cause"]
+    assert "never kills on the host" in f[0]["fix"]
+    assert "by container 130" in f[1]["cause"] and f[1]["fix"].startswith("GPU 1 is shared with container 130")
