@@ -1819,9 +1819,13 @@ def _boot_time():
 
 def _serve_args(argv):
     """The `vllm serve` arguments that matter here: model, port, --speculative-config (raw and parsed)."""
-    if "serve" not in argv:
+    api = "vllm.entrypoints.openai.api_server"
+    if "serve" in argv:
+        rest = argv[argv.index("serve") + 1:]
+    elif api in argv:  # the older `python -m vllm.entrypoints.openai.api_server --model M` form
+        rest = ["--"] + argv[argv.index(api) + 1:]  # no positional model in this form
+    else:
         return None
-    rest = argv[argv.index("serve") + 1:]
     out = {"model": None, "port": 8000, "spec_raw": None, "spec": None, "spec_error": None}
     i = 0
     while i < len(rest):
@@ -1869,7 +1873,12 @@ def act_doctor(a):
     holders = gpu_holders()
     held = {h["pid"]: h["devices"] for h in holders}
     procs = []
-    for p in vllm_processes():
+    found = vllm_processes()
+    seen = {p["pid"] for p in found}
+    for pid in pids():  # the older entry point, which vllm_processes() does not name
+        if pid not in seen and "vllm.entrypoints.openai.api_server" in proc_cmdline(pid):
+            found.append({"pid": pid})
+    for p in found:
         f = proc_stat(p["pid"]) or []
         st = int(f[19]) if len(f) > 19 else None
         procs.append({"pid": p["pid"], "ppid": int(f[1]) if len(f) > 1 else None,

@@ -110,3 +110,17 @@ def test_holders_outside_the_container_are_named_by_where_they_are():
     assert "by the host itself (no container): host PID 501 (python3) uses 30000 MiB" in f[0]["cause"]
     assert "never kills on the host" in f[0]["fix"]
     assert "by container 130" in f[1]["cause"] and f[1]["fix"].startswith("GPU 1 is shared with container 130")
+
+
+def test_serve_args_of_both_entry_points():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_agent_for_test", os.path.join(REPO, "orchestrator/agent/agent.py"))
+    ag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ag)
+    a = ag._serve_args(["/root/ml-env/bin/python", "/root/ml-env/bin/vllm", "serve", "/m", "--port=8002",
+                        "-sc", '{"method":"dflash","model":"/d"}'])
+    assert (a["model"], a["port"], a["spec"]) == ("/m", 8002, {"method": "dflash", "model": "/d"})
+    a = ag._serve_args(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m",
+                        "--speculative-config", "{bad"])
+    assert a["model"] == "/m" and a["port"] == 8000 and a["spec"] is None and a["spec_error"]
+    assert ag._serve_args(["python", "train.py"]) is None
