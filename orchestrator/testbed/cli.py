@@ -59,6 +59,24 @@ def _parse_containers(text, gpus):
     return list(out) if plain else out
 
 
+def _parse_ct_options(items) -> dict:
+    """['pve1/131:passthrough=mount,ip=10.0.0.5/24', ...] -> {"pve1": {131: {...}}} (values checked by Testbed)."""
+    out = {}
+    for it in items:
+        target, sep, kvs = it.partition(":")
+        host, _, vmid = target.partition("/")
+        if not sep or not vmid.isdigit() or not kvs:
+            raise click.BadParameter("expected HOST/VMID:KEY=VALUE[,KEY=VALUE], got %r" % it,
+                                     param_hint="--ct-option")
+        opts = out.setdefault(host, {}).setdefault(int(vmid), {})
+        for kv in kvs.split(","):
+            k, eq, v = kv.partition("=")
+            if not eq:
+                raise click.BadParameter("%r: KEY=VALUE expected" % kv, param_hint="--ct-option")
+            opts[k.strip()] = v.strip()
+    return out
+
+
 @testbed.command("up")
 @click.option("--hosts", default=1, show_default=True, type=click.IntRange(1, 250), help="simulated hosts pve1..pveN")
 @click.option("--containers", default="129", show_default=True,
@@ -67,12 +85,17 @@ def _parse_containers(text, gpus):
 @click.option("--dir", "root", default=None, help=DIR_HELP)
 @click.option("--net", default=None, metavar="127.X.Y.",
               help="loopback prefix the hosts listen on (default: $VPD_TESTBED_NET or 127.77.0.)")
-def up_cmd(hosts, containers, gpus, root, net):
+@click.option("--ct-option", "ct_options", multiple=True, metavar="HOST/VMID:KEY=VALUE[,KEY=VALUE]",
+              help="vary one container: passthrough=dev|mount|cgroup-all, ip=ADDR/NN, python=venv|system|none "
+                   "(repeatable; docs/testbed.md)")
+def up_cmd(hosts, containers, gpus, root, net, ct_options):
     """Start the test bed and write its inventory.
 
     \b
     Example:
       deploy testbed up --hosts 2 --containers 129,130:0-1 --gpus 4
+      deploy testbed up --containers 129,131:2,133 --ct-option pve1/131:passthrough=mount,ip=10.99.0.31/24 \\
+                        --ct-option pve1/133:passthrough=cgroup-all,python=none
       export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml
     """
     import time
@@ -80,6 +103,7 @@ def up_cmd(hosts, containers, gpus, root, net):
     try:
         t0 = time.monotonic()
         tb = Testbed(root=_root(root), hosts=hosts, containers=_parse_containers(containers, gpus), gpus=gpus,
+                     options=_parse_ct_options(ct_options),
                      **({"net": net or os.environ["VPD_TESTBED_NET"]}
                         if net or os.environ.get("VPD_TESTBED_NET") else {})).up()
     except (TestbedError, ValueError) as e:

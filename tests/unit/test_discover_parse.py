@@ -196,3 +196,13 @@ def test_write_inventory_keeps_a_backup_and_refuses_invalid(tmp_path):
     with pytest.raises(DeployError, match="would not be valid"):
         d.write_inventory(str(p), "hosts:\n  - name: BAD NAME\n")
     assert "pve1" in yaml.safe_load(p.read_text())["hosts"][0]["name"]
+
+
+def test_testbed_ct_option_parsing():
+    import click
+    from orchestrator.testbed.cli import _parse_ct_options
+    assert _parse_ct_options(["pve1/131:passthrough=mount,ip=10.99.0.31/24", "pve1/133:python=none"]) == \
+        {"pve1": {131: {"passthrough": "mount", "ip": "10.99.0.31/24"}, 133: {"python": "none"}}}
+    for bad in ("pve1:python=none", "pve1/131", "pve1/131:python"):
+        with pytest.raises(click.BadParameter):
+            _parse_ct_options([bad])
