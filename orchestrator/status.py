@@ -322,7 +322,12 @@ def render_endpoints(rows) -> str:
     from .endpoint import describe
 
     lines = [f"  {r['host']}/{r['vmid']}: {describe(r['_endpoint'])}" for r in rows if r.get("_endpoint")]
-    return "\n\nEndpoints:\n" + "\n".join(lines) if lines else ""
+    text = "\n\nEndpoints:\n" + "\n".join(lines) if lines else ""
+    none = [f"{r['host']}/{r['vmid']}" for r in rows if r["process"] == NO_RUNTIME]
+    if none:
+        text += (f"\n\n{NO_RUNTIME} (nothing of vLLM expected there; healthy): {', '.join(none)}"
+                 f"\n  (deploy discover HOST --write records a runtime when there is one)")
+    return text
 
 
 def _row(host, vmid, **values) -> dict:

@@ -181,7 +181,8 @@ def test_status_without_a_runtime_is_healthy_not_an_error(dbed, tmp_path):
     assert [(r["vmid"], r["process"], r["container"], r["healthy"], r["problems"]) for r in rows] == \
         [(133, "no vLLM runtime", "running", True, []), (134, "no vLLM runtime", "running", True, [])]
     p = run_env(dbed, "status", "pve1/133", env=env)
-    assert "no vLLM runtime" in p.stdout and "UNHEALTHY" not in p.stdout and "ml-env" not in p.stdout
+    assert "UNHEALTHY" not in p.stdout and "ml-env" not in p.stdout
+    assert "no vLLM runtime (nothing of vLLM expected there; healthy): pve1/133" in p.stdout
     p = run_env(dbed, "logs", "pve1/134", env=env)
     assert p.returncode == 1 and "no vLLM runtime in the inventory" in p.stderr
 
