@@ -57,7 +57,7 @@ def dbed():
 
 def run(bed, *args, inventory=None, input=None, cwd=REPO):
     env = dict(os.environ, DEPLOY_INVENTORY=inventory or bed.inventory_path, NO_COLOR="1",
-               DEPLOY_STATE_DIR=bed.root.as_posix() + "-state")
+               DEPLOY_STATE_DIR=str(bed.root / "deploy-state"))
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=120, input=input)
 
@@ -168,7 +168,7 @@ def _playbooks(tmp_path, vmid, gpus, runtime=False):
 
 def run_env(bed, *args, env, inventory=None):
     e = dict(os.environ, DEPLOY_INVENTORY=inventory or bed.inventory_path, NO_COLOR="1",
-             DEPLOY_STATE_DIR=bed.root.as_posix() + "-state", **env)
+             DEPLOY_STATE_DIR=str(bed.root / "deploy-state"), **env)
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, env=e, text=True,
                           capture_output=True, timeout=180)
 
