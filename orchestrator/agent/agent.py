@@ -1963,14 +1963,14 @@ def act_hub_drafter(a):
                                       os.readlink(os.path.join(d, n)) == t for n, t in links.items()):
             res.update(ok=True, after_sha256=before)
             return res
+    import tempfile
+
     parent = os.path.dirname(d)
-    tmp = "%s.tmp-%d" % (d, os.getpid())
+    tmp = None
     try:
-        os.makedirs(parent, exist_ok=True)
-        if os.path.lexists(tmp):
-            shutil.rmtree(tmp)
-        os.mkdir(tmp)
-        fd = os.open(os.path.join(tmp, "config.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".%s.tmp-" % os.path.basename(d), dir=parent)  # unpredictable, 0700
+        fd = os.open(os.path.join(tmp, "config.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -1983,7 +1983,7 @@ def act_hub_drafter(a):
                 res.update(ok=False, stage="directory", message="%s exists and is not a directory of ours" % d)
                 shutil.rmtree(tmp, ignore_errors=True)
                 return res
-            old = "%s.old-%d" % (d, os.getpid())
+            old = tmp + ".old"  # beside the unpredictable temp name
             os.rename(d, old)
         os.rename(tmp, d)
         if old:
@@ -1994,7 +1994,8 @@ def act_hub_drafter(a):
         finally:
             os.close(dfd)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
         res.update(ok=False, stage="write", message="cannot build %s: %s" % (e.filename or d, e.strerror))
         return res
     res["changed"] = True
