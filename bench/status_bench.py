@@ -296,7 +296,7 @@ def main():
     if os.path.realpath(a.root) == "/tmp/vpd-testbed":
         raise SystemExit("bench: use your own --root, not the demo test bed's")
 
-    from orchestrator.testbed import Testbed
+    from vpd_testbed import Testbed
 
     budget = Budget(a.budget_s)
     res = Results()

@@ -843,9 +843,18 @@ def unlock(obj, target, yes):
 
 
 def _add_testbed():
+    """`deploy testbed` comes from the test bed's own distribution (testbed/ in the repo, import name vpd_testbed);
+    without it, the command says how to get it instead of click's bare "No such command"."""
     try:
-        from .testbed.cli import testbed
+        from vpd_testbed.cli import testbed
     except ImportError:
+        @main.command("testbed", context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+                      add_help_option=False, hidden=True)
+        def testbed():
+            click.echo("error: the test bed is not installed (it is its own distribution, not part of the tool)\n"
+                       "  fix: in a clone of vllm-pve-deploy: pip install ./testbed (scripts/setup.sh does it)",
+                       err=True)
+            sys.exit(EXIT_USAGE)
         return
     main.add_command(testbed)
 

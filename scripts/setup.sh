@@ -24,5 +24,5 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q -e '.[test]' > .venv/pip-install.log 2>&1 || { cat .venv/pip-install.log >&2; exit 1; }
+.venv/bin/python -m pip install -q -e ./testbed -e '.[test]' > .venv/pip-install.log 2>&1 || { cat .venv/pip-install.log >&2; exit 1; }
 echo "setup: done ($(.venv/bin/deploy --version))" >&2

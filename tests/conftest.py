@@ -69,7 +69,7 @@ def testbed():
     reason = testbed_skip_reason()
     if reason:
         pytest.skip(reason)
-    from orchestrator.testbed import Testbed
+    from vpd_testbed import Testbed
 
     _clean_stale_beds(Testbed)
     root = os.environ.get("VPD_TEST_TESTBED_DIR") or "/tmp/vpd-tb-%d" % os.getpid()

@@ -43,7 +43,7 @@ def dbed():
     reason = testbed_skip_reason()
     if reason:
         pytest.skip(reason)
-    from orchestrator.testbed import Testbed
+    from vpd_testbed import Testbed
 
     root = "/tmp/vpd-tb-disc-%d" % os.getpid()  # the shared fixture's stale-bed cleaner knows this pattern
     bed = Testbed(root=root, hosts=1, gpus=4, containers=CONTAINERS, options=OPTIONS, net=_net())

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAKE = os.path.join(REPO, "orchestrator", "testbed", "fake_vllm")
+FAKE = os.path.join(REPO, "testbed", "vpd_testbed", "fake_vllm")
 DOMAIN = os.environ.get("VPD_DOMAIN_DIR") or os.path.join(REPO, "docs", "domain")
 
 sys.path.insert(0, FAKE)
@@ -29,7 +29,7 @@ def domain_file(name):
     p = os.path.join(DOMAIN, name)
     if os.path.exists(p):
         return p
-    for top in ("orchestrator/testbed", "playbooks", "tests"):
+    for top in ("testbed/vpd_testbed", "playbooks", "tests"):
         for dirpath, _, files in os.walk(os.path.join(REPO, top)):
             if name in files:
                 return os.path.join(dirpath, name)

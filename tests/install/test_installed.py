@@ -35,13 +35,22 @@ def _free_net():
     pytest.skip("no free 127.77.N.1:2222")
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
+def _build(tmp_path_factory, src):
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), REPO], check=True,
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), src], check=True,
                    capture_output=True, timeout=300)
     (whl,) = out.glob("*.whl")
     return whl
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    return _build(tmp_path_factory, REPO)
+
+
+@pytest.fixture(scope="module")
+def testbed_wheel(tmp_path_factory):
+    return _build(tmp_path_factory, os.path.join(REPO, "testbed"))
 
 
 def test_wheel_ships_playbooks_drafters_and_schemas(wheel):
@@ -54,7 +63,16 @@ def test_wheel_ships_playbooks_drafters_and_schemas(wheel):
         assert f in names, f
 
 
-def test_installed_tool_from_an_empty_directory(wheel, tmp_path):
+def test_product_wheel_holds_no_test_bed_and_no_fake_vllm(wheel, testbed_wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if "testbed" in n or "/vllm/" in n or n.startswith("vllm/")], names
+    tb = set(zipfile.ZipFile(testbed_wheel).namelist())
+    for f in ("vpd_testbed/core.py", "vpd_testbed/scripts/pct.py", "vpd_testbed/fake_vllm/vllm/__init__.py",
+              "vpd_testbed/fake_vllm/vllm/_fake/server.py", "vpd_testbed/data/qwen36-27b-target.trimmed.config.json"):
+        assert f in tb, f
+
+
+def test_installed_tool_from_an_empty_directory(wheel, testbed_wheel, tmp_path):
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
@@ -62,8 +80,8 @@ def test_installed_tool_from_an_empty_directory(wheel, tmp_path):
     work.mkdir()
     home.mkdir()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"{wheel}[testbed]"], capture_output=True,
-                         text=True, timeout=600)
+    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(wheel), str(testbed_wheel)],
+                         capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DEPLOY_", "VPD_", "PYTHON", "XDG_"))}
     env.update(HOME=str(home), NO_COLOR="1", PATH=f"{venv / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from orchestrator.testbed.core import Testbed, TestbedError, safetensors_header
+from vpd_testbed.core import Testbed, TestbedError, safetensors_header
 
 pytestmark = pytest.mark.root
 
@@ -387,7 +387,7 @@ def test_load_reattaches(tb):
 
 def test_cli_fault_and_status(tb):
     env = dict(os.environ, VPD_TESTBED_DIR=str(tb.root))
-    cli = [sys.executable, "-c", "from orchestrator.testbed.cli import testbed; testbed()"]
+    cli = [sys.executable, "-c", "from vpd_testbed.cli import testbed; testbed()"]
     r = subprocess.run(cli + ["fault", "pve1/129", "oom_at_startup=cuda_oom"], env=env, capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr

@@ -14,8 +14,10 @@ import pytest
 
 from orchestrator.agent import agent_stdin
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AGENT_PY = os.path.join(REPO, "orchestrator", "agent", "agent.py")
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                    "orchestrator", "testbed", "data")
+                    "testbed", "vpd_testbed", "data")
 PUBLISHED = os.path.join(DATA, "qwen36-27b-dflash.config.json")
 STALE = os.path.join(DATA, "qwen36-27b-dflash.stale-guess.config.json")
 TARGET = os.path.join(DATA, "qwen36-27b-target.trimmed.config.json")
@@ -183,7 +185,7 @@ def test_fuser_kill_refuses_outside_a_container():
     """This machine plays the Proxmox host: no container= in PID 1's environment, so nothing is killed."""
     import re
 
-    src = open(os.path.join(os.path.dirname(DATA), "..", "agent", "agent.py")).read()
+    src = open(AGENT_PY).read()
     code = src.replace('if __name__ == "__main__":', "if False:") + "\nprint(json.dumps(fuser_kill([0], 0.1)))\n"
     try:
         with open("/proc/1/environ", "rb") as fh:
@@ -230,7 +232,7 @@ def test_agent_http_client_against_a_real_server(tmp_path):
     srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]
-    agent = open(os.path.join(os.path.dirname(DATA), "..", "agent", "agent.py")).read()
+    agent = open(AGENT_PY).read()
     code = agent.replace('if __name__ == "__main__":', "if False:") + f"""
 print(json.dumps([http({port}, "/health"), http({port}, "/x"), http({port}, "/chunked"),
                   http({port}, "/v1/completions", "POST", {{"a": 1}}, api_key="k"),

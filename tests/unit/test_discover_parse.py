@@ -200,7 +200,7 @@ def test_write_inventory_keeps_a_backup_and_refuses_invalid(tmp_path):
 
 def test_testbed_ct_option_parsing():
     import click
-    from orchestrator.testbed.cli import _parse_ct_options
+    from vpd_testbed.cli import _parse_ct_options
     assert _parse_ct_options(["pve1/131:passthrough=mount,ip=10.99.0.31/24", "pve1/133:python=none"]) == \
         {"pve1": {131: {"passthrough": "mount", "ip": "10.99.0.31/24"}, 133: {"python": "none"}}}
     for bad in ("pve1:python=none", "pve1/131", "pve1/131:python"):

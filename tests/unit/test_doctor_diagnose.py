@@ -8,7 +8,7 @@ from orchestrator.doctor import config_differences, diagnose, fixes_present
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PUB = open(os.path.join(REPO, "playbooks/drafters/qwen36-27b-dflash.config.json"), "rb").read()
-STALE = open(os.path.join(REPO, "orchestrator/testbed/data/qwen36-27b-dflash.stale-guess.config.json"), "rb").read()
+STALE = open(os.path.join(REPO, "testbed/vpd_testbed/data/qwen36-27b-dflash.stale-guess.config.json"), "rb").read()
 PINNED = [{"playbook": "qwen36-dflash", "fallback": "qwen36-mtp", "target": "pve1/129", "min_acceptance": 0.4,
            "path": "/root/models/Qwen3.6-27B-DFlash", "hub_id": None, "config": json.loads(PUB),
            "sha256": hashlib.sha256(PUB).hexdigest()}]

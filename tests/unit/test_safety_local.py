@@ -16,8 +16,10 @@ import pytest
 
 from orchestrator.agent import agent_stdin
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AGENT_PY = os.path.join(REPO, "orchestrator", "agent", "agent.py")
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                    "orchestrator", "testbed", "data")
+                    "testbed", "vpd_testbed", "data")
 PUBLISHED = os.path.join(DATA, "qwen36-27b-dflash.config.json")
 STALE = os.path.join(DATA, "qwen36-27b-dflash.stale-guess.config.json")
 TARGET = os.path.join(DATA, "qwen36-27b-target.trimmed.config.json")
@@ -468,7 +470,7 @@ def test_a_dead_holder_on_this_workstation_is_recognised():
 
 def test_escape_sequences_are_stripped_from_names_and_log_lines(tmp_path, procs):
     p = procs([sys.executable, "-c", "import time; time.sleep(60)", "\x1b]0;pwned\x07\x1bc\x1b[2Jhidden"])
-    code = open(os.path.join(os.path.dirname(DATA), "..", "agent", "agent.py")).read().replace(
+    code = open(AGENT_PY).read().replace(
         'if __name__ == "__main__":', "if False:") + "\nprint(json.dumps([proc_cmdline(%d), clean(%r)]))\n" % (
         p.pid, "a\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\b\x1bc\x9b31m")
     out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout)

@@ -1,6 +1,6 @@
 """vllm-pve-deploy's test bed: a local simulated Proxmox VE GPU fleet (see docs/testbed.md).
 
-    from orchestrator.testbed import Testbed
+    from vpd_testbed import Testbed
     tb = Testbed(hosts=1, containers=[129], gpus=4).up()
     ...
     tb.down()

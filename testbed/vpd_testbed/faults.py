@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 
+from .common import SSH_PORT, DRAFTER, pids_alive, port_open, read_pid, wait_until
 from .scripts import ctl
 
 CONTAINER = {
@@ -235,19 +236,18 @@ def _stop_pidfile(tb, host, name):
 
 
 def _spawn_pidfile(tb, host, name, argv):
-    p = tb._spawn(argv, tb.hostdir(host) / "run" / (name + ".log"))
+    p = tb.spawn(argv, tb.hostdir(host) / "run" / (name + ".log"))
     _pidfile(tb, host, name).write_text("%d\n" % p.pid)
     return p
 
 
 def _start_lagproxy(tb, host, ms):
-    from .core import SSH_PORT, _port_open, _wait
     a = tb.address(host)
     port = tb.lag_port(host)
     p = _spawn_pidfile(tb, host, "lagproxy", [tb.python, "-E", str(tb.root / "bin" / "lagproxy.py"),
                                               "--listen", "%s:%d" % (a, port), "--to", "%s:%d" % (a, SSH_PORT),
                                               "--delay-ms", "%g" % (ms / 2.0)])
-    _wait(lambda: _port_open(a, port) or p.poll() is not None, 10, "lagproxy of %s" % host)
+    wait_until(lambda: port_open(a, port) or p.poll() is not None, 10, "lagproxy of %s" % host)
     if p.poll() is not None:
         raise RuntimeError("lagproxy of %s failed to start (port %d in use?)" % (host, port))
 
@@ -264,7 +264,6 @@ def apply(tb, host, vmid, name, value, old):
         elif name == "config_revert_s":
             _kill_ct_helper(tb, host, vmid, M_REVERT)
             if value is not None:
-                from .core import DRAFTER
                 _start_ct_helper(tb, host, vmid, M_REVERT, REVERT_CODE, "/root/models/%s/config.json" % DRAFTER,
                                  "/etc/vpd-testbed/stale-drafter-config.json", value)
         elif name == "port_in_use":
@@ -289,17 +288,16 @@ def apply(tb, host, vmid, name, value, old):
             while not _holds_gpu(p.pid) and p.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.005)
     elif name == "unreachable":
-        from .core import _read_pid, _pids_alive
         lag = _pidfile(tb, host, "lagproxy").exists()
         if value:
-            tb._stop_sshd(host)
+            tb.stop_sshd(host)
             _stop_pidfile(tb, host, "lagproxy")
             if tb.host_faults(host).get("latency_ms"):
                 (tb.hostdir(host) / "run" / "lagproxy.suspended").write_text("1\n")
         else:
-            pid = _read_pid(tb.hostdir(host) / "sshd.pid")
-            if not (pid and _pids_alive([pid])):
-                tb._start_sshd(host)
+            pid = read_pid(tb.hostdir(host) / "sshd.pid")
+            if not (pid and pids_alive([pid])):
+                tb.start_sshd(host)
             ms = tb.host_faults(host).get("latency_ms")
             if ms and not lag:
                 _start_lagproxy(tb, host, ms)
@@ -328,8 +326,7 @@ def cleanup_helpers(tb, host=None):
             if not f.get(key):
                 _stop_pidfile(tb, h, name)
         if not f.get("unreachable"):
-            from .core import _read_pid, _pids_alive
-            pid = _read_pid(tb.hostdir(h) / "sshd.pid")
-            if not (pid and _pids_alive([pid])):
-                tb._start_sshd(h)
+            pid = read_pid(tb.hostdir(h) / "sshd.pid")
+            if not (pid and pids_alive([pid])):
+                tb.start_sshd(h)
     tb.write_inventory()

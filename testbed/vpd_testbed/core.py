@@ -22,27 +22,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import faults as _faults
+from .common import (DRAFTER, SSH_PORT, TestbedError, log_tail, pids_alive as _pids_alive,
+                     port_open as _port_open, read_pid as _read_pid, wait_until as _wait)
 from .scripts import ctl
 
 PKG = Path(__file__).resolve().parent
 SCRIPTS = PKG / "scripts"
 DATA = PKG / "data"
 FAKE_VLLM = PKG / "fake_vllm"
-SSH_PORT = 2222
 LAG_PORT_BASE = 2300
 SUB_ADDR = "127.77.0."
 STATE = "testbed.json"
 
-DRAFTER = "Qwen3.6-27B-DFlash"
 TARGET = "Qwen3.6-27B"
 STALE_CONFIG = DATA / "qwen36-27b-dflash.stale-guess.config.json"
 TARGET_CONFIG = DATA / "qwen36-27b-target.trimmed.config.json"
-
-
-class TestbedError(RuntimeError):
-    """A test bed operation failed; the message says what to do."""
-
-    __test__ = False  # not a pytest test class
 
 
 def default_root() -> str:
@@ -178,32 +172,12 @@ def safetensors_header(hidden=5120, inter=17408, heads=32, kv=8, head_dim=128, l
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _pids_alive(pids) -> list:
-    out = []
-    for p in pids:
-        try:
-            with open("/proc/%d/stat" % p) as f:
-                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    out.append(p)
-        except (OSError, ValueError, IndexError):
-            pass
-    return out
-
-
 def _cmdline(pid) -> bytes:
     try:
         with open("/proc/%s/cmdline" % pid, "rb") as f:
             return f.read()
     except OSError:
         return b""
-
-
-def _port_open(addr, port, timeout=0.2) -> bool:
-    try:
-        with socket.create_connection((addr, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def _port_free(addr, port) -> bool:
@@ -216,35 +190,6 @@ def _port_free(addr, port) -> bool:
         return False
     finally:
         s.close()
-
-
-def log_tail(path, lines=8) -> str:
-    """The last lines of a test bed process's log, for an error message ('' when it has none)."""
-    try:
-        text = Path(path).read_text(errors="replace").rstrip()
-    except OSError:
-        return ""
-    tail = text.splitlines()[-lines:]
-    return ("\n  last lines of %s:\n    " % path + "\n    ".join(tail)) if tail else ""
-
-
-def _wait(cond, timeout, what, interval=0.005, log=None):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() >= deadline:
-            raise TestbedError("timed out after %.1f s waiting for %s%s"
-                               % (timeout, what, log_tail(log) if log else ""))
-        time.sleep(interval)
-
-
-def _read_pid(path):
-    try:
-        return int(Path(path).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _kill(pids, sig=signal.SIGKILL):
@@ -625,7 +570,7 @@ class Testbed:
         for h in self.hosts:
             self._start_gpusim(h)
         for h in self.hosts:
-            self._start_sshd(h, wait=False)
+            self.start_sshd(h, wait=False)
         with ThreadPoolExecutor(max_workers=8) as ex:
             futs = [ex.submit(self.start_container, h, v) for h in self.hosts for v in self.spec[h]]
             for f in futs:
@@ -635,7 +580,7 @@ class Testbed:
             _wait(lambda: _port_open(a, SSH_PORT), 10, "sshd of %s on %s:%d" % (h, a, SSH_PORT),
                   log=self.root / h / "sshd.log")
 
-    def _spawn(self, argv, log, cwd=None):
+    def spawn(self, argv, log, cwd=None):
         with open(log, "ab") as lf:
             return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf, cwd=cwd,
                                     start_new_session=True, close_fds=True)
@@ -645,12 +590,12 @@ class Testbed:
         ready = hd / "gpusim.ready"
         if ready.exists():
             ready.unlink()
-        p = self._spawn([self.python, "-SE", str(self.root / "bin" / "gpusim.py"), str(hd)], hd / "gpusim.log")
+        p = self.spawn([self.python, "-SE", str(self.root / "bin" / "gpusim.py"), str(hd)], hd / "gpusim.log")
         _wait(lambda: ready.exists() or p.poll() is not None, 10, "GPU simulator of %s" % h, log=hd / "gpusim.log")
         if p.poll() is not None:
             raise TestbedError("GPU simulator of %s failed to start%s" % (h, log_tail(hd / "gpusim.log")))
 
-    def _start_sshd(self, h, wait=True):
+    def start_sshd(self, h, wait=True):
         hd = self.root / h
         a = self.address(h)
         mine = [int(e) for e in os.listdir("/proc") if e.isdigit()
@@ -665,7 +610,7 @@ class Testbed:
                 _wait(lambda: _port_free(a, SSH_PORT), 5, "port %s:%d to close" % (a, SSH_PORT))
             except TestbedError:
                 raise TestbedError("%s:%d is already in use" % (a, SSH_PORT)) from None
-        p = self._spawn(["unshare", "--mount", "--propagation", "private", "--", "sh", str(hd / "hostinit.sh")],
+        p = self.spawn(["unshare", "--mount", "--propagation", "private", "--", "sh", str(hd / "hostinit.sh")],
                         hd / "sshd.log")
         (hd / "sshd.pid").write_text("%d\n" % p.pid)
         if wait:
@@ -674,7 +619,7 @@ class Testbed:
             if p.poll() is not None:
                 raise TestbedError("sshd of %s failed to start%s" % (h, log_tail(hd / "sshd.log")))
 
-    def _stop_sshd(self, h):
+    def stop_sshd(self, h):
         hd = self.root / h
         pid = _read_pid(hd / "sshd.pid")
         victims = []

@@ -1,0 +1,64 @@
+"""What the test bed's modules share (no imports of core or faults: no cycle)."""
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+SSH_PORT = 2222
+DRAFTER = "Qwen3.6-27B-DFlash"
+
+
+class TestbedError(RuntimeError):
+    """A test bed operation failed; the message says what to do."""
+
+    __test__ = False  # not a pytest test class
+
+
+def pids_alive(pids) -> list:
+    out = []
+    for p in pids:
+        try:
+            with open("/proc/%d/stat" % p) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    out.append(p)
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def port_open(addr, port, timeout=0.2) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def log_tail(path, lines=8) -> str:
+    """The last lines of a test bed process's log, for an error message ('' when it has none)."""
+    try:
+        text = Path(path).read_text(errors="replace").rstrip()
+    except OSError:
+        return ""
+    tail = text.splitlines()[-lines:]
+    return ("\n  last lines of %s:\n    " % path + "\n    ".join(tail)) if tail else ""
+
+
+def wait_until(cond, timeout, what, interval=0.005, log=None):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() >= deadline:
+            raise TestbedError("timed out after %.1f s waiting for %s%s"
+                               % (timeout, what, log_tail(log) if log else ""))
+        time.sleep(interval)
+
+
+def read_pid(path):
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
