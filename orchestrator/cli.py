@@ -154,6 +154,7 @@ def plan(obj, playbook, restart, clean_gpus):
 
 
 def render_plan(obj, inv, pb, steps):
+    from .plan import PHASE_TITLES
     from .report import dump_json
 
     py = pb.runtime["python"]
@@ -163,14 +164,27 @@ def render_plan(obj, inv, pb, steps):
                    "fallback": pb.fallback.name if pb.fallback else None})
         return
     click.echo(f"Plan for {pb.name} on {pb.host}/{pb.vmid} ({rows[0]['ssh']}); one SSH connection for all steps.")
-    for i, r in enumerate(rows, 1):
-        click.echo(f"\n{i:2}. {r['step']}: {r['title']}" + (f"  [when {r['when']}]" if r["when"] else ""))
-        click.echo(f"    $ {r['command']}")
-        if r["stdin"]:
-            click.echo(f"      < stdin: {r['stdin']}")
-    if pb.fallback:
-        click.echo(f"\nOn low acceptance: stop, free the GPUs, and bring up {pb.fallback.name} "
-                   f"(deploy plan {pb.fallback.name} shows its steps).")
+    phase, n = "main", 0
+    for r in rows:
+        if r["phase"] != phase:
+            phase = r["phase"]
+            click.echo(f"\n{PHASE_TITLES.get(phase, phase)}:")
+        n += 1
+        _render_step(r, f"{n:2}.", py)
+    click.echo(f"\n{n} steps. `deploy -v up` prints each step's commands as it runs them; --json gives this plan "
+               "for review tools.")
+
+
+def _render_step(r, label, py, indent=""):
+    click.echo(f"\n{indent}{label} {r['step']}: {r['title']}" + (f"  [when {r['when']}]" if r["when"] else ""))
+    if r["command"]:
+        click.echo(f"{indent}    $ {r['command']}")
+    if r["stdin"]:
+        click.echo(f"{indent}      < stdin: {r['stdin']}")
+    for line in r.get("runs") or []:
+        click.echo(f"{indent}      runs: {line}")
+    for i, sub in enumerate(r.get("steps") or [], 1):
+        _render_step(sub, f"{label}{i}.", py, indent + "    ")
 
 
 # ------------------------------------------------------------------ up / restart / down

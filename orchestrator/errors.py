@@ -73,3 +73,40 @@ class RemoteTimeout(DeployError):
 
 class CheckFailed(DeployError):
     """A verification found a difference between expected and actual state."""
+
+
+class StepFailed(DeployError):
+    """A planned step failed: which step, what, where, what to do, and what the host holds now (`state left`)."""
+
+    def __init__(self, step: str, message: str, *, where: str = "", fix: str = "", details: dict | None = None,
+                 state_left: str = ""):
+        super().__init__(message, where=where, fix=fix, details=details)
+        self.step = step
+        self.state_left = state_left
+
+    def render(self) -> str:
+        out = f"{self.where}: {self.step}: {self.message}"
+        if self.fix:
+            out += f"\n  fix: {self.fix}"
+        if self.state_left:
+            out += f"\n  state left: {self.state_left}"
+        return out
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "step": self.step, "state_left": self.state_left}
+
+
+class LockHeld(DeployError):
+    """Another deploy holds the container lock."""
+
+
+class ContainerNotRunning(DeployError):
+    """`pct exec` found the container stopped."""
+
+
+class AgentError(DeployError):
+    """The in-container agent failed or answered something that is not its protocol."""
+
+
+class OutputTooLarge(DeployError):
+    """A remote command wrote more than the cap (remote.MAX_OUTPUT) to one stream."""

@@ -11,19 +11,16 @@ import uuid
 from dataclasses import dataclass, field
 
 from . import plan as P
-from .errors import DeployError, Unreachable
+from .errors import DeployError, LockHeld, StepFailed, Unreachable  # noqa: F401 (LockHeld: re-exported)
+from .agent.protocol import CurrentResult, GpusFreeResult, StopResult
 from .facts import parse_pct_status
 from .remote import Fleet
 from .report import Progress, sha
 from .spec import Playbook
-from .steps import Context, StepFailed, StepResult
+from .steps import Context, StepResult
 from .steps import drafter as D
 from .steps import gpu as G
 from .steps import vllm as V
-
-
-class LockHeld(DeployError):
-    pass
 
 
 @dataclass
@@ -202,9 +199,9 @@ def release_lock(ctx: Context, step: P.Step, beat: Heartbeat | None = None) -> N
         pass
 
 
-def diff_running(cur: dict, pb: Playbook) -> list[str]:
+def diff_running(cur: CurrentResult, pb: Playbook) -> list[str]:
     """What differs between the running deployment (state file) and this playbook."""
-    st = cur.get("state") or {}
+    st = cur.state or {}
     diffs = []
     want_argv = P.serve_argv(pb)
     if st.get("argv") != want_argv:
@@ -216,137 +213,280 @@ def diff_running(cur: dict, pb: Playbook) -> list[str]:
     elif st.get("playbook_sha256") != pb.sha256:
         diffs.append(f"playbook file changed: {sha(st.get('playbook_sha256'), '(not recorded)')} -> {sha(pb.sha256)}")
     want_d = (pb.drafter or {}).get("sha256")
-    if want_d and cur.get("drafter_sha256") != want_d:
-        have = cur.get("drafter_sha256")
+    if want_d and cur.drafter_sha256 != want_d:
+        have = cur.drafter_sha256
         if have:
             diffs.append(f"drafter config on disk {sha(have)}, pinned {sha(want_d)}")
-        elif cur.get("drafter_error"):
-            diffs.append(f"drafter config unreadable ({cur['drafter_error']}), pinned {sha(want_d)}")
+        elif cur.drafter_error:
+            diffs.append(f"drafter config unreadable ({cur.drafter_error}), pinned {sha(want_d)}")
         else:
             diffs.append(f"drafter config: the running deployment has none, this playbook pins {sha(want_d)}")
     return diffs
 
 
-def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart: bool = False,
-       token: str | None = None, _depth: int = 0) -> Outcome:
-    ctx = new_context(fleet, pb, progress, token)
-    steps = {s.name: s for s in P.plan_up(pb, write_config=opts.write_config, clean_gpus=opts.clean_gpus,
-                                          restart=restart)}
-    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
-    t_start = time.monotonic()
-    locked = None
-    launched = False
-    changed: list[str] = []  # what this run changed on the host so far, for "state left" on failure
-    written: dict = {}
-    verified = None
+# ------------------------------------------------------------------ the executor: one loop over the planned steps
+
+
+@dataclass
+class Run:
+    """One execution of a plan: the run state the `when` predicates read, plus what the runners hand on."""
+    ctx: Context
+    fleet: Fleet
+    opts: Options
+    out: Outcome
+    st: P.RunState
+    t_start: float
+    beat: Heartbeat | None = None
+    cur: CurrentResult | None = None
+    written: dict = field(default_factory=dict)
+    verified: dict | None = None
+    ready: dict = field(default_factory=dict)
+    measured: dict | None = None
+    stop_report: dict | None = None
+    free: dict | None = None
+    error: DeployError | None = None
+
+
+def execute(run: Run, steps: list[P.Step]) -> Outcome:
+    """Run the plan: the main phase in order (a failing `when` skips a step; a runner may end the phase early),
+    then the on-low-acceptance phase when the gate failed, the on-failure phase when a step failed, and the
+    finally phase whatever happened. The plan is the only input: nothing here decides what runs."""
+    ctx, st = run.ctx, run.st
+    phase = lambda name: [s for s in steps if s.phase == name]  # noqa: E731
+    st.can_fall_back = bool(phase("on-low-acceptance"))
     try:
-        check_container(ctx, steps["container"])
-        locked = take_lock(ctx, steps["lock"], opts.wait_lock_s)
-        t0 = time.monotonic()
-        key = ctx.secrets.get("VLLM_API_KEY")
-        cur = ctx.call(steps["current"], secrets={"api_key": key} if key else None)
-        st = cur.get("state") or {}
-        running = bool(st.get("alive"))
-        diffs = diff_running(cur, pb) if running else []
-        healthy = running and cur.get("health") == 200 and pb.serve["served_model_name"] in (cur.get("models") or [])
-        if running and not diffs and healthy and not restart:
-            ctx.record("current", True, f"already up: pid {st.get('pid')}, same argv and drafter sha256, healthy", t0)
-            out.ok, out.status = True, "already up"
-            out.info = {**_ep(url(pb, fleet.inventory)), "pid": st.get("pid")}
-            return out
-        if running and diffs and not restart:
-            ctx.record("current", True, f"running {st.get('playbook')} (pid {st.get('pid')}) differs:", t0,
-                       diffs=diffs)
-            for d in diffs:
-                progress.say(ctx.where, "     " + d)
-            if not opts.yes and not (opts.confirm and opts.confirm("Restart it with this playbook?")):
-                raise StepFailed("current", "a different deployment is running; not replacing it without -y",
-                                 where=ctx.where, fix=f"deploy up {pb.name} -y to replace it",
-                                 state_left="unchanged: the running deployment was left as it was")
-        elif running:
-            ctx.record("current", True, f"running {st.get('playbook')} (pid {st.get('pid')}, "
-                                        f"health {cur.get('health')}); will restart it", t0)
-        else:
-            ctx.record("current", True, "nothing of ours is running" +
-                       (f" ({len(cur.get('vllm_processes') or [])} vLLM process(es) not started by deploy seen: "
-                        "left alone; if they hold the GPUs, --clean-gpus frees them)"
-                        if cur.get("vllm_processes") else ""), t0)
-        written = D.write_config(ctx, steps["drafter-config"]) if "drafter-config" in steps else {}
-        if written.get("changed"):
-            changed.append("config")  # described from a fresh read if this run fails (state_left)
-        verified = D.verify(ctx, steps["verify"], blocking=opts.write_config or not pb.drafter,
-                            written_sha=written.get("after_sha256"))
-        if running or restart or cur.get("vllm_processes"):
-            rep = G.stop(ctx, steps["stop"])
-            if rep.get("stopped"):
-                changed.append(f"the deployment that ran before ({st.get('playbook') or 'unknown'}, pid "
-                               f"{st.get('pid')}) was stopped")
-        G.prove_free(ctx, steps["gpus-free"])
-        V.port_free(ctx, steps["port-free"])
-        V.launch(ctx, steps["launch"])
-        launched = True
-        ready = V.wait_ready(ctx, steps["wait-ready"])
-        V.check_aux_layers(ctx, ready, verified, blocking=opts.write_config)
-        if "drift" in steps:
-            D.drift(ctx, steps["drift"], (verified or {}).get("sha256"))
-        m = V.measure(ctx, steps["acceptance"])
-        low = V.gate(ctx, steps["acceptance"], m)
-        out.info = {**_ep(url(pb, fleet.inventory)), "model": pb.serve["served_model_name"],
-                    "method": pb.spec["method"],
-                    "acceptance": m["acceptance"].as_dict(),
-                    "phases_s": {r.step: round(r.seconds, 2) for r in ctx.results},
-                    "total_s": round(time.monotonic() - t_start, 2)}
-        if low is None:
-            out.ok, out.status = True, "up"
-            return out
-        acc = pb.data["acceptance"]
-        if acc["on_low_acceptance"] == "fallback" and pb.fallback is not None and _depth == 0:
-            progress.say(ctx.where, f"{low}: stopping it and falling back to {pb.fallback.name}")
-            # never fuser here: the operator asked for a deployment, not for killing GPU holders
-            G.stop(ctx, P.step_stop(pb, False, when="low acceptance"))
-            launched = False
-            out.status = "fell back"
-            out.error = StepFailed("acceptance", low, where=ctx.where, fix="likeliest causes: " +
-                                   "; ".join(V.LOW_ACCEPTANCE_CAUSES))
-            fb = up(fleet, pb.fallback, progress, Options(**{**opts.__dict__, "yes": True}), restart=False,
-                    token=ctx.token, _depth=1)
-            out.fallback = fb
-            out.ok = False  # the requested deployment failed; the fallback's own outcome is reported beside it
-            return out
-        raise StepFailed("acceptance", low + ". A deployment with bad acceptance is a failed deployment.",
-                         where=ctx.where, fix="likeliest causes: " + "; ".join(V.LOW_ACCEPTANCE_CAUSES) +
-                         (f"; or set acceptance.on_low_acceptance: fallback" if not pb.fallback else ""))
-    except DeployError as e:
-        out.error = e
-        if launched and isinstance(e, Unreachable):
-            e.fix = (e.fix + "; " if e.fix else "") + ("vLLM was launched and is recorded in the state file in "
-                                                       "the container: deploy status shows it, deploy down stops it")
-            return out
-        if isinstance(e, Unreachable) or isinstance(e, LockHeld):
-            return out
-        if launched:
-            changed.append(stop_after_failure(ctx, pb))
-        verified_sha = (verified or {}).get("sha256")
-        if isinstance(e, StepFailed) and verified_sha and "drift" in steps and e.step not in (
-                "drafter-config", "verify", "drift"):
-            e = out.error = drift_instead(ctx, steps["drift"], verified_sha, e)
-        if isinstance(e, StepFailed) and not e.state_left:
-            e.state_left = state_left(ctx, pb, changed, written)
-        if changed or launched:
-            note_failure(ctx, pb, e)
-        return out
-    except KeyboardInterrupt:
-        out.status = "interrupted"
-        if launched:
-            msg = ("interrupted: vLLM was launched and is recorded in the container's state file; it keeps "
-                   f"loading. deploy status {pb.name} shows it, deploy down {pb.name} stops it")
-        else:
-            msg = "interrupted before launch: nothing was started"
-        out.error = DeployError(msg, where=ctx.where)
-        return out
+        try:
+            for step in phase("main") + (phase("on-low-acceptance")):
+                if st.finished:
+                    break
+                _run_step(run, step)
+        except DeployError as e:
+            run.error = run.out.error = e
+            st.failed_step = getattr(e, "step", None) or "?"
+            st.unreachable = isinstance(e, Unreachable)
+            if not isinstance(e, LockHeld):
+                for step in phase("on-failure"):
+                    try:
+                        _run_step(run, step)
+                    except DeployError:
+                        pass  # clean-up is best effort; what it could not do shows in `state left:`
+            _finish_failure(run)
+        except KeyboardInterrupt:
+            run.out.status = "interrupted"
+            if st.launched:
+                msg = ("interrupted: vLLM was launched and is recorded in the container's state file; it keeps "
+                       f"loading. deploy status {ctx.pb.name} shows it, deploy down {ctx.pb.name} stops it")
+            else:
+                msg = "interrupted before launch: nothing was started"
+            run.out.error = DeployError(msg, where=ctx.where)
     finally:
-        if locked:
-            release_lock(ctx, steps["unlock"], locked)
+        for step in phase("finally"):
+            _run_step(run, step)
+    return run.out
+
+
+def _run_step(run: Run, step: P.Step) -> None:
+    if step.when is not None and not step.when(run.st):
+        run.ctx.progress.detail(run.ctx.where, f"skip {step.name}: not ({P.describe_when(step.when)})")
+        return
+    if run.ctx.progress.verbose and step.runs:
+        for line in step.runs:
+            run.ctx.progress.detail(run.ctx.where, f"{step.name}: {line}")
+    RUNNERS[step.name](run, step)
+
+
+def _finish_failure(run: Run) -> None:
+    e, st, ctx = run.error, run.st, run.ctx
+    if st.launched and isinstance(e, Unreachable):
+        e.fix = (e.fix + "; " if e.fix else "") + ("vLLM was launched and is recorded in the state file in "
+                                                   "the container: deploy status shows it, deploy down stops it")
+    if isinstance(e, StepFailed) and not e.state_left and not isinstance(e, LockHeld) and not st.unreachable:
+        e.state_left = state_left_text(run)
+
+
+def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart: bool = False,
+       token: str | None = None) -> Outcome:
+    ctx = new_context(fleet, pb, progress, token)
+    steps = P.plan_up(pb, write_config=opts.write_config, clean_gpus=opts.clean_gpus, restart=restart)
+    run = Run(ctx, fleet, opts, Outcome(False, pb.name, ctx.where, "failed", ctx.results),
+              P.RunState(restart=restart), time.monotonic())
+    return execute(run, steps)
+
+
+# ------------------------------------------------------------------ runners: one per step name (RUNNERS)
+
+
+def r_container(run: Run, step: P.Step) -> None:
+    check_container(run.ctx, step)
+
+
+def r_lock(run: Run, step: P.Step) -> None:
+    run.beat = take_lock(run.ctx, step, run.opts.wait_lock_s)
+    run.st.locked = True
+
+
+def r_unlock(run: Run, step: P.Step) -> None:
+    release_lock(run.ctx, step, run.beat)
+    run.st.locked = False
+
+
+def r_current(run: Run, step: P.Step) -> None:
+    ctx, st, pb, opts = run.ctx, run.st, run.ctx.pb, run.opts
+    t0 = time.monotonic()
+    key = ctx.secrets.get("VLLM_API_KEY")
+    cur: CurrentResult = ctx.call(step, secrets={"api_key": key} if key else None)
+    run.cur = cur
+    s = cur.state or {}
+    running = st.running = bool(s.get("alive"))
+    st.foreign_vllm = bool(cur.vllm_processes)
+    diffs = diff_running(cur, pb) if running else []
+    healthy = running and cur.health == 200 and pb.serve["served_model_name"] in (cur.models or [])
+    if running and not diffs and healthy and not st.restart:
+        ctx.record("current", True, f"already up: pid {s.get('pid')}, same argv and drafter sha256, healthy", t0)
+        run.out.ok, run.out.status = True, "already up"
+        run.out.info = {**_ep(url(pb, run.fleet.inventory)), "pid": s.get("pid")}
+        st.finished = "already up"
+        return
+    if running and diffs and not st.restart:
+        ctx.record("current", True, f"running {s.get('playbook')} (pid {s.get('pid')}) differs:", t0, diffs=diffs)
+        for d in diffs:
+            ctx.progress.say(ctx.where, "     " + d)
+        if not opts.yes and not (opts.confirm and opts.confirm("Restart it with this playbook?")):
+            raise StepFailed("current", "a different deployment is running; not replacing it without -y",
+                             where=ctx.where, fix=f"deploy up {pb.name} -y to replace it",
+                             state_left="unchanged: the running deployment was left as it was")
+    elif running:
+        ctx.record("current", True, f"running {s.get('playbook')} (pid {s.get('pid')}, "
+                                    f"health {cur.health}); will restart it", t0)
+    else:
+        ctx.record("current", True, "nothing of ours is running" +
+                   (f" ({len(cur.vllm_processes)} vLLM process(es) not started by deploy seen: "
+                    "left alone; if they hold the GPUs, --clean-gpus frees them)"
+                    if cur.vllm_processes else ""), t0)
+
+
+def r_write_config(run: Run, step: P.Step) -> None:
+    run.written = D.write_config(run.ctx, step)
+    if run.written.get("changed"):
+        run.st.config_replaced = True  # described from a fresh read if this run fails (state_left)
+
+
+def r_verify(run: Run, step: P.Step) -> None:
+    pb = run.ctx.pb
+    run.verified = D.verify(run.ctx, step, blocking=run.opts.write_config or not pb.drafter,
+                            written_sha=run.written.get("after_sha256"))
+    run.st.verified_sha = (run.verified or {}).get("sha256")
+
+
+def r_stop(run: Run, step: P.Step) -> None:
+    rep = run.stop_report = G.stop(run.ctx, step)
+    if rep.stopped and step.name == "stop":
+        s = (run.cur.state if run.cur else None) or {}
+        run.st.changed.append(f"the deployment that ran before ({s.get('playbook') or 'unknown'}, pid "
+                              f"{s.get('pid')}) was stopped")
+
+
+def r_gpus_free(run: Run, step: P.Step) -> None:
+    run.free = G.gpus_free(run.ctx, step)
+
+
+def r_port(run: Run, step: P.Step) -> None:
+    V.port_free(run.ctx, step)
+
+
+def r_launch(run: Run, step: P.Step) -> None:
+    V.launch(run.ctx, step)
+    run.st.launched = True
+
+
+def r_wait(run: Run, step: P.Step) -> None:
+    run.ready = V.wait_ready(run.ctx, step)
+
+
+def r_aux_layers(run: Run, step: P.Step) -> None:
+    V.check_aux_layers(run.ctx, run.ready, run.verified, blocking=run.opts.write_config)
+
+
+def r_drift(run: Run, step: P.Step) -> None:
+    D.drift(run.ctx, step, (run.verified or {}).get("sha256"))
+
+
+def r_acceptance(run: Run, step: P.Step) -> None:
+    ctx, pb = run.ctx, run.ctx.pb
+    m, low = V.acceptance(ctx, step)
+    run.measured = m
+    run.out.info = {**_ep(url(pb, run.fleet.inventory)), "model": pb.serve["served_model_name"],
+                    "method": pb.spec["method"], "acceptance": m["acceptance"].as_dict(),
+                    "phases_s": {r.step: round(r.seconds, 2) for r in ctx.results},
+                    "total_s": round(time.monotonic() - run.t_start, 2)}
+    if low is None:
+        run.out.ok, run.out.status = True, "up"
+        return
+    if run.st.can_fall_back:
+        run.st.low = low  # the on-low-acceptance phase runs next
+        return
+    raise StepFailed("acceptance", low + ". A deployment with bad acceptance is a failed deployment.",
+                     where=ctx.where, fix="likeliest causes: " + "; ".join(V.LOW_ACCEPTANCE_CAUSES) +
+                     ("; or set acceptance.on_low_acceptance: fallback" if not pb.fallback else ""))
+
+
+def r_stop_low(run: Run, step: P.Step) -> None:
+    ctx, pb = run.ctx, run.ctx.pb
+    ctx.progress.say(ctx.where, f"{run.st.low}: stopping it and falling back to {pb.fallback.name}")
+    G.stop(ctx, step)
+    run.st.launched = False
+    run.out.status = "fell back"
+    run.out.error = StepFailed("acceptance", run.st.low, where=ctx.where, fix="likeliest causes: " +
+                               "; ".join(V.LOW_ACCEPTANCE_CAUSES))
+
+
+def r_fallback(run: Run, step: P.Step) -> None:
+    """The fallback's own planned steps, under the lock this run holds, with their own outcome."""
+    fb = run.ctx.pb.fallback
+    ctx = new_context(run.fleet, fb, run.ctx.progress, run.ctx.token)
+    sub = Run(ctx, run.fleet, Options(**{**run.opts.__dict__, "yes": True}),
+              Outcome(False, fb.name, ctx.where, "failed", ctx.results), P.RunState(), time.monotonic())
+    run.out.fallback = execute(sub, step.sub)
+    run.out.ok = False  # the requested deployment failed; the fallback's own outcome is reported beside it
+
+
+def r_stop_failed(run: Run, step: P.Step) -> None:
+    run.st.changed.append(stop_after_failure(run.ctx, step))
+
+
+def r_drift_check(run: Run, step: P.Step) -> None:
+    e = run.error
+    if isinstance(e, StepFailed):
+        run.error = run.out.error = drift_instead(run.ctx, step, run.st.verified_sha, e)
+
+
+def r_read_back(run: Run, step: P.Step) -> None:
+    try:
+        run.written["now"] = run.ctx.call(step).get("sha256")
+    except DeployError as e:
+        run.written["now_error"] = e.message
+        raise
+
+
+def r_note_failure(run: Run, step: P.Step) -> None:
+    e = run.error
+    failure = {"playbook": run.ctx.pb.name, "step": getattr(e, "step", ""), "message": e.message.splitlines()[0]}
+    run.ctx.call(P.Step(**{**step.__dict__, "args": dict(step.args, failure=failure)}))
+
+
+def r_clear_failure(run: Run, step: P.Step) -> None:
+    try:  # a deliberate, successful down ends the story of an earlier failed up (deploy status)
+        run.ctx.call(step)
+    except DeployError:
+        pass
+
+
+RUNNERS = {"container": r_container, "lock": r_lock, "current": r_current, "drafter-config": r_write_config,
+           "verify": r_verify, "stop": r_stop, "gpus-free": r_gpus_free, "port-free": r_port, "launch": r_launch,
+           "wait-ready": r_wait, "aux-layers": r_aux_layers, "drift": r_drift, "acceptance": r_acceptance,
+           "stop-low": r_stop_low, "fallback": r_fallback, "stop-failed": r_stop_failed,
+           "drift-check": r_drift_check, "read-back": r_read_back, "note-failure": r_note_failure,
+           "clear-failure": r_clear_failure, "unlock": r_unlock}
 
 
 def drift_instead(ctx: Context, step: P.Step, verified_sha: str, err: StepFailed) -> StepFailed:
@@ -369,40 +509,28 @@ def drift_instead(ctx: Context, step: P.Step, verified_sha: str, err: StepFailed
                           f"then deploy up {ctx.pb.name} again")
 
 
-def state_left(ctx: Context, pb: Playbook, changed: list[str], written: dict) -> str:
-    """What the host holds now, from facts read after the failure (not from what this run meant to do)."""
-    if not changed:
-        return "nothing was changed on the host"
-    parts = [c for c in changed if c != "config"]
-    if "config" in changed:
+def state_left_text(run: Run) -> str:
+    """What the host holds now, from facts read after the failure (the read-back step), not from intentions."""
+    st, written = run.st, run.written
+    parts = list(st.changed)
+    if st.config_replaced:
         path = written.get("path")
-        try:
-            now = ctx.call(P.step_drift(pb)).get("sha256")
-        except DeployError as e:
-            now = None
+        if "now" not in written:
             parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.get('backup')}); "
-                            f"it could not be read back now ({e.message})")
+                            f"it could not be read back now ({written.get('now_error', 'not read')})")
         else:
-            pinned = pb.drafter["sha256"]
+            now, pinned = written["now"], run.ctx.pb.drafter["sha256"]
             what = "the pinned bytes" if now == pinned else f"NOT the pinned bytes ({pinned}): something rewrote it"
             parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.get('backup')}); "
                             f"read now: sha256 {now}, {what}")
-    return "; ".join(parts)
+    return "; ".join(parts) if parts else "nothing was changed on the host"
 
 
-def note_failure(ctx: Context, pb: Playbook, err: DeployError) -> None:
-    """Leave a record in the container so `deploy status` reports the failed up/restart (best effort)."""
-    try:
-        ctx.call(P.step_note_failure(pb, {"playbook": pb.name, "step": getattr(err, "step", ""),
-                                          "message": err.message.splitlines()[0]}))
-    except DeployError:
-        pass
-
-
-def stop_after_failure(ctx: Context, pb: Playbook) -> str:
+def stop_after_failure(ctx: Context, step: P.Step) -> str:
     """A failed up does not leave a half-working server holding the GPUs: stop it, keep its log."""
+    pb = ctx.pb
     try:
-        rep = ctx.call(P.step_stop(pb, False, when="after a failure"))
+        rep = ctx.call(step)
         n = len(rep.get("terminated", []) + rep.get("killed", []))
         left = rep.get("leftovers") or []
         log = P.state_paths(pb)["log_path"]
@@ -432,28 +560,16 @@ def url(pb: Playbook, inv=None) -> dict:
 
 def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outcome:
     ctx = new_context(fleet, pb, progress)
-    steps = {s.name: s for s in P.plan_down(pb, clean_gpus=opts.clean_gpus)}
-    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
-    locked = None
-    try:
-        check_container(ctx, steps["container"])
-        locked = take_lock(ctx, steps["lock"], opts.wait_lock_s)
-        rep = G.stop(ctx, steps["stop"])
-        free = G.prove_free(ctx, steps["gpus-free"])
-        try:  # a deliberate, successful down ends the story of an earlier failed up (deploy status)
-            ctx.call(P.step_note_failure(pb, None))
-        except DeployError:
-            pass
-        out.ok, out.status = True, "down"
-        out.info = {"stopped": rep.get("stopped"), "fuser": rep.get("fuser"), "stop_s": rep.get("seconds"),
-                    "gpu_mib_before": rep.get("gpu_before") or free.get("before"), "gpu_mib_after": free.get("after"),
-                    "free_s": free.get("seconds")}
-    except DeployError as e:
-        out.error = e
-    finally:
-        if locked:
-            release_lock(ctx, steps["unlock"], locked)
-    return out
+    run = Run(ctx, fleet, opts, Outcome(False, pb.name, ctx.where, "failed", ctx.results), P.RunState(),
+              time.monotonic())
+    execute(run, P.plan_down(pb, clean_gpus=opts.clean_gpus))
+    if run.error is None:
+        rep, free = run.stop_report or StopResult(), run.free or GpusFreeResult()
+        run.out.ok, run.out.status = True, "down"
+        run.out.info = {"stopped": rep.stopped, "fuser": rep.fuser, "stop_s": rep.seconds,
+                        "gpu_mib_before": rep.gpu_before or free.before, "gpu_mib_after": free.after,
+                        "free_s": free.seconds}
+    return run.out
 
 
 def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome, dict]:
@@ -480,19 +596,10 @@ def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
         out.error = DeployError("this playbook has no drafter to install a config for", where=pb.path,
                                 fix="none needed: nothing to install (method mtp/ngram)")
         return out
-    locked = None
-    try:
-        check_container(ctx, P.step_container(pb))
-        steps = [P.step_write_config(pb), P.step_verify(pb)]
-        locked = take_lock(ctx, P.step_lock(pb, "apply-config", P.lease_for(steps)), 0)
-        w = D.write_config(ctx, steps[0])
-        D.verify(ctx, steps[1], written_sha=w.get("after_sha256"))
+    run = Run(ctx, fleet, Options(), out, P.RunState(), time.monotonic())
+    execute(run, P.plan_apply_config(pb))
+    if run.error is None:
         out.ok, out.status = True, "verified"
-    except DeployError as e:
-        out.error = e
-    finally:
-        if locked:
-            release_lock(ctx, P.step_unlock(pb), locked)
     return out
 
 

@@ -1,8 +1,11 @@
 """Pure planning: (playbook, inventory, options) -> ordered steps. No I/O; this is what --dry-run prints.
 
-Every step names the exact remote command it will run; the executor (ops.py) runs these same Step objects,
-so the plan and the real run cannot drift apart. Steps that only run when a condition holds at run time
-(e.g. `stop` when something is running) say so in `when`.
+The plan is the program: the executor (ops.execute) is one loop over these Step objects and nothing else. Each
+step carries the runner that executes it (`name`, a key of ops.RUNNERS), a `phase` (main, on-low-acceptance,
+on-failure, finally), a `when` predicate over the run's state (a function of this module whose docstring is what
+`deploy plan` prints), and `runs`: the commands it amounts to on the host and in the container, written as the
+shell an operator would recognise. The planner reads nothing from disk or network: the Playbook holds its bytes
+and sha256 from load time.
 """
 
 from __future__ import annotations
@@ -21,6 +24,73 @@ TOKEN = "<invocation token>"
 HOLDER = "<user@workstation>"
 
 
+# ------------------------------------------------------------------ run state and the named `when` predicates
+
+
+@dataclass
+class RunState:
+    """What a run has learnt so far: the only input of the `when` predicates (ops fills it in)."""
+    restart: bool = False
+    running: bool = False  # a deployment of ours is alive (state file + proven process group)
+    foreign_vllm: bool = False  # vLLM processes deploy did not start are present
+    launched: bool = False
+    locked: bool = False
+    config_replaced: bool = False
+    verified_sha: str | None = None
+    failed_step: str | None = None
+    unreachable: bool = False  # the failure was losing the host
+    low: str | None = None  # the acceptance gate's reason, when it failed
+    can_fall_back: bool = False  # the plan has an on-low-acceptance phase
+    changed: list = field(default_factory=list)
+    finished: str | None = None  # set by a runner that ends the main phase early ("already up")
+
+
+def something_to_stop(st: RunState) -> bool:
+    """a restart, or a deployment of ours runs (differs or unhealthy), or vLLM processes deploy did not start are seen"""
+    return st.restart or st.running or st.foreign_vllm
+
+
+def launched_and_reachable(st: RunState) -> bool:
+    """this run launched vLLM and the host is still reachable"""
+    return st.launched and not st.unreachable
+
+
+def failed_after_verify(st: RunState) -> bool:
+    """the drafter config was verified and a later step failed (the host still reachable)"""
+    return bool(st.verified_sha) and not st.unreachable and st.failed_step not in (None, "drafter-config", "verify",
+                                                                                     "drift")
+
+
+def config_replaced_here(st: RunState) -> bool:
+    """this run replaced the drafter config and then failed (the host still reachable)"""
+    return st.config_replaced and not st.unreachable
+
+
+def changed_something(st: RunState) -> bool:
+    """the run failed after changing something on the host (the host still reachable)"""
+    return (bool(st.changed) or st.launched or st.config_replaced) and not st.unreachable and \
+        st.failed_step != "lock"
+
+
+def low_acceptance(st: RunState) -> bool:
+    """the acceptance gate failed and the playbook falls back"""
+    return st.low is not None
+
+
+def lock_held(st: RunState) -> bool:
+    """this run holds the container lock"""
+    return st.locked
+
+
+def describe_when(fn) -> str | None:
+    return (fn.__doc__ or fn.__name__).strip().splitlines()[0] if fn else None
+
+
+PHASES = ("main", "on-low-acceptance", "on-failure", "finally")
+PHASE_TITLES = {"on-low-acceptance": "On low acceptance (acceptance.on_low_acceptance: fallback)",
+                "on-failure": "If a step above fails", "finally": "At the end, whatever happened"}
+
+
 @dataclass
 class Step:
     name: str
@@ -33,7 +103,12 @@ class Step:
     timeout: float = 60.0
     payload: str | None = None  # what travels on stdin besides the agent (described, never the secret)
     bulk: dict = field(default_factory=dict)  # large non-secret inputs, sent on stdin instead of argv
-    when: str = ""  # a run-time condition, shown in the plan
+    when: object = None  # a predicate of this module over RunState (None: always); its docstring is shown
+    runs: list = field(default_factory=list)  # what it amounts to, as shell an operator would recognise
+    phase: str = "main"
+    sub: list = field(default_factory=list)  # the fallback's own steps (step `fallback`)
+    playbook: str = ""  # whose step (a fallback's steps name the fallback playbook)
+    local: bool = False  # runs on this workstation only (checks a result already read)
 
     def remote_argv(self, python: str) -> list[str]:
         """The argv on the Proxmox host (before SSH quoting)."""
@@ -44,11 +119,14 @@ class Step:
     def as_dict(self, inv: Inventory, python: str) -> dict:
         h = inv.host(self.host)
         return {"step": self.name, "title": self.title, "host": self.host, "vmid": self.vmid,
-                "when": self.when or None, "timeout_s": self.timeout,
-                "ssh": ssh_prefix(h), "command": shell_join(self.remote_argv(python)),
+                "phase": self.phase, "playbook": self.playbook or None,
+                "when": describe_when(self.when), "timeout_s": self.timeout,
+                "ssh": ssh_prefix(h), "command": None if self.local else shell_join(self.remote_argv(python)),
+                "runs": list(self.runs),
                 "stdin": (f"agent.py ({self.action})" + (f" + {self.payload}" if self.payload else "")
                           + "".join(f" + {k} ({_size(v)})" for k, v in self.bulk.items()))
-                if self.action else None}
+                if self.action and not self.local else None,
+                **({"steps": [s.as_dict(inv, python) for s in self.sub]} if self.sub else {})}
 
 
 def _size(v) -> str:
@@ -146,7 +224,18 @@ def verify_args(pb: Playbook) -> dict:
 
 
 def _common(pb: Playbook):
-    return dict(host=pb.host, vmid=pb.vmid)
+    return dict(host=pb.host, vmid=pb.vmid, playbook=pb.name)
+
+
+NVIDIA_SMI_QUERY = "nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits"
+
+
+def _devs(gpus) -> str:
+    return " ".join(f"/dev/nvidia{g}" for g in gpus)
+
+
+def _state(pb, name) -> str:
+    return os.path.join(pb.runtime["state_dir"], name)
 
 
 def step_container(pb):
@@ -162,7 +251,10 @@ def step_lock(pb, operation, lease_s):
                         f"every {LOCK_TERM_S / 4:g} s for at most {lease_s:g} s (the steps' timeouts)", action="lock",
                 args={"state_dir": pb.runtime["state_dir"], "token": TOKEN, "holder": HOLDER,
                       "lease_s": lease_s, "term_s": LOCK_TERM_S, "wait_s": 0, "operation": operation},
-                timeout=30, **_common(pb))
+                timeout=30, runs=[f"ln {_state(pb, 'lock.NEW')} {_state(pb, 'lock')}   # atomic: fails if held "
+                                  "(holder, operation, lease in the file; a stale one is broken)",
+                                  f"every {LOCK_TERM_S / 4:g} s: renew the lease (same command, renew=true)"],
+                **_common(pb))
 
 
 def lease_for(steps: list[Step]) -> float:
@@ -171,10 +263,18 @@ def lease_for(steps: list[Step]) -> float:
 
 
 def step_current(pb):
-    return Step("current", "read what runs there now (state file, health)", action="status",
+    port = pb.serve["port"]
+    return Step("current", "read what runs there now (state file, health); if this same playbook already runs "
+                           "healthy, stop here: already up", action="status",
                 args={"state_dir": pb.runtime["state_dir"],
                       "nvidia_smi_timeout_s": pb.data["gpu"]["nvidia_smi_timeout_s"]},
-                timeout=pb.data["gpu"]["nvidia_smi_timeout_s"] + 20, **_common(pb))
+                timeout=pb.data["gpu"]["nvidia_smi_timeout_s"] + 20,
+                runs=[f"cat {_state(pb, 'state.json')}; check its process group is alive (pid, start time, launch id)",
+                      "sha256sum the drafter config the state file names; ps for vLLM processes deploy did not start",
+                      f"curl -s http://127.0.0.1:{port}/health; curl -s http://127.0.0.1:{port}/v1/models "
+                      "(only to our own listener; API key on stdin)",
+                      f"{NVIDIA_SMI_QUERY}   # timeout {pb.data['gpu']['nvidia_smi_timeout_s']:g} s"],
+                **_common(pb))
 
 
 def step_write_config(pb):
@@ -187,12 +287,22 @@ def step_write_config(pb):
                     args={"path": path, "dir": hub_drafter_dir(pb), "hub_id": d["hub_id"], "hf_home": d["hf_home"],
                           "sha256": d["sha256"]}, timeout=30,
                     payload=f"{os.path.basename(d['pinned_config'])} ({len(pb.drafter_bytes)} bytes, "
-                            f"sha256 {d['sha256'][:12]}...)", **_common(pb))
+                            f"sha256 {d['sha256'][:12]}...)",
+                    runs=[f"mkdir -m 0700 {hub_drafter_dir(pb)}.NEW; write config.json (the pinned bytes, sha256 "
+                          f"{d['sha256']}); ln -s every other file of the snapshot of {d['hub_id']} in "
+                          f"{d['hf_home']}", f"mv -T {hub_drafter_dir(pb)}.NEW {hub_drafter_dir(pb)}; "
+                                             f"sha256sum {path}   # read back"],
+                    **_common(pb))
     return Step("drafter-config", f"install the pinned drafter config at {path} if its sha256 differs "
                                   "(backup, temp file, fsync, rename, read back)", action="write_file",
                 args={"path": path, "sha256": pb.drafter["sha256"]}, timeout=30,
                 payload=f"{os.path.basename(pb.drafter['pinned_config'])} ({len(pb.drafter_bytes)} bytes, "
-                        f"sha256 {pb.drafter['sha256'][:12]}...)", **_common(pb))
+                        f"sha256 {pb.drafter['sha256'][:12]}...)",
+                runs=[f"sha256sum {path}   # equal to {pb.drafter['sha256']}: nothing to do",
+                      f"else: cp -p {path} {path}.bak-UTCSTAMP; write {path}.tmp-RANDOM (O_EXCL, no symlinks); "
+                      f"fsync; mv {path}.tmp-RANDOM {path}; fsync the directory",
+                      f"sha256sum {path}   # read back: must be {pb.drafter['sha256']}"],
+                **_common(pb))
 
 
 def step_verify(pb):
@@ -200,36 +310,63 @@ def step_verify(pb):
         return Step("verify", "verify the serving stack (vLLM version, complete build, import)", action="verify",
                     args={"stack_only": True, "method": pb.spec["method"],
                           "vllm_min_version": pb.data["requires"].get("vllm_min_version")}, timeout=180,
-                    **_common(pb))
+                    runs=_stack_runs(pb), **_common(pb))
+    path = drafter_config_path(pb)
     return Step("verify", "verify the drafter config vLLM will read: bytes, fields, as loaded, serving stack",
                 action="verify", args=verify_args(pb), bulk={"pinned": pb.drafter_config}, timeout=180,
+                runs=[f"realpath {path}; sha256sum it; parse it (duplicate keys refused) and compare every field "
+                      "with the pinned config and the target's text_config",
+                      f"HF_HUB_OFFLINE=1 {pb.runtime['python']} -c 'AutoConfig.from_pretrained(DIR)'   # loaded as "
+                      "vLLM loads it, in a subprocess" + ("" if pb.serve.get("trust_remote_code") else
+                                                          ", trust_remote_code=False")] + _stack_runs(pb),
                 **_common(pb))
 
 
-def step_stop(pb, clean_gpus, when="something of ours is running", only_this_playbook=False):
+def _stack_runs(pb) -> list[str]:
+    py = pb.runtime["python"]
+    return [f"{py} -c 'import vllm; print(vllm.__version__)'; grep the fix markers in vllm's sources",
+            f"{py} -c 'import vllm._C'   # compiled extensions, in a subprocess"]
+
+
+def step_stop(pb, clean_gpus, when=something_to_stop, only_this_playbook=False, name="stop", phase="main"):
     g = pb.data["gpu"]
-    return Step("stop", "stop vLLM: SIGTERM its process group, grace period, SIGKILL, find leftovers"
+    runs = [f"cat {_state(pb, 'state.json')}; prove the recorded group is ours (start time, launch id)" +
+            (f" and runs {pb.name}" if only_this_playbook else ""),
+            f"kill -TERM -PGID; wait up to {g['stop_grace_s']:g} s; kill -KILL -PGID   # pidfd-checked, never "
+            "a reused id", "wait until the group has left; list what still holds " + _devs(pb.gpus)]
+    if clean_gpus:
+        runs.append(f"fuser -k -TERM {_devs(pb.gpus)}; wait 5 s; fuser -k -KILL {_devs(pb.gpus)}   # in the "
+                    "container only, the playbook's own GPUs only; refused on a Proxmox host")
+    return Step(name, "stop vLLM: SIGTERM its process group, grace period, SIGKILL, find leftovers"
                 + (", then fuser -k -TERM/-KILL the holders of " + ", ".join(f"/dev/nvidia{g}" for g in pb.gpus)
                    if clean_gpus else ""),
                 action="stop", args={"state_dir": pb.runtime["state_dir"], "grace_s": g["stop_grace_s"],
                                      "clean_gpus": clean_gpus, "fuser_grace_s": 5, "gpus": pb.gpus,
                                      "nvidia_smi_timeout_s": g["nvidia_smi_timeout_s"],
                                      **({"only_playbook": pb.name} if only_this_playbook else {})},
-                timeout=g["stop_grace_s"] + 60, when=when, **_common(pb))
+                timeout=g["stop_grace_s"] + 60, when=when, runs=runs, phase=phase, **_common(pb))
 
 
 def step_gpus_free(pb):
     g = pb.data["gpu"]
     return Step("gpus-free", f"prove GPUs {pb.gpus} free: every one under {g['free_threshold_mib']} MiB "
-                             f"within {g['free_timeout_s']:g} s", action="wait_free",
+                             f"within {g['free_timeout_s']:g} s", action="gpus_free",
                 args={"gpus": pb.gpus, "threshold_mib": g["free_threshold_mib"], "timeout_s": g["free_timeout_s"],
                       "nvidia_smi_timeout_s": g["nvidia_smi_timeout_s"], "poll_s": 0.25},
-                timeout=g["free_timeout_s"] + g["nvidia_smi_timeout_s"] + 20, **_common(pb))
+                timeout=g["free_timeout_s"] + g["nvidia_smi_timeout_s"] + 20,
+                runs=[f"{NVIDIA_SMI_QUERY}   # every 0.25 s up to {g['free_timeout_s']:g} s (each call "
+                      f"timeout {g['nvidia_smi_timeout_s']:g} s) until GPUs {pb.gpus} are each under "
+                      f"{g['free_threshold_mib']} MiB",
+                      f"if not: fuser -v {_devs(pb.gpus)}   # holders in the container",
+                      "if none there: pct list; pct config VMID for each other running container   # on the host: "
+                      "who else is given the busy GPUs"],
+                **_common(pb))
 
 
 def step_port(pb):
     return Step("port-free", f"port {pb.serve['port']} is free in the container", action="port_check",
-                args={"port": pb.serve["port"]}, timeout=20, **_common(pb))
+                args={"port": pb.serve["port"]}, timeout=20,
+                runs=[f"ss -ltn 'sport = :{pb.serve['port']}'   # read from /proc/net/tcp and tcp6"], **_common(pb))
 
 
 def step_launch(pb):
@@ -238,7 +375,12 @@ def step_launch(pb):
                 action="launch", args={"argv": serve_argv(pb), "env": serve_env(pb), "state_dir": sp["state_dir"],
                                        "log_path": sp["log_path"], "record": state_record(pb)},
                 payload=("secrets (env: " + ", ".join(secret_env_names(pb)) + ")") if secret_env_names(pb) else None,
-                timeout=30, **_common(pb))
+                timeout=30, runs=[f"cd / && setsid env -i {' '.join(f'{k}={v}' for k, v in serve_env(pb).items())}"
+                                  + "".join(f" {n}=(from stdin)" for n in secret_env_names(pb))
+                                  + f" {shell_join(serve_argv(pb))} </dev/null >>{sp['log_path']} 2>&1 &",
+                                  f"write {_state(pb, 'state.json')} (pid, pgid, start time, launch id, argv, "
+                                  "drafter sha256; no secrets)"],
+                **_common(pb))
 
 
 def secret_env_names(pb: Playbook) -> list[str]:
@@ -255,12 +397,25 @@ def step_wait(pb):
                 args={"state_dir": sp["state_dir"], "log_path": sp["log_path"], "port": pb.serve["port"],
                       "served_model_name": pb.serve["served_model_name"], "timeout_s": pb.serve["load_timeout_s"]},
                 bulk={"fatal": vf.FATAL, "phases": vf.PHASES, "aux_regex": vf.AUX_LAYERS},
-                timeout=pb.serve["load_timeout_s"] + 60, **_common(pb))
+                timeout=pb.serve["load_timeout_s"] + 60,
+                runs=[f"tail -f {sp['log_path']}   # startup phases, known fatal lines, the auxiliary-layers line",
+                      f"curl http://127.0.0.1:{pb.serve['port']}/health; curl /v1/models (lists "
+                      f"{pb.serve['served_model_name']}); POST /v1/completions (1 token)   # until ready, the "
+                      f"process exits, or {pb.serve['load_timeout_s']:g} s"],
+                **_common(pb))
 
 
-def step_drift(pb):
-    return Step("drift", "re-read the drafter config's sha256 now that the server is up", action="file_sha",
-                args={"path": drafter_config_path(pb)}, timeout=20, **_common(pb))
+def step_aux_layers(pb):
+    return Step("aux-layers", "the taps in the startup log are the pinned target_layer_ids + 1 (PR #40727)",
+                local=True, timeout=0,
+                runs=["(no remote command: checks the auxiliary-layers line wait-ready read from the log)"],
+                **_common(pb))
+
+
+def step_drift(pb, name="drift", title="re-read the drafter config's sha256 now that the server is up",
+               when=None, phase="main"):
+    return Step(name, title, action="file_sha", args={"path": drafter_config_path(pb)}, timeout=20,
+                runs=[f"sha256sum {drafter_config_path(pb)}"], when=when, phase=phase, **_common(pb))
 
 
 def step_acceptance(pb):
@@ -268,44 +423,91 @@ def step_acceptance(pb):
     p = acc["probe"]
     return Step("acceptance", f"measure draft acceptance: scrape /metrics, {len(p['prompts']) * p['rounds']} probe "
                               f"requests, scrape again; gate at {acc['min_draft_acceptance']:.0%}",
-                action="probe", args={"port": pb.serve["port"], "prompts": p["prompts"], "rounds": p["rounds"],
+                action="acceptance", args={"port": pb.serve["port"], "prompts": p["prompts"], "rounds": p["rounds"],
                                       "max_tokens": p["max_tokens"], "timeout_s": p["timeout_s"],
                                       "model": pb.serve["served_model_name"], "log_path": state_paths(pb)["log_path"],
                                       "state_dir": pb.runtime["state_dir"]},
-                timeout=p["timeout_s"] + 30, **_common(pb))
+                timeout=p["timeout_s"] + 30,
+                runs=[f"curl http://127.0.0.1:{pb.serve['port']}/metrics   # spec-decode counters before",
+                      f"{len(p['prompts']) * p['rounds']} x POST /v1/completions (max_tokens {p['max_tokens']})",
+                      "curl /metrics again; acceptance = delta(accepted) / delta(draft) tokens (else the "
+                      "SpecDecoding log line)"],
+                **_common(pb))
 
 
 def step_note_failure(pb, failure: dict | None = None):
     return Step("note-failure", "record the failure in the state directory, for deploy status", action="note_failure",
                 args={"state_dir": pb.runtime["state_dir"], "failure": failure or {}}, timeout=20,
-                when="the run failed after changing something", **_common(pb))
+                when=changed_something, phase="on-failure",
+                runs=[f"write {_state(pb, 'failure.json')} (playbook, step, message)"], **_common(pb))
 
 
 def step_unlock(pb):
     return Step("unlock", "release the container lock", action="unlock",
-                args={"state_dir": pb.runtime["state_dir"], "token": TOKEN}, timeout=20, **_common(pb))
+                args={"state_dir": pb.runtime["state_dir"], "token": TOKEN}, timeout=20, when=lock_held,
+                phase="finally", runs=[f"rm {_state(pb, 'lock')}   # only if it is still ours"], **_common(pb))
+
+
+def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, restart: bool = False) -> list[Step]:
+    """current .. acceptance: what brings one playbook up once the container is known and locked."""
+    steps = [step_current(pb)]
+    if pb.drafter and write_config and drafter_config_path(pb):
+        steps.append(step_write_config(pb))
+    steps.append(step_verify(pb))
+    steps.append(step_stop(pb, clean, when=None if restart else something_to_stop))
+    steps += [step_gpus_free(pb), step_port(pb), step_launch(pb), step_wait(pb)]
+    if pb.spec["method"] == "dflash" and pb.drafter_config:
+        steps.append(step_aux_layers(pb))
+    if drafter_config_path(pb):
+        steps.append(step_drift(pb))
+    steps.append(step_acceptance(pb))
+    return steps
+
+
+def failure_steps(pb: Playbook) -> list[Step]:
+    """What runs when a step of the main phase fails: stop a half-started server, tell drift from its symptom,
+    read back what was changed (for `state left:`), leave a record for deploy status."""
+    out = [step_stop(pb, False, when=launched_and_reachable, name="stop-failed", phase="on-failure")]
+    if drafter_config_path(pb):
+        out.append(step_drift(pb, "drift-check", "did the drafter config change since verify? (then that is the "
+                                                  "news, and the failed step its symptom)",
+                              when=failed_after_verify, phase="on-failure"))
+        if pb.drafter and not hub_drafter_dir(pb):
+            out.append(step_drift(pb, "read-back", "read the replaced drafter config back, for `state left:`",
+                                  when=config_replaced_here, phase="on-failure"))
+    out.append(step_note_failure(pb))
+    return out
 
 
 def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None = None,
             restart: bool = False) -> list[Step]:
     clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
-    steps = [step_current(pb)]
-    if pb.drafter and write_config and drafter_config_path(pb):
-        steps.append(step_write_config(pb))
-    steps.append(step_verify(pb))
-    steps.append(step_stop(pb, clean, when="always (restart)" if restart else
-                           "something of ours runs and differs from this playbook"))
-    steps += [step_gpus_free(pb), step_port(pb), step_launch(pb), step_wait(pb)]
-    if drafter_config_path(pb):
-        steps.append(step_drift(pb))
-    steps.append(step_acceptance(pb))
-    # a fallback's own steps run under the same lock
+    steps = main_steps(pb, write_config=write_config, clean=clean, restart=restart)
     fb = pb.fallback if pb.data["acceptance"]["on_low_acceptance"] == "fallback" and pb.fallback else None
-    lease = lease_for(steps) + (lease_for(plan_up(fb, write_config=write_config)) if fb else 0)
-    return [step_container(pb), step_lock(pb, "restart" if restart else "up", lease)] + steps + [step_unlock(pb)]
+    low = []
+    if fb is not None:
+        # never fuser here: the operator asked for a deployment, not for killing GPU holders
+        sub = main_steps(fb, write_config=write_config, clean=False) + failure_steps(fb)
+        low = [step_stop(pb, False, when=low_acceptance, name="stop-low", phase="on-low-acceptance"),
+               Step("fallback", f"bring up {fb.name} under the same lock (its steps below; its own failure steps "
+                                f"run if one fails)", host=pb.host, vmid=pb.vmid, playbook=pb.name, local=True,
+                    when=low_acceptance, phase="on-low-acceptance", sub=sub, timeout=lease_for(sub),
+                    runs=[f"the steps of {fb.name}, listed below"])]
+    # everything between lock and unlock runs under the lock: the fallback's own steps and the clean-up included
+    guarded = steps + low + failure_steps(pb)
+    return ([step_container(pb), step_lock(pb, "restart" if restart else "up", lease_for(guarded))] + guarded
+            + [step_unlock(pb)])
 
 
 def plan_down(pb: Playbook, *, clean_gpus: bool | None = None) -> list[Step]:
     clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
-    steps = [step_stop(pb, clean, when="it runs this playbook", only_this_playbook=True), step_gpus_free(pb)]
+    steps = [step_stop(pb, clean, when=None, only_this_playbook=True), step_gpus_free(pb),
+             Step("clear-failure", "a deliberate down ends the story of an earlier failed up (deploy status)",
+                  action="note_failure", args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,
+                  runs=[f"rm -f {_state(pb, 'failure.json')}"], **_common(pb))]
     return [step_container(pb), step_lock(pb, "down", lease_for(steps))] + steps + [step_unlock(pb)]
+
+
+def plan_apply_config(pb: Playbook) -> list[Step]:
+    steps = [step_write_config(pb), step_verify(pb)]
+    return [step_container(pb), step_lock(pb, "apply-config", lease_for(steps))] + steps + [step_unlock(pb)]

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .errors import DeployError, HostKeyError, RemoteTimeout, Unreachable
+from .errors import DeployError, HostKeyError, OutputTooLarge, RemoteTimeout, Unreachable
 from .spec import HostSpec
 
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -381,10 +381,6 @@ def _ssh_exception():
 
 
 MAX_OUTPUT = 64 << 20  # bytes per stream of one remote command; far above any agent result
-
-
-class OutputTooLarge(DeployError):
-    pass
 
 
 def _exec(transport, command: str, stdin: bytes | None, timeout: float, on_line=None,

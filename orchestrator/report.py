@@ -217,8 +217,13 @@ class Progress:
             self.say(where, "     " + msg)
 
 
+def _jsonable(v):
+    as_dict = getattr(v, "as_dict", None)  # typed agent results (orchestrator/agent/protocol.py)
+    return as_dict() if callable(as_dict) else str(v)
+
+
 def dump_json(data) -> None:
-    print(json.dumps(data, indent=2, sort_keys=False, default=str))
+    print(json.dumps(data, indent=2, sort_keys=False, default=_jsonable))
 
 
 def table(rows: list[list[str]], headers: list[str], width: int | None = None, *,

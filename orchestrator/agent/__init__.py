@@ -8,10 +8,12 @@ import os
 import zlib
 from functools import lru_cache
 
-from ..errors import DeployError
+from ..errors import AgentError, ContainerNotRunning, DeployError  # noqa: F401 (re-exported)
 from ..remote import HostSession
+from .protocol import PROTOCOL, RESULT_TYPES, AgentResult, ProtocolError  # noqa: F401
 
 AGENT_PATH = os.path.join(os.path.dirname(__file__), "agent.py")
+PROTOCOL_PATH = os.path.join(os.path.dirname(__file__), "protocol.py")
 
 
 @lru_cache(maxsize=1)
@@ -21,21 +23,23 @@ def agent_source() -> bytes:
 
 
 @lru_cache(maxsize=1)
+def protocol_source() -> bytes:
+    with open(PROTOCOL_PATH, "rb") as fh:
+        return fh.read()
+
+
+def _packed(src: bytes, name: str) -> bytes:
+    blob = base64.b85encode(zlib.compress(src, 9))
+    return b"exec(compile(_zl.decompress(_b85.b85decode(b'" + blob + b"')), '" + name.encode() + b"', 'exec'))\n"
+
+
+@lru_cache(maxsize=1)
 def agent_program() -> bytes:
-    """The agent as sent on stdin: a two-line bootstrap that inflates the zlib-compressed source and runs it as
-    agent.py in __main__ (about a third of the bytes; base85 has no quote or backslash, so the literal is safe).
-    Tracebacks still name agent.py and its line numbers."""
-    blob = base64.b85encode(zlib.compress(agent_source(), 9))
-    return (b"import base64 as _b85, zlib as _zl\n"
-            b"exec(compile(_zl.decompress(_b85.b85decode(b'" + blob + b"')), 'agent.py', 'exec'))\n")
-
-
-class ContainerNotRunning(DeployError):
-    pass
-
-
-class AgentError(DeployError):
-    pass
+    """The agent as sent on stdin: a bootstrap that inflates the zlib-compressed protocol (the result types both
+    sides share) and agent, and runs them in __main__ (about a third of the bytes; base85 has no quote or
+    backslash, so the literal is safe). Tracebacks still name protocol.py / agent.py and their line numbers."""
+    return (b"import base64 as _b85, zlib as _zl\n" + _packed(protocol_source(), "protocol.py")
+            + _packed(agent_source(), "agent.py"))
 
 
 def _b64json(obj) -> str:
@@ -77,13 +81,14 @@ def call(session: HostSession, vmid: int, python: str, action: str, args: dict, 
     res = session.ct(vmid, agent_argv(python, action, args), stdin=agent_stdin(payload, secrets, bulk),
                      timeout=timeout, label=f"agent:{action}", on_line=on_line)
     result = None
+    proto = None
     for line in res.out.splitlines():
         try:
             msg = json.loads(line)
         except ValueError:
             continue
         if isinstance(msg, dict) and "result" in msg:
-            result = msg["result"]
+            result, proto = msg["result"], msg.get("protocol")
     where = f"{session.host.name}/{vmid}"
     if result is None:
         err = res.err.strip() or res.out.strip()
@@ -103,4 +108,13 @@ def call(session: HostSession, vmid: int, python: str, action: str, args: dict, 
     if isinstance(result, dict) and "error" in result and "traceback" in result:
         raise AgentError(f"agent action {action!r} crashed: {result['error']}", where=where,
                          details={"traceback": result["traceback"]})
-    return result
+    if proto != PROTOCOL:
+        raise AgentError(f"agent action {action!r} answered in protocol {proto}, this deploy speaks {PROTOCOL}",
+                         where=where, fix="a bug: the agent is sent with the tool, so both should match; report it")
+    typ = RESULT_TYPES.get(action)
+    if typ is None:
+        return result
+    try:
+        return typ.parse(action, result)
+    except ProtocolError as e:
+        raise AgentError(str(e), where=where, fix="a bug in deploy's agent; report it with deploy's audit log")

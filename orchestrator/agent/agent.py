@@ -626,7 +626,7 @@ def fuser_kill(gpus, grace):
     return res
 
 
-def act_wait_free(a):
+def act_gpus_free(a):
     """Poll nvidia-smi until every GPU in `gpus` is under the threshold, or the deadline passes."""
     gpus = [int(g) for g in a["gpus"]]
     threshold = int(a.get("threshold_mib", 1024))
@@ -984,7 +984,7 @@ def act_wait_ready(a):
         time.sleep(0.2)
 
 
-def act_probe(a):
+def act_acceptance(a):
     """Scrape /metrics, send the probe workload, scrape again; the caller computes the deltas."""
     port, api_key = int(a["port"]), SECRETS.get("api_key")
     state = read_state(a["state_dir"]) if a.get("state_dir") else None
@@ -1719,9 +1719,9 @@ def safetensors_check(path, disk, check):
 
 
 ACTIONS = {
-    "gpu_read": act_gpu_read, "stop": act_stop, "wait_free": act_wait_free, "port_check": act_port_check,
+    "gpu_read": act_gpu_read, "stop": act_stop, "gpus_free": act_gpus_free, "port_check": act_port_check,
     "file_sha": act_file_sha, "write_file": act_write_file, "launch": act_launch, "wait_ready": act_wait_ready,
-    "probe": act_probe, "logs": act_logs, "lock": act_lock, "unlock": act_unlock, "status": act_status,
+    "acceptance": act_acceptance, "logs": act_logs, "lock": act_lock, "unlock": act_unlock, "status": act_status,
     "verify": act_verify, "note_failure": act_note_failure,
 }
 
@@ -1775,7 +1775,11 @@ def main(argv):
         emit(result={"error": "unknown action %r" % action})
         return 2
     try:
-        emit(result=ACTIONS[action](args))
+        res = ACTIONS[action](args)
+        typ = globals().get("RESULT_TYPES", {}).get(action)  # protocol.py, sent ahead of this file
+        if typ is not None:
+            typ.parse(action, res)  # a result that breaks the shared protocol fails here, by name
+        emit(result=res, protocol=globals().get("PROTOCOL"))
     except BrokenPipeError:
         return 1
     except Exception as e:  # noqa: BLE001 - reported as data, with the traceback's last line

@@ -8,30 +8,11 @@ import time
 from dataclasses import dataclass, field
 
 from .. import agent
-from ..errors import DeployError
+from ..errors import DeployError, StepFailed  # noqa: F401 (StepFailed: re-exported)
 from ..plan import HOLDER, TOKEN, Step
 from ..remote import HostSession
 from ..report import Progress
 from ..spec import Playbook
-
-
-class StepFailed(DeployError):
-    def __init__(self, step: str, message: str, *, where: str = "", fix: str = "", details: dict | None = None,
-                 state_left: str = ""):
-        super().__init__(message, where=where, fix=fix, details=details)
-        self.step = step
-        self.state_left = state_left
-
-    def render(self) -> str:
-        out = f"{self.where}: {self.step}: {self.message}"
-        if self.fix:
-            out += f"\n  fix: {self.fix}"
-        if self.state_left:
-            out += f"\n  state left: {self.state_left}"
-        return out
-
-    def as_dict(self) -> dict:
-        return {**super().as_dict(), "step": self.step, "state_left": self.state_left}
 
 
 @dataclass

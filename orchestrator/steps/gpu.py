@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from ..agent.protocol import GpusFreeResult, StopResult
 from ..plan import Step
 from . import Context
 
@@ -15,28 +16,28 @@ def fmt_mem(readings: dict | None) -> str:
                                                                                          key=lambda x: int(x[0])))
 
 
-def stop(ctx: Context, step: Step) -> dict:
+def stop(ctx: Context, step: Step) -> StopResult:
     t0 = time.monotonic()
-    rep = ctx.call(step, on_event=lambda e: ctx.progress.say(ctx.where, "     " + e.get("message", "")))
-    if rep.get("refused"):
-        ctx.fail(step.name, t0, rep["refused"] + "; nothing was stopped",
-                 fix=f"deploy down {rep.get('running')} stops that deployment")
-    stopped = rep.get("terminated", []) + rep.get("killed", [])
+    rep: StopResult = ctx.call(step, on_event=lambda e: ctx.progress.say(ctx.where, "     " + e.get("message", "")))
+    if rep.refused:
+        ctx.fail(step.name, t0, rep.refused + "; nothing was stopped",
+                 fix=f"deploy down {rep.running} stops that deployment")
+    stopped = rep.terminated + rep.killed
     parts = []
-    if rep.get("terminated"):
-        parts.append(f"stopped {len(rep['terminated'])} process(es) with SIGTERM")
-    if rep.get("killed"):
-        parts.append("SIGKILLed " + ", ".join(f"{p['pid']} ({p.get('comm')})" for p in rep["killed"]))
-    fz = rep.get("fuser") or {}
+    if rep.terminated:
+        parts.append(f"stopped {len(rep.terminated)} process(es) with SIGTERM")
+    if rep.killed:
+        parts.append("SIGKILLed " + ", ".join(f"{p['pid']} ({p.get('comm')})" for p in rep.killed))
+    fz = rep.fuser or {}
     if fz.get("refused"):
         ctx.fail(step.name, t0, fz["refused"], fix="this must never run on the Proxmox host itself")
     if fz.get("term") or fz.get("kill"):
         parts.append(f"fuser -k freed the devices (TERM: {fz.get('term')}, KILL: {fz.get('kill')})")
-    foreign = rep.get("foreign") or []
+    foreign = rep.foreign or []
     if foreign:
         parts.append(f"left alone {len(foreign)} vLLM process(es) deploy did not start ("
                      + ", ".join(f"{p['pid']} {p['comm']}" for p in foreign[:4]) + ")")
-    left = rep.get("leftovers") or []
+    left = rep.leftovers or []
     if left:
         names = "; ".join(f"PID {p['pid']} ({p['comm']}: {p['cmdline']}) holds {', '.join(p['devices'])}"
                           for p in left)
@@ -44,11 +45,12 @@ def stop(ctx: Context, step: Step) -> dict:
                    t0, report=rep)
     else:
         ctx.record(step.name, True, "; ".join(parts) or "nothing of ours was running", t0, report=rep)
-    rep["stopped"] = stopped
+    rep.stopped = stopped
     return rep
 
 
-def prove_free(ctx: Context, step: Step, *, clean_gpus_hint: bool = True) -> dict:
+def gpus_free(ctx: Context, step: Step) -> GpusFreeResult:
+    """Step `gpus-free` (agent action gpus_free): prove by measurement that the GPUs are free, or name the holder."""
     t0 = time.monotonic()
 
     def on_event(e):  # printed when the readings change, else every 10 s (one updating line on a TTY)
@@ -56,37 +58,36 @@ def prove_free(ctx: Context, step: Step, *, clean_gpus_hint: bool = True) -> dic
         ctx.progress.waiting(ctx.where, f"gpu {mem} {e.get('busy')}",
                              f"     waiting for GPU memory: {mem} (busy {e.get('busy')}, {e.get('elapsed')}s)")
 
-    r = ctx.call(step, on_event=on_event)
-    v = r.get("verdict")
+    r: GpusFreeResult = ctx.call(step, on_event=on_event)
+    v = r.verdict
     thr = step.args["threshold_mib"]
     if v == "free":
-        ctx.record(step.name, True, f"all under {thr} MiB after {r['seconds']:.1f}s: {fmt_mem(r.get('after'))}",
-                   t0, before=r.get("before"), after=r.get("after"))
+        ctx.record(step.name, True, f"all under {thr} MiB after {r.seconds:.1f}s: {fmt_mem(r.after)}",
+                   t0, before=r.before, after=r.after)
         return r
     if v and v.startswith("nvidia_smi_"):
-        ctx.fail(step.name, t0, f"`{r.get('command', 'nvidia-smi')}` {r.get('message')} "
-                                f"(timeout {r.get('timeout_s')}s)",
+        ctx.fail(step.name, t0, f"`{r.command or 'nvidia-smi'}` {r.message} (timeout {r.timeout_s}s)",
                  fix=f"the NVIDIA driver may be wedged: run nvidia-smi on {ctx.pb.host} itself (a hung one needs the "
                      "driver reloaded or the host rebooted); nothing was launched",
                  result=r)
     if v == "gpu_missing":
-        ctx.fail(step.name, t0, f"GPU(s) {r['missing']} not visible in the container (nvidia-smi shows "
-                                f"{r['seen']})", fix="check the container's GPU passthrough (pct config)", result=r)
-    busy = ", ".join(f"GPU{g} {r['after'][str(g)]['used']} MiB" for g in r.get("busy", []))
+        ctx.fail(step.name, t0, f"GPU(s) {r.missing} not visible in the container (nvidia-smi shows "
+                                f"{r.seen})", fix="check the container's GPU passthrough (pct config)", result=r)
+    busy = ", ".join(f"GPU{g} {r.after[str(g)]['used']} MiB" for g in r.busy or [])
     if v == "held_inside":
         holders = "; ".join(f"PID {h['pid']} ({h['comm']}: {h['cmdline']}) holds {', '.join(h['devices'])}"
-                            for h in r["holders"])
-        ctx.fail(step.name, t0, f"GPU memory still used after {r['seconds']:.0f}s ({busy} > {thr} MiB); "
+                            for h in r.holders)
+        ctx.fail(step.name, t0, f"GPU memory still used after {r.seconds:.0f}s ({busy} > {thr} MiB); "
                                 f"holders in this container: {holders}",
                  fix=f"deploy restart {ctx.pb.name} --clean-gpus (kills those holders), or stop them yourself",
                  result=r)
     # held outside: nothing in this container holds the devices
-    others = other_containers_sharing(ctx, r.get("busy") or step.args["gpus"])
+    others = other_containers_sharing(ctx, r.busy or step.args["gpus"])
     extra = ("; other running containers on this host given the busy GPU(s): " +
              ", ".join(f"{o['vmid']} ({o['name']}, GPUs {o['gpus']})" for o in others)) if others else \
         "; no other running container on this host is given the busy GPU(s), so the holder is the host itself"
     ctx.fail(step.name, t0, f"GPU memory is held OUTSIDE this container ({busy} > {thr} MiB after "
-                            f"{r['seconds']:.0f}s, and no process in container {ctx.pb.vmid} holds /dev/nvidia*)"
+                            f"{r.seconds:.0f}s, and no process in container {ctx.pb.vmid} holds /dev/nvidia*)"
                             + extra,
              fix="stop the holder on the host or in the other container; deploy never kills outside the target "
                  "container, and will not launch until the GPUs are free", result=r, others=others)
@@ -107,3 +108,6 @@ def other_containers_sharing(ctx: Context, gpus: list[int]) -> list[dict]:
         if shared:
             out.append({"vmid": ct["vmid"], "name": ct["name"], "gpus": shared})
     return out
+
+
+prove_free = gpus_free  # the name before protocol 2

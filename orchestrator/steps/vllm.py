@@ -7,6 +7,7 @@ import re
 import time
 
 from .. import vllm_facts as vf
+from ..agent.protocol import AcceptanceResult, LaunchResult, PortResult, ReadyResult
 from ..plan import Step
 from . import Context
 
@@ -37,25 +38,25 @@ def whole_object(line: str) -> str:
 
 def port_free(ctx: Context, step: Step) -> None:
     t0 = time.monotonic()
-    r = ctx.call(step)
-    if r.get("listeners"):
+    r: PortResult = ctx.call(step)
+    if r.listeners:
         ctx.fail(step.name, t0, f"port {step.args['port']} is already in use in the container "
-                                f"({len(r['listeners'])} listener(s)); older vLLM binds with SO_REUSEPORT and would "
+                                f"({len(r.listeners)} listener(s)); older vLLM binds with SO_REUSEPORT and would "
                                 "not even fail", fix="stop what listens there, or set serve.port to a free port",
                  result=r)
     ctx.record(step.name, True, f"port {step.args['port']} free", t0)
 
 
-def launch(ctx: Context, step: Step) -> dict:
+def launch(ctx: Context, step: Step) -> LaunchResult:
     t0 = time.monotonic()
-    r = ctx.call(step, secrets={"env": ctx.secrets} if ctx.secrets else None)
-    if not r.get("ok"):
-        ctx.fail(step.name, t0, r.get("message", "launch failed"), fix="check runtime.vllm in the playbook")
-    ctx.record(step.name, True, f"vllm serve started: pid {r['pid']}, log {r['log_path']}", t0, result=r)
+    r: LaunchResult = ctx.call(step, secrets={"env": ctx.secrets} if ctx.secrets else None)
+    if not r.ok:
+        ctx.fail(step.name, t0, r.message or "launch failed", fix="check runtime.vllm in the playbook")
+    ctx.record(step.name, True, f"vllm serve started: pid {r.pid}, log {r.log_path}", t0, result=r)
     return r
 
 
-def wait_ready(ctx: Context, step: Step) -> dict:
+def wait_ready(ctx: Context, step: Step) -> ReadyResult:
     t0 = time.monotonic()
 
     def on_event(e):
@@ -66,51 +67,51 @@ def wait_ready(ctx: Context, step: Step) -> dict:
                                  f"     {e['elapsed']:>6}s  still loading; last log line: {e['line']}")
 
     api_key = ctx.secrets.get("VLLM_API_KEY")
-    r = ctx.call(step, secrets={"api_key": api_key} if api_key else None, on_event=on_event)
-    if r.get("ready"):
-        ctx.record(step.name, True, f"serving after {r['seconds']}s: /v1/models lists {step.args['served_model_name']} "
+    r: ReadyResult = ctx.call(step, secrets={"api_key": api_key} if api_key else None, on_event=on_event)
+    if r.ready:
+        ctx.record(step.name, True, f"serving after {r.seconds}s: /v1/models lists {step.args['served_model_name']} "
                                     "and a completion succeeded", t0, result=r)
         return r
-    reason = r.get("reason")
-    tail = "\n".join("    | " + ln for ln in (r.get("log_tail") or [])[-8:])
+    reason = r.reason
+    tail = "\n".join("    | " + ln for ln in (r.log_tail or [])[-8:])
     if reason == "fatal":
-        msg = f"vLLM failed to start: {r['cause']}\n    > {r['line']}"
-        fix = r["fix"].replace("PLAYBOOK", ctx.pb.name)
+        msg = f"vLLM failed to start: {r.cause}\n    > {r.line}"
+        fix = r.fix.replace("PLAYBOOK", ctx.pb.name)
     elif reason == "exited":
-        msg = (f"vLLM exited during startup with code {r.get('exit_code')}" +
-               (" (exit 0 is not a clean stop: the engine crashed)" if r.get("exit_code") == 0 else "") +
+        msg = (f"vLLM exited during startup with code {r.exit_code}" +
+               (" (exit 0 is not a clean stop: the engine crashed)" if r.exit_code == 0 else "") +
                (f"; last log lines:\n{tail}" if tail else ""))
         fix = f"read the full log: deploy logs {ctx.pb.name}"
     elif reason == "timeout":
-        msg = f"not serving after {r['seconds']}s (serve.load_timeout_s); phases seen: {r.get('phases')}" + \
+        msg = f"not serving after {r.seconds}s (serve.load_timeout_s); phases seen: {r.phases}" + \
               (f"; last log lines:\n{tail}" if tail else "")
         fix = "raise serve.load_timeout_s if loading is just slow, or read the log: deploy logs " + ctx.pb.name
     elif reason == "model_missing":
-        msg = f"/v1/models does not list {step.args['served_model_name']!r} (it lists {r.get('models')})"
+        msg = f"/v1/models does not list {step.args['served_model_name']!r} (it lists {r.models})"
         fix = "check serve.served_model_name"
     elif reason == "auth":
-        msg = f"the server refused our API key ({r.get('status')})"
+        msg = f"the server refused our API key ({r.status})"
         fix = "export the key in the variable named by serve.api_key_env"
     elif reason == "foreign_listener":
-        msg = r.get("message")
+        msg = r.message
         fix = "find what else listens on that port in the container (ss -ltnp) and stop it, or set serve.port"
     elif reason == "no_state":
-        msg = f"the state file written at launch is gone ({r.get('message')}): something removed it"
+        msg = f"the state file written at launch is gone ({r.message}): something removed it"
         fix = f"deploy status {ctx.pb.name}, then deploy down/up"
     else:
-        msg = f"not ready ({reason}): {json.dumps(r)[:300]}"
+        msg = f"not ready ({reason}): {json.dumps(r.as_dict())}"
         fix = "deploy logs " + ctx.pb.name
     ctx.fail(step.name, t0, msg, fix=fix, result=r)
 
 
-def check_aux_layers(ctx: Context, ready: dict, verified: dict | None, *, blocking: bool = True) -> None:
+def check_aux_layers(ctx: Context, ready: ReadyResult, verified, *, blocking: bool = True) -> None:
     """The taps in the startup log must be the pinned target_layer_ids + 1 (the +1 fix, PR #40727)."""
     if ctx.pb.spec["method"] != "dflash" or not ctx.pb.drafter_config:
         return
     t0 = time.monotonic()
     ids = (ctx.pb.drafter_config.get("dflash_config") or {}).get("target_layer_ids") or []
     want = vf.expected_aux_layers(ids, True)
-    got = ready.get("aux_layers")
+    got = ready.aux_layers
     if got is None:
         ctx.record("aux-layers", None, "the log has no auxiliary-layers line to check", t0)
         return
@@ -133,25 +134,32 @@ def check_aux_layers(ctx: Context, ready: dict, verified: dict | None, *, blocki
     ctx.fail("aux-layers", t0, msg, fix=fix)
 
 
+def acceptance(ctx: Context, step: Step) -> tuple[dict, str | None]:
+    """Step `acceptance` (agent action acceptance): measure, then gate. -> (the numbers, None or why it is low)."""
+    m = measure(ctx, step)
+    return m, gate(ctx, step, m)
+
+
 def measure(ctx: Context, step: Step) -> dict:
     """Probe, compute acceptance from the metric deltas (or the log line), and return the numbers."""
     t0 = time.monotonic()
     api_key = ctx.secrets.get("VLLM_API_KEY")
-    r = ctx.call(step, secrets={"api_key": api_key} if api_key else None)
-    if not r.get("ok"):
-        ctx.fail(step.name, t0, f"could not measure acceptance: {r.get('message')}", fix="deploy logs " + ctx.pb.name)
-    if r["succeeded"] == 0:
-        ctx.fail(step.name, t0, f"every probe request failed: {r.get('errors')}", fix="deploy logs " + ctx.pb.name)
-    acc = vf.acceptance_from_metrics(r["before"], r["after"])
+    r: AcceptanceResult = ctx.call(step, secrets={"api_key": api_key} if api_key else None)
+    if not r.ok:
+        ctx.fail(step.name, t0, f"could not measure acceptance: {r.message}", fix="deploy logs " + ctx.pb.name)
+    if r.succeeded == 0:
+        ctx.fail(step.name, t0, f"every probe request failed: {r.errors}", fix="deploy logs " + ctx.pb.name)
+    acc = vf.acceptance_from_metrics(r.before, r.after)
     note = ""
     if acc is None or not acc.draft_tokens:
-        acc = vf.acceptance_from_log(r.get("log_tail") or [])
+        acc = vf.acceptance_from_log(r.log_tail or [])
         note = "spec-decode counters missing from /metrics; used the SpecDecoding log line"
     if acc is None:
         ctx.fail(step.name, t0, "no acceptance numbers: neither spec-decode counters in /metrics nor a "
                                 "SpecDecoding log line (is speculative decoding on?)",
                  fix="check the SpeculativeConfig line in deploy logs " + ctx.pb.name)
-    return {"acceptance": acc, "note": note, "probe": {k: r[k] for k in ("sent", "succeeded", "errors")}, "t0": t0}
+    return {"acceptance": acc, "note": note, "probe": {"sent": r.sent, "succeeded": r.succeeded, "errors": r.errors},
+            "t0": t0}
 
 
 def gate(ctx: Context, step: Step, m: dict) -> str | None:

@@ -271,10 +271,11 @@ def test_verify_fixes_name_the_command_for_each_failure_class():
 
 
 def test_up_diff_never_prints_none():
+    from orchestrator.agent.protocol import CurrentResult
     from orchestrator.ops import diff_running
 
     pb = _pb()
-    diffs = diff_running({"state": {"alive": True, "pid": 7}}, pb)
+    diffs = diff_running(CurrentResult.parse("status", {"state": {"alive": True, "pid": 7}}), pb)
     text = "\n".join(diffs)
     assert "None" not in text, text
     assert "not recorded" in text and "the running deployment has none" in text

@@ -42,14 +42,46 @@ def pbs(tmp_path):
 
 def test_plan_up_order_and_commands(pbs):
     inv, dflash, mtp = pbs
-    names = [s.name for s in P.plan_up(dflash)]
+    plan = P.plan_up(dflash)
+    names = [s.name for s in plan]
     assert names == ["container", "lock", "current", "drafter-config", "verify", "stop", "gpus-free", "port-free",
-                     "launch", "wait-ready", "drift", "acceptance", "unlock"]
-    assert [s.name for s in P.plan_up(mtp)] == [n for n in names if n not in ("drafter-config", "drift")]
+                     "launch", "wait-ready", "aux-layers", "drift", "acceptance",  # main
+                     "stop-low", "fallback",  # on low acceptance (the playbook falls back to qwen36-mtp)
+                     "stop-failed", "drift-check", "read-back", "note-failure",  # on failure
+                     "unlock"]  # finally
+    assert [s.phase for s in plan][-7:] == ["on-low-acceptance"] * 2 + ["on-failure"] * 4 + ["finally"]
+    fb = next(s for s in plan if s.name == "fallback")
+    assert [s.name for s in fb.sub] == ["current", "verify", "stop", "gpus-free", "port-free", "launch",
+                                        "wait-ready", "acceptance", "stop-failed", "note-failure"]
+    assert all(s.playbook == "qwen36-mtp" for s in fb.sub)
+    assert [s.name for s in P.plan_up(mtp) if s.phase == "main"] == \
+        [n for n in names[:13] if n not in ("drafter-config", "drift", "aux-layers")]
     assert P.plan_up(dflash) == P.plan_up(dflash)  # pure: same input, same plan
-    rows = [s.as_dict(inv, "/root/ml-env/bin/python") for s in P.plan_up(dflash)]
+    rows = [s.as_dict(inv, "/root/ml-env/bin/python") for s in plan]
     assert rows[0]["command"] == "pct status 129" and rows[0]["ssh"] == "ssh -p 22 root@127.77.0.1"
-    assert all(r["command"].startswith("pct exec 129 --keep-env 0 -- /root/ml-env/bin/python - ") for r in rows[1:])
+    remote = [r for r in rows[1:] if r["command"]]
+    assert all(r["command"].startswith("pct exec 129 --keep-env 0 -- /root/ml-env/bin/python - ") for r in remote)
+    assert [r["step"] for r in rows if not r["command"]] == ["aux-layers", "fallback"]  # local checks
+
+
+def test_plan_shows_what_each_step_runs(pbs):
+    """An operator reviewing the plan sees the shell each step amounts to, and the conditions as the code has them."""
+    inv, dflash, _ = pbs
+    text = json.dumps([s.as_dict(inv, "py") for s in P.plan_up(dflash, clean_gpus=True)])
+    for needle in ("nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits",
+                   "fuser -k -TERM /dev/nvidia0 /dev/nvidia1 /dev/nvidia2 /dev/nvidia3",
+                   "fuser -k -KILL /dev/nvidia0", "pct list; pct config VMID", "kill -TERM -PGID",
+                   "setsid env -i NO_COLOR=1 HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES=0,1,2,3",
+                   "--speculative-config", "sha256sum /root/models/Qwen3.6-27B-DFlash/config.json",
+                   "vLLM processes deploy did not start"):
+        assert needle in text, needle
+    stop = next(s for s in P.plan_up(dflash) if s.name == "stop")
+    # the `when` is the predicate the executor evaluates: its text cannot disagree with the code
+    assert stop.when is P.something_to_stop and "unhealthy" in P.describe_when(stop.when)
+    assert stop.when(P.RunState(foreign_vllm=True)) and not stop.when(P.RunState())
+    assert next(s for s in P.plan_up(dflash, restart=True) if s.name == "stop").when is None
+    # fuser only when asked (or the playbook's gpu.clean_gpus): never in the default plan
+    assert "fuser -k" not in json.dumps([s.as_dict(inv, "py") for s in P.plan_up(dflash, clean_gpus=False)])
 
 
 def test_serve_argv_dflash_and_mtp(pbs):
