@@ -408,31 +408,11 @@ def down(obj, playbook, clean_gpus, yes, wait_lock):
         from .remote import Fleet
 
         inv, pb = load(obj, playbook)
-        if clean_gpus and not yes:
-            holders = _preview_holders(inv, pb)
-            if holders:
-                click.echo("Will kill (fuser -k -TERM, then -KILL) in container "
-                           f"{pb.host}/{pb.vmid}, holders of GPU(s) {pb.gpus}:", err=True)
-                for h in holders:
-                    click.echo(f"  PID {h['pid']} {h['comm']}: {h['cmdline']}", err=True)
-                if not _confirm("Proceed?"):
-                    raise DeployError("not confirmed; nothing was killed", fix="pass -y in scripts")
         with Fleet(inv) as fleet:
-            out = ops.down(fleet, pb, obj.progress(), ops.Options(clean_gpus=clean_gpus, wait_lock_s=wait_lock))
+            out = ops.down(fleet, pb, obj.progress(), ops.Options(clean_gpus=clean_gpus, wait_lock_s=wait_lock,
+                                                                  yes=yes, confirm=_confirm))
         _outcome_exit(obj, out)
     run_guarded(go, obj)
-
-
-def _preview_holders(inv, pb):
-    from . import agent
-    from .remote import Fleet
-    from .report import Progress
-
-    with Fleet(inv) as fleet, Progress().heartbeat(f"{pb.host}/{pb.vmid}", "list what holds the GPUs", 30):
-        r = agent.call(fleet.session(pb.host), pb.vmid, pb.runtime["python"], "gpu_read",
-                       {"nvidia_smi_timeout_s": 5}, timeout=30)
-    devs = {f"/dev/nvidia{g}" for g in pb.gpus}  # fuser acts on the playbook's own GPUs only
-    return [h for h in r.get("holders") or [] if devs & set(h.get("devices") or [])]
 
 
 # ------------------------------------------------------------------ verify / apply-config

@@ -474,6 +474,27 @@ def r_note_failure(run: Run, step: P.Step) -> None:
     run.ctx.call(P.Step(**{**step.__dict__, "args": dict(step.args, failure=failure)}))
 
 
+def r_holders(run: Run, step: P.Step) -> None:
+    """Before a fuser -k: show the holders of the playbook's own GPUs and ask (opts.confirm shows the list)."""
+    ctx, pb = run.ctx, run.ctx.pb
+    t0 = time.monotonic()
+    r = ctx.call(step)
+    devs = {f"/dev/nvidia{g}" for g in pb.gpus}  # fuser acts on the playbook's own GPUs only
+    holders = [h for h in r.get("holders") or [] if devs & set(h.get("devices") or [])]
+    if not holders:
+        ctx.record(step.name, True, "nothing holds the playbook's GPUs: fuser will have nothing to kill", t0)
+        return
+    listing = "".join(f"\n  PID {h['pid']} {h['comm']}: {h['cmdline']}" for h in holders)
+    if run.opts.yes or (run.opts.confirm and run.opts.confirm(
+            f"Will kill (fuser -k -TERM, then -KILL) in container {ctx.where}, holders of GPU(s) {pb.gpus}:"
+            f"{listing}\nProceed?")):
+        ctx.record(step.name, True, f"{len(holders)} holder(s) of the playbook's GPUs: confirmed", t0,
+                   holders=holders)
+        return
+    ctx.fail(step.name, t0, f"not confirmed; nothing was killed ({len(holders)} holder(s) of GPU(s) {pb.gpus}:"
+                            f"{listing})", fix="pass -y in scripts")
+
+
 def r_clear_failure(run: Run, step: P.Step) -> None:
     try:  # a deliberate, successful down ends the story of an earlier failed up (deploy status)
         run.ctx.call(step)
@@ -486,7 +507,7 @@ RUNNERS = {"container": r_container, "lock": r_lock, "current": r_current, "draf
            "wait-ready": r_wait, "aux-layers": r_aux_layers, "drift": r_drift, "acceptance": r_acceptance,
            "stop-low": r_stop_low, "fallback": r_fallback, "stop-failed": r_stop_failed,
            "drift-check": r_drift_check, "read-back": r_read_back, "note-failure": r_note_failure,
-           "clear-failure": r_clear_failure, "unlock": r_unlock}
+           "clear-failure": r_clear_failure, "holders": r_holders, "unlock": r_unlock}
 
 
 def drift_instead(ctx: Context, step: P.Step, verified_sha: str, err: StepFailed) -> StepFailed:
@@ -562,7 +583,7 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
     ctx = new_context(fleet, pb, progress)
     run = Run(ctx, fleet, opts, Outcome(False, pb.name, ctx.where, "failed", ctx.results), P.RunState(),
               time.monotonic())
-    execute(run, P.plan_down(pb, clean_gpus=opts.clean_gpus))
+    execute(run, P.plan_down(pb, clean_gpus=opts.clean_gpus, ask=opts.clean_gpus is True and not opts.yes))
     if run.error is None:
         rep, free = run.stop_report or StopResult(), run.free or GpusFreeResult()
         run.out.ok, run.out.status = True, "down"

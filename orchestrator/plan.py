@@ -499,9 +499,16 @@ def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None 
             + [step_unlock(pb)])
 
 
-def plan_down(pb: Playbook, *, clean_gpus: bool | None = None) -> list[Step]:
+def plan_down(pb: Playbook, *, clean_gpus: bool | None = None, ask: bool = False) -> list[Step]:
+    """ask: before a fuser -k, list what holds the playbook's GPUs and ask (down --clean-gpus without -y)."""
     clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
-    steps = [step_stop(pb, clean, when=None, only_this_playbook=True), step_gpus_free(pb),
+    steps = []
+    if clean and ask:
+        steps.append(Step("holders", "list what holds the playbook's GPUs in the container and ask before killing "
+                                     "them; nothing is killed without a yes", action="gpu_read",
+                          args={"nvidia_smi_timeout_s": 5}, timeout=30,
+                          runs=[f"fuser -v {_devs(pb.gpus)}; {NVIDIA_SMI_QUERY}"], **_common(pb)))
+    steps += [step_stop(pb, clean, when=None, only_this_playbook=True), step_gpus_free(pb),
              Step("clear-failure", "a deliberate down ends the story of an earlier failed up (deploy status)",
                   action="note_failure", args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,
                   runs=[f"rm -f {_state(pb, 'failure.json')}"], **_common(pb))]

@@ -264,3 +264,23 @@ def test_not_free_gpus_stop_before_launch(world):
     assert out.error.step == "gpus-free" and "PID 5 (python: python train.py)" in out.error.message
     assert "launch" not in actions and "stop" not in actions  # nothing launched: nothing to stop after
     assert actions[-2:] == ["note_failure", "unlock"]  # the config was replaced: that is recorded
+
+
+def test_down_clean_gpus_asks_first_and_a_no_kills_nothing(world):
+    inv, pb = world
+    holders = {"holders": [{"pid": 5, "comm": "python", "cmdline": "python train.py", "devices": ["/dev/nvidia1"]},
+                           {"pid": 6, "comm": "x", "cmdline": "x", "devices": ["/dev/nvidia7"]}]}
+    asked = []
+    for answer, want in ((False, ["pct status", "lock", "gpu_read", "unlock"]),
+                         (True, ["pct status", "lock", "gpu_read", "stop", "gpus_free", "note_failure", "unlock"])):
+        fleet = Fleet(inv, audit=AuditLog(path=os.devnull))
+        sess = FakeSession(healthy_script(pb, gpu_read=holders), inv.host("pve1"))
+        fleet.session = lambda name: sess
+        out = ops.down(fleet, pb, Progress(quiet=True),
+                       ops.Options(clean_gpus=True, confirm=lambda q: asked.append(q) or answer))
+        assert [a for a, args in sess.calls if not args.get("renew")] == want
+        assert out.ok is answer
+        if not answer:
+            assert "not confirmed; nothing was killed" in out.error.message and out.error.fix == "pass -y in scripts"
+        check_plan_is_program(P.plan_down(pb, clean_gpus=True, ask=True), sess)
+    assert "PID 5 python: python train.py" in asked[0] and "PID 6" not in asked[0]  # only its own GPUs
