@@ -154,16 +154,20 @@ def plan(obj, playbook, restart, clean_gpus):
 
 
 def render_plan(obj, inv, pb, steps):
-    from .plan import PHASE_TITLES
+    from .plan import PHASE_TITLES, session_command
     from .report import dump_json
 
     py = pb.runtime["python"]
     rows = [s.as_dict(inv, py) for s in steps]
+    session = session_command(pb, py)
     if obj.json:
-        dump_json({"playbook": pb.name, "host": pb.host, "vmid": pb.vmid, "steps": rows,
+        dump_json({"playbook": pb.name, "host": pb.host, "vmid": pb.vmid, "agent_session": session, "steps": rows,
                    "fallback": pb.fallback.name if pb.fallback else None})
         return
     click.echo(f"Plan for {pb.name} on {pb.host}/{pb.vmid} ({rows[0]['ssh']}); one SSH connection for all steps.")
+    click.echo("One agent process in the container runs every agent step (each `>` line below is one request to it;"
+               " agent.py and N, its length, arrive on stdin):")
+    click.echo(f"  $ {session}")
     phase, n = "main", 0
     for r in rows:
         if r["phase"] != phase:
@@ -171,13 +175,16 @@ def render_plan(obj, inv, pb, steps):
             click.echo(f"\n{PHASE_TITLES.get(phase, phase)}:")
         n += 1
         _render_step(r, f"{n:2}.", py)
-    click.echo(f"\n{n} steps. `deploy -v up` prints each step's commands as it runs them; --json gives this plan "
+    click.echo(f"\n{n} steps. The lock heartbeat runs beside them as its own command: `{rows[1]['command']}` with "
+               "renew=true. `deploy -v up` prints each step's commands as it runs them; --json gives this plan "
                "for review tools.")
 
 
 def _render_step(r, label, py, indent=""):
     click.echo(f"\n{indent}{label} {r['step']}: {r['title']}" + (f"  [when {r['when']}]" if r["when"] else ""))
-    if r["command"]:
+    if r["request"]:
+        click.echo(f"{indent}    > {r['request']}")
+    elif r["command"]:
         click.echo(f"{indent}    $ {r['command']}")
     if r["stdin"]:
         click.echo(f"{indent}      < stdin: {r['stdin']}")

@@ -153,7 +153,7 @@ class Heartbeat:
         renew = P.Step(**{**self.step.__dict__, "args": dict(self.step.args, renew=True, wait_s=0), "timeout": 30})
         while not self._stop.wait(self.interval):
             try:
-                r = self.ctx.call(renew)
+                r = self.ctx.call(renew, fresh=True)  # beside the long step the session is busy with
             except Exception:  # noqa: BLE001 - a missed beat is retried; the lease term absorbs a few
                 continue
             if not r.get("locked"):

@@ -122,11 +122,19 @@ class Step:
                 "phase": self.phase, "playbook": self.playbook or None,
                 "when": describe_when(self.when), "timeout_s": self.timeout,
                 "ssh": ssh_prefix(h), "command": None if self.local else shell_join(self.remote_argv(python)),
+                "request": (f"{self.action} {shell_join([json.dumps(self.args, sort_keys=True, separators=(',', ':'))])}"
+                            if self.action and not self.local else None),
                 "runs": list(self.runs),
-                "stdin": (f"agent.py ({self.action})" + (f" + {self.payload}" if self.payload else "")
-                          + "".join(f" + {k} ({_size(v)})" for k, v in self.bulk.items()))
-                if self.action and not self.local else None,
+                "stdin": " + ".join(([self.payload] if self.payload else [])
+                                    + [f"{k} ({_size(v)})" for k, v in self.bulk.items()]) or None,
                 **({"steps": [s.as_dict(inv, python) for s in self.sub]} if self.sub else {})}
+
+
+def session_command(pb, python: str) -> str:
+    """The one command that carries every agent step of an operation in this container (agent/AgentSession)."""
+    from .agent import SESSION_BOOT
+
+    return shell_join(pct_exec_argv(pb.vmid, [python, "-c", SESSION_BOOT, "N"]))
 
 
 def _size(v) -> str:

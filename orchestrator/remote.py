@@ -147,6 +147,7 @@ class HostSession:
     connects: int = field(default=0, init=False)
     _spare: object = field(default=None, init=False, repr=False)
     _closed: bool = field(default=False, init=False, repr=False)
+    _agents: dict = field(default_factory=dict, init=False, repr=False)
     last_connect_error: BaseException | None = field(default=None, init=False, repr=False)
 
     # -------------------------------------------------------------- connection
@@ -304,6 +305,8 @@ class HostSession:
         # A connect still in progress (a slow or dead host past its deadline) holds the lock: do not wait for it.
         # The connecting thread sees `_closed` when it is done and closes what it opened.
         self._closed = True
+        for a in list(getattr(self, "_agents", {}).values()):
+            a.close()
         if not self._lock.acquire(timeout=0.5):
             return
         try:
@@ -354,6 +357,41 @@ class HostSession:
                          duration=round(dur, 4), label=label,
                          **({"stdin_bytes": len(stdin)} if stdin else {}))
         return Result(self.host.name, vmid, argv, exited, out, err, dur)
+
+    def open_exec(self, argv: list[str], *, vmid: int | None = None, audit_argv: list[str] | None = None,
+                  label: str | None = None, stdin_bytes: int | None = None, timeout: float = 60.0):
+        """Start argv on the host on a channel of its own and hand the channel over (agent sessions: one process
+        for many requests, each written to the audit log by its user)."""
+        conn = self.connect()
+        self.audit.write(host=self.host.name, vmid=vmid, starting=audit_argv or argv, label=label)
+        try:
+            chan = conn.transport.open_session(timeout=min(timeout, 30))
+            chan.settimeout(None)
+            chan.exec_command(shell_join(argv))
+        except (OSError, EOFError, _ssh_exception()) as e:
+            self.close()
+            raise Unreachable(f"SSH connection lost while starting a command: {e or type(e).__name__}",
+                              where=self.host.name, fix="check the host; run `deploy status` to see what state "
+                                                        "was left") from e
+        self.audit.write(host=self.host.name, vmid=vmid, argv=audit_argv or argv, exit="started", label=label,
+                         **({"stdin_bytes": stdin_bytes} if stdin_bytes else {}))
+        return chan
+
+    def alive(self) -> bool:
+        conn = self._conn
+        transport = getattr(conn, "transport", None) if conn is not None else None
+        return bool(transport is not None and transport.is_active())
+
+    def agent_session(self, vmid: int, python: str):
+        """The agent process kept for this container and Python during this invocation (started on first use)."""
+        from .agent import AgentSession
+
+        key = (vmid, python)
+        with self._lock:
+            a = self._agents.get(key)
+            if a is None:
+                a = self._agents[key] = AgentSession(self, vmid, python)
+        return a
 
     def ct(self, vmid: int, argv: list[str], **kw) -> Result:
         """Run argv inside container vmid with `pct exec`; probes once whether this pct knows --keep-env."""

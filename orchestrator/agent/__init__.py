@@ -5,11 +5,15 @@ from __future__ import annotations
 import base64
 import json
 import os
+import select
+import threading
+import time
 import zlib
 from functools import lru_cache
 
 from ..errors import AgentError, ContainerNotRunning, DeployError  # noqa: F401 (re-exported)
-from ..remote import HostSession
+from ..errors import OutputTooLarge, RemoteTimeout, Unreachable
+from ..remote import HostSession, pct_exec_argv
 from .protocol import PROTOCOL, RESULT_TYPES, AgentResult, ProtocolError  # noqa: F401
 
 AGENT_PATH = os.path.join(os.path.dirname(__file__), "agent.py")
@@ -63,8 +67,9 @@ def agent_argv(python: str, action: str, args: dict) -> list[str]:
 
 
 def call(session: HostSession, vmid: int, python: str, action: str, args: dict, *, payload: bytes | None = None,
-         secrets: dict | None = None, bulk: dict | None = None, timeout: float = 60.0, on_event=None) -> dict:
-    """Run one agent action in the container; returns its result dict. Raises on transport-level failure."""
+         secrets: dict | None = None, bulk: dict | None = None, timeout: float = 60.0, on_event=None):
+    """Run one agent action in the container, in a process of its own (one `pct exec`); returns its typed result.
+    Raises on transport-level failure. AgentSession.call does the same over one agent process for many steps."""
 
     def on_line(raw: bytes):
         """Events go to on_event and are not kept: a long `logs -f` holds only the line in progress."""
@@ -80,8 +85,7 @@ def call(session: HostSession, vmid: int, python: str, action: str, args: dict, 
 
     res = session.ct(vmid, agent_argv(python, action, args), stdin=agent_stdin(payload, secrets, bulk),
                      timeout=timeout, label=f"agent:{action}", on_line=on_line)
-    result = None
-    proto = None
+    result = proto = None
     for line in res.out.splitlines():
         try:
             msg = json.loads(line)
@@ -89,22 +93,26 @@ def call(session: HostSession, vmid: int, python: str, action: str, args: dict, 
             continue
         if isinstance(msg, dict) and "result" in msg:
             result, proto = msg["result"], msg.get("protocol")
-    where = f"{session.host.name}/{vmid}"
+    return interpret(result, proto, action, python, where=f"{session.host.name}/{vmid}", vmid=vmid,
+                     exited=res.exited, err=res.err.strip() or res.out.strip())
+
+
+def interpret(result, proto, action: str, python: str, *, where: str, vmid: int, exited: int | None, err: str):
+    """One agent answer -> its typed result, or the error that says what went wrong and what to do."""
     if result is None:
-        err = res.err.strip() or res.out.strip()
         if "not running" in err:
             raise ContainerNotRunning(f"container {vmid} is not running ({err})", where=where,
                                       fix=f"start it: ssh to the host and run `pct start {vmid}`")
         if "does not exist" in err and ".conf" in err:
             raise ContainerNotRunning(f"container {vmid} does not exist on this host ({err})", where=where,
                                       fix="check target.vmid in the playbook and the inventory")
-        if res.exited == 127 or "No such file" in err or "not found" in err:
-            raise AgentError(f"cannot run {python} in the container: {err[:300]}", where=where,
+        if exited == 127 or "No such file" in err or "not found" in err:
+            raise AgentError(f"cannot run {python} in the container: {err}", where=where,
                              fix="set runtime.python in the playbook to the Python that runs vLLM")
-        if res.exited == -1:
+        if exited == -1:
             raise AgentError(f"agent action {action!r} ended without an exit status (killed by a signal?)",
                              where=where, fix="look for an OOM kill on the host: dmesg -T | grep -i -e oom -e killed")
-        raise AgentError(f"agent action {action!r} failed (exit {res.exited}): {err[:500]}", where=where)
+        raise AgentError(f"agent action {action!r} failed (exit {exited}): {err}", where=where)
     if isinstance(result, dict) and "error" in result and "traceback" in result:
         raise AgentError(f"agent action {action!r} crashed: {result['error']}", where=where,
                          details={"traceback": result["traceback"]})
@@ -118,3 +126,169 @@ def call(session: HostSession, vmid: int, python: str, action: str, args: dict, 
         return typ.parse(action, result)
     except ProtocolError as e:
         raise AgentError(str(e), where=where, fix="a bug in deploy's agent; report it with deploy's audit log")
+
+
+# The session bootstrap, in argv: read the agent program (its length is argv[1]) from stdin, then run it as
+# `agent.py session`, which reads one request per line from the rest of stdin.
+SESSION_BOOT = ('import sys; n = int(sys.argv[1]); src = sys.stdin.buffer.read(n); '
+                'sys.argv = ["agent.py", "session"]; exec(compile(src, "<agent>", "exec"))')
+
+
+class AgentSession:
+    """One agent process in a container for all of an operation's steps: one `pct exec` and one Python start
+    instead of one per step (`deploy up` has ~11). Requests go one at a time (a lock); each has its own deadline,
+    and a missed deadline or a lost channel ends the session (the next call starts a new one). Every request is
+    written to the audit log like a command of its own (secrets redacted, stdin bytes counted)."""
+
+    def __init__(self, session: HostSession, vmid: int, python: str):
+        self.session, self.vmid, self.python = session, vmid, python
+        self.where = f"{session.host.name}/{vmid}"
+        self._chan = None
+        self._buf = bytearray()
+        self._err = bytearray()
+        self._next = 0
+        self._lock = threading.Lock()
+        self.starts = 0
+
+    # ---------------------------------------------------------------- channel
+
+    def _open(self, timeout: float) -> None:
+        prog = agent_program()
+        argv = [self.python, "-c", SESSION_BOOT, str(len(prog))]
+        keep = self.session.keep_env_supported is not False
+        chan = self.session.open_exec(pct_exec_argv(self.vmid, argv, keep), vmid=self.vmid,
+                                      audit_argv=[self.python, "-c", "<agent session bootstrap>", str(len(prog))],
+                                      label="agent:session", stdin_bytes=len(prog), timeout=timeout)
+        chan.sendall(prog)
+        self._chan, self._buf, self._err = chan, bytearray(), bytearray()
+        self.starts += 1
+        try:
+            line = self._readline(time.monotonic() + timeout)
+        except _SessionEnded as e:
+            if keep and self.session.keep_env_supported is None and b"Unknown option: keep-env" in self._err:
+                self.session.keep_env_supported = False  # pct refused while parsing: nothing ran
+                self.close()
+                return self._open(timeout)
+            self.close()
+            interpret(None, None, "session", self.python, where=self.where, vmid=self.vmid, exited=e.exited,
+                      err=self._err.decode("utf-8", "replace").strip())
+        if keep and self.session.keep_env_supported is None:
+            self.session.keep_env_supported = True
+        try:
+            hello = json.loads(line)
+        except ValueError:
+            hello = {}
+        if hello.get("protocol") != PROTOCOL:
+            self.close()
+            raise AgentError(f"the agent session answered {line[:200]!r}, not protocol {PROTOCOL}", where=self.where,
+                             fix="a bug: the agent is sent with the tool, so both should match; report it")
+
+    def _readline(self, deadline: float) -> bytes:
+        chan = self._chan
+        while True:
+            k = self._buf.find(b"\n")
+            if k >= 0:
+                line = bytes(self._buf[:k])
+                del self._buf[:k + 1]
+                return line
+            if len(self._buf) > MAX_LINE:
+                raise OutputTooLarge(f"the agent wrote a line of more than {MAX_LINE} bytes", where=self.where,
+                                     fix="the remote side misbehaves; check it directly")
+            while chan.recv_stderr_ready():
+                self._err += chan.recv_stderr(65536)
+            if chan.recv_ready():
+                chunk = chan.recv(65536)
+                if chunk:
+                    self._buf += chunk
+                    continue
+            if chan.exit_status_ready() and not chan.recv_ready():
+                while chan.recv_stderr_ready():
+                    self._err += chan.recv_stderr(65536)
+                raise _SessionEnded(chan.recv_exit_status())
+            if chan.closed or chan.eof_received and not chan.recv_ready():
+                raise _SessionEnded(-1)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RemoteTimeout("no answer in time")
+            select.select([chan], [], [], min(remaining, 1.0))
+
+    def close(self) -> None:
+        if self._chan is not None:
+            try:
+                self._chan.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._chan = None
+
+    # ---------------------------------------------------------------- requests
+
+    def call(self, action: str, args: dict, *, payload: bytes | None = None, secrets: dict | None = None,
+             bulk: dict | None = None, timeout: float = 60.0, on_event=None):
+        with self._lock:
+            started = time.monotonic()
+            deadline = started + timeout
+            if self._chan is None or self._chan.closed:
+                self._open(min(timeout, 60.0))
+            self._next += 1
+            rid = self._next
+            req = {"id": rid, "action": action, "args": args, "input": bulk or None, "secrets": secrets or None,
+                   "payload": base64.b64encode(payload).decode() if payload is not None else None}
+            raw = json.dumps(req, separators=(",", ":")).encode() + b"\n"
+            audit = self.session.audit
+            argv = agent_argv(self.python, action, args)
+            audit.write(host=self.session.host.name, vmid=self.vmid, starting=argv, label=f"agent:{action}",
+                        session=self.starts)
+            result = proto = None
+            exited = 0
+            try:
+                self._chan.sendall(raw)
+                while True:
+                    line = self._readline(deadline)
+                    if line.startswith(b'{"event"'):
+                        try:
+                            ev = json.loads(line)
+                        except ValueError:
+                            continue
+                        if on_event is not None:
+                            on_event(ev)
+                        continue
+                    try:
+                        msg = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(msg, dict) and "result" in msg and msg.get("id") in (rid, None):
+                        result, proto = msg["result"], msg.get("protocol")
+                        break
+            except RemoteTimeout:
+                self.close()  # a late answer would belong to no request: the session ends here
+                audit.write(host=self.session.host.name, vmid=self.vmid, argv=argv, exit=None, session=self.starts,
+                            duration=round(time.monotonic() - started, 4), label=f"agent:{action}",
+                            error=f"no answer within {timeout:g} s")
+                raise RemoteTimeout(f"command did not finish within {timeout:g} s: agent {action} in container "
+                                    f"{self.vmid}", where=self.where,
+                                    fix="the remote side may be hung (e.g. a wedged nvidia-smi); check the host")
+            except _SessionEnded as e:
+                exited = e.exited
+                self.close()
+                if exited == -1 and not self.session.alive():
+                    raise Unreachable("SSH connection lost during a command", where=self.session.host.name,
+                                      fix="check the host; run `deploy status` to see what state was left")
+            except (OSError, EOFError) as e:
+                self.close()
+                raise Unreachable(f"SSH connection lost during a command: {e or type(e).__name__}",
+                                  where=self.session.host.name,
+                                  fix="check the host; run `deploy status` to see what state was left") from e
+            audit.write(host=self.session.host.name, vmid=self.vmid, argv=argv, exit=0 if result is not None else exited,
+                        duration=round(time.monotonic() - started, 4), label=f"agent:{action}", session=self.starts,
+                        stdin_bytes=len(raw))
+            return interpret(result, proto, action, self.python, where=self.where, vmid=self.vmid, exited=exited,
+                             err=self._err.decode("utf-8", "replace").strip())
+
+
+MAX_LINE = 64 << 20
+
+
+class _SessionEnded(Exception):
+    def __init__(self, exited: int):
+        super().__init__(exited)
+        self.exited = exited

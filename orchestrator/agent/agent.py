@@ -1768,26 +1768,62 @@ def act_speed(a):
 ACTIONS["speed"] = act_speed
 
 
-def main(argv):
-    action, args = argv[1], json.loads(argv[2]) if len(argv) > 2 else {}
-    args.update(INPUT)
+def run_action(action, args, rid=None):
+    """Run one action and emit its one result line; 0 on success, 1 when it raised, 2 for an unknown action."""
+    extra = {} if rid is None else {"id": rid}
     if action not in ACTIONS:
-        emit(result={"error": "unknown action %r" % action})
+        emit(result={"error": "unknown action %r" % action}, protocol=globals().get("PROTOCOL"), **extra)
         return 2
     try:
         res = ACTIONS[action](args)
         typ = globals().get("RESULT_TYPES", {}).get(action)  # protocol.py, sent ahead of this file
         if typ is not None:
             typ.parse(action, res)  # a result that breaks the shared protocol fails here, by name
-        emit(result=res, protocol=globals().get("PROTOCOL"))
+        emit(result=res, protocol=globals().get("PROTOCOL"), **extra)
     except BrokenPipeError:
-        return 1
+        raise
     except Exception as e:  # noqa: BLE001 - reported as data, with the traceback's last line
         import traceback
 
-        emit(result={"error": "%s: %s" % (type(e).__name__, e), "traceback": traceback.format_exc()[-2000:]})
+        emit(result={"error": "%s: %s" % (type(e).__name__, e), "traceback": traceback.format_exc()[-2000:]},
+             **extra)
         return 1
     return 0
+
+
+def session():
+    """One agent process for all of an operation's steps (`deploy up` runs ~11 of them): each stdin line is a
+    request {"id", "action", "args", "input", "secrets", "payload"} (base64); its events and its one result line
+    (carrying the id) go to stdout, as for a single action. Ends at end of input. Secrets and payloads arrive on
+    stdin as before, never in argv."""
+    global INPUT, SECRETS, PAYLOAD
+    emit(ready=True, protocol=globals().get("PROTOCOL"), pid=os.getpid())
+    for raw in sys.stdin.buffer:
+        if not raw.strip():
+            continue
+        req = json.loads(raw)
+        INPUT = req.get("input") or {}
+        SECRETS = req.get("secrets") or {}
+        PAYLOAD = base64.b64decode(req["payload"]) if req.get("payload") is not None else None
+        args = dict(req.get("args") or {})
+        args.update(INPUT)
+        try:
+            run_action(req.get("action"), args, req.get("id"))
+        finally:
+            INPUT, SECRETS, PAYLOAD = {}, {}, None  # nothing of one request outlives it
+    return 0
+
+
+def main(argv):
+    action = argv[1]
+    if action == "session":
+        return session()
+    args = json.loads(argv[2]) if len(argv) > 2 else {}
+    args.update(INPUT)
+    try:
+        return run_action(action, args)
+    except BrokenPipeError:
+        return 1
 
 
 # ------------------------------------------------------------------ action: doctor (read-only diagnosis)

@@ -66,6 +66,9 @@ class AgentResult:
         else:
             self.extra[key] = value
 
+    def keys(self):  # so that `{**result}` and dict(result) give the wire form
+        return self.as_dict().keys()
+
     def __contains__(self, key):
         return (key != "extra" and key in self.__dataclass_fields__ and getattr(self, key) is not None) or \
             key in self.extra

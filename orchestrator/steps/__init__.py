@@ -42,16 +42,21 @@ class Context:
     def where(self) -> str:
         return f"{self.pb.host}/{self.pb.vmid}"
 
-    def call(self, step: Step, *, payload: bytes | None = None, secrets: dict | None = None, on_event=None) -> dict:
+    def call(self, step: Step, *, payload: bytes | None = None, secrets: dict | None = None, on_event=None,
+             fresh: bool = False):
+        """Run the step's agent action: over this container's agent session (one process for all of an
+        operation's steps), or with fresh=True in a process of its own (the lock heartbeat, which runs beside a
+        long step). Returns the typed result (orchestrator/agent/protocol.py)."""
         fill = {TOKEN: self.token, HOLDER: self.holder}
         args = {k: fill.get(v, v) if isinstance(v, str) else v for k, v in step.args.items()}
         self.progress.detail(self.where, self.session.audit.redact(
             f"$ pct exec {step.vmid} -- {self.pb.runtime['python']} - {step.action} "
             f"{json.dumps(args, sort_keys=True)}"))
+        kw = dict(payload=payload, secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event)
         with self.progress.heartbeat(self.where, f"{step.name}: {step.title}", step.timeout):
-            return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args,
-                              payload=payload, secrets=secrets, bulk=step.bulk, timeout=step.timeout,
-                              on_event=on_event)
+            if fresh:
+                return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, **kw)
+            return self.session.agent_session(step.vmid, self.pb.runtime["python"]).call(step.action, args, **kw)
 
     def record(self, name: str, ok: bool | None, summary: str, t0: float, **details) -> StepResult:
         r = StepResult(name, ok, summary, time.monotonic() - t0, details)

@@ -48,6 +48,17 @@ class FakeSession:
         out = {"pct status": "status: running\n", "pct list": "VMID       Status     Lock         Name\n"}
         return Result(self.host.name, kw.get("vmid"), list(argv), 0, out.get(" ".join(argv[:2]), "").encode(), b"", 0)
 
+    def agent_session(self, vmid, python):
+        """The executor's agent session: here, each request goes through the one-process path (ct below)."""
+        from orchestrator import agent
+
+        sess = self
+
+        class Shim:
+            def call(self, action, args, **kw):
+                return agent.call(sess, vmid, python, action, args, **kw)
+        return Shim()
+
     def ct(self, vmid, argv, stdin=None, timeout=60, label="", on_line=None):
         action, args = argv[2], json.loads(argv[3])
         self.argvs.append(["pct", "exec", str(vmid), "--keep-env", "0", "--", *argv])

@@ -61,6 +61,7 @@ def test_plan_up_order_and_commands(pbs):
     assert rows[0]["command"] == "pct status 129" and rows[0]["ssh"] == "ssh -p 22 root@127.77.0.1"
     remote = [r for r in rows[1:] if r["command"]]
     assert all(r["command"].startswith("pct exec 129 --keep-env 0 -- /root/ml-env/bin/python - ") for r in remote)
+    assert all(r["request"] == r["command"].split(" - ", 1)[1] for r in remote)  # the session request = the same
     assert [r["step"] for r in rows if not r["command"]] == ["aux-layers", "fallback"]  # local checks
 
 
