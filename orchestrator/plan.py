@@ -480,9 +480,8 @@ def failure_steps(pb: Playbook) -> list[Step]:
         out.append(step_drift(pb, "drift-check", "did the drafter config change since verify? (then that is the "
                                                   "news, and the failed step its symptom)",
                               when=failed_after_verify, phase="on-failure"))
-        if pb.drafter and not hub_drafter_dir(pb):
-            out.append(step_drift(pb, "read-back", "read the replaced drafter config back, for `state left:`",
-                                  when=config_replaced_here, phase="on-failure"))
+        out.append(step_drift(pb, "read-back", "read the replaced drafter config back, for `state left:`",
+                              when=config_replaced_here, phase="on-failure"))
     out.append(step_note_failure(pb))
     return out
 

@@ -278,6 +278,9 @@ class AgentSession:
                 raise Unreachable(f"SSH connection lost during a command: {e or type(e).__name__}",
                                   where=self.session.host.name,
                                   fix="check the host; run `deploy status` to see what state was left") from e
+            except BaseException:  # Ctrl-C mid-request: its answer would block the next request; start afresh
+                self.close()
+                raise
             audit.write(host=self.session.host.name, vmid=self.vmid, argv=argv, exit=0 if result is not None else exited,
                         duration=round(time.monotonic() - started, 4), label=f"agent:{action}", session=self.starts,
                         stdin_bytes=len(raw))

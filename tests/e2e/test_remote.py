@@ -240,3 +240,30 @@ def test_proxyjump_gateway_host_keys_are_checked(tb, tmp_path, monkeypatch):
     finally:
         f.close()
     assert pve2 not in (tmp_path / "kh").read_text()  # nothing was added behind our back
+
+
+def test_an_agent_session_carries_many_requests_and_a_missed_deadline_ends_it(tb, fleet, tmp_path):
+    """One agent process for many steps: requests in order, secrets and payloads on stdin (never in the audit log),
+    a request past its deadline ends the session, and the next request starts a new one."""
+    from orchestrator.agent.protocol import FileShaResult, GpusFreeResult
+
+    fleet.redact.add("s3cr3t-value")
+    a = fleet.session("pve1").agent_session(129, "/root/ml-env/bin/python")
+    r = a.call("file_sha", {"path": "/root/models/Qwen3.6-27B/config.json"})
+    assert isinstance(r, FileShaResult) and len(r.sha256) == 64
+    r = a.call("gpus_free", {"gpus": [0], "threshold_mib": 1024, "timeout_s": 5, "nvidia_smi_timeout_s": 5,
+                             "poll_s": 0.1}, secrets={"api_key": "s3cr3t-value"})
+    assert isinstance(r, GpusFreeResult) and r.verdict == "free"
+    assert a.starts == 1
+    with pytest.raises(RemoteTimeout):
+        a.call("gpus_free", {"gpus": [0], "threshold_mib": -1, "timeout_s": 20, "nvidia_smi_timeout_s": 5,
+                             "poll_s": 0.1}, timeout=1)
+    r = a.call("file_sha", {"path": "/root/models/Qwen3.6-27B/config.json"})
+    assert r.sha256 and a.starts == 2
+    audit = (tmp_path / "audit.jsonl").read_text()
+    assert "s3cr3t-value" not in audit
+    rows = [json.loads(x) for x in audit.splitlines()]
+    assert sum(1 for x in rows if x.get("label") == "agent:session" and "exit" in x) == 2
+    assert [x["label"] for x in rows if "exit" in x and x.get("label", "").startswith("agent:")
+            and x["label"] != "agent:session"] == ["agent:file_sha", "agent:gpus_free", "agent:gpus_free",
+                                                    "agent:file_sha"]
