@@ -231,7 +231,7 @@ def render_outcome(out, indent=""):
             e(f"{indent}{out.playbook} is up on {out.where}: {_where_it_answers(i)}  model {i['model']}  method {i['method']}")
             e(f"{indent}  draft acceptance {a['draft_acceptance_rate']:.1%}, mean acceptance length "
               f"{a['mean_acceptance_length']:.2f} ({a['source']}); total {i['total_s']}s")
-            e(f"{indent}  phases: " + ", ".join(f"{k} {v:g}s" for k, v in i["phases_s"].items()))
+            e(f"{indent}  phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in i["phases_s"].items()))
         elif out.status == "down":
             stopped = i.get("stopped") or []
             e(f"{indent}{out.playbook} is down on {out.where}: stopped "
