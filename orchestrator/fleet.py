@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from . import ops
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, Unreachable
@@ -61,13 +60,39 @@ def _guarded(fn, member: Playbook) -> ops.Outcome:
 
 def run_each(members: list[Playbook], fn, parallel: int | None) -> list[ops.Outcome]:
     """fn(member) -> Outcome for every member, at most `parallel` at a time (None: all at once); in target order.
-    Each call is bounded by its own steps' deadlines (ops); nothing here waits without them."""
+    Each call is bounded by its own steps' deadlines (ops). Ctrl-C ends the wait: the targets still running
+    become `interrupted` outcomes that say what may be left (their threads end with the process)."""
     if len(members) == 1:
         return [_guarded(fn, members[0])]
-    with ThreadPoolExecutor(max_workers=min(parallel or len(members), len(members)),
-                            thread_name_prefix="target") as ex:
-        futures = [ex.submit(_guarded, fn, m) for m in members]
-        return [f.result() for f in futures]
+    slots = threading.BoundedSemaphore(min(parallel or len(members), len(members)))
+    outs: list = [None] * len(members)
+    started = [False] * len(members)
+    done = [threading.Event() for _ in members]
+
+    def work(i, m):
+        with slots:
+            started[i] = True
+            outs[i] = _guarded(fn, m)
+        done[i].set()
+
+    threads = [threading.Thread(target=work, args=(i, m), daemon=True, name=f"target-{where_of(m)}")
+               for i, m in enumerate(members)]
+    for t in threads:
+        t.start()
+    try:
+        for ev in done:
+            ev.wait()
+    except KeyboardInterrupt:
+        for i, m in enumerate(members):
+            if outs[i] is None:
+                w = where_of(m)
+                msg = ("interrupted during its run: a vLLM it may have launched keeps loading and is recorded in "
+                       "the container's state file; its lock is freed at once for the next deploy from here (else "
+                       "within a minute)" if started[i] else
+                       "interrupted before its turn: nothing was started there")
+                outs[i] = ops.Outcome(False, m.name, w, "interrupted", error=DeployError(
+                    msg, where=w, fix=f"deploy status {w} shows what runs; deploy down {m.name} {w} stops it"))
+    return outs
 
 
 def _check_secrets(pb: Playbook) -> None:
@@ -182,7 +207,7 @@ def summary_line(row: dict, outcome) -> str:
                 f"fallback {fb.playbook}")
     step = getattr(err, "step", "") if err is not None else ""
     msg = (err.message.splitlines()[0] if err is not None and err.message else st)
-    kind = "UNREACHABLE" if isinstance(err, Unreachable) else "FAILED"
+    kind = "UNREACHABLE" if isinstance(err, Unreachable) else "INTERRUPTED" if st == "interrupted" else "FAILED"
     return f"{where:<14} {kind:<14} {step + ': ' if step else ''}{msg}"
 
 

@@ -458,7 +458,7 @@ def render_totals(t: dict) -> str:
         s += (f"; mean draft acceptance {t['mean_draft_acceptance']:.1%}, mean acceptance length "
               f"{t['mean_acceptance_length'] or 0:.2f} (over {t['acceptance_over']})")
     else:
-        s += "; mean acceptance: - (no serving target has drafted yet)"
+        s += "; mean acceptance: - (" + ("nothing serving" if not t["serving"] else "no serving target has drafted yet") + ")"
     return s
 
 
