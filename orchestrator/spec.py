@@ -445,6 +445,10 @@ def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tupl
                 except SpecError as e:
                     fallback_problems = Problems(path)
                     fallback_problems.items = e.problems
+    if not pb.is_fleet and pb.fallback is not None and pb.fallback.is_fleet:
+        problems.add(node_of(data["acceptance"], "fallback"), "acceptance.fallback",
+                     f"{fb!r} has targets: (replicas), but the fallback runs on this playbook's one container; name "
+                     "a playbook with one target")
     if pb.is_fleet and pb.fallback is not None and not fallback_problems:
         tp = pb.fallback.serve["tensor_parallel_size"]
         for i, t in enumerate(data["targets"]):

@@ -75,6 +75,14 @@ def test_a_fleet_with_a_fallback_retargets_it_per_target(work):
     assert pb.members[1].fallback.runtime["python"] == "/opt/vllm/bin/python"
 
 
+def test_a_single_target_playbook_refuses_a_replica_fallback(work):
+    fleet_file(work, "qwen36-mtp", "targets:\n  - {host: pve1, vmid: 129, gpus: [0, 1, 2, 3]}\n")
+    with pytest.raises(SpecError) as ei:
+        load(work, str(work / "playbooks" / "qwen36-dflash.yaml"))
+    assert any("acceptance.fallback: 'qwen36-mtp' has targets: (replicas), but the fallback runs on this "
+               "playbook's one container" in p for p in ei.value.problems)
+
+
 def test_every_target_problem_at_once_with_its_line(work):
     path = fleet_file(work, "bad", "targets:\n"
                                    "  - {host: pve1, vmid: 129, gpus: [0, 1, 2, 3]}\n"
