@@ -116,3 +116,21 @@ def test_fleet_usage_errors(tb, deploy, playbooks):
     assert p.returncode == 0 and [(t["host"], t["vmid"]) for t in p.json["targets"]] == [
         ("pve1", 129), ("pve2", 129), ("pve3", 129)]
     assert all(_state(tb, t) is None for t in TARGETS)  # nothing ran
+
+
+def test_two_targets_on_one_host_share_its_connection(tb, deploy, playbooks):
+    """pve1/129 on GPUs 2-3 and pve1/130 on GPUs 0-1 (tensor parallel 2): one SSH connection to pve1 for both."""
+    _fleet(tb, playbooks)
+    tb.set_fault("pve1", 130, "load_s", 0.3)
+    path = playbooks.dir / "qwen36-replicas.yaml"
+    text = path.read_text()
+    start, end = text.index("targets:\n"), text.index("\nmodel:")
+    path.write_text(text[:start] + "targets:\n  - {host: pve1, vmid: 129, gpus: [2, 3]}\n"
+                    "  - {host: pve1, vmid: 130, gpus: [0, 1]}\n" + text[end:]
+                    .replace("tensor_parallel_size: 4", "tensor_parallel_size: 2"))
+    before = _conns(tb)["pve1"]
+    p = deploy("--json", "up", "qwen36-replicas", env=playbooks.env)
+    assert p.returncode == 0, p.stderr
+    assert [(r["where"], r["status"]) for r in p.json["targets"]] == [("pve1/129", "up"), ("pve1/130", "up")]
+    assert _conns(tb)["pve1"] == before + 1
+    assert _state(tb, "pve1/129")["playbook"] == _state(tb, "pve1/130")["playbook"] == "qwen36-replicas"
