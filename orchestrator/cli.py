@@ -148,22 +148,40 @@ def plan(obj, playbook, restart, clean_gpus):
         from . import plan as P
 
         inv, pb = load(obj, playbook)
-        steps = P.plan_up(pb, clean_gpus=clean_gpus, restart=restart)
-        render_plan(obj, inv, pb, steps)
+        render_plans(obj, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=restart))
     run_guarded(go, obj)
 
 
-def render_plan(obj, inv, pb, steps):
+def render_plans(obj, inv, pb, plan_of):
+    """The plan of a playbook; of each of its targets for a playbook with `targets:` (JSON: {"targets": [...]})."""
+    from .report import dump_json
+
+    if not pb.is_fleet:
+        return render_plan(obj, inv, pb, plan_of(pb))
+    if obj.json:
+        dump_json({"playbook": pb.name, "targets": [render_plan(obj, inv, m, plan_of(m), emit=False)
+                                                    for m in pb.members]})
+        return
+    click.echo(f"{pb.name} has {len(pb.members)} targets; deploy up brings them up in parallel, each with the steps "
+               "below (one SSH connection per host, shared by its targets).")
+    for m in pb.members:
+        click.echo("")
+        render_plan(obj, inv, m, plan_of(m))
+
+
+def render_plan(obj, inv, pb, steps, emit=True):
     from .plan import PHASE_TITLES, session_command
     from .report import dump_json
 
     py = pb.runtime["python"]
     rows = [s.as_dict(inv, py) for s in steps]
     session = session_command(pb, py)
-    if obj.json:
-        dump_json({"playbook": pb.name, "host": pb.host, "vmid": pb.vmid, "agent_session": session, "steps": rows,
-                   "fallback": pb.fallback.name if pb.fallback else None})
-        return
+    if obj.json or not emit:
+        data = {"playbook": pb.name, "host": pb.host, "vmid": pb.vmid, "agent_session": session, "steps": rows,
+                "fallback": pb.fallback.name if pb.fallback else None}
+        if emit:
+            dump_json(data)
+        return data
     click.echo(f"Plan for {pb.name} on {pb.host}/{pb.vmid} ({rows[0]['ssh']}); one SSH connection for all steps.")
     click.echo("One agent process in the container runs every agent step (each `>` line below is one request to it;"
                " agent.py and N, its length, arrive on stdin):")
@@ -271,9 +289,11 @@ def _confirm(prompt):
               help="Do not install the pinned drafter config. Verify still runs and reports, but does not stop the "
                    "launch: a rehearsal of the field report, where the acceptance gate must catch a stale config.")
 @click.option("--clean-gpus", is_flag=True, default=None, help="fuser -k the container's GPUs when stopping.")
+@click.option("--parallel", type=click.IntRange(min=1), default=None, metavar="N",
+              help="A playbook with targets: bring up at most N targets at a time (default: all at once).")
 @json_option
 @click.pass_obj
-def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus):
+def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, parallel):
     """Bring PLAYBOOK up, verified end to end: config, stack, GPUs, launch, readiness, acceptance.
 
     Already up with the same argv and drafter config and healthy: nothing changes (exit 0). A different
@@ -281,11 +301,17 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus):
     Below the acceptance threshold the deployment has failed; with on_low_acceptance: fallback it is
     stopped and the fallback playbook is brought up and gated instead.
 
+    A playbook with `targets:` (replicas) brings every target up in parallel (--parallel N at a time), each
+    through all of the above with its own lock and gates, progress lines prefixed with HOST/VMID, and ends
+    with one summary line per target. Exit 0 only when every target passed; a differing deployment on a
+    target is replaced only with -y (no prompt).
+
     \b
     Examples:
       deploy up qwen36-dflash
       deploy up qwen36-dflash --dry-run
       deploy --json up qwen36-mtp -y > result.json
+      deploy up qwen36-replicas --parallel 2      # a playbook with targets:
     """
     def go():
         from . import ops
@@ -294,13 +320,39 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus):
 
         inv, pb = load(obj, playbook)
         if dry_run:
-            return render_plan(obj, inv, pb, P.plan_up(pb, write_config=not skip_config_write, clean_gpus=clean_gpus))
+            return render_plans(obj, inv, pb, lambda m: P.plan_up(m, write_config=not skip_config_write,
+                                                                   clean_gpus=clean_gpus))
+        opts = ops.Options(yes=yes, write_config=not skip_config_write, clean_gpus=clean_gpus, wait_lock_s=wait_lock,
+                           confirm=_confirm)
+        if pb.is_fleet:
+            from . import fleet as F
+
+            with Fleet(inv) as fleet:
+                res = F.up(fleet, pb, F.SharedProgress(verbose=obj.verbose), opts, parallel=parallel)
+            _fleet_exit(obj, res)
         with Fleet(inv) as fleet:
-            out = ops.up(fleet, pb, obj.progress(), ops.Options(yes=yes, write_config=not skip_config_write,
-                                                                 clean_gpus=clean_gpus, wait_lock_s=wait_lock,
-                                                                 confirm=_confirm))
+            out = ops.up(fleet, pb, obj.progress(), opts)
         _outcome_exit(obj, out)
     run_guarded(go, obj)
+
+
+def _fleet_exit(obj, res):
+    """A playbook with targets: every failed target's error (fix, state left), then one line per target and the
+    totals; --json: every target. Exit 0 all passed, 3 only unreachable hosts failed, else 1."""
+    from . import fleet as F
+    from .report import dump_json
+
+    if obj.json:
+        dump_json(F.as_json(res))
+    else:
+        for o in res["_outcomes"]:
+            if o is not None and not o.ok:
+                render_outcome(o)
+                click.echo(f"  this target alone: deploy logs {o.where}; deploy down {res['playbook']} {o.where}; "
+                           f"deploy status {o.where}", err=True)
+        for line in F.render(res):
+            click.echo(line)
+    sys.exit(F.exit_code(res))
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -310,23 +362,39 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus):
 @click.option("--dry-run", is_flag=True, help="Print the plan and run nothing.")
 @click.option("--clean-gpus", is_flag=True, default=None,
               help="After stopping, fuser -k -TERM then -KILL whatever in the container still holds /dev/nvidia*.")
+@click.option("--rolling", is_flag=True,
+              help="A playbook with targets: one target at a time, the next only after this one passed its gates "
+                   "(the others keep serving); a failure stops the roll-out there.")
+@click.option("--max-unavailable", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --rolling: restart N targets at a time (default 1).")
 @json_option
 @click.pass_obj
-def restart(obj, playbook, wait_lock, dry_run, clean_gpus):
+def restart(obj, playbook, wait_lock, dry_run, clean_gpus, rolling, max_unavailable):
     """Stop, free and prove the GPUs free, verify the drafter config, start again, and gate on acceptance.
 
     Without PLAYBOOK: restart what the state file in each inventory container says is running there.
+    A playbook with `targets:` restarts every target in parallel; with --rolling one at a time (or
+    --max-unavailable N at a time), moving on only when the restarted target(s) passed their gates. A
+    target that fails stops the roll-out: the output says which targets are on the new deployment, which
+    failed, and which are still on the old one (untouched).
 
     \b
     Examples:
       deploy restart qwen36-dflash --clean-gpus
       deploy restart --clean-gpus
+      deploy restart qwen36-replicas --rolling
+      deploy restart qwen36-replicas --rolling --max-unavailable 2
     """
     def go():
         from . import ops
         from . import plan as P
         from .remote import Fleet
 
+        if max_unavailable and not rolling:
+            raise UsageError("--max-unavailable is for a rolling restart", fix="add --rolling")
+        if rolling and not playbook:
+            raise UsageError("--rolling needs the PLAYBOOK whose targets to roll through",
+                             fix="deploy restart PLAYBOOK --rolling")
         inv = obj.inventory()
         names = [playbook] if playbook else _running_playbooks(obj, inv)
         if not names:
@@ -337,12 +405,26 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus):
         pbs = [load_playbook(n, inv) for n in names]
         if dry_run:
             for pb in pbs:
-                render_plan(obj, inv, pb, P.plan_up(pb, clean_gpus=clean_gpus, restart=True))
+                render_plans(obj, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=True))
             return
+        opts = ops.Options(yes=True, clean_gpus=clean_gpus, wait_lock_s=wait_lock)
+        if len(pbs) == 1 and (rolling or pbs[0].is_fleet):
+            from . import fleet as F
+
+            with Fleet(inv) as fleet:
+                progress = F.SharedProgress(verbose=obj.verbose)
+                res = F.rolling_restart(fleet, pbs[0], progress, opts, max_unavailable=max_unavailable or 1) \
+                    if rolling else F.up(fleet, pbs[0], progress, opts, restart=True)
+            _fleet_exit(obj, res)
         with Fleet(inv) as fleet:
-            outs = [ops.up(fleet, pb, obj.progress(), ops.Options(yes=True, clean_gpus=clean_gpus,
-                                                                   wait_lock_s=wait_lock), restart=True)
-                    for pb in pbs]
+            outs = []
+            for pb in pbs:
+                if pb.is_fleet:  # named by a container's state file (deploy restart without PLAYBOOK)
+                    from . import fleet as F
+
+                    outs += F.up(fleet, pb, F.SharedProgress(verbose=obj.verbose), opts, restart=True)["_outcomes"]
+                else:
+                    outs.append(ops.up(fleet, pb, obj.progress(), opts, restart=True))
         if len(outs) == 1:
             _outcome_exit(obj, outs[0])
         if obj.json:
@@ -383,7 +465,7 @@ def _running_playbooks(obj, inv):
                 pb = load_playbook(name, inv)
             except SpecError:
                 pb = None
-        if pb is None or (pb.host, pb.vmid) != (r["host"], r["vmid"]):
+        if pb is None or (r["host"], r["vmid"]) not in {(t["host"], t["vmid"]) for t in pb.targets}:
             click.echo(f"{where}: its state file names {name!r}, which is not a playbook here for that container; "
                        "skipped (deploy restart PLAYBOOK to choose)", err=True)
             continue
@@ -393,6 +475,7 @@ def _running_playbooks(obj, inv):
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("playbook", shell_complete=complete_playbooks)
+@click.argument("only", required=False, metavar="[HOST/VMID]", shell_complete=complete_targets)
 @click.option("--clean-gpus", is_flag=True, default=None,
               help="Also fuser -k -TERM, then -KILL, whatever in the container still holds /dev/nvidia*.")
 @click.option("-y", "--yes", is_flag=True, help="Do not ask before killing GPU holders (for scripts).")
@@ -400,24 +483,34 @@ def _running_playbooks(obj, inv):
               help="Wait this long for another deploy's lock instead of failing at once.")
 @json_option
 @click.pass_obj
-def down(obj, playbook, clean_gpus, yes, wait_lock):
+def down(obj, playbook, only, clean_gpus, yes, wait_lock):
     """Stop PLAYBOOK's vLLM (SIGTERM the group, grace, SIGKILL), and prove its GPUs free.
 
     Never runs fuser on the Proxmox host itself; --clean-gpus acts only inside the container.
+    A playbook with `targets:` takes every target down (in parallel), or only HOST/VMID when given.
 
     \b
     Examples:
       deploy down qwen36-dflash
       deploy down qwen36-dflash --clean-gpus -y
+      deploy down qwen36-replicas pve2/129
     """
     def go():
         from . import ops
         from .remote import Fleet
 
         inv, pb = load(obj, playbook)
+        members = [pb.member(only)] if only else pb.members
+        opts = ops.Options(clean_gpus=clean_gpus, wait_lock_s=wait_lock, yes=yes, confirm=_confirm)
+        if pb.is_fleet:
+            from . import fleet as F
+
+            with Fleet(inv) as fleet:  # --clean-gpus without -y asks per target: one target at a time then
+                res = F.down(fleet, pb, F.SharedProgress(verbose=obj.verbose), opts, only=only,
+                             parallel=1 if clean_gpus and not yes else None)
+            _fleet_exit(obj, res)
         with Fleet(inv) as fleet:
-            out = ops.down(fleet, pb, obj.progress(), ops.Options(clean_gpus=clean_gpus, wait_lock_s=wait_lock,
-                                                                  yes=yes, confirm=_confirm))
+            out = ops.down(fleet, members[0], obj.progress(), opts)
         _outcome_exit(obj, out)
     run_guarded(go, obj)
 

@@ -158,7 +158,7 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
         # the fix names a playbook that targets this container: the matching one if it does, else the one
         # that targets it (or a copy of the matching one, retargeted)
         here = f"{host}/{vmid}"
-        pb = p["playbook"] if p.get("target") in (None, here) else \
+        pb = p["playbook"] if p.get("target") is None or here in p["target"].split(", ") else \
             (playbook or {}).get("playbook") or f"PLAYBOOK (a copy of {p['playbook']} with target {here})"
         d["pinned_by"] = p["playbook"]
         if d.get("sha256") != p["sha256"]:
@@ -299,9 +299,10 @@ def pinned_configs(inv) -> tuple[list[dict], dict]:
         except DeployError:
             continue
         acc = pb.data["acceptance"]
-        info = {"playbook": pb.name, "fallback": acc.get("fallback"), "target": f"{pb.host}/{pb.vmid}",
+        info = {"playbook": pb.name, "fallback": acc.get("fallback"), "target": pb.where,
                 "min_acceptance": acc.get("min_draft_acceptance")}
-        targets.setdefault((pb.host, pb.vmid), info)
+        for m in pb.members:  # every target of a playbook with targets: (replicas)
+            targets.setdefault((m.host, m.vmid), {**info, "target": f"{m.host}/{m.vmid}"})
         if pb.drafter and pb.drafter_config is not None:
             import hashlib
 

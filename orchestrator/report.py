@@ -116,6 +116,7 @@ class Progress:
     """
 
     WAIT_EVERY_S = 10.0
+    INPLACE = True  # a wait's line may be updated in place on a TTY (not when threads share the stream)
 
     def __init__(self, quiet: bool = False, stream=None, verbose: bool = False):
         self.stream = stream or sys.stderr
@@ -166,7 +167,7 @@ class Progress:
             line = f"{time.monotonic() - self.t0:6.1f}s [{where}] {msg}"
             # one line updated in place, when it fits the terminal (a wrapped line cannot be rewritten in place;
             # it was printed whole when it last changed)
-            if self.color and not self.quiet and len(line) < (term_width(self.stream) or 0):
+            if self.INPLACE and self.color and not self.quiet and len(line) < (term_width(self.stream) or 0):
                 try:
                     self.stream.write(f"\r\x1b[2K{line}")
                     self.stream.flush()

@@ -235,6 +235,8 @@ class Map(Type):
     fields: dict[str, Field]
     nullable: bool = False
     cross: Callable[[dict, MappingNode, str, Problems], None] | None = None
+    # groups of keys of which exactly one must be given (e.g. ("target", "targets")); each key is optional alone
+    one_of: tuple = ()
 
     def check(self, node, path, problems):
         if isinstance(node, ScalarNode) and self.nullable and scalar_value(node) is None:
@@ -261,6 +263,13 @@ class Map(Type):
                 if f.required:
                     problems.add(node, _join(path, name), "required key is missing")
                 out[name] = f.default() if callable(f.default) else f.default
+        for group in self.one_of:
+            given = [k for k in group if k in nodes]
+            if len(given) != 1:
+                names = " or ".join(repr(k) for k in group)
+                problems.add(nodes[given[1]] if len(given) > 1 else node, _join(path, given[1] if given else group[0]),
+                             f"give exactly one of {names}, not both" if given else
+                             f"required key is missing: give {names}")
         out["__nodes__"] = nodes
         out["__node__"] = node
         if self.cross:
@@ -284,6 +293,13 @@ class Map(Type):
         s = {"type": "object", "properties": props, "additionalProperties": False}
         if required:
             s["required"] = required
+        for group in self.one_of:  # exactly one of these keys, with a value (not null)
+            for k in group:
+                p = self.fields[k].type.json_schema()
+                if self.fields[k].doc:
+                    p["description"] = self.fields[k].doc
+                props[k] = p
+            s.setdefault("oneOf", []).extend({"required": [k]} for k in group)
         return _nullable(s) if self.nullable else s
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from yaml.nodes import MappingNode
 
-from .errors import SpecError
+from .errors import SpecError, UsageError
 from .locate import find_playbook, list_playbooks  # noqa: F401 - list_playbooks is part of this module's API
 from .schema import (ABS_PATH, Bool, Field, Float, FreeMap, Int, List, Map, Problems, Str, compose_file,
                      node_of)
@@ -145,14 +145,19 @@ DRAFTER = Map({
     "sha256": Field(Str(**SHA256), required=True, doc="sha256 of the pinned config bytes"),
 })
 
+TARGET = Map({
+    "host": Field(Str(**NAME), required=True),
+    "vmid": Field(Int(100, 999_999_999), required=True),
+    "gpus": Field(List(Int(0, 63), min_len=1, max_len=64, unique=True), required=True),
+})
+
 PLAYBOOK = Map({
     "name": Field(Str(**NAME), required=True),
     "description": Field(Str(), default=""),
-    "target": Field(Map({
-        "host": Field(Str(**NAME), required=True),
-        "vmid": Field(Int(100, 999_999_999), required=True),
-        "gpus": Field(List(Int(0, 63), min_len=1, max_len=64, unique=True), required=True),
-    }), required=True),
+    "target": Field(TARGET, doc="the one container this playbook runs in (or `targets` for replicas)"),
+    "targets": Field(List(TARGET, min_len=1, max_len=256),
+                     doc="instead of target: replicas, one per container (deploy up brings them up in parallel, "
+                         "deploy restart --rolling one at a time)"),
     "model": Field(Map({
         "path": Field(Str(**ABS_PATH), required=True, doc="target model directory in the container"),
     }), required=True),
@@ -214,7 +219,7 @@ PLAYBOOK = Map({
         "on_low_acceptance": Field(Str(choices=("fail", "fallback")), default="fail"),
         "fallback": Field(Str(**NAME), doc="playbook to bring up instead when acceptance is too low"),
     }), required=True),
-})
+}, one_of=(("target", "targets"),))
 
 
 # ---------------------------------------------------------------- resolved values
@@ -266,18 +271,50 @@ class Playbook:
     sha256: str = ""  # of the bytes that were validated (read once, at load: the planner reads no file)
     runtime_source: str = "default"  # playbook | inventory | default (see _resolve_runtime)
 
+    # one single-target Playbook per target (itself for a `target:` playbook): what ops.up runs, per target
+    members: list = field(default_factory=list, repr=False)
+
+    @property
+    def is_fleet(self) -> bool:
+        """Given `targets:` (replicas) rather than one `target:`."""
+        return self.data.get("targets") is not None
+
+    @property
+    def targets(self) -> list[dict]:
+        return list(self.data["targets"]) if self.is_fleet else [self.data["target"]]
+
+    @property
+    def where(self) -> str:
+        return ", ".join(f"{t['host']}/{t['vmid']}" for t in self.targets)
+
+    def member(self, where: str) -> "Playbook":
+        """The single-target playbook of HOST/VMID (UsageError naming the targets if it is not one of them)."""
+        for m in self.members:
+            if f"{m.host}/{m.vmid}" == where:
+                return m
+        raise UsageError(f"{where} is not a target of {self.name} ({self.path})",
+                         fix=f"its targets: {self.where}")
+
+    def _target(self) -> dict:
+        if self.is_fleet:
+            raise UsageError(f"{self.name} has {len(self.data['targets'])} targets ({self.where}): this command "
+                             "acts on one container",
+                             fix=f"deploy up/restart/down/status/plan {self.name} take every target (down also "
+                                 f"HOST/VMID for one); for one container use deploy logs/doctor/unlock HOST/VMID")
+        return self.data["target"]
+
     # convenient accessors
     @property
     def host(self) -> str:
-        return self.data["target"]["host"]
+        return self._target()["host"]
 
     @property
     def vmid(self) -> int:
-        return self.data["target"]["vmid"]
+        return self._target()["vmid"]
 
     @property
     def gpus(self) -> list[int]:
-        return self.data["target"]["gpus"]
+        return self._target()["gpus"]
 
     @property
     def serve(self) -> dict:
@@ -323,12 +360,38 @@ def load_inventory(path: str) -> Inventory:
     return Inventory(path=path, hosts=hosts)
 
 
+def _members(pb: Playbook, inv: Inventory | None) -> None:
+    """pb.members: for `targets:`, one single-target Playbook per target (its own runtime from the inventory
+    when the playbook names none; its fallback, if any, retargeted to the same container); else [pb]."""
+    if not pb.is_fleet:
+        pb.members = [pb]
+        return
+    pb.members = [_retarget(pb, t, inv) for t in pb.data["targets"]]
+
+
+def _retarget(pb: Playbook, t: dict, inv: Inventory | None) -> Playbook:
+    data = {k: v for k, v in pb.data.items() if k != "targets"}
+    data["target"] = t
+    # the playbook's own runtime key applies to every target; else each target's inventory runtime (or defaults)
+    data["runtime"] = pb.data["runtime"] if "__nodes__" in pb.data["runtime"] else PLAYBOOK.fields["runtime"].default()
+    m = Playbook(path=pb.path, name=pb.name, data=data, drafter_bytes=pb.drafter_bytes,
+                 drafter_config=pb.drafter_config, sha256=pb.sha256)
+    _resolve_runtime(m, inv)
+    if pb.fallback is not None:
+        fb = pb.fallback.members[0] if pb.fallback.is_fleet else pb.fallback
+        m.fallback = _retarget(fb, t, inv)
+    m.members = [m]
+    return m
+
+
 def _resolve_runtime(pb: Playbook, inv: Inventory | None) -> None:
     """A playbook's own `runtime` key wins; without it, the target container's inventory runtime (filled by
     `deploy discover`); else the defaults. pb.runtime_source says which."""
     if "__nodes__" in pb.data["runtime"]:
         pb.runtime_source = "playbook"
         return
+    if pb.is_fleet:
+        return  # per target (_members)
     host = inv.hosts.get(pb.host) if inv is not None else None
     ct = host.container(pb.vmid) if host is not None else None
     if ct is not None and ct.runtime:
@@ -382,21 +445,50 @@ def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tupl
                 except SpecError as e:
                     fallback_problems = Problems(path)
                     fallback_problems.items = e.problems
+    if not pb.is_fleet and pb.fallback is not None and pb.fallback.is_fleet:
+        problems.add(node_of(data["acceptance"], "fallback"), "acceptance.fallback",
+                     f"{fb!r} has targets: (replicas), but the fallback runs on this playbook's one container; name "
+                     "a playbook with one target")
+    if pb.is_fleet and pb.fallback is not None and not fallback_problems:
+        tp = pb.fallback.serve["tensor_parallel_size"]
+        for i, t in enumerate(data["targets"]):
+            if tp > len(t["gpus"]):
+                problems.add(node_of(t, "gpus"), f"targets[{i}].gpus",
+                             f"{len(t['gpus'])} GPU(s), but the fallback {fb} (brought up on this target when its "
+                             f"acceptance is low) needs tensor_parallel_size {tp}")
     _raise(problems, *([fallback_problems] if fallback_problems else []))
+    _members(pb, inventory)
     return pb
 
 
 def _check_playbook(pb: Playbook, inv: Inventory | None, problems: Problems) -> None:
     d = pb.data
-    t, serve, spec, acc = d["target"], d["serve"], d["speculative"], d["acceptance"]
-    # where it runs
+    serve, spec, acc = d["serve"], d["speculative"], d["acceptance"]
+    # where it runs: the one target, or every target of `targets:` (each checked, every problem reported)
+    if d.get("targets") is not None:
+        seen: dict = {}
+        for i, t in enumerate(d["targets"]):
+            if not t:
+                continue
+            _check_target(t, f"targets[{i}]", inv, serve, problems)
+            key = (t["host"], t["vmid"])
+            if key in seen:
+                problems.add(t["__node__"], f"targets[{i}]", f"{t['host']}/{t['vmid']} is already targets[{seen[key]}]"
+                             " (one replica per container: they would share its port and GPUs)")
+            seen.setdefault(key, i)
+    elif d.get("target"):
+        _check_target(d["target"], "target", inv, serve, problems)
+    _check_serving(pb, serve, spec, acc, problems)
+
+
+def _check_target(t: dict, key: str, inv: Inventory | None, serve: dict, problems: Problems) -> None:
     if inv is not None:
         host = inv.hosts.get(t["host"])
         if host is None:
             import difflib
             near = difflib.get_close_matches(t["host"], list(inv.hosts), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            problems.add(node_of(t, "host"), "target.host",
+            problems.add(node_of(t, "host"), f"{key}.host",
                          f"unknown host {t['host']!r} in inventory {inv.path}{hint}; known: "
                          + (", ".join(inv.hosts) if inv.hosts else
                             "none (an empty inventory: edit it, or for the test bed run `deploy testbed up` and "
@@ -404,18 +496,24 @@ def _check_playbook(pb: Playbook, inv: Inventory | None, problems: Problems) -> 
         else:
             ct = host.container(t["vmid"])
             if ct is None:
-                problems.add(node_of(t, "vmid"), "target.vmid",
+                problems.add(node_of(t, "vmid"), f"{key}.vmid",
                              f"host {host.name!r} has no container {t['vmid']} in {inv.path}; known: "
                              f"{', '.join(str(c.vmid) for c in host.containers) or 'none'}")
             else:
                 missing = [g for g in t["gpus"] if g not in ct.gpus]
                 if missing:
-                    problems.add(node_of(t, "gpus"), "target.gpus",
+                    problems.add(node_of(t, "gpus"), f"{key}.gpus",
                                  f"GPU(s) {missing} are not passed into container {ct.vmid} on {host.name} "
                                  f"(it has {list(ct.gpus)})")
     if serve["tensor_parallel_size"] > len(t["gpus"]):
-        problems.add(node_of(serve, "tensor_parallel_size"), "serve.tensor_parallel_size",
-                     f"{serve['tensor_parallel_size']} exceeds the {len(t['gpus'])} GPU(s) in target.gpus")
+        problems.add(node_of(serve, "tensor_parallel_size") if key == "target" else node_of(t, "gpus"),
+                     "serve.tensor_parallel_size" if key == "target" else f"{key}.gpus",
+                     f"{serve['tensor_parallel_size']} exceeds the {len(t['gpus'])} GPU(s) in {key}.gpus"
+                     if key == "target" else f"{len(t['gpus'])} GPU(s), fewer than serve.tensor_parallel_size "
+                                             f"{serve['tensor_parallel_size']}")
+
+
+def _check_serving(pb: Playbook, serve: dict, spec: dict, acc: dict, problems: Problems) -> None:
     for i, arg in enumerate(serve["extra_args"]):
         if arg and arg.split("=", 1)[0] in RESERVED_FLAGS:
             problems.add(serve["__nodes__"]["extra_args"].value[i], f"serve.extra_args[{i}]",

@@ -50,7 +50,7 @@ def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
             want += [(t, c.vmid, c.runtime) for c in inv.hosts[t].containers]
         elif t in playbooks or t.endswith((".yaml", ".yml")):
             pb = load_playbook(t, inv)
-            want.append((pb.host, pb.vmid, {**pb.runtime, "api_key_env": pb.serve.get("api_key_env")}))
+            want += [(m.host, m.vmid, {**m.runtime, "api_key_env": m.serve.get("api_key_env")}) for m in pb.members]
         else:
             raise UsageError(f"{t!r} is not a host, HOST/VMID or playbook",
                              fix=f"hosts: {', '.join(inv.hosts) or 'none'}; playbooks: "
@@ -72,8 +72,9 @@ def _with_playbook_runtimes(inv, want):
             pb = load_playbook(name, inv)
         except DeployError:
             continue  # an invalid playbook says so when it is used; it must not break status
-        by_target.setdefault((pb.host, pb.vmid), {**pb.runtime, "api_key_env": pb.serve.get("api_key_env"),
-                                                  "implicit": f"playbook {pb.name}"})
+        for m in pb.members:
+            by_target.setdefault((m.host, m.vmid), {**m.runtime, "api_key_env": m.serve.get("api_key_env"),
+                                                    "implicit": f"playbook {m.name}"})
     return [(h, v, rt if rt is not None else by_target.get((h, v))) for h, v, rt in want]
 
 
@@ -416,11 +417,57 @@ def _dur(s: float) -> str:
         else f"{s // 60}m{s % 60}s"
 
 
+def fleet_playbooks(inv, targets) -> list:
+    """The playbooks with `targets:` (replicas) named among the arguments: each gets a totals line."""
+    from .spec import list_playbooks, load_playbook
+
+    names = set(list_playbooks())
+    out = []
+    for t in targets or ():
+        if "/" in t and t.split("/", 1)[1].isdigit() or t in inv.hosts:
+            continue
+        if t in names or t.endswith((".yaml", ".yml")):
+            pb = load_playbook(t, inv)
+            if pb.is_fleet:
+                out.append(pb)
+    return out
+
+
+def totals(pb, rows) -> dict:
+    """A replica playbook's totals: serving = its targets that run this playbook and are healthy; the mean of
+    their lifetime draft acceptance (and mean acceptance length) over those that have drafted."""
+    mine = {(m.host, m.vmid) for m in pb.members}
+    rows = [r for r in rows if (r["host"], r["vmid"]) in mine]
+    serving = [r for r in rows if r["healthy"] and r["process"] == "running" and r.get("playbook") == pb.name]
+    lives = [((r.get("acceptance") or {}).get("lifetime") or {}) for r in serving]
+    rates = [x["draft_acceptance_rate"] for x in lives if x.get("draft_acceptance_rate") is not None]
+    lens = [x["mean_acceptance_length"] for x in lives if x.get("mean_acceptance_length") is not None]
+    return {"playbook": pb.name, "total": len(rows), "serving": len(serving),
+            "serving_targets": [f"{r['host']}/{r['vmid']}" for r in serving],
+            "not_serving": [f"{r['host']}/{r['vmid']}" for r in rows if r not in serving],
+            "mean_draft_acceptance": round(sum(rates) / len(rates), 4) if rates else None,
+            "mean_acceptance_length": round(sum(lens) / len(lens), 3) if lens else None,
+            "acceptance_over": len(rates)}
+
+
+def render_totals(t: dict) -> str:
+    s = f"{t['playbook']}: serving {t['serving']} of {t['total']}"
+    if t["not_serving"]:
+        s += f" (not serving: {', '.join(t['not_serving'])})"
+    if t["mean_draft_acceptance"] is not None:
+        s += (f"; mean draft acceptance {t['mean_draft_acceptance']:.1%}, mean acceptance length "
+              f"{t['mean_acceptance_length'] or 0:.2f} (over {t['acceptance_over']})")
+    else:
+        s += "; mean acceptance: - (" + ("nothing serving" if not t["serving"] else "no serving target has drafted yet") + ")"
+    return s
+
+
 def run_status(obj, targets, watch, deadline) -> int:
     from .report import dump_json, term_width
 
     inv = obj.inventory()
     resolve_targets(inv, targets)  # bad targets fail before any connection
+    fleets = fleet_playbooks(inv, targets)
     sampler = Sampler(persist=True)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     code = None
@@ -434,11 +481,14 @@ def run_status(obj, targets, watch, deadline) -> int:
                 if obj.json:
                     dump_json({"schema": SCHEMA, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "seconds": round(time.monotonic() - t0, 3), "exit_code": code,
-                               "rows": [{k: v for k, v in r.items() if k != "_endpoint"} for r in rows]})
+                               "rows": [{k: v for k, v in r.items() if k != "_endpoint"} for r in rows],
+                               **({"totals": [totals(pb, rows) for pb in fleets]} if fleets else {})})
                 else:
                     if watch and color:
                         click.echo("\x1b[H\x1b[2J", nl=False)
                     click.echo(render_table(rows, color, term_width()) + render_endpoints(rows))
+                    for pb in fleets:
+                        click.echo("\n" + render_totals(totals(pb, rows)))
                     if watch:
                         click.echo(f"\n(refreshed in {time.monotonic() - t0:.2f}s; every {watch:g}s; Ctrl-C to stop)")
                 if not watch or reader_gone():  # `--watch | head`: nobody reads any more, stop watching
@@ -454,35 +504,51 @@ def run_status(obj, targets, watch, deadline) -> int:
 def run_logs(obj, target, n, follow, grep, show_all=False) -> int:
     inv = obj.inventory()
     scope = resolve_targets(inv, [target])
-    host, vmid, rt = scope[0]
+    if len(scope) > 1:  # a playbook with targets: each target's log in turn, under a header
+        if follow:
+            raise UsageError(f"{target} has {len(scope)} targets; -f follows one log",
+                             fix="deploy logs HOST/VMID -f, with one of: "
+                                 + ", ".join(f"{h}/{v}" for h, v, _ in scope))
+        codes = []
+        with Fleet(inv) as fleet:
+            for i, (h, v, rt) in enumerate(scope):
+                click.echo(("\n" if i else "") + f"==> {h}/{v} <==")
+                codes.append(_logs_one(fleet, h, v, rt, n, False, grep, show_all))
+        return max(codes)
+    with Fleet(inv) as fleet:
+        return _logs_one(fleet, *scope[0], n, follow, grep, show_all)
+
+
+def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
     if rt is None:
         click.echo(f"{host}/{vmid}: {NO_RUNTIME} in the inventory and no playbook targets it: nothing deploy "
                    f"launched there (deploy discover {host} --write records a runtime)", err=True)
         return EXIT_FAILED
     log_path = os.path.join(rt.get("state_dir") or DEFAULT_STATE_DIR, "vllm.log")
     python = rt.get("python") or DEFAULT_PYTHON
-    with Fleet(inv) as fleet:
-        args = {"log_path": log_path, "n": n, "grep": grep, "follow": follow, "follow_s": 24 * 3600,
-                "exclude": None if show_all else vf.OWN_PROBE_REQUESTS}
-        if not follow:
-            with obj.progress().heartbeat(f"{host}/{vmid}", f"read {log_path}", 30):
-                r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
-            if not r.get("exists"):
-                click.echo(f"{host}/{vmid}: no log at {log_path} (nothing was launched there?)", err=True)
-                return EXIT_FAILED
-            for ln in r["lines"]:
-                click.echo(ln)
-            return EXIT_OK
-        def line(e):
-            click.echo(e.get("line", ""))
-            if reader_gone():  # `logs -f | head`: stop following (closing the channel ends the remote side)
-                raise _ReaderGone()
+    args = {"log_path": log_path, "n": n, "grep": grep, "follow": follow, "follow_s": 24 * 3600,
+            "exclude": None if show_all else vf.OWN_PROBE_REQUESTS}
+    if not follow:
+        from .report import Progress
 
-        try:
-            agent.call(fleet.session(host), vmid, python, "logs", args, timeout=24 * 3600 + 60, on_event=line)
-        except (KeyboardInterrupt, _ReaderGone):
-            pass
+        with Progress().heartbeat(f"{host}/{vmid}", f"read {log_path}", 30):
+            r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
+        if not r.get("exists"):
+            click.echo(f"{host}/{vmid}: no log at {log_path} (nothing was launched there?)", err=True)
+            return EXIT_FAILED
+        for ln in r["lines"]:
+            click.echo(ln)
         return EXIT_OK
+    def line(e):
+        click.echo(e.get("line", ""))
+        if reader_gone():  # `logs -f | head`: stop following (closing the channel ends the remote side)
+            raise _ReaderGone()
+
+    try:
+        agent.call(fleet.session(host), vmid, python, "logs", args, timeout=24 * 3600 + 60, on_event=line)
+    except (KeyboardInterrupt, _ReaderGone):
+        pass
+    return EXIT_OK
 
 
 class _ReaderGone(Exception):

@@ -1,0 +1,233 @@
+"""Replicas: a playbook with `targets:` (one replica per container, on one or more hosts).
+
+Each target runs the single-target code path, `ops.up` / `ops.down`, on the member playbook of that target
+(`Playbook.members`, built at validation): its own lock, verify, launch, readiness and acceptance gate. This
+module only schedules them (in parallel, bounded; or rolling, a batch at a time), shares one SSH connection per
+host between the targets on it (the `Fleet` of the invocation), keeps their progress lines whole, and sums up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from . import ops
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, Unreachable
+from .remote import Fleet
+from .report import Progress
+from .spec import Playbook
+
+SCHEMA = "vllm-pve-deploy/fleet/v1"
+
+
+class SharedProgress(Progress):
+    """A Progress written by several threads (one per target): whole lines under a lock, each prefixed with its
+    HOST/VMID (Progress.say does that), and no line rewritten in place (two targets would overwrite each other)."""
+
+    INPLACE = False
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._lines = threading.RLock()
+
+    def say(self, where: str, msg: str) -> None:
+        with self._lines:
+            super().say(where, msg)
+
+    def waiting(self, where: str, key: str, msg: str) -> None:
+        with self._lines:
+            super().waiting(where, key, msg)
+
+
+def where_of(pb: Playbook) -> str:
+    return f"{pb.host}/{pb.vmid}"
+
+
+def _guarded(fn, member: Playbook) -> ops.Outcome:
+    """One target's outcome, whatever happens in its thread: an error that escapes ops is that target's failure
+    (never a thread dying silently)."""
+    try:
+        return fn(member)
+    except DeployError as e:
+        e.where = e.where or where_of(member)
+        return ops.Outcome(False, member.name, where_of(member), "failed", error=e)
+    except Exception as e:  # noqa: BLE001 - a bug must still be that target's row, with what it was
+        return ops.Outcome(False, member.name, where_of(member), "failed",
+                           error=DeployError(f"internal error: {type(e).__name__}: {e}", where=where_of(member),
+                                             fix="the audit log (~/.local/state/vllm-pve-deploy/audit.jsonl) has "
+                                                 "every command that ran; please report this"))
+
+
+def run_each(members: list[Playbook], fn, parallel: int | None) -> list[ops.Outcome]:
+    """fn(member) -> Outcome for every member, at most `parallel` at a time (None: all at once); in target order.
+    Each call is bounded by its own steps' deadlines (ops). Ctrl-C ends the wait: the targets still running
+    become `interrupted` outcomes that say what may be left (their threads end with the process)."""
+    if len(members) == 1:
+        return [_guarded(fn, members[0])]
+    slots = threading.BoundedSemaphore(min(parallel or len(members), len(members)))
+    outs: list = [None] * len(members)
+    started = [False] * len(members)
+    done = [threading.Event() for _ in members]
+
+    def work(i, m):
+        with slots:
+            started[i] = True
+            outs[i] = _guarded(fn, m)
+        done[i].set()
+
+    threads = [threading.Thread(target=work, args=(i, m), daemon=True, name=f"target-{where_of(m)}")
+               for i, m in enumerate(members)]
+    for t in threads:
+        t.start()
+    try:
+        for ev in done:
+            ev.wait()
+    except KeyboardInterrupt:
+        for i, m in enumerate(members):
+            if outs[i] is None:
+                w = where_of(m)
+                msg = ("interrupted during its run: a vLLM it may have launched keeps loading and is recorded in "
+                       "the container's state file; its lock is freed at once for the next deploy from here (else "
+                       "within a minute)" if started[i] else
+                       "interrupted before its turn: nothing was started there")
+                outs[i] = ops.Outcome(False, m.name, w, "interrupted", error=DeployError(
+                    msg, where=w, fix=f"deploy status {w} shows what runs; deploy down {m.name} {w} stops it"))
+    return outs
+
+
+def _check_secrets(pb: Playbook) -> None:
+    """The local secret variables are the same for every target: a missing one fails once, before any target."""
+    ops.secrets_for(pb.members[0])
+
+
+def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, parallel: int | None = None,
+       restart: bool = False) -> dict:
+    """Every target up (or restarted), in parallel. -> the fleet result (see result())."""
+    _check_secrets(pb)
+    t0 = time.monotonic()
+    opts = ops.Options(**{**opts.__dict__, "confirm": None})  # no prompt from several threads: -y replaces
+    outs = run_each(pb.members, lambda m: ops.up(fleet, m, progress, opts, restart=restart), parallel)
+    return result(pb, "restart" if restart else "up", outs, t0, parallel=parallel)
+
+
+def rolling_restart(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, *,
+                    max_unavailable: int = 1) -> dict:
+    """Restart the targets a batch of `max_unavailable` at a time, in playbook order; the next batch starts only
+    when every target of this one has passed its gates, so the others keep serving. A failure stops the
+    roll-out there: the targets after it are not touched (still on the old deployment)."""
+    _check_secrets(pb)
+    t0 = time.monotonic()
+    opts = ops.Options(**{**opts.__dict__, "yes": True, "confirm": None})
+    members = pb.members
+    outs: list = [None] * len(members)
+    for start in range(0, len(members), max_unavailable):
+        batch = members[start:start + max_unavailable]
+        if start:
+            progress.say(pb.name, f"rolling restart: {', '.join(where_of(m) for m in members[:start])} passed; "
+                                  f"next {', '.join(where_of(m) for m in batch)}")
+        else:
+            progress.say(pb.name, f"rolling restart of {len(members)} target(s), {max_unavailable} at a time: "
+                                  f"first {', '.join(where_of(m) for m in batch)}")
+        for i, o in enumerate(run_each(batch, lambda m: ops.up(fleet, m, progress, opts, restart=True),
+                                       len(batch)), start):
+            outs[i] = o
+        if not all(o.ok for o in outs[start:start + len(batch)]):
+            break
+    res = result(pb, "rolling restart", outs, t0, max_unavailable=max_unavailable)
+    res["rollout"] = {"new": [where_of(m) for m, o in zip(members, outs) if o is not None and o.ok],
+                      "failed": [where_of(m) for m, o in zip(members, outs) if o is not None and not o.ok],
+                      "old": [where_of(m) for m, o in zip(members, outs) if o is None]}
+    return res
+
+
+def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, only: str | None = None,
+         parallel: int | None = None) -> dict:
+    """Every target down (or only HOST/VMID), in parallel (parallel=1: one at a time, e.g. when each asks before
+    killing GPU holders)."""
+    t0 = time.monotonic()
+    members = [pb.member(only)] if only else pb.members
+    outs = run_each(members, lambda m: ops.down(fleet, m, progress, opts), parallel)
+    return result(pb, "down", outs, t0, members=members)
+
+
+def result(pb: Playbook, action: str, outs: list, t0: float, members: list | None = None, **extra) -> dict:
+    members = members or pb.members
+    rows = []
+    for m, o in zip(members, outs):
+        row = {"where": where_of(m), "host": m.host, "vmid": m.vmid}
+        if o is None:
+            row.update(ok=None, status="not restarted", note="still on the old deployment (not touched)")
+        else:
+            row.update(o.as_dict())
+            row["where"] = where_of(m)
+        rows.append(row)
+    ran = [o for o in outs if o is not None]
+    return {"schema": SCHEMA, "ok": len(ran) == len(members) and all(o.ok for o in ran), "playbook": pb.name,
+            "action": action, "seconds": round(time.monotonic() - t0, 2), **extra,
+            "passed": sum(1 for o in ran if o.ok), "total": len(members),
+            "failed": [r["where"] for r in rows if r["ok"] is False], "targets": rows, "_outcomes": outs}
+
+
+def exit_code(res: dict) -> int:
+    """0 every target passed; 3 every failure was an unreachable host; else 1."""
+    if res["ok"]:
+        return EXIT_OK
+    errs = [o.error for o in res["_outcomes"] if o is not None and not o.ok]
+    if errs and all(isinstance(e, Unreachable) for e in errs):
+        return EXIT_UNREACHABLE
+    return EXIT_FAILED
+
+
+def as_json(res: dict) -> dict:
+    return {k: v for k, v in res.items() if not k.startswith("_")}
+
+
+def summary_line(row: dict, outcome) -> str:
+    """One line per target: where, its status, and the one fact that matters (acceptance, or what failed)."""
+    where = row["where"]
+    if outcome is None:
+        return f"{where:<14} not restarted  still on the old deployment (the roll-out stopped before it)"
+    st = outcome.status
+    i = outcome.info or {}
+    if outcome.ok:
+        if st == "up":
+            a = i.get("acceptance") or {}
+            return (f"{where:<14} up             draft acceptance {a.get('draft_acceptance_rate', 0):.1%}, mean "
+                    f"acceptance length {a.get('mean_acceptance_length', 0):.2f}; {i.get('total_s')}s")
+        if st == "already up":
+            return f"{where:<14} already up     pid {i.get('pid')}: nothing changed"
+        if st == "down":
+            stopped = i.get("stopped") or []
+            return f"{where:<14} down           stopped {len(stopped)} process(es); GPUs proven free"
+        return f"{where:<14} {st}"
+    err = outcome.error
+    if st == "fell back" and outcome.fallback is not None:
+        fb = outcome.fallback
+        return (f"{where:<14} FELL BACK      low acceptance; {'serving' if fb.ok else 'FAILED to bring up'} the "
+                f"fallback {fb.playbook}")
+    step = getattr(err, "step", "") if err is not None else ""
+    msg = (err.message.splitlines()[0] if err is not None and err.message else st)
+    kind = "UNREACHABLE" if isinstance(err, Unreachable) else "INTERRUPTED" if st == "interrupted" else "FAILED"
+    return f"{where:<14} {kind:<14} {step + ': ' if step else ''}{msg}"
+
+
+def render(res: dict) -> list[str]:
+    """The summary: one line per target, then the totals (and for a rolling restart, who is on what)."""
+    lines = [summary_line(r, o) for r, o in zip(res["targets"], res["_outcomes"])]
+    verb = {"up": "up", "restart": "restarted", "rolling restart": "restarted", "down": "down"}[res["action"]]
+    total = f"{res['playbook']}: {res['passed']} of {res['total']} target(s) {verb}"
+    if res["failed"]:
+        total += f"; FAILED: {', '.join(res['failed'])}"
+    lines.append(total + f" ({res['seconds']}s)")
+    ro = res.get("rollout")
+    if ro is not None and not res["ok"]:
+        lines.append("rolling restart stopped at " + ", ".join(ro["failed"]) + ":")
+        lines.append("  on the new deployment:            " + (", ".join(ro["new"]) or "none"))
+        lines.append("  failed (see its state left above): " + ", ".join(ro["failed"]))
+        lines.append("  still on the old deployment:       " + (", ".join(ro["old"]) or "none"))
+        lines.append(f"  fix: correct what failed (above), then deploy restart {res['playbook']} --rolling again "
+                     "(it restarts every target, one batch at a time, the ones already new included)")
+    return lines
+
+
+__all__ = ["SharedProgress", "up", "rolling_restart", "down", "result", "render", "exit_code", "as_json"]
