@@ -58,11 +58,15 @@ def test_sigterm_ignoring_holder_is_named_then_killed_with_clean_gpus(tb, deploy
 
 def test_slow_release_is_waited_for_and_timed(tb, deploy):
     assert deploy("up", "qwen36-mtp").returncode == 0
-    tb.set_fault("pve1", None, "release_delay_s", 2.0)
+    tb.set_fault("pve1", None, "release_delay_s", 3.0)
     p = deploy("--json", "down", "qwen36-mtp")
     assert p.returncode == 0, p.stderr
-    gf = {s["step"]: s for s in p.json["steps"]}["gpus-free"]
-    assert gf["ok"] and gf["seconds"] >= 1.5
+    steps = {s["step"]: s for s in p.json["steps"]}
+    gf = steps["gpus-free"]
+    # the memory was still held when gpus-free began (it waited, and did not fail), and was then proven free;
+    # the release began when the group exited, during stop: stop + wait cover the delay (load moves the split)
+    assert gf["ok"] and any(r and r["used"] >= 1024 for r in gf["details"]["before"].values()), gf
+    assert steps["stop"]["seconds"] + gf["seconds"] >= 2.5
     assert "all under 1024 MiB after" in gf["summary"]
 
 
