@@ -56,8 +56,8 @@ def test_revert_after_write_is_caught_before_launch(tb, deploy):
 
 
 def test_revert_during_startup_is_caught_as_drift(tb, deploy):
-    tb.set_fault("pve1", 129, "config_revert_s", 4.0)  # after verify (~1 s), well before the server is up
-    tb.set_fault("pve1", 129, "load_s", 7.0)
+    tb.set_fault("pve1", 129, "config_revert_s", 8.0)  # after verify (~1 s; several under load), before the server is up
+    tb.set_fault("pve1", 129, "load_s", 12.0)
     p = deploy("up", "qwen36-dflash")
     assert p.returncode == 1, p.stderr
     assert "drift: the drafter config changed behind our back while vLLM started" in p.stderr
