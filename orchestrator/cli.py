@@ -260,6 +260,16 @@ def render_outcome(out, indent=""):
               + f"; free after {i.get('free_s')}s")
         elif out.status == "verified":
             e(f"{indent}{out.playbook}: drafter config installed and verified on {out.where}.")
+        elif out.status in ("installed", "already installed"):
+            sw = i.get("switched") or {}
+            e(f"{indent}vLLM {i.get('version')} ({i.get('spec')}) is {out.status} on {out.where}: {i.get('venv_root')} -> "
+              f"{sw.get('to') or i.get('venv')}" + (f" (previous: {sw['from']}; deploy install-vllm "
+                                                    f"{out.playbook} --rollback returns to it)" if sw.get("from") else ""))
+            e(f"{indent}  a vLLM serving now keeps running from its own files; the next `deploy up`/`restart` "
+              f"starts this build")
+        elif out.status == "rolled back":
+            e(f"{indent}{i.get('venv_root')} -> {i.get('to')} again on {out.where} (vLLM {i.get('version')}); "
+              f"the next `deploy up`/`restart` starts it")
 
 
 def _where_it_answers(info) -> str:
@@ -291,9 +301,12 @@ def _confirm(prompt):
 @click.option("--clean-gpus", is_flag=True, default=None, help="fuser -k the container's GPUs when stopping.")
 @click.option("--parallel", type=click.IntRange(min=1), default=None, metavar="N",
               help="A playbook with targets: bring up at most N targets at a time (default: all at once).")
+@click.option("--install-vllm", "install_first", is_flag=True,
+              help="First install the vLLM the playbook requires (requires.vllm), as deploy install-vllm does "
+                   "(nothing to do when it is already the verified runtime).")
 @json_option
 @click.pass_obj
-def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, parallel):
+def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, parallel, install_first):
     """Bring PLAYBOOK up, verified end to end: config, stack, GPUs, launch, readiness, acceptance.
 
     Already up with the same argv and drafter config and healthy: nothing changes (exit 0). A different
@@ -310,6 +323,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
     Examples:
       deploy up qwen36-dflash
       deploy up qwen36-dflash --dry-run
+      deploy up qwen36-dflash --install-vllm
       deploy --json up qwen36-mtp -y > result.json
       deploy up qwen36-replicas --parallel 2      # a playbook with targets:
     """
@@ -322,6 +336,13 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
         if dry_run:
             return render_plans(obj, inv, pb, lambda m: P.plan_up(m, write_config=not skip_config_write,
                                                                    clean_gpus=clean_gpus))
+        if install_first and not pb.data["requires"].get("vllm"):
+            raise UsageError(f"--install-vllm: {pb.name} does not say which vLLM it needs (requires.vllm)",
+                             where=pb.path, fix="add requires.vllm to the playbook (docs/playbooks.md#requires)")
+        if install_first and pb.is_fleet:
+            raise UsageError(f"--install-vllm: {pb.name} has targets; up --install-vllm takes a one-target playbook",
+                             where=pb.path, fix=f"deploy install-vllm {pb.name} (each target in turn), then "
+                                                f"deploy up {pb.name}")
         opts = ops.Options(yes=yes, write_config=not skip_config_write, clean_gpus=clean_gpus, wait_lock_s=wait_lock,
                            confirm=_confirm)
         if pb.is_fleet:
@@ -331,6 +352,12 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
                 res = F.up(fleet, pb, F.SharedProgress(verbose=obj.verbose), opts, parallel=parallel)
             _fleet_exit(obj, res)
         with Fleet(inv) as fleet:
+            if install_first:
+                from .install import install
+
+                out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm)
+                if not out.ok:
+                    _outcome_exit(obj, out)
             out = ops.up(fleet, pb, obj.progress(), opts)
         _outcome_exit(obj, out)
     run_guarded(go, obj)
@@ -567,6 +594,46 @@ def verify(obj, playbook):
             else:
                 click.echo(f"OK: {pb.name} can be launched correctly on {out.where}")
         sys.exit(EXIT_OK if out.ok else (out.error.exit_code if out.error else EXIT_FAILED))
+    run_guarded(go, obj)
+
+
+# ------------------------------------------------------------------ install-vllm
+
+
+@main.command("install-vllm", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("playbook", shell_complete=complete_playbooks)
+@click.option("-y", "--yes", is_flag=True,
+              help="Install even while the playbook is serving (the serving process is not touched).")
+@click.option("--rollback", is_flag=True, help="Switch the runtime back to the vLLM it had before the last switch.")
+@click.option("--force", is_flag=True, help="Install again even when requires.vllm is already the verified runtime.")
+@json_option
+@click.pass_obj
+def install_vllm(obj, playbook, yes, rollback, force):
+    """Install the vLLM the playbook needs (requires.vllm) into its container, verified, without a gap.
+
+    The install goes into a fresh venv next to the runtime (RUNTIME.versions/), with uv when the container has
+    it, else pip; it runs detached from the SSH session (a dropped connection does not stop a long build: run
+    the command again to re-attach and get the result). It is verified there (version, the DFlash fix markers,
+    compiled extensions, an import in a subprocess, every file against the distribution's RECORD), and only then
+    is the runtime venv switched to it: the previous vLLM stays usable until the new one is verified. Reaching
+    requires.install.timeout_s is "build not finished", never success. A serving vLLM is not touched (asked
+    first; -y to proceed): the next `deploy up`/`restart` starts the new build.
+
+    \b
+    Examples:
+      deploy install-vllm qwen36-dflash
+      deploy install-vllm qwen36-dflash -y
+      deploy install-vllm qwen36-dflash --rollback
+      deploy --json install-vllm qwen36-dflash
+    """
+    def go():
+        from .install import install
+        from .remote import Fleet
+
+        inv, pb = load(obj, playbook)
+        with Fleet(inv) as fleet:
+            out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm, force=force, rollback=rollback)
+        _outcome_exit(obj, out)
     run_guarded(go, obj)
 
 

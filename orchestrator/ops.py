@@ -208,6 +208,9 @@ def diff_running(cur: CurrentResult, pb: Playbook) -> list[str]:
         have = st.get("argv")
         diffs.append("argv:\n      running: " + (" ".join(have) if have else "(not recorded in the state file)")
                      + "\n      wanted:  " + " ".join(want_argv))
+    if st.get("argv0_real") and cur.get("argv0_real_now") and st["argv0_real"] != cur["argv0_real_now"]:
+        diffs.append(f"vLLM runtime: running from {st['argv0_real']}, {st['argv'][0]} is now "
+                     f"{cur['argv0_real_now']} (deploy install-vllm switched it)")
     if st.get("playbook") != pb.name:
         diffs.append(f"playbook: running {st.get('playbook') or '(not recorded)'}, wanted {pb.name}")
     elif st.get("playbook_sha256") != pb.sha256:

@@ -26,6 +26,7 @@ HUB_ID = dict(pattern=r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*", 
 VERSION = dict(pattern=r"\d+\.\d+(\.\d+)?", pattern_hint="a version like 0.26.0")
 SHA256 = dict(pattern=r"[0-9a-f]{64}", pattern_hint="64 lowercase hex digits")
 ENV_KEY = r"[A-Z_][A-Z0-9_]{0,127}"
+VERSION_RE = r"\d+\.\d+(\.\d+)?((a|b|rc)\d+|\.post\d+|\.dev\d+)?"
 
 METHODS = ("dflash", "mtp", "eagle3", "ngram")
 KNOWN_FIXES = ("dflash_layer_id_offset", "dflash_sliding_window")
@@ -42,6 +43,52 @@ def is_secret_name(name: str) -> bool:
     return bool(set(name.upper().split("_")) & SECRET_PARTS)
 
 
+def _vllm_source(value: str) -> str | None:
+    """requires.vllm: a release version, a git source, a wheel URL, or a wheel file in the container."""
+    import re
+    from urllib.parse import urlsplit
+
+    if re.fullmatch(VERSION_RE, value):
+        return None
+    forms = ("a version like \"0.34.0\", git+https://github.com/ORG/vllm@BRANCH_OR_COMMIT (also git+ssh://, "
+             "git+file://), an https://.../vllm-*.whl URL, or the absolute path of a wheel in the container")
+    if value.startswith("git+"):
+        u = urlsplit(value[4:])
+        if u.scheme not in ("https", "http", "ssh", "file") or (u.scheme != "file" and not u.netloc):
+            return f"{value!r} is not a git source I can install: use {forms}"
+        if u.password or (u.username and u.scheme in ("https", "http")):
+            return ("credentials in the URL would be in argv, the plan and the audit log; use a credential helper "
+                    "or ~/.netrc in the container instead")
+        return None
+    if value.startswith(("https://", "http://")):
+        u = urlsplit(value)
+        if not u.netloc or not u.path.endswith(".whl"):
+            return f"{value!r} is not a wheel URL (…/vllm-VERSION-….whl); use {forms}"
+        if u.username or u.password:
+            return "credentials in the URL would be in argv, the plan and the audit log; use ~/.netrc in the container"
+        return None
+    if value.startswith("/"):
+        if not value.endswith(".whl"):
+            return f"{value!r} is not a wheel file (….whl); use {forms}"
+        return None
+    return f"{value!r} is not one of: {forms}"
+
+
+def _index_url(value: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    u = urlsplit(value)
+    if u.scheme not in ("https", "http", "file") or (u.scheme != "file" and not u.netloc):
+        return f"{value!r} is not an http(s):// or file:// URL"
+    if u.username or u.password:
+        return "credentials in the URL would be in argv and the audit log; use ~/.netrc or pip/uv config in the container"
+    return None
+
+
+def _find_links(value: str) -> str | None:
+    return None if value.startswith("/") else _index_url(value)
+
+
 def _method(value: str) -> str | None:
     if value in METHODS:
         return None
@@ -52,6 +99,9 @@ def _method(value: str) -> str | None:
     near = difflib.get_close_matches(value, METHODS, n=1)
     return f"{value!r} is not one of {', '.join(map(repr, METHODS))}" + (f" (did you mean {near[0]!r}?)" if near else "")
 
+
+INSTALL_DEFAULTS = {"timeout_s": 3600.0, "installer": "auto", "python": None, "index_url": None, "find_links": [],
+                    "no_index": False, "heartbeat_s": 30.0}
 
 # ---------------------------------------------------------------- inventory
 
@@ -196,9 +246,25 @@ PLAYBOOK = Map({
         "extra": Field(FreeMap(r"[a-z_]{1,64}", "lowercase spec-config keys", value=Str()), default=dict),
     }), required=True),
     "requires": Field(Map({
+        "vllm": Field(Str(validate=_vllm_source),
+                      doc="the vLLM deploy install-vllm installs: a version, git+https://...@BRANCH, a wheel URL or a "
+                          "wheel path in the container"),
         "vllm_min_version": Field(Str(**VERSION)),
         "fixes": Field(List(Str(choices=KNOWN_FIXES), unique=True), default=list),
-    }), default=lambda: {"vllm_min_version": None, "fixes": []}),
+        "install": Field(Map({
+            "timeout_s": Field(Float(1, 172800), default=3600.0,
+                               doc="the build's limit; reaching it is 'build not finished', never success"),
+            "installer": Field(Str(choices=("auto", "uv", "pip")), default="auto",
+                               doc="auto: uv when the container has it, else pip"),
+            "python": Field(Str(**ABS_PATH), doc="the Python the new venv is made from (default: the runtime's "
+                                                 "base Python, or /usr/bin/python3 when there is no runtime yet)"),
+            "index_url": Field(Str(validate=_index_url), doc="the package index (pip/uv --index-url)"),
+            "find_links": Field(List(Str(validate=_find_links), max_len=20), default=list,
+                                doc="directories or URLs with wheels (--find-links)"),
+            "no_index": Field(Bool(), default=False, doc="only find_links, no index (--no-index)"),
+            "heartbeat_s": Field(Float(1, 3600), default=30.0, doc="a progress line at least this often"),
+        }), default=lambda: dict(INSTALL_DEFAULTS)),
+    }), default=lambda: {"vllm": None, "vllm_min_version": None, "fixes": [], "install": dict(INSTALL_DEFAULTS)}),
     "gpu": Field(Map({
         "free_threshold_mib": Field(Int(0, 1_000_000), default=1024),
         "free_timeout_s": Field(Float(0.5, 3600), default=60.0),
@@ -549,6 +615,14 @@ def _check_serving(pb: Playbook, serve: dict, spec: dict, acc: dict, problems: P
         problems.add(node_of(spec, "extra"), "speculative.extra", "method/model/num_speculative_tokens have keys of their own")
     if drafter is not None:
         _check_drafter(pb, drafter, spec, problems)
+    req = d["requires"]
+    if req.get("vllm") and req.get("vllm_min_version"):
+        from .vllm_facts import vtuple
+
+        have, need = vtuple(req["vllm"]), vtuple(req["vllm_min_version"])
+        if have and need and have < need:
+            problems.add(node_of(req, "vllm"), "requires.vllm",
+                         f"{req['vllm']} is older than requires.vllm_min_version {req['vllm_min_version']}")
     if acc["on_low_acceptance"] == "fallback" and not acc.get("fallback"):
         problems.add(node_of(acc, "on_low_acceptance"), "acceptance.fallback",
                      "on_low_acceptance is 'fallback' but no fallback playbook is named")

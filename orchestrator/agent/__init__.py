@@ -34,15 +34,19 @@ def protocol_source() -> bytes:
 
 def _packed(src: bytes, name: str) -> bytes:
     blob = base64.b85encode(zlib.compress(src, 9))
-    return b"exec(compile(_zl.decompress(_b85.b85decode(b'" + blob + b"')), '" + name.encode() + b"', 'exec'))\n"
+    n = name.encode()
+    return (b"_AGENT_SRC['" + n + b"'] = _zl.decompress(_b85.b85decode(b'" + blob + b"'))\n"
+            b"exec(compile(_AGENT_SRC['" + n + b"'], '" + n + b"', 'exec'))\n")
 
 
 @lru_cache(maxsize=1)
 def agent_program() -> bytes:
     """The agent as sent on stdin: a bootstrap that inflates the zlib-compressed protocol (the result types both
     sides share) and agent, and runs them in __main__ (about a third of the bytes; base85 has no quote or
-    backslash, so the literal is safe). Tracebacks still name protocol.py / agent.py and their line numbers."""
-    return (b"import base64 as _b85, zlib as _zl\n" + _packed(protocol_source(), "protocol.py")
+    backslash, so the literal is safe). Tracebacks still name protocol.py / agent.py and their line numbers.
+    The sources stay in _AGENT_SRC (name -> bytes): an install re-sends them to its detached runner and to a
+    staging venv's Python."""
+    return (b"import base64 as _b85, zlib as _zl\n_AGENT_SRC = {}\n" + _packed(protocol_source(), "protocol.py")
             + _packed(agent_source(), "agent.py"))
 
 

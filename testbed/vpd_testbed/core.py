@@ -36,6 +36,7 @@ STATE = "testbed.json"
 
 TARGET = "Qwen3.6-27B"
 STALE_CONFIG = DATA / "qwen36-27b-dflash.stale-guess.config.json"
+SITE_DIR = "/root/.vpd-testbed-site"  # in every container: this machine's site-packages (see site_pth)
 TARGET_CONFIG = DATA / "qwen36-27b-target.trimmed.config.json"
 
 
@@ -491,10 +492,28 @@ class Testbed:
             mp.mkdir()
             binds.append([s, str(mp)])
             pth.append("/root/ml-env/lib/python%s/host-site%d" % (py["ver"], n))
+            # the same, at a path outside every venv: the fake vLLM wheels (`fake_vllm_wheels`) carry a .pth naming
+            # it, standing in for vLLM's dependencies (transformers) in a venv deploy install-vllm creates
+            binds.append([s, str(r / SITE_DIR[len("/root/"):] / str(n))])
         (sp / "_vpd_testbed_host_site.pth").write_text("\n".join(pth) + "\n")
         self._install_fake_vllm(sp, env)
         ct["binds"] = binds
         (d / "ct.json").write_text(json.dumps(ct, indent=1))
+
+    def site_pth(self) -> str:
+        """The .pth lines that give a venv in a container this machine's site-packages (transformers...)."""
+        return "".join("%s/%d\n" % (SITE_DIR, n) for n in range(len(self._python_info()["site"])))
+
+    def _restore_runtime(self, d: Path):
+        """Undo deploy install-vllm in a container: /root/ml-env back to the venv the test bed built."""
+        env, store = d / "root" / "ml-env", d / "root" / "ml-env.versions"
+        if env.is_symlink():
+            origs = sorted(store.glob("original-*"))
+            env.unlink()
+            if origs:
+                os.rename(origs[0], env)
+        if store.exists() and not any(store.glob("original-*")):
+            shutil.rmtree(store, ignore_errors=True)
 
     def _build_dev(self, h, d: Path, gpus):
         dev = d / "dev"
@@ -827,6 +846,7 @@ class Testbed:
                 self.container_exec(h, v, ["sh", "-c", "umount /root/models 2>/dev/null; "
                                                        "rm -rf /var/lib/vllm-pve-deploy"], timeout=10)
                 self._write_models(d)
+                self._restore_runtime(d)
                 keep = {"ml-env", "models", ".profile", ".bashrc", ".cache"}
                 for src, dst in json.loads((d / "ct.json").read_text())["binds"]:
                     rel = os.path.relpath(dst, d / "root")

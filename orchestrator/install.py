@@ -1,0 +1,302 @@
+"""`deploy install-vllm`: install the vLLM a playbook requires (`requires.vllm`) next to its runtime.
+
+The install runs in the container, detached from the SSH session (a runner in its own session, its output in
+`<state_dir>/install-<id>.log`, its progress in `<state_dir>/install.json`), into a fresh venv in
+`<venv>.versions/`; it is verified there (version, DFlash fix markers, compiled extensions, an import in a
+subprocess, every file against the distribution's RECORD) and only then does the runtime venv path become a
+symlink to it (one rename). The previous venv stays on disk: `--rollback` switches back. A serving vLLM is never
+touched: it keeps the files it runs from, and the next `up`/`restart` starts the new build.
+
+This side: choose what to do from one `probe` (start, re-attach to a running install, report one that finished
+while nobody watched, or nothing to do), follow the runner with bounded `attach` calls, and report.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+from . import agent
+from . import plan as P
+from .errors import DeployError, Unreachable
+from .ops import Outcome, check_container, new_context
+from .remote import Fleet
+from .report import Progress
+from .spec import VERSION_RE, Playbook
+
+FOLLOW_S = 120.0  # one attach call follows the runner this long; the next call continues where it stopped
+FALLBACK_PYTHON = "/usr/bin/python3"  # runs the agent when the runtime venv does not exist yet
+
+
+class InstallFailed(DeployError):
+    pass
+
+
+class ConnectionLost(Unreachable):
+    pass
+
+
+def requirement(spec: str) -> dict:
+    """requires.vllm -> what the installer is given: {req, label, version (exact, or None), kind}."""
+    if re.fullmatch(VERSION_RE, spec):
+        return {"req": f"vllm=={spec}", "label": spec, "version": spec, "kind": "release"}
+    if spec.startswith("git+"):
+        ref = spec.rsplit("@", 1)[1] if "@" in spec.split("://", 1)[-1].split("/", 1)[-1] else "default"
+        # the bare URL: pip and uv read the name from the source; `vllm @ git+file:///...` is refused by older pip
+        return {"req": spec, "label": "git-" + ref, "version": None, "kind": "git"}
+    name = os.path.basename(spec.split("?", 1)[0])
+    m = re.match(r"vllm-([^-]+)-", name)
+    label = m.group(1) if m else name
+    if spec.startswith(("http://", "https://")):
+        return {"req": spec, "label": label, "version": None, "kind": "wheel-url"}
+    return {"req": spec, "label": label, "version": None, "kind": "wheel-file"}
+
+
+def check_args(pb: Playbook, version: str | None) -> dict:
+    req = pb.data["requires"]
+    return {"version": version, "method": pb.spec["method"], "vllm_min_version": req.get("vllm_min_version"),
+            "fixes": req.get("fixes") or [], "layer_types": (pb.drafter_config or {}).get("layer_types") or []}
+
+
+def agent_args(pb: Playbook, op: str, **kw) -> dict:
+    req = pb.data["requires"]
+    inst = req["install"]
+    args = {"op": op, "python": pb.runtime["python"], "state_dir": pb.runtime["state_dir"],
+            "heartbeat_s": inst["heartbeat_s"]}
+    if req.get("vllm"):
+        r = requirement(req["vllm"])
+        args.update(spec=req["vllm"], req=r["req"], label=r["label"], installer=inst["installer"],
+                    base_python=inst.get("python"), index_url=inst.get("index_url"),
+                    find_links=inst.get("find_links") or [], no_index=inst["no_index"], timeout_s=inst["timeout_s"],
+                    check=check_args(pb, r["version"]))
+    else:
+        args["check"] = check_args(pb, None)
+    args.update(kw)
+    return args
+
+
+class _Runner:
+    """Agent calls for one install: under requires.install.python, else the runtime's Python, else (the venv does
+    not exist yet) /usr/bin/python3."""
+
+    def __init__(self, ctx, pb: Playbook):
+        self.ctx, self.pb = ctx, pb
+        self.python = pb.data["requires"]["install"].get("python") or pb.runtime["python"]
+
+    def call(self, args: dict, timeout: float, on_event=None) -> dict:
+        ctx = self.ctx
+        ctx.progress.detail(ctx.where, ctx.session.audit.redact(
+            f"$ pct exec {self.pb.vmid} -- {self.python} - install_vllm {args.get('op')}"))
+        try:
+            return agent.call(ctx.session, self.pb.vmid, self.python, "install_vllm", args, timeout=timeout,
+                              on_event=on_event)
+        except agent.AgentError as e:
+            if self.python == FALLBACK_PYTHON or not e.message.startswith("cannot run"):
+                raise
+            ctx.progress.detail(ctx.where, f"{self.python} is not there: the agent runs with {FALLBACK_PYTHON}")
+            self.python = FALLBACK_PYTHON
+            return agent.call(ctx.session, self.pb.vmid, self.python, "install_vllm", args, timeout=timeout,
+                              on_event=on_event)
+
+
+def install(fleet: Fleet, pb: Playbook, progress: Progress, *, yes: bool = False, confirm=None,
+            force: bool = False, rollback: bool = False) -> Outcome:
+    ctx = new_context(fleet, pb, progress)
+    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
+    try:
+        check_container(ctx, P.step_container(pb))
+        run = _Runner(ctx, pb)
+        t0 = time.monotonic()
+        probe = run.call(agent_args(pb, "probe"), timeout=60)
+        if not probe.get("ok"):
+            ctx.fail("probe", t0, probe.get("message", "probe failed"), fix=probe.get("fix", ""))
+        rt, ist, serving = probe["runtime"], probe.get("install") or {}, probe.get("serving")
+        ctx.record("probe", True, _describe_runtime(rt) + (f"; {serving['playbook']} is serving (pid {serving['pid']})"
+                                                          if serving else "; nothing of ours is serving"), t0,
+                   runtime=rt, serving=serving, install=ist or None, pointer=probe.get("pointer"))
+        if rollback:
+            return _rollback(ctx, run, pb, out, serving, yes, confirm)
+        if not pb.data["requires"].get("vllm"):
+            raise InstallFailed(f"{pb.name} does not say which vLLM it needs (requires.vllm)", where=pb.path,
+                                fix="add requires.vllm to the playbook: a version (\"0.34.0\"), "
+                                    "git+https://github.com/ORG/vllm@BRANCH, a wheel URL or a wheel path in the "
+                                    "container (docs/playbooks.md#requires)")
+        want = requirement(pb.data["requires"]["vllm"])
+        final = ist.get("status") in ("ok", "failed", "timeout", "killed")
+        if ist.get("status") == "running":
+            progress.say(ctx.where, f"an install is in progress (started {_ago(ist)} ago, pid {ist.get('pid')}, "
+                                    f"{ist.get('spec')}, phase {ist.get('phase')}): re-attaching")
+            res = _follow(ctx, run, pb, ist, 0)
+        elif final and not ist.get("reported") and ist.get("req") == want["req"]:
+            progress.say(ctx.where, f"the install of {ist.get('spec')} started {_ago(ist)} ago ended while nobody "
+                                    "was attached: its result")
+            res = _follow(ctx, run, pb, ist, 0)
+        else:
+            cur = (probe.get("pointer") or {}).get("current")
+            if (not force and ist.get("status") == "ok" and ist.get("req") == want["req"] and cur
+                    and rt.get("target") == cur and (ist.get("switched") or {}).get("to") == cur):
+                ctx.record("install", True, f"already installed: {pb.data['requires']['vllm']} (vLLM "
+                                            f"{ist.get('version')}) in {rt.get('real')}, verified "
+                                            f"{_when(ist.get('finished_at'))}; nothing changed", time.monotonic())
+                out.ok, out.status = True, "already installed"
+                out.info = _info(rt, ist)
+                return out
+            if serving and not yes:
+                q = (f"{serving['playbook']} is serving from {rt['venv_root']} (pid {serving['pid']}). The new vLLM "
+                     f"goes into a new venv and {rt['venv_root']} is switched to it after verification; the serving "
+                     f"process is not touched, and the next `deploy up`/`restart` uses the new build. Proceed?")
+                if not (confirm and confirm(q)):
+                    out.status = "declined"
+                    raise InstallFailed(f"{serving['playbook']} is serving on {ctx.where} (pid {serving['pid']}); "
+                                        "nothing was installed", where=ctx.where,
+                                        fix=f"deploy install-vllm {pb.name} -y (the serving process is not touched)")
+            t0 = time.monotonic()
+            started = run.call(agent_args(pb, "start", follow_s=0), timeout=120)
+            if not started.get("ok"):
+                ctx.fail("install", t0, started.get("message", "the install did not start"),
+                         fix=started.get("fix", ""))
+            if not started.get("started"):
+                ist = started.get("install") or {}
+                progress.say(ctx.where, f"another install is in progress (pid {ist.get('pid')}, {ist.get('spec')}): "
+                                        "re-attaching to it")
+            else:
+                progress.say(ctx.where, f"install started with {started['installer']} (runner pid {started['pid']}, "
+                                        f"detached): {want['req']} into {started['stage']}; log {started['log']}")
+                ist = {"id": started["id"], "pid": started["pid"], "log": started["log"], "spec": want["req"]}
+            res = _follow(ctx, run, pb, ist, 0)
+        return _report(ctx, pb, out, res)
+    except DeployError as e:
+        out.error = e
+        return out
+
+
+def _follow(ctx, run: _Runner, pb: Playbook, ist: dict, pos: int) -> dict:
+    """attach calls until the runner reports an end; each is bounded (FOLLOW_S), the whole by the playbook's limit
+    plus the verification's. A lost connection leaves the runner running: say how to re-attach."""
+    inst = pb.data["requires"]["install"]
+    t0 = time.monotonic()
+    limit = float(inst["timeout_s"]) + 900.0
+    state = {"phase": None}
+
+    def on_event(ev):
+        if ev.get("event") != "install":
+            return
+        kind = ev.get("kind")
+        if kind == "phase":
+            state["phase"] = ev.get("phase")
+            ctx.progress.say(ctx.where, f"     {ev.get('elapsed', 0):6.1f}s  phase {ev.get('phase')}")
+        elif kind == "heartbeat":
+            ctx.progress.say(ctx.where, f"     {ev.get('elapsed', 0):6.1f}s  still in phase {ev.get('phase')} "
+                                        f"({ev.get('lines')} log lines so far): {ev.get('last') or '-'}")
+        elif kind == "line":
+            line = ev.get("line") or ""
+            if re.search(r"\b(ERROR|error:|Successfully installed|Installed \d+|Built )", line):
+                ctx.progress.say(ctx.where, "     | " + line)
+            else:
+                ctx.progress.detail(ctx.where, "| " + line)
+
+    while True:
+        left = limit - (time.monotonic() - t0)
+        follow = max(1.0, min(FOLLOW_S, left))
+        try:
+            res = run.call(agent_args(pb, "attach", id=ist.get("id"), log_pos=pos, follow_s=follow),
+                           timeout=follow + 120, on_event=on_event)
+        except Unreachable as e:
+            raise ConnectionLost(
+                f"lost the connection while following the install ({e.message}); the install goes on in the "
+                f"container (runner pid {ist.get('pid')}, log {ist.get('log')})", where=run.ctx.where,
+                fix=f"deploy install-vllm {pb.name} re-attaches to it and reports its result") from e
+        if not res.get("ok"):
+            raise InstallFailed(res.get("message", "attach failed"), where=run.ctx.where, fix=res.get("fix", ""))
+        pos = res.get("log_pos", pos)
+        ist = res.get("install") or ist
+        if res.get("done"):
+            return res
+        if left <= follow:
+            raise InstallFailed(f"the install has not ended {limit:.0f}s after deploy started following it "
+                                f"(phase {ist.get('phase')}); it goes on in the container", where=run.ctx.where,
+                                fix=f"deploy install-vllm {pb.name} re-attaches to it")
+
+
+def _report(ctx, pb: Playbook, out: Outcome, res: dict) -> Outcome:
+    ist = res.get("install") or {}
+    status = ist.get("status")
+    t = time.monotonic() - float(ist.get("elapsed") or 0.0)
+    chk = ist.get("verify") or {}
+    checks = chk.get("checks") or []
+    if chk:
+        bad = [c for c in checks if not c["ok"] and c.get("severity", "error") == "error"]
+        ctx.record("verify", not bad and status != "killed" if checks else False,
+                   (f"{len(checks) - len(bad)} of {len(checks)} checks passed" if checks else chk.get("error", ""))
+                   + ("" if not bad else ": " + "; ".join(f"{c['check']}: {c['reason']}" for c in bad)),
+                   time.monotonic(), result=chk)
+    out.info = _info({}, ist, res.get("pointer"))
+    if status == "ok":
+        ctx.record("install", True, ist.get("message", ""), t, log=ist.get("log"))
+        out.ok, out.status = True, "installed"
+        return out
+    out.status = {"timeout": "build not finished", "killed": "killed"}.get(status, "failed")
+    tail = res.get("log_tail") or []
+    msg = ist.get("message") or f"install ended with status {status}"
+    if tail and status in ("failed", "timeout"):
+        msg += f"\n  last lines of {ist.get('log')}:\n" + "\n".join("    " + ln for ln in tail[-15:])
+    ctx.record("install", False, (ist.get("message") or msg).splitlines()[0], t, log=ist.get("log"))
+    out.error = InstallFailed(msg, where=ctx.where, fix=ist.get("fix") or f"deploy install-vllm {pb.name}",
+                              details={"status": status, "log": ist.get("log")})
+    return out
+
+
+def _rollback(ctx, run: _Runner, pb: Playbook, out: Outcome, serving, yes, confirm) -> Outcome:
+    if serving and not yes:
+        q = (f"{serving['playbook']} is serving (pid {serving['pid']}); the runtime is switched back, the serving "
+             "process is not touched, and the next `deploy up`/`restart` uses the previous build. Proceed?")
+        if not (confirm and confirm(q)):
+            out.status = "declined"
+            raise InstallFailed(f"{serving['playbook']} is serving on {ctx.where}; nothing was changed",
+                                where=ctx.where, fix=f"deploy install-vllm {pb.name} --rollback -y")
+    t0 = time.monotonic()
+    r = run.call(agent_args(pb, "rollback"), timeout=300)
+    if not r.get("ok"):
+        ctx.fail("rollback", t0, r.get("message", "rollback failed"), fix=r.get("fix", ""))
+    chk = r.get("verify") or {}
+    st = chk.get("stack") or {}
+    bad = [c for c in chk.get("checks") or [] if not c["ok"] and c.get("severity", "error") == "error"]
+    ctx.record("rollback", True, f"{r['runtime']['venv_root']} -> {r['to']} again (was {r['from']}): vLLM "
+                                 f"{st.get('version')}" + (f"; {len(bad)} check(s) fail there: "
+                                                           + "; ".join(f"{c['check']}: {c['reason']}" for c in bad)
+                                                           if bad else ", checks pass"), t0, result=r)
+    out.ok, out.status = True, "rolled back"
+    out.info = {"venv_root": r["runtime"]["venv_root"], "runtime": r["runtime"].get("real"), "from": r["from"],
+                "to": r["to"], "version": st.get("version"), "commit_id": st.get("commit_id"),
+                "checks_failed": [c["check"] for c in bad]}
+    return out
+
+
+def _describe_runtime(rt: dict) -> str:
+    kind = rt.get("kind")
+    if kind == "symlink":
+        return f"runtime {rt['venv_root']} -> {rt.get('target')}"
+    if kind == "dir":
+        return f"runtime {rt['venv_root']} (a venv not yet managed by deploy)"
+    return f"runtime {rt['venv_root']} does not exist yet"
+
+
+def _info(rt: dict, ist: dict, pointer: dict | None = None) -> dict:
+    return {"install_id": ist.get("id"), "spec": ist.get("spec"), "status": ist.get("status"),
+            "version": ist.get("version"), "commit_id": ist.get("commit_id"), "venv": ist.get("stage"),
+            "venv_root": ist.get("venv_root") or rt.get("venv_root"), "switched": ist.get("switched"),
+            "installer": ist.get("installer"), "log": ist.get("log"), "phase": ist.get("phase"),
+            "started_at": ist.get("started_at"), "finished_at": ist.get("finished_at"),
+            "previous": (pointer or {}).get("previous")}
+
+
+def _ago(ist: dict) -> str:
+    s = float(ist.get("elapsed") or 0.0)
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f} min"
+
+
+def _when(at) -> str:
+    if not at:
+        return "at an unknown time"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(at)))
