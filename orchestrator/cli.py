@@ -337,7 +337,8 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
             return render_plans(obj, inv, pb, lambda m: P.plan_up(m, write_config=not skip_config_write,
                                                                    clean_gpus=clean_gpus))
         if install_first and not pb.data["requires"].get("vllm"):
-            raise UsageError(f"--install-vllm: {pb.name} does not say which vLLM it needs (requires.vllm)",
+            raise UsageError(f"--install-vllm: {pb.name} does not say which vLLM it needs (requires.vllm); "
+                             "nothing was run",
                              where=pb.path, fix="add requires.vllm to the playbook (docs/playbooks.md#requires)")
         if install_first and pb.is_fleet:
             raise UsageError(f"--install-vllm: {pb.name} has targets; up --install-vllm takes a one-target playbook",
@@ -631,6 +632,11 @@ def install_vllm(obj, playbook, yes, rollback, force):
         from .remote import Fleet
 
         inv, pb = load(obj, playbook)
+        if not rollback and not pb.data["requires"].get("vllm"):
+            raise UsageError(f"{pb.name} does not say which vLLM it needs (requires.vllm); nothing was run",
+                             where=pb.path, fix="add requires.vllm to the playbook: a version (\"0.34.0\"), "
+                                                "git+https://github.com/ORG/vllm@BRANCH, a wheel URL or a wheel path "
+                                                "in the container (docs/playbooks.md#requires)")
         with Fleet(inv) as fleet:
             out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm, force=force, rollback=rollback)
         _outcome_exit(obj, out)

@@ -117,11 +117,6 @@ def install(fleet: Fleet, pb: Playbook, progress: Progress, *, yes: bool = False
                    runtime=rt, serving=serving, install=ist or None, pointer=probe.get("pointer"))
         if rollback:
             return _rollback(ctx, run, pb, out, serving, yes, confirm)
-        if not pb.data["requires"].get("vllm"):
-            raise InstallFailed(f"{pb.name} does not say which vLLM it needs (requires.vllm)", where=pb.path,
-                                fix="add requires.vllm to the playbook: a version (\"0.34.0\"), "
-                                    "git+https://github.com/ORG/vllm@BRANCH, a wheel URL or a wheel path in the "
-                                    "container (docs/playbooks.md#requires)")
         want = requirement(pb.data["requires"]["vllm"])
         final = ist.get("status") in ("ok", "failed", "timeout", "killed")
         if ist.get("status") == "running":

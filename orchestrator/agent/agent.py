@@ -2332,7 +2332,8 @@ def act_stack_check(a):
                                                    % (want, stack.get("version")))
     serving_checks(stack, {"layer_types": a.get("layer_types") or []}, a, check)
     for c in checks:  # a fresh install must have its RECORD: "not checked" is a failure here
-        if c["check"] == "vllm files (RECORD)" and (stack.get("record") or {}).get("status") == "no-record":
+        if (c["check"] == "vllm files (RECORD)" and a.get("record_required", True)
+                and (stack.get("record") or {}).get("status") == "no-record"):
             c.update(severity="error", reason=stack["record"].get("message", ""))
     bad = [c for c in checks if not c["ok"] and c["severity"] == "error"]
     return {"ok": not bad, "checks": checks, "stack": stack, "python": sys.executable}
@@ -2740,7 +2741,10 @@ def _rollback(a, info):
         return {"ok": False, "message": "%s is %s, not the link deploy set (%s): something else changed it"
                                         % (info["venv_root"], info.get("target") or info.get("kind"), p.get("current")),
                 "fix": "look at %s; deploy install-vllm PLAYBOOK installs afresh" % info["venv_root"]}
-    chk = stack_check_in(os.path.join(prev_dir, "bin", "python"), a.get("check") or {}, 180)
+    # the previous build is whatever it was: no exact version to match, and a venv deploy did not install (the
+    # original one) may have no RECORD
+    chk = stack_check_in(os.path.join(prev_dir, "bin", "python"),
+                         dict(a.get("check") or {}, version=None, record_required=False), 180)
     tmp = unique_name(".%s.link-" % os.path.basename(info["venv_root"]))
     pfd = open_dir(parent)
     try:

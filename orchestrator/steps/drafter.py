@@ -124,6 +124,11 @@ def verify_fix(bad: list[dict], pb, stack: dict | None = None) -> str:
             pin = f"=={ver}" if ver else ""
             add(f"the installed vLLM {ver or ''} build is incomplete: reinstall it, {py} -m pip install "
                 f"--force-reinstall --no-deps 'vllm{pin}' (a source build: rebuild with its compiled extensions)")
+        elif n == "vllm files (RECORD)":
+            pin = f"=={ver}" if ver else ""
+            add(f"the installed vLLM differs from what its installer wrote (a partial or altered install): "
+                f"deploy install-vllm {name} --force installs requires.vllm afresh into a new venv, or {py} -m pip "
+                f"install --force-reinstall --no-deps 'vllm{pin}'")
         elif n == "vllm version":
             add(f"upgrade vLLM: {py} -m pip install 'vllm>={minv}', then deploy verify {name}")
         elif n.startswith("fix: "):

@@ -49,6 +49,8 @@ NOT_RUN = {
     "restart": "changes the deployment (tests/e2e/test_up.py runs it)",
     "apply-config": "writes the drafter config (tests/e2e/test_verify.py runs it)",
     "compare": "brings up each playbook in turn and leaves the winner running (tests/e2e/test_compare.py runs it)",
+    "install-vllm": "installs vLLM into the container and switches its runtime (tests/e2e/test_install_vllm.py runs "
+                    "it)",
     # commands of branches not merged yet, classified ahead so that merging them needs no edit here
     "discover": "connects to the address it is given, which may be outside the test bed (its own tests run it)",
     "doctor": "diagnoses a vLLM started by hand, with a time budget per container (its own tests run it)",

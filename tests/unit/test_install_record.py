@@ -1,0 +1,100 @@
+"""install-vllm pieces on real files: the RECORD check (against a real wheel installed by real pip), the switch of
+the runtime link, requires.vllm parsing and validation."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.agent import agent as A
+from orchestrator.install import requirement
+from orchestrator.spec import _vllm_source
+from orchestrator.testbed.fake_vllm import wheels
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """The 0.34.0 wheel installed by pip into a target directory: site-packages with vllm and its RECORD."""
+    d = tmp_path_factory.mktemp("rec")
+    whl = wheels.make_wheel(str(d / "wh"), "0.34.0")
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(d / "v")], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(d / "v" / "bin" / "python"), "install", "--no-index",
+                    "--no-deps", "--disable-pip-version-check", "-q", whl], check=True)
+    return next((d / "v" / "lib").glob("python*/site-packages"))
+
+
+def test_record_ok_then_missing_and_changed(installed):
+    pkg = installed / "vllm"
+    r = A.record_check(str(pkg))
+    assert r["status"] == "ok" and r["files"] > 30 and not r["missing"] and not r["changed"], r
+    victim = pkg / "_fake" / "http.py"
+    data = victim.read_bytes()
+    other = pkg / "platforms" / "__init__.py"
+    odata = other.read_bytes()
+    try:
+        victim.unlink()
+        other.write_bytes(odata + b"# x\n")
+        r = A.record_check(str(pkg))
+        assert r["status"] == "failed"
+        assert r["missing"] == ["vllm/_fake/http.py"]
+        assert [c["path"] for c in r["changed"]] == ["vllm/platforms/__init__.py"]
+        assert "1 of" in r["message"] and "differ from RECORD" in r["message"]
+    finally:
+        victim.write_bytes(data)
+        other.write_bytes(odata)
+
+
+def test_record_absent(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    r = A.record_check(str(tmp_path / "vllm"))
+    assert r["status"] == "no-record" and "not installed by a package installer" in r["message"]
+    (tmp_path / "vllm-0.1.dist-info").mkdir()
+    r = A.record_check(str(tmp_path / "vllm"))
+    assert r["status"] == "failed" and "RECORD" in r["message"] and "did not finish" in r["message"]
+
+
+def test_switch_runtime_moves_the_original_once(tmp_path):
+    root = tmp_path / "ml-env"
+    (root / "bin").mkdir(parents=True)
+    (tmp_path / "ml-env.versions" / "a").mkdir(parents=True)
+    (tmp_path / "ml-env.versions" / "b").mkdir()
+    prev, new = A.switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "a"))
+    assert prev.startswith("ml-env.versions/original-") and new == "ml-env.versions/a"
+    assert os.readlink(root) == "ml-env.versions/a" and (tmp_path / prev / "bin").is_dir()
+    prev2, _ = A.switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "b"))
+    assert prev2 == "ml-env.versions/a" and os.readlink(root) == "ml-env.versions/b"
+    with pytest.raises(ValueError):
+        A.switch_runtime(str(root), str(tmp_path / "elsewhere"))
+
+
+@pytest.mark.parametrize("spec, req, version", [
+    ("0.34.0", "vllm==0.34.0", "0.34.0"),
+    ("git+https://github.com/ORG/vllm@dflash-swa-support", "git+https://github.com/ORG/vllm@dflash-swa-support", None),
+    ("https://example.invalid/vllm-0.34.0-cp38-abi3-manylinux1_x86_64.whl",
+     "https://example.invalid/vllm-0.34.0-cp38-abi3-manylinux1_x86_64.whl", None),
+    ("/root/wheels/vllm-0.30.0-py3-none-any.whl", "/root/wheels/vllm-0.30.0-py3-none-any.whl", None),
+])
+def test_requirement(spec, req, version):
+    assert _vllm_source(spec) is None
+    r = requirement(spec)
+    assert r["req"] == req and r["version"] == version
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("latest", "is not one of"), ("git+https://me:tok@github.com/x/vllm", "credentials"),
+    ("https://example.invalid/vllm.tar.gz", "not a wheel URL"), ("wheels/vllm.whl", "is not one of"),
+    ("/root/vllm.tar.gz", "not a wheel file"),
+])
+def test_requirement_refused(bad, says):
+    assert says in (_vllm_source(bad) or "")
+
+
+def test_phases_from_installer_output():
+    assert A.install_phase("Collecting vllm==0.34.0") == "download"
+    assert A.install_phase("  Building wheel for vllm (pyproject.toml): started") == "build"
+    assert A.install_phase("Installing collected packages: vllm") == "install"
+    assert A.install_phase("Resolved 140 packages in 2.1s") == "download"
+    assert A.install_phase("   Built vllm @ git+https://github.com/x/vllm@b") == "build"
+    assert A.install_phase("Installed 140 packages in 800ms") == "install"
