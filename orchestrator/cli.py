@@ -571,7 +571,8 @@ def verify(obj, playbook):
             out, r = ops.verify_only(fleet, pb, obj.progress())
         if obj.json:
             dump_json({"ok": out.ok, "playbook": pb.name, "where": out.where,
-                       "error": out.error.as_dict() if out.error else None, **r})
+                       "error": out.error.as_dict() if out.error else None,
+                       **(r.as_dict() if hasattr(r, "as_dict") else r)})  # a typed VerifyResult since protocol 2
         else:
             checks = r.get("checks", []) + [c for c in r.get("failed", []) if c not in r.get("checks", [])]
             rows = check_rows(checks)

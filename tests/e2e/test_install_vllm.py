@@ -186,3 +186,9 @@ def test_install_while_serving(tb, iv):
     # the next up sees that the runtime changed under the running server and does not call it "already up"
     p = iv.run("up", "qwen36-dflash")
     assert p.returncode == 1 and "vLLM runtime: running from" in p.stderr, p.stderr
+    # up --install-vllm -y: the install is already done; the up replaces the server with one on the new build
+    p = iv.run("up", "qwen36-dflash", "--install-vllm", "-y")
+    assert p.returncode == 0, p.stderr
+    assert "already installed" in p.stderr
+    st = json.loads(sh(tb, "cat /var/lib/vllm-pve-deploy/state.json"))
+    assert st["pid"] != pid and "/root/ml-env.versions/" in st["argv0_real"], st

@@ -125,4 +125,5 @@ def test_missing_extension_and_missing_markers(tb, deploy):
 def test_mtp_verify_checks_only_the_stack(tb, deploy):
     p = deploy("--json", "verify", "qwen36-mtp")
     assert p.returncode == 0, p.stdout
-    assert {c["check"] for c in p.json["checks"]} <= {"vllm import", "vllm extensions", "vllm version"}
+    assert {c["check"] for c in p.json["checks"]} <= {"vllm import", "vllm extensions", "vllm version",
+                                                      "vllm files (RECORD)"}

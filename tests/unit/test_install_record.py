@@ -10,7 +10,7 @@ import pytest
 from orchestrator.agent import agent as A
 from orchestrator.install import requirement
 from orchestrator.spec import _vllm_source
-from orchestrator.testbed.fake_vllm import wheels
+from vpd_testbed.fake_vllm import wheels
 
 
 @pytest.fixture(scope="module")
