@@ -192,3 +192,16 @@ def test_install_while_serving(tb, iv):
     assert "already installed" in p.stderr
     st = json.loads(sh(tb, "cat /var/lib/vllm-pve-deploy/state.json"))
     assert st["pid"] != pid and "/root/ml-env.versions/" in st["argv0_real"], st
+
+
+def test_time_limit_is_build_not_finished(tb, iv):
+    iv.set("git+file:///root/src/vllm@dflash-swa-support", build_s=60, timeout_s=3)
+    p = iv.run("--json", "install-vllm", "qwen36-dflash")
+    assert p.returncode == 1, p.stderr
+    assert p.json["status"] == "build not finished" and not p.json["ok"]
+    assert "build not finished: the time limit requires.install.timeout_s (3.0s) was reached in phase build" \
+        in p.json["error"]["message"]
+    assert "raise requires.install.timeout_s" in p.json["error"]["fix"]
+    assert sh(tb, f"test -L {ENV_DIR} && echo link || echo dir") == "dir"
+    # the installer's session was stopped: pip and its build hook are gone
+    assert sh(tb, "ps -e -o args | grep -E '[-]m pip|[_]in_process' || echo none") == "none"
