@@ -62,7 +62,7 @@ def check_args(pb: Playbook, version: str | None) -> dict:
 def agent_args(pb: Playbook, op: str, **kw) -> dict:
     req = pb.data["requires"]
     inst = req["install"]
-    args = {"op": op, "python": pb.runtime["python"], "state_dir": pb.runtime["state_dir"],
+    args = {"op": op, "python": pb.runtime["python"], "vllm": pb.runtime["vllm"], "state_dir": pb.runtime["state_dir"],
             "heartbeat_s": inst["heartbeat_s"]}
     if req.get("vllm"):
         r = requirement(req["vllm"])
@@ -197,6 +197,10 @@ def _follow(ctx, run: _Runner, pb: Playbook, ist: dict, pos: int) -> dict:
         try:
             res = run.call(agent_args(pb, "attach", id=ist.get("id"), log_pos=pos, follow_s=follow),
                            timeout=follow + 120, on_event=on_event)
+        except KeyboardInterrupt:
+            raise InstallFailed(f"interrupted: deploy stopped following; the install goes on in the container "
+                                f"(runner pid {ist.get('pid')}, log {ist.get('log')})", where=run.ctx.where,
+                                fix=f"deploy install-vllm {pb.name} re-attaches to it and reports its result") from None
         except Unreachable as e:
             raise ConnectionLost(
                 f"lost the connection while following the install ({e.message}); the install goes on in the "

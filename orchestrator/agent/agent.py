@@ -2196,6 +2196,9 @@ def runtime_paths(a):
     if os.path.basename(bindir) != "bin" or root in ("", "/"):
         raise ValueError("runtime.python %s is not in a venv's bin/ directory: install-vllm manages a venv "
                          "(ROOT/bin/python)" % py)
+    if a.get("vllm") and os.path.dirname(os.path.dirname(a["vllm"])) != root:
+        raise ValueError("runtime.vllm %s is not in the venv %s of runtime.python: the venv install-vllm switches "
+                         "would not be the one deploy launches" % (a["vllm"], root))
     return root, root + ".versions"
 
 
@@ -2381,7 +2384,8 @@ def act_install_vllm(a):
     try:
         info = runtime_info(a)
     except ValueError as e:
-        return {"ok": False, "message": str(e), "fix": "set runtime.python to ROOT/bin/python of a venv"}
+        return {"ok": False, "message": str(e),
+                "fix": "set runtime.python and runtime.vllm to ROOT/bin/python and ROOT/bin/vllm of one venv"}
     if op == "probe":
         return {"ok": True, "runtime": info, "install": install_status(state_dir), "serving": serving_now(state_dir),
                 "pointer": _pointer(state_dir), "agent_python": sys.executable}
