@@ -638,9 +638,26 @@ def install_vllm(obj, playbook, yes, rollback, force):
                              where=pb.path, fix="add requires.vllm to the playbook: a version (\"0.34.0\"), "
                                                 "git+https://github.com/ORG/vllm@BRANCH, a wheel URL or a wheel path "
                                                 "in the container (docs/playbooks.md#requires)")
+        if not pb.is_fleet:
+            with Fleet(inv) as fleet:
+                out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm, force=force, rollback=rollback)
+            _outcome_exit(obj, out)
+        # a playbook with targets: each target in turn (a build per container), every outcome reported
+        from .errors import Unreachable
+        from .report import dump_json
+
+        outs = []
         with Fleet(inv) as fleet:
-            out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm, force=force, rollback=rollback)
-        _outcome_exit(obj, out)
+            for m in pb.members:
+                outs.append(install(fleet, m, obj.progress(), yes=yes, confirm=_confirm, force=force,
+                                    rollback=rollback))
+        if obj.json:
+            dump_json([o.as_dict() for o in outs])
+        else:
+            for o in outs:
+                render_outcome(o)
+        sys.exit(EXIT_OK if all(o.ok for o in outs) else
+                 EXIT_UNREACHABLE if all(isinstance(o.error, Unreachable) for o in outs if not o.ok) else EXIT_FAILED)
     run_guarded(go, obj)
 
 
