@@ -615,7 +615,7 @@ def _check_serving(pb: Playbook, serve: dict, spec: dict, acc: dict, problems: P
         problems.add(node_of(spec, "extra"), "speculative.extra", "method/model/num_speculative_tokens have keys of their own")
     if drafter is not None:
         _check_drafter(pb, drafter, spec, problems)
-    req = d["requires"]
+    req = pb.data["requires"]
     if req.get("vllm") and req.get("vllm_min_version"):
         from .vllm_facts import vtuple
 
