@@ -205,3 +205,21 @@ def test_time_limit_is_build_not_finished(tb, iv):
     assert sh(tb, f"test -L {ENV_DIR} && echo link || echo dir") == "dir"
     # the installer's session was stopped: pip and its build hook are gone
     assert sh(tb, "ps -e -o args | grep -E '[-]m pip|[_]in_process' || echo none") == "none"
+
+
+def test_playbook_with_targets_installs_in_each(tb, iv, playbooks):
+    shutil.copytree(iv.root / "wheelhouse", tb.ctdir(H, 130) / "root" / "wheelhouse")
+    iv.set("0.30.0")
+    path = playbooks.dir / "qwen36-dflash.yaml"
+    text = path.read_text().replace("name: qwen36-dflash", "name: qwen36-pair")
+    start, end = text.index("target:\n"), text.index("\nmodel:")
+    text = (text[:start] + "targets:\n  - {host: pve1, vmid: 129, gpus: [2, 3]}\n  - {host: pve1, vmid: 130, gpus: [0, 1]}"
+            + text[end:]).replace("tensor_parallel_size: 4", "tensor_parallel_size: 2")
+    text = text.replace("on_low_acceptance: fallback", "on_low_acceptance: fail").replace("  fallback: qwen36-mtp\n", "")
+    (playbooks.dir / "qwen36-pair.yaml").write_text(text)
+    p = iv.run("--json", "install-vllm", "qwen36-pair")
+    assert p.returncode == 0, p.stderr
+    assert [(o["where"], o["status"]) for o in p.json] == [("pve1/129", "installed"), ("pve1/130", "installed")]
+    for vmid in (129, 130):
+        out = tb.container_exec(H, vmid, [f"{ENV_DIR}/bin/python", "-c", "import vllm; print(vllm.__version__)"])
+        assert out.stdout.strip() == "0.30.0"
