@@ -17,6 +17,7 @@ import os
 import select
 import shlex
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -121,8 +122,9 @@ class AuditLog:
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
                 try:
-                    if os.fstat(fd).st_mode & 0o077:
-                        os.fchmod(fd, 0o600)  # an audit log from an older version was 0644
+                    st = os.fstat(fd)
+                    if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077:
+                        os.fchmod(fd, 0o600)  # an audit log from an older version was 0644 (never a device)
                     os.write(fd, (line + "\n").encode("utf-8"))
                 finally:
                     os.close(fd)

@@ -21,6 +21,7 @@ from orchestrator.report import Progress
 from orchestrator.spec import load_inventory, load_playbook
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AUDIT = os.path.join(os.environ.get("TMPDIR", "/tmp"), "vpd-decisions-audit-%d.jsonl" % os.getpid())
 
 
 def metrics(drafts: int, draft_tokens: int, accepted: int, k: int = 15) -> str:
@@ -40,7 +41,7 @@ class FakeSession:
         self.host = host
         self.calls: list[tuple[str, dict]] = []
         self.argvs: list[list[str]] = []
-        self.audit = AuditLog(path=os.devnull)
+        self.audit = AuditLog(path=AUDIT)
 
     def run(self, argv, **kw):
         self.argvs.append(list(argv))
@@ -74,6 +75,15 @@ class FakeSession:
                 raise AssertionError(f"the fake agent has no recorded result for {action} {args}")
         line = json.dumps({"result": res, "protocol": PROTOCOL})
         return Result(self.host.name, vmid, argv, 0, line.encode() + b"\n", b"", 0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _audit_file():
+    yield
+    try:
+        os.unlink(AUDIT)
+    except OSError:
+        pass
 
 
 @pytest.fixture
@@ -110,7 +120,7 @@ def healthy_script(pb, **over) -> dict:
 
 def run_up(world, script, *, restart=False, **opts):
     inv, pb = world
-    fleet = Fleet(inv, audit=AuditLog(path=os.devnull))
+    fleet = Fleet(inv, audit=AuditLog(path=AUDIT))
     sess = FakeSession(script, inv.host("pve1"))
     fleet.session = lambda name: sess
     out = ops.up(fleet, pb, Progress(quiet=True), ops.Options(**opts), restart=restart)
@@ -256,7 +266,7 @@ def test_a_held_lock_runs_no_clean_up_and_no_unlock(world):
 
 def test_down_stops_only_this_playbook_proves_free_and_clears_the_failure_record(world):
     inv, pb = world
-    fleet = Fleet(inv, audit=AuditLog(path=os.devnull))
+    fleet = Fleet(inv, audit=AuditLog(path=AUDIT))
     sess = FakeSession(healthy_script(pb), inv.host("pve1"))
     fleet.session = lambda name: sess
     out = ops.down(fleet, pb, Progress(quiet=True), ops.Options())
@@ -284,7 +294,7 @@ def test_down_clean_gpus_asks_first_and_a_no_kills_nothing(world):
     asked = []
     for answer, want in ((False, ["pct status", "lock", "gpu_read", "unlock"]),
                          (True, ["pct status", "lock", "gpu_read", "stop", "gpus_free", "note_failure", "unlock"])):
-        fleet = Fleet(inv, audit=AuditLog(path=os.devnull))
+        fleet = Fleet(inv, audit=AuditLog(path=AUDIT))
         sess = FakeSession(healthy_script(pb, gpu_read=holders), inv.host("pve1"))
         fleet.session = lambda name: sess
         out = ops.down(fleet, pb, Progress(quiet=True),
@@ -295,3 +305,19 @@ def test_down_clean_gpus_asks_first_and_a_no_kills_nothing(world):
             assert "not confirmed; nothing was killed" in out.error.message and out.error.fix == "pass -y in scripts"
         check_plan_is_program(P.plan_down(pb, clean_gpus=True, ask=True), sess)
     assert "PID 5 python: python train.py" in asked[0] and "PID 6" not in asked[0]  # only its own GPUs
+
+
+def test_the_audit_log_never_changes_the_mode_of_a_device(tmp_path):
+    """An audit path that is a device (/dev/null, say) is written to, never chmod-ed (it was, once: 0600)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a device node")
+    dev = tmp_path / "null"
+    os.mknod(dev, 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 3))
+    os.chmod(dev, 0o666)
+    AuditLog(path=str(dev)).write(event="x")
+    assert os.stat(dev).st_mode & 0o777 == 0o666
+    reg = tmp_path / "audit.jsonl"
+    reg.write_text("")
+    os.chmod(reg, 0o644)
+    AuditLog(path=str(reg)).write(event="x")
+    assert os.stat(reg).st_mode & 0o777 == 0o600  # an old world-readable log is still made private
