@@ -246,3 +246,27 @@ print(json.dumps([http({port}, "/health"), http({port}, "/x"), http({port}, "/ch
     assert ok == [200, ""] and missing == [404, "nope"] and chunked == [200, "hello world"]
     assert post[0] == 200 and json.loads(post[1]) == {"got": {"a": 1}} and unauth[0] == 401
     assert refused[0] is None and "ConnectionRefusedError" in refused[1]
+
+
+def test_unit_file_quoting_keeps_the_argv_exact_and_secrets_out():
+    """ExecStart=/Environment= arguments: double-quoted with systemd's escapes, % and $ doubled (no specifier or
+    variable expansion); the environment file single-quotes (systemd expands nothing there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("agent_mod", os.path.join(REPO, "orchestrator", "agent", "agent.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.unit_quote('{"a":"b c"}') == '"{\\"a\\":\\"b c\\"}"'
+    assert mod.unit_quote("50%$HOME\\x") == '"50%%$$HOME\\\\x"'
+    with pytest.raises(ValueError):
+        mod.unit_quote("a\nb")
+    assert mod.env_file_line("VLLM_API_KEY", "s3cr$t\"x") == "VLLM_API_KEY='s3cr$t\"x'\n"
+    with pytest.raises(ValueError):
+        mod.env_file_line("K", "it's")
+    text = mod.unit_text({"playbook": "p", "argv": ["/bin/vllm", "serve"], "stop_grace_s": 12,
+                          "supervise": {"restart_sec": 2, "start_limit_burst": 4, "start_limit_interval_s": 90}},
+                         {"A": "1"}, "/var/lib/x/vllm-p.env").decode()
+    for line in ('ExecStart="/bin/vllm" "serve"', 'Environment="A=1"', "EnvironmentFile=/var/lib/x/vllm-p.env",
+                 "KillMode=control-group", "TimeoutStopSec=12s", "Restart=on-failure", "RestartSec=2s",
+                 "StartLimitBurst=4", "StartLimitIntervalSec=90s", "WantedBy=multi-user.target"):
+        assert line in text.splitlines(), line
