@@ -193,7 +193,8 @@ def test_fuser_kill_refuses_outside_a_container():
                 pytest.skip("this test machine is itself an LXC container")
     except PermissionError:
         pass  # unreadable: the agent cannot tell either, and must refuse
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # on stdin: the agent is longer than one argv string may be (MAX_ARG_STRLEN, 128 KiB)
+    p = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=60)
     out = json.loads(p.stdout)
     assert "refusing to run fuser -k here" in out["refused"] and "Proxmox host" in out["refused"]
 
@@ -239,7 +240,7 @@ print(json.dumps([http({port}, "/health"), http({port}, "/x"), http({port}, "/ch
                   http({port}, "/v1/completions", "POST", {{"a": 1}}), http(1, "/health", timeout=1)]))
 """
     try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        p = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=60)
     finally:
         srv.shutdown()
     ok, missing, chunked, post, unauth, refused = json.loads(p.stdout)
