@@ -250,10 +250,16 @@ def render_outcome(out, indent=""):
             e(f"{indent}  draft acceptance {a['draft_acceptance_rate']:.1%}, mean acceptance length "
               f"{a['mean_acceptance_length']:.2f} ({a['source']}); total {i['total_s']}s")
             e(f"{indent}  phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in i["phases_s"].items()))
+            e(f"{indent}  supervised by systemd: {i['unit']} (enabled; restarts on failure, starts at boot)"
+              if i.get("supervisor") == "systemd" else
+              f"{indent}  not supervised: a crash leaves it down (the container does not run systemd)")
         elif out.status == "down":
             stopped = i.get("stopped") or []
             e(f"{indent}{out.playbook} is down on {out.where}: stopped "
               + (", ".join(f"{p['pid']} ({p.get('comm')})" for p in stopped) or "nothing (nothing was running)"))
+            u = i.get("unit")
+            if u:
+                e(f"{indent}  unit {u['unit']}: {u.get('active')}, {u.get('enabled')} (it will not start at boot)")
             before, after = i.get("gpu_mib_before") or {}, i.get("gpu_mib_after") or {}
             e(f"{indent}  GPU MiB before -> after: " + ", ".join(
                 f"GPU{g} {before[g]['used']} -> {after.get(g, {}).get('used')}" for g in sorted(before, key=int))

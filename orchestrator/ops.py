@@ -244,6 +244,7 @@ class Run:
     written: dict = field(default_factory=dict)
     verified: dict | None = None
     ready: dict = field(default_factory=dict)
+    launch_result: dict | None = None  # LaunchResult: the supervisor (systemd unit or none)
     measured: dict | None = None
     stop_report: dict | None = None
     free: dict | None = None
@@ -398,7 +399,7 @@ def r_port(run: Run, step: P.Step) -> None:
 
 
 def r_launch(run: Run, step: P.Step) -> None:
-    V.launch(run.ctx, step)
+    run.launch_result = V.launch(run.ctx, step)
     run.st.launched = True
 
 
@@ -420,6 +421,8 @@ def r_acceptance(run: Run, step: P.Step) -> None:
     run.measured = m
     run.out.info = {**_ep(url(pb, run.fleet.inventory)), "model": pb.serve["served_model_name"],
                     "method": pb.spec["method"], "acceptance": m["acceptance"].as_dict(),
+                    "supervisor": (run.launch_result or {}).get("supervisor") or "none",
+                    "unit": (run.launch_result or {}).get("unit"),
                     "phases_s": {r.step: round(r.seconds, 2) for r in ctx.results},
                     "total_s": round(time.monotonic() - run.t_start, 2)}
     if low is None:
@@ -558,8 +561,13 @@ def stop_after_failure(ctx: Context, step: P.Step) -> str:
         n = len(rep.get("terminated", []) + rep.get("killed", []))
         left = rep.get("leftovers") or []
         log = P.state_paths(pb)["log_path"]
-        s = (f"the failed server was stopped ({n} process(es))" if n else "the failed server had already exited") + \
-            f"; its log is kept at {log} (deploy logs {pb.name})"
+        u = rep.get("unit")
+        s = f"the failed server was stopped ({n} process(es))" if n else "the failed server had already exited"
+        if u:  # systemd's unit: stopped and disabled, so it does not come back at the next boot
+            s += (f"; unit {u['unit']} is {u.get('active') or 'unknown'} and {u.get('enabled') or 'unknown'}; its log "
+                  f"is kept in the journal (deploy logs {pb.name}, or journalctl -u {u['unit']})")
+        else:
+            s += f"; its log is kept at {log} (deploy logs {pb.name})"
         if left:
             s += "; still holding GPUs: " + ", ".join(f"PID {p['pid']} ({p['comm']})" for p in left) + \
                  f" (deploy down {pb.name} --clean-gpus)"
@@ -590,7 +598,7 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
     if run.error is None:
         rep, free = run.stop_report or StopResult(), run.free or GpusFreeResult()
         run.out.ok, run.out.status = True, "down"
-        run.out.info = {"stopped": rep.stopped, "fuser": rep.fuser, "stop_s": rep.seconds,
+        run.out.info = {"stopped": rep.stopped, "fuser": rep.fuser, "unit": rep.get("unit"), "stop_s": rep.seconds,
                         "gpu_mib_before": rep.gpu_before or free.before, "gpu_mib_after": free.after,
                         "free_s": free.seconds}
     return run.out

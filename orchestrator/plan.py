@@ -340,7 +340,9 @@ def step_stop(pb, clean_gpus, when=something_to_stop, only_this_playbook=False, 
     g = pb.data["gpu"]
     runs = [f"cat {_state(pb, 'state.json')}; prove the recorded group is ours (start time, launch id)" +
             (f" and runs {pb.name}" if only_this_playbook else ""),
-            f"kill -TERM -PGID; wait up to {g['stop_grace_s']:g} s; kill -KILL -PGID   # pidfd-checked, never "
+            "if it names a systemd unit: systemctl stop UNIT; systemctl disable UNIT   # every process of the unit's "
+            f"cgroup: SIGTERM, SIGKILL after TimeoutStopSec={g['stop_grace_s']:g}s; the env file with the secrets removed",
+            f"else: kill -TERM -PGID; wait up to {g['stop_grace_s']:g} s; kill -KILL -PGID   # pidfd-checked, never "
             "a reused id", "wait until the group has left; list what still holds " + _devs(pb.gpus)]
     if clean_gpus:
         runs.append(f"fuser -k -TERM {_devs(pb.gpus)}; wait 5 s; fuser -k -KILL {_devs(pb.gpus)}   # in the "
@@ -379,16 +381,35 @@ def step_port(pb):
 
 def step_launch(pb):
     sp = state_paths(pb)
-    return Step("launch", "start vllm serve detached (setsid, streams redirected) and record it in the state file",
+    return Step("launch", f"start vllm serve as systemd unit {unit_name(pb)} (installed, enabled) where the container "
+                          "runs systemd, else detached (setsid, streams redirected); record it in the state file",
                 action="launch", args={"argv": serve_argv(pb), "env": serve_env(pb), "state_dir": sp["state_dir"],
-                                       "log_path": sp["log_path"], "record": state_record(pb)},
+                                       "log_path": sp["log_path"], "record": state_record(pb),
+                                       "unit": unit_name(pb), "playbook": pb.name, "supervise": supervise_args(pb),
+                                       "stop_grace_s": pb.data["gpu"]["stop_grace_s"]},
                 payload=("secrets (env: " + ", ".join(secret_env_names(pb)) + ")") if secret_env_names(pb) else None,
-                timeout=30, runs=[f"cd / && setsid env -i {' '.join(f'{k}={v}' for k, v in serve_env(pb).items())}"
+                timeout=30, runs=[f"if /run/systemd/system exists: write /etc/systemd/system/{unit_name(pb)} (ExecStart= "
+                                  "this argv, Environment= this environment, EnvironmentFile="
+                                  f"{_state(pb, unit_name(pb)[:-len('.service')] + '.env')} (0600) with "
+                                  + (", ".join(secret_env_names(pb)) or "no secrets") + " and the launch id; only "
+                                  "when its bytes differ: temp file, fsync, rename, read back); systemctl "
+                                  f"daemon-reload; systemctl reset-failed, enable, start {unit_name(pb)}",
+                                  f"else: cd / && setsid env -i {' '.join(f'{k}={v}' for k, v in serve_env(pb).items())}"
                                   + "".join(f" {n}=(from stdin)" for n in secret_env_names(pb))
                                   + f" {shell_join(serve_argv(pb))} </dev/null >>{sp['log_path']} 2>&1 &",
                                   f"write {_state(pb, 'state.json')} (pid, pgid, start time, launch id, argv, "
                                   "drafter sha256; no secrets)"],
                 **_common(pb))
+
+
+def supervise_args(pb: Playbook) -> dict:
+    sv = pb.data["supervise"]
+    return {k: sv[k] for k in ("restart_sec", "start_limit_burst", "start_limit_interval_s")}
+
+
+def unit_name(pb: Playbook) -> str:
+    """The systemd unit that supervises the playbook's server where the container runs systemd."""
+    return f"vllm-{pb.name}.service"
 
 
 def secret_env_names(pb: Playbook) -> list[str]:
@@ -406,7 +427,8 @@ def step_wait(pb):
                       "served_model_name": pb.serve["served_model_name"], "timeout_s": pb.serve["load_timeout_s"]},
                 bulk={"fatal": vf.FATAL, "phases": vf.PHASES, "aux_regex": vf.AUX_LAYERS},
                 timeout=pb.serve["load_timeout_s"] + 60,
-                runs=[f"tail -f {sp['log_path']}   # startup phases, known fatal lines, the auxiliary-layers line",
+                runs=[f"tail -f {sp['log_path']} (journalctl -f _SYSTEMD_INVOCATION_ID=... for a systemd unit)   "
+                      "# startup phases, known fatal lines, the auxiliary-layers line",
                       f"curl http://127.0.0.1:{pb.serve['port']}/health; curl /v1/models (lists "
                       f"{pb.serve['served_model_name']}); POST /v1/completions (1 token)   # until ready, the "
                       f"process exits, or {pb.serve['load_timeout_s']:g} s"],

@@ -273,6 +273,15 @@ PLAYBOOK = Map({
         "nvidia_smi_timeout_s": Field(Float(0.5, 120), default=10.0),
     }), default=lambda: {"free_threshold_mib": 1024, "free_timeout_s": 60.0, "stop_grace_s": 30.0,
                          "clean_gpus": False, "nvidia_smi_timeout_s": 10.0}),
+    "supervise": Field(Map({
+        "restart_sec": Field(Float(0.1, 3600), default=5.0,
+                             doc="systemd RestartSec: wait before restarting a crashed server"),
+        "start_limit_burst": Field(Int(1, 100), default=3,
+                                   doc="systemd StartLimitBurst: at most this many starts within the interval"),
+        "start_limit_interval_s": Field(Float(1, 86400), default=600.0,
+                                        doc="systemd StartLimitIntervalSec: the window the burst is counted in"),
+    }), default=lambda: {"restart_sec": 5.0, "start_limit_burst": 3, "start_limit_interval_s": 600.0},
+        doc="where the container runs systemd: how vllm-PLAYBOOK.service restarts a crashed server"),
     "acceptance": Field(Map({
         "min_draft_acceptance": Field(Float(0, 1), required=True),
         "min_mean_acceptance_length": Field(Float(1, 100)),
@@ -530,6 +539,14 @@ def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tupl
 def _check_playbook(pb: Playbook, inv: Inventory | None, problems: Problems) -> None:
     d = pb.data
     serve, spec, acc = d["serve"], d["speculative"], d["acceptance"]
+    sv = d["supervise"]
+    if sv["restart_sec"] * sv["start_limit_burst"] >= sv["start_limit_interval_s"]:
+        # systemd counts starts within the interval: restarts spaced this far apart never reach the burst
+        problems.add(node_of(sv, "start_limit_interval_s"),
+                     "supervise.start_limit_interval_s",
+                     f"a crash loop would never stop: {sv['start_limit_burst']} starts {sv['restart_sec']:g} s apart "
+                     f"take {sv['restart_sec'] * sv['start_limit_burst']:g} s, not less than start_limit_interval_s "
+                     f"{sv['start_limit_interval_s']:g}; raise start_limit_interval_s or lower restart_sec")
     # where it runs: the one target, or every target of `targets:` (each checked, every problem reported)
     if d.get("targets") is not None:
         seen: dict = {}

@@ -23,6 +23,7 @@ SCHEMA = "vllm-pve-deploy/status/v1"
 NO_RUNTIME = "no vLLM runtime"
 DEFAULT_STATE_DIR = "/var/lib/vllm-pve-deploy"
 DEFAULT_PYTHON = "/root/ml-env/bin/python"
+FATAL_BULK = {"fatal_regex": [f["regex"] for f in vf.FATAL]}  # last_error: the line naming the cause
 
 
 def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
@@ -147,7 +148,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
     try:
         r = agent.call(fleet.session(host), vmid, python, "status",
                        {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15,
-                       secrets={"api_key": key} if key else None)
+                       secrets={"api_key": key} if key else None, bulk=FATAL_BULK)
         st = r.get("state") or {}
         local = st.get("api_key_env") if isinstance(st, dict) else None
         if not key and r.get("models_status") in (401, 403) and local and os.environ.get(local):
@@ -156,7 +157,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             fleet.redact.add(key)
             r = agent.call(fleet.session(host), vmid, python, "status",
                            {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15,
-                           secrets={"api_key": key})
+                           secrets={"api_key": key}, bulk=FATAL_BULK)
     except AgentError as e:
         if runtime.get("implicit") and e.message.startswith("cannot run "):
             row.update(process=NO_RUNTIME)
@@ -200,11 +201,14 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         return row
     row.update(playbook=st.get("playbook"), pid=st.get("pid"), method=st.get("method"),
                served_model=st.get("served_model_name"))
+    sup = supervision_of(r.get("supervision"), st)
+    row["supervision"] = sup
     if st.get("alive"):
         _add_endpoint(row, fleet, host, vmid, st.get("port") or 8000)
     if st.get("alive"):
         row["process"] = "running"
-        row["uptime_s"] = round(time.time() - st.get("started_at", time.time()), 1)
+        started = (r.get("supervision") or {}).get("main_started_at") or st.get("started_at", time.time())
+        row["uptime_s"] = round(time.time() - started, 1)  # of the process serving now (systemd may restart it)
         row["health"] = r.get("health")
         if r.get("health") != 200:
             row["healthy"] = False
@@ -220,10 +224,37 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         elif st.get("served_model_name") not in (r.get("models") or []):
             row["healthy"] = False
             row["problems"].append(f"/v1/models does not list {st.get('served_model_name')}")
+    elif sup["supervisor"] == "systemd":
+        row["process"] = "start limit hit" if sup.get("start_limit_hit") else f"unit {sup.get('active') or 'unknown'}"
+        row["healthy"] = False
+        ex = sup.get("last_exit")
+        if sup.get("start_limit_hit"):
+            row["problems"].append(
+                f"{sup['unit']} crashed {sup.get('restarts') or 0} time(s) after start and systemd stopped restarting "
+                f"it (start limit: supervise.start_limit_burst within supervise.start_limit_interval_s); last exit: "
+                f"{exit_text(ex)}; deploy logs {st.get('playbook')} shows why, then deploy up {st.get('playbook')}")
+        else:
+            row["problems"].append(f"{sup['unit']} is {sup.get('active')}/{sup.get('sub')} (no main process); last "
+                                   f"exit: {exit_text(ex)}; deploy logs {st.get('playbook')}")
     else:
         row["process"] = "exited"
         row["healthy"] = False
         row["problems"].append(f"vLLM (pid {st.get('pid')}) has exited (code {r.get('exit_code')})")
+    if sup["supervisor"] == "systemd":
+        since = "the container booted (it rebooted after deploy up)" if sup.get("container_restarted") else \
+            "deploy up"
+        row["notes"].insert(0, f"supervised by systemd ({sup['unit']}, {sup.get('enabled')}): "
+                               f"{sup.get('restarts') if sup.get('restarts') is not None else '?'} restart(s) since "
+                               f"{since}; last exit: {exit_text(sup.get('last_exit'))}")
+    if sup["supervisor"] == "none":
+        row["problems" if row["process"] != "running" else "notes"].append(
+            "not supervised: a crash leaves it down (the container does not run systemd)")
+    elif st.get("alive") and not sup.get("serving_passed_gate"):
+        row["notes"].append(
+            f"the process serving now (pid {st.get('pid')}) is not the one that passed the acceptance gate at deploy up"
+            + (f": systemd restarted it {sup['restarts']} time(s)" if sup.get("restarts") else "")
+            + (" and the container rebooted since" if sup.get("container_restarted") else "")
+            + f"; last exit: {exit_text(sup.get('last_exit'))}; its acceptance since that restart is shown as recent")
     if r.get("last_error"):
         row["last_error"] = r["last_error"]
     if st.get("drafter_path"):
@@ -241,7 +272,35 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         life = vf.lifetime_acceptance(r["metrics"]) if counters else None
         row["acceptance"] = {"lifetime": life.as_dict() if life else None,
                              "recent": sampler.recent(f"{host}/{vmid}", counters, st.get("pid"))}
+        if sup.get("supervisor") == "systemd" and st.get("alive") and not sup.get("serving_passed_gate") \
+                and row["acceptance"]["recent"] is None and life:
+            # vLLM's counters start at its own start: for a restarted server, its lifetime is "since that restart"
+            row["acceptance"]["recent"] = {**life.as_dict(), "since": "restart",
+                                           "since_s": row.get("uptime_s")}
     return row
+
+
+def supervision_of(raw: dict | None, st: dict) -> dict:
+    """The row's `supervision` object (status/v1): supervisor systemd or none, and for systemd the unit, restarts
+    since up (NRestarts), the last exit, whether the serving process passed the gate itself."""
+    raw = raw or {}
+    if raw.get("supervisor") != "systemd":
+        return {"supervisor": "none", "unit": None, "restarts": None, "last_exit": None,
+                "serving_passed_gate": None if not st.get("alive") else True, "start_limit_hit": False,
+                "container_restarted": None, "enabled": None, "active": None, "sub": None}
+    return {"supervisor": "systemd", "unit": raw.get("unit"), "restarts": raw.get("restarts"),
+            "last_exit": raw.get("last_exit"), "serving_passed_gate": raw.get("serving_passed_gate"),
+            "start_limit_hit": bool(raw.get("start_limit_hit")), "container_restarted": raw.get("container_restarted"),
+            "enabled": raw.get("enabled"), "active": raw.get("active"), "sub": raw.get("sub")}
+
+
+def exit_text(ex: dict | None) -> str:
+    """'signal KILL at 14:03:12' / 'code 1 at ...' / 'none recorded'."""
+    if not ex:
+        return "none recorded (the container's journal starts at its boot)"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ex["at"])) if ex.get("at") else "unknown time"
+    what = f"signal {ex.get('status')}" if ex.get("code") in ("killed", "dumped") else f"code {ex.get('status')}"
+    return f"{what} at {when}"
 
 
 def gather(inv, targets, fleet: Fleet | None = None, *, deadline: float = 15.0, sampler: Sampler | None = None,
@@ -336,7 +395,8 @@ def _row(host, vmid, **values) -> dict:
     row = {"host": host, "vmid": vmid, "reachable": True, "container": "unknown", "playbook": None, "pid": None,
            "process": "unknown", "health": None, "served_model": None, "method": None, "gpus": [],
            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
-           "url": None, "tunnel": None, "healthy": False, "timed_out": False, "problems": []}
+           "url": None, "tunnel": None, "supervision": None, "healthy": False, "timed_out": False, "problems": [],
+           "notes": []}
     row.update(values)
     return row
 
@@ -383,6 +443,9 @@ def render_table(rows, color: bool, width: int | None = None) -> str:
                        "GPU MEM", "UP"], width=width)
     probs = [f"  {r['host']}/{r['vmid']}: {p}" for r in rows for p in r["problems"]]
     probs += [f"  {r['host']}/{r['vmid']}: last error: {r['last_error']}" for r in rows if r.get("last_error")]
+    notes = [f"  {r['host']}/{r['vmid']}: {n}" for r in rows for n in r.get("notes") or []]
+    if notes:
+        text += "\n\nSupervision:\n" + "\n".join(wrap(n, width, indent=4) for n in notes)
     if probs:
         text += "\n\nProblems:\n" + "\n".join(wrap(p, width, indent=4) for p in probs)
     if color:
@@ -526,13 +589,16 @@ def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
         return EXIT_FAILED
     log_path = os.path.join(rt.get("state_dir") or DEFAULT_STATE_DIR, "vllm.log")
     python = rt.get("python") or DEFAULT_PYTHON
-    args = {"log_path": log_path, "n": n, "grep": grep, "follow": follow, "follow_s": 24 * 3600,
-            "exclude": None if show_all else vf.OWN_PROBE_REQUESTS}
+    args = {"log_path": log_path, "state_dir": rt.get("state_dir") or DEFAULT_STATE_DIR, "n": n, "grep": grep,
+            "follow": follow, "follow_s": 24 * 3600, "exclude": None if show_all else vf.OWN_PROBE_REQUESTS}
     if not follow:
         from .report import Progress
 
         with Progress().heartbeat(f"{host}/{vmid}", f"read {log_path}", 30):
             r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
+        if r.get("unit") and not r["lines"]:  # a systemd unit's journal (agent: the state file names the unit)
+            click.echo(f"{host}/{vmid}: the journal of {r['unit']} is empty ({r.get('source')})", err=True)
+            return EXIT_FAILED
         if not r.get("exists"):
             click.echo(f"{host}/{vmid}: no log at {log_path} (nothing was launched there?)", err=True)
             return EXIT_FAILED

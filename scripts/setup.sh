@@ -12,6 +12,10 @@ command -v fuser >/dev/null 2>&1 || need+=(psmisc)
 command -v unshare >/dev/null 2>&1 || need+=(util-linux)
 command -v ps >/dev/null 2>&1 || need+=(procps)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+# the test bed's LXC containers with systemd as init (docs/testbed.md): Debian's lxc, and debootstrap for their
+# root file system (built once, into /var/cache/vpd-testbed)
+command -v lxc-start >/dev/null 2>&1 || need+=(lxc)
+command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "setup: installing ${need[*]}" >&2

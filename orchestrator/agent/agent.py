@@ -239,7 +239,7 @@ def open_dir(path, create_mode=None):
         raise
 
 
-STATE_FILES = re.compile(r"(state\.json|state\.stopped\.json|last_failure\.json|vllm\.log(\.1)?|exit_code|lock"
+STATE_FILES = re.compile(r"(vllm-.*\.env|state\.json|state\.stopped\.json|last_failure\.json|vllm\.log(\.1)?|exit_code|lock"
                          r"|install\.json|install\.lock|install-.*\.log|runtime\.json"
                          r"|lock\.break|\.lock\.stale-.*|lock\.break\.stale-.*|\..*\.tmp-.*)$")
 
@@ -313,6 +313,12 @@ def read_state(state_dir):
         return None
     except (OSError, ValueError) as e:
         return {"corrupt": str(e), "path": path}
+    if st.get("unit") and systemd_running():
+        # systemd may have restarted the server (or the container booted): the unit's MainPID is the process now
+        u = st["unit_state"] = unit_show(st["unit"])
+        main = int(u.get("MainPID") or 0)
+        st["pid"] = st["pgid"] = main or None
+        st["starttime"] = proc_starttime(main) if main else None
     pid = st.get("pid")
     st["ours"] = ours(st)
     st["alive"] = bool(pid) and alive(pid) and st["ours"]
@@ -539,7 +545,26 @@ def act_stop(a):
                             "this container's state file names %s (pid %s, not running), not %s")
                            % (st.get("playbook"), st.get("pid"), a["only_playbook"]),
                 "running": st.get("playbook")}
-    if st and not st.get("corrupt"):
+    if st and not st.get("corrupt") and st.get("unit"):
+        # systemd's unit: `systemctl stop` ends every process of its cgroup (SIGTERM, TimeoutStopSec = the grace,
+        # then SIGKILL), `disable` keeps it from starting at the next boot
+        report["state"] = {k: st.get(k) for k in ("pid", "pgid", "playbook", "started_at", "alive", "unit")}
+        members = unit_cgroup_members(st["unit"])
+        report["terminated"] = [{"pid": p, "comm": proc_name(p)} for p in members]
+        if systemd_running():
+            emit(event="stop", message="systemctl stop %s (%d process(es) in its cgroup), then disable"
+                                       % (st["unit"], len(members)))
+            report["unit"] = unit_stop(st["unit"], grace + 30)
+            if st.get("env_file"):  # the secrets are not kept once nothing uses them
+                report["unit"]["env_file_removed"] = remove_owned(os.path.dirname(st["env_file"]),
+                                                                  os.path.basename(st["env_file"]))
+            if report["unit"]["stop"]["rc"]:
+                report["unit_problem"] = "systemctl stop %s failed: %s" % (st["unit"], report["unit"]["stop"]["output"])
+            report["cgroup_left"] = [{"pid": p, "comm": proc_name(p)} for p in unit_cgroup_members(st["unit"])]
+        else:
+            report["unit_problem"] = ("the state file names unit %s but systemd is not running in this container "
+                                      "now; nothing was stopped through it" % st["unit"])
+    elif st and not st.get("corrupt"):
         report["state"] = {k: st.get(k) for k in ("pid", "pgid", "playbook", "started_at", "alive")}
         members = proven_members(st)
         if not members and st.get("pgid") and _group_members(st["pgid"]):
@@ -809,6 +834,23 @@ def act_launch(a):
     env.update(a.get("env") or {})
     env.update(SECRETS.get("env") or {})
     env[LAUNCH_ID_VAR] = launch_id
+    if a.get("unit") and systemd_running():
+        try:
+            r = _launch_unit(a, dfd, {k: v for k, v in env.items() if k != LAUNCH_ID_VAR}, launch_id)
+        finally:
+            os.close(dfd)
+        if r.get("ok"):
+            st = dict(a.get("record") or {})
+            pid = r["pid"]
+            st.update(pid=pid, pgid=pid, argv=a["argv"], env_keys=sorted(env), log_path=None, started_at=now(),
+                      starttime=proc_starttime(pid), launch_id=launch_id, supervisor="systemd", unit=r["unit"],
+                      unit_path=r["unit_path"], env_file=r["env_file"], unit_sha256=r["unit_sha256"],
+                      invocation=r.get("invocation"), init_starttime=init_starttime(),
+                      launched={"pid": pid, "starttime": proc_starttime(pid)},
+                      argv0_real=os.path.realpath(a["argv"][0]))  # which venv it runs from (install-vllm)
+            write_json_atomic(os.path.join(state_dir, "state.json"), st)
+            r.update(pgid=pid, log_path="journal: journalctl -u %s" % r["unit"])
+        return r
     try:
         if os.path.dirname(log_path) != state_dir.rstrip("/"):
             return {"ok": False, "message": "the log %s must be in the state directory %s" % (log_path, state_dir)}
@@ -853,10 +895,12 @@ def act_launch(a):
         devnull.close()
     st = dict(a.get("record") or {})
     st.update(pid=proc.pid, pgid=proc.pid, argv=a["argv"], env_keys=sorted(env), log_path=log_path,
-              started_at=now(), starttime=proc_starttime(proc.pid), launch_id=launch_id,
+              started_at=now(), starttime=proc_starttime(proc.pid), launch_id=launch_id, supervisor="none",
+              init_starttime=init_starttime(), launched={"pid": proc.pid, "starttime": proc_starttime(proc.pid)},
               argv0_real=os.path.realpath(a["argv"][0]))  # which venv it runs from (install-vllm switches links)
     write_json_atomic(os.path.join(state_dir, "state.json"), st)
-    return {"ok": True, "pid": proc.pid, "pgid": proc.pid, "log_path": log_path}
+    return {"ok": True, "pid": proc.pid, "pgid": proc.pid, "log_path": log_path, "supervisor": "none",
+            "systemd": systemd_running()}
 
 
 def _tail_lines(path, pos, limit=4 << 20):
@@ -905,7 +949,8 @@ def act_wait_ready(a):
     phases = [(re.compile(p["regex"]), p["phase"]) for p in a["phases"]]
     aux_re = re.compile(a["aux_regex"])
     api_key = SECRETS.get("api_key")
-    pos, last_lines, aux, seen_phases = 0, [], None, []
+    last_lines, aux, seen_phases = [], None, []
+    log = LogReader(st, log_path)
     t0 = now()
     ready_http = False
 
@@ -933,22 +978,36 @@ def act_wait_ready(a):
 
     last_beat = now()
     while True:
-        pos, lines = _tail_lines(log_path, pos)
-        failed = scan(lines)
+        failed = scan(log.read())
         if failed:
             return failed
         if now() - last_beat >= float(a.get("heartbeat_s", 10)):  # a 27B model loads for minutes: show life
             last_beat = now()
             emit(event="waiting", elapsed=round(now() - t0, 1), line=(last_lines[-1] if last_lines else "")[-4000:])
         if not alive(pid):
-            # read what is left of the log first: the fatal line may be the last thing it wrote
-            pos, lines = _tail_lines(log_path, pos)
-            failed = scan(lines)
-            if failed:
-                return failed
-            code = read_exit_code(a.get("state_dir"))
-            return {"ready": False, "reason": "exited", "exit_code": code, "log_tail": last_lines[-15:],
-                    "seconds": round(now() - t0, 1), "phases": seen_phases}
+            # read what is left of the log first: the fatal line may be the last thing it wrote (journald may
+            # still be storing the last lines: read until nothing new came for a moment, at most 2 s)
+            quiet_until, give_up = now() + (0.4 if log.unit else 0), now() + 2
+            while True:
+                lines = log.read()
+                failed = scan(lines)
+                if failed:
+                    return failed
+                if lines:
+                    quiet_until = now() + (0.4 if log.unit else 0)
+                if now() >= quiet_until or now() >= give_up:
+                    break
+                time.sleep(0.1)
+            res = {"ready": False, "reason": "exited", "log_tail": last_lines[-15:],
+                   "seconds": round(now() - t0, 1), "phases": seen_phases}
+            if log.unit:
+                ex = last_exit(log.unit)
+                res["last_exit"] = ex
+                res["exit_code"] = (ex or {}).get("status") if (ex or {}).get("code") == "exited" else None
+                res["unit"] = log.unit
+            else:
+                res["exit_code"] = read_exit_code(a.get("state_dir"))
+            return res
         if not ready_http:
             st, body = http(port, "/health", timeout=2, host=host)
             if st == 200:
@@ -1039,8 +1098,49 @@ def tail_file(path, n, grep=None, exclude=None):
     return lines[-n:]
 
 
+def _unit_of(state_dir):
+    """The unit named by the state file (running or stopped) when systemd runs here, else None."""
+    if not state_dir or not systemd_running():
+        return None
+    for name in ("state.json", "state.stopped.json"):
+        st = _read_json(os.path.join(state_dir, name))
+        if st:
+            return st.get("unit")
+    return None
+
+
 def act_logs(a):
     path, n, grep, exclude = a["log_path"], int(a.get("n", 50)), a.get("grep"), a.get("exclude")
+    unit = _unit_of(a.get("state_dir"))
+    if unit:
+        lines = unit_log_tail(unit, n, grep, exclude)
+        if not a.get("follow"):
+            return {"lines": lines, "exists": True, "unit": unit, "source": "journalctl -u %s -o cat" % unit}
+        for ln in lines:
+            emit(event="line", line=ln)
+        args = ["-u", unit, "-o", "cat", "-f", "-n", "0"]
+        p = subprocess.Popen(["journalctl", "--no-pager", "-q"] + args, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        rx = re.compile(grep) if grep else None
+        ex = re.compile(exclude) if exclude else None
+        deadline = now() + float(a.get("follow_s", 3600))
+        try:
+            import selectors
+            sel = selectors.DefaultSelector()
+            sel.register(p.stdout, selectors.EVENT_READ)
+            while now() < deadline:
+                if not sel.select(timeout=min(1.0, max(0.0, deadline - now()))):
+                    continue
+                raw = p.stdout.readline()
+                if not raw:
+                    break
+                ln = ANSI.sub("", raw.decode("utf-8", "replace").rstrip("\n"))
+                if (rx is None or rx.search(ln)) and (ex is None or not ex.search(ln)):
+                    emit(event="line", line=ln)
+        finally:
+            p.kill()
+            p.wait()
+        return {"followed_s": a.get("follow_s"), "unit": unit}
     lines = tail_file(path, n, grep, exclude)
     if not a.get("follow"):
         return {"lines": lines, "exists": os.path.exists(path)}
@@ -1057,6 +1157,297 @@ def act_logs(a):
                 emit(event="line", line=ln)
         time.sleep(0.25)
     return {"followed_s": a.get("follow_s")}
+
+
+# ------------------------------------------------------------------ systemd: the unit that supervises vLLM
+# Where the container runs systemd (/run/systemd/system exists exactly when systemd is the running init), `launch`
+# installs vllm-PLAYBOOK.service and starts it: systemd restarts a crashed server (Restart=on-failure, bounded by
+# the start limit), brings it back when the container boots (WantedBy=multi-user.target) and stops every process
+# of it (KillMode=control-group). See docs/domain/systemd-in-containers.md.
+
+UNIT_DIR = "/etc/systemd/system"
+EXIT_MESSAGE_ID = "98e322203f7a4ed290d09fe03c09fe15"  # systemd: "UNIT: Main process exited, code=..., status=..."
+UNIT_PROPS = ("MainPID", "NRestarts", "ActiveState", "SubState", "Result", "ExecMainStatus", "ExecMainCode",
+              "ActiveEnterTimestamp", "UnitFileState", "InvocationID", "LoadState")
+
+
+def systemd_running():
+    return os.path.isdir("/run/systemd/system")
+
+
+def systemctl(args, timeout=60):
+    """-> (returncode, stdout+stderr) of `systemctl ARGS`, bounded by a deadline."""
+    try:
+        p = subprocess.run(["systemctl"] + list(args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 124, "systemctl %s: no answer within %gs" % (" ".join(args), timeout)
+    except OSError as e:
+        return 127, "cannot run systemctl: %s" % e.strerror
+    return p.returncode, clean(p.stdout.decode("utf-8", "replace")).strip()
+
+
+def unit_show(unit):
+    """systemctl show UNIT's properties that deploy reads -> dict (empty where systemd does not answer)."""
+    rc, out = systemctl(["show", unit, "--no-pager"] + ["-p" + p for p in UNIT_PROPS], timeout=20)
+    if rc:
+        return {}
+    return dict(ln.split("=", 1) for ln in out.splitlines() if "=" in ln)
+
+
+def journal(args, timeout=20, limit=8 << 20):
+    """journalctl ARGS --no-pager -> its stdout lines (control sequences stripped), [] where it fails."""
+    try:
+        p = subprocess.run(["journalctl", "--no-pager", "-q"] + list(args), stdin=subprocess.DEVNULL,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=timeout)
+    except (subprocess.TimeoutExpired, OSError):
+        return []
+    return [ANSI.sub("", ln) for ln in p.stdout[-limit:].decode("utf-8", "replace").splitlines()]
+
+
+def last_exit(unit):
+    """The unit's last main-process exit from the journal: {"code": exited|killed|dumped, "status": N or signal
+    name, "at": epoch seconds, "message": ...} or None. (systemctl show forgets it once systemd restarted it.)"""
+    for ln in reversed(journal(["-o", "json", "-n", "1", "MESSAGE_ID=" + EXIT_MESSAGE_ID, "UNIT=" + unit])):
+        try:
+            d = json.loads(ln)
+        except ValueError:
+            continue
+        status = d.get("EXIT_STATUS")
+        code = d.get("EXIT_CODE")
+        if code in ("killed", "dumped") and status and status.isdigit():
+            try:
+                status = signal.Signals(int(status)).name
+            except ValueError:
+                pass
+        elif status and status.isdigit():
+            status = int(status)
+        try:
+            at = int(d.get("__REALTIME_TIMESTAMP")) / 1e6
+        except (TypeError, ValueError):
+            at = None
+        return {"code": code, "status": status, "at": at, "message": clean(str(d.get("MESSAGE", "")))}
+    return None
+
+
+def unit_quote(arg):
+    """One argument of ExecStart= / Environment=, double-quoted: systemd's C-style escapes for \\ and ", and %%
+    and $$ so that neither specifiers nor variables are expanded (the argv is exactly the plan's)."""
+    if "\n" in arg or "\0" in arg:
+        raise ValueError("an argument with a newline or NUL cannot go into a unit file: %r" % arg[:80])
+    return '"%s"' % arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+
+
+def env_file_line(name, value):
+    """NAME='value' for an EnvironmentFile: single quotes, so systemd expands nothing in it."""
+    if "'" in value or "\n" in value or "\0" in value:
+        raise ValueError("the value of %s has a quote or a newline: not supported in an environment file" % name)
+    return "%s='%s'\n" % (name, value)
+
+
+def unit_text(a, env, env_file):
+    s = a["supervise"]
+    lines = ["# Written by vllm-pve-deploy (`deploy up %s`): deploy rewrites it; edit the playbook, not this file."
+             % a["playbook"],
+             "[Unit]",
+             "Description=vLLM for playbook %s (vllm-pve-deploy)" % a["playbook"],
+             "After=network.target",
+             "StartLimitBurst=%d" % int(s["start_limit_burst"]),
+             "StartLimitIntervalSec=%gs" % float(s["start_limit_interval_s"]),
+             "",
+             "[Service]",
+             "Type=simple",
+             "ExecStart=" + " ".join(unit_quote(x) for x in a["argv"]),
+             "WorkingDirectory=/"]
+    lines += ["Environment=" + unit_quote("%s=%s" % (k, v)) for k, v in sorted(env.items())]
+    lines += ["# secrets (API key, tokens): only in this 0600 file, never in the unit, the argv or the state file",
+              "EnvironmentFile=" + env_file,
+              "StandardOutput=journal",
+              "StandardError=inherit",
+              "SyslogIdentifier=vllm-%s" % a["playbook"],
+              "KillMode=control-group",
+              "TimeoutStopSec=%gs" % max(1.0, float(a.get("stop_grace_s", 30))),
+              "Restart=on-failure",
+              "# vLLM exits 0 when its engine dies: that is a crash here, not a clean stop",
+              "RestartForceExitStatus=0",
+              "RestartSec=%gs" % float(s["restart_sec"]),
+              "",
+              "[Install]",
+              "WantedBy=multi-user.target",
+              ""]
+    return "\n".join(lines).encode()
+
+
+def write_owned(d, name, data, mode):
+    """A file that only deploy writes (the unit, its environment file): only when its bytes differ; temp file,
+    fsync, rename, read back; through a checked directory fd, never through a symlink. -> (changed, sha256)"""
+    want = hashlib.sha256(data).hexdigest()
+    dfd = open_dir(d)
+    try:
+        try:
+            lst = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            lst = None
+        if lst is not None and not _stat.S_ISREG(lst.st_mode):
+            raise OSError(errno.EEXIST, "%s/%s exists and is not a regular file (a symlink?): refusing to write "
+                                        "through it" % (d, name))
+        if lst is not None and _stat.S_IMODE(lst.st_mode) == mode and _sha_at(dfd, name, follow=False)[0] == want:
+            return False, want
+        write_at(dfd, name, data, mode, owner=(0, 0))
+        got = _sha_at(dfd, name, follow=False)[0]
+        if got != want:
+            raise OSError(errno.EIO, "read back %s/%s: sha256 %s, wrote %s" % (d, name, got, want))
+        return True, want
+    finally:
+        os.close(dfd)
+
+
+def remove_owned(d, name):
+    try:
+        dfd = open_dir(d)
+    except (OSError, UnsafeDirectory):
+        return False
+    try:
+        os.unlink(name, dir_fd=dfd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(dfd)
+
+
+def _launch_unit(a, dfd, env, launch_id):
+    """Install, enable and start vllm-PLAYBOOK.service. The caller's env minus the secrets goes into the unit
+    (what `deploy plan` shows), the secrets and the launch id into a 0600 EnvironmentFile in the state dir."""
+    state_dir = a["state_dir"]
+    unit = a["unit"]
+    secrets = dict(SECRETS.get("env") or {})
+    secrets[LAUNCH_ID_VAR] = launch_id
+    plain = {k: v for k, v in env.items() if k not in secrets}
+    env_name = unit.rsplit(".", 1)[0] + ".env"
+    env_file = os.path.join(state_dir, env_name)
+    res = {"supervisor": "systemd", "unit": unit, "unit_path": os.path.join(UNIT_DIR, unit), "env_file": env_file}
+    try:
+        write_owned(state_dir, env_name, "".join(env_file_line(k, v) for k, v in sorted(secrets.items())).encode(),
+                    0o600)
+        changed, sha = write_owned(UNIT_DIR, unit, unit_text(a, plain, env_file), 0o644)
+    except (OSError, UnsafeDirectory, ValueError) as e:
+        res.update(ok=False, message="cannot write the unit: %s" % e)
+        return res
+    res.update(unit_changed=changed, unit_sha256=sha)
+    steps = ([["daemon-reload"]] if changed else []) + [["reset-failed", unit], ["enable", "--quiet", unit],
+                                                          ["start", unit]]
+    for cmd in steps:
+        rc, out = systemctl(cmd)
+        if rc and cmd[0] != "reset-failed":
+            res.update(ok=False, message="systemctl %s failed (exit %d): %s" % (" ".join(cmd), rc, out[-2000:]))
+            return res
+    u = unit_show(unit)
+    pid = int(u.get("MainPID") or 0)
+    if not pid:
+        res.update(ok=False, message="systemctl start %s: no main process (ActiveState=%s, Result=%s)"
+                                     % (unit, u.get("ActiveState"), u.get("Result")), unit_state=u)
+        return res
+    res.update(ok=True, pid=pid, invocation=u.get("InvocationID"))
+    return res
+
+
+def unit_stop(unit, timeout):
+    """systemctl stop + disable (+ reset-failed): every process of the unit's cgroup ends (TimeoutStopSec, then
+    SIGKILL); the unit no longer starts at boot. -> report dict."""
+    rep = {"unit": unit}
+    rc, out = systemctl(["stop", unit], timeout=timeout)
+    rep["stop"] = {"rc": rc, "output": out[-1000:]}
+    rc, out = systemctl(["disable", "--quiet", unit], timeout=30)
+    rep["disable"] = {"rc": rc, "output": out[-1000:]}
+    systemctl(["reset-failed", unit], timeout=30)
+    u = unit_show(unit)
+    rep.update(active=u.get("ActiveState"), enabled=u.get("UnitFileState"))
+    return rep
+
+
+def unit_cgroup_members(unit):
+    """PIDs whose cgroup is the unit's (system.slice/UNIT): the processes systemd stops with it."""
+    out = []
+    needle = "/system.slice/%s" % unit
+    for p in pids():
+        try:
+            with open("/proc/%d/cgroup" % p) as fh:
+                if any(ln.rstrip("\n").endswith(needle) or (needle + "/") in ln for ln in fh):
+                    out.append(p)
+        except OSError:
+            pass
+    return out
+
+
+def init_starttime():
+    return proc_starttime(1)
+
+
+def supervision(st):
+    """What systemd says about a state file's unit: restarts, last exit, whether the serving process is the one
+    that passed the gate, whether the container rebooted since `up`. None for the setsid path."""
+    if not st or not st.get("unit"):
+        return {"supervisor": "none", "systemd_running": systemd_running()}
+    u = st.get("unit_state") or {}
+    out = {"supervisor": "systemd", "unit": st["unit"], "active": u.get("ActiveState"), "sub": u.get("SubState"),
+           "result": u.get("Result"), "enabled": u.get("UnitFileState"),
+           "restarts": int(u["NRestarts"]) if (u.get("NRestarts") or "").isdigit() else None,
+           "last_exit": last_exit(st["unit"]), "main_pid": int(u.get("MainPID") or 0) or None,
+           "container_restarted": (st.get("init_starttime") is not None
+                                   and init_starttime() != st.get("init_starttime")),
+           "systemd_running": systemd_running()}
+    # systemd 252 keeps Result=exit-code when the limit stops an automatic restart; it says so in the journal
+    out["start_limit_hit"] = u.get("Result") == "start-limit-hit" or (
+        u.get("ActiveState") == "failed" and any("repeated too quickly" in ln for ln in journal(
+            ["UNIT=" + st["unit"], "_PID=1", "-o", "cat", "-n", "3"])))
+    bt, stt = _boot_time(), proc_starttime(out["main_pid"]) if out["main_pid"] else None
+    out["main_started_at"] = bt + stt / os.sysconf("SC_CLK_TCK") if bt and stt is not None else None
+    launched = st.get("launched") or {}
+    if out["main_pid"]:
+        out["serving_passed_gate"] = (out["main_pid"] == launched.get("pid")
+                                      and proc_starttime(out["main_pid"]) == launched.get("starttime"))
+    else:
+        out["serving_passed_gate"] = None
+    return out
+
+
+class LogReader:
+    """New log lines of a launch: from the log file (setsid path) or the unit's journal (systemd path, this
+    invocation only, so an earlier run's fatal line is never taken for this one's)."""
+
+    def __init__(self, st, log_path):
+        self.unit = (st or {}).get("unit")
+        self.invocation = (st or {}).get("invocation")
+        self.path = log_path
+        self.pos = 0
+        self.cursor = None
+
+    def read(self):
+        if not self.unit:
+            self.pos, lines = _tail_lines(self.path, self.pos)
+            return lines
+        args = ["-o", "cat", "--show-cursor"]
+        args += ["_SYSTEMD_INVOCATION_ID=" + self.invocation] if self.invocation else ["-u", self.unit]
+        if self.cursor:
+            args += ["--after-cursor", self.cursor]
+        out = journal(args, timeout=10)
+        if out and out[-1].startswith("-- cursor: "):
+            self.cursor = out.pop()[len("-- cursor: "):].strip()
+        return out
+
+
+def unit_log_tail(unit, n, grep=None, exclude=None):
+    if n <= 0:
+        return []
+    lines = journal(["-u", unit, "-o", "cat", "-n", str(n * (20 if grep or exclude else 1))], timeout=30)
+    if grep:
+        rx = re.compile(grep)
+        lines = [ln for ln in lines if rx.search(ln)]
+    if exclude:
+        ex = re.compile(exclude)
+        lines = [ln for ln in lines if not ex.search(ln)]
+    return lines[-n:]
 
 
 # ------------------------------------------------------------------ actions: lock
@@ -1216,7 +1607,7 @@ def act_status(a):
     import threading
 
     state_dir = a["state_dir"]
-    res = {"state": read_state(state_dir), "memory": None}
+    res = {"state": read_state(state_dir), "memory": None, "_fatal": a.get("fatal_regex")}
     argv = (res["state"] or {}).get("argv") or []
     if argv and isinstance(argv[0], str):
         res["argv0_real_now"] = os.path.realpath(argv[0])
@@ -1236,6 +1627,7 @@ def act_status(a):
         smi.join()
     if failed:
         raise failed[0]
+    res.pop("_fatal", None)
     return res
 
 
@@ -1282,14 +1674,27 @@ def _status_rest(res, state_dir):
             except OSError as e:
                 res["drafter_sha256"] = None
                 res["drafter_error"] = e.strerror
+        res["supervision"] = sup = supervision(st)
         if not st.get("alive"):
-            res["exit_code"] = read_exit_code(state_dir, 0)
-        if not st.get("alive") or res.get("health") != 200:
-            errs = [ln for ln in tail_file(st.get("log_path", ""), 400)
-                    if re.search(r"Error|error:|Traceback|died|failed", ln)]
-            res["last_error"] = errs[-1][-4000:] if errs else None
+            if st.get("unit"):
+                ex = sup.get("last_exit") or {}
+                res["exit_code"] = ex.get("status") if ex.get("code") == "exited" else None
+            else:
+                res["exit_code"] = read_exit_code(state_dir, 0)
+        if not st.get("alive") or res.get("health") != 200 or (sup.get("restarts") or 0) > 0:
+            if st.get("unit"):  # the server's own lines (not systemd's about it)
+                lines = journal(["_SYSTEMD_UNIT=" + st["unit"], "-o", "cat", "-n", "400"])
+            else:
+                lines = tail_file(st.get("log_path") or "", 400)
+            errs = [ln for ln in lines if re.search(r"Error|error:|Traceback|died|failed", ln)]
+            # the line that names the cause (vLLM's known startup failures) over the wrapper's last words
+            # (the table is ordered specific first: "CUDA out of memory" before "Engine core initialization failed")
+            named = next(([ln for ln in errs if rx.search(ln)] for rx in map(re.compile, res.get("_fatal") or [])
+                          if any(rx.search(ln) for ln in errs)), None)
+            res["last_error"] = (named or errs)[-1][-4000:] if errs else None
     else:
         res["vllm_processes"] = vllm_processes()
+        res["supervision"] = {"supervisor": "none", "systemd_running": systemd_running()}
     failure = _read_json(os.path.join(state_dir, "last_failure.json"))
     if failure:
         res["last_failure"] = failure

@@ -50,10 +50,43 @@ def port_free(ctx: Context, step: Step) -> None:
 def launch(ctx: Context, step: Step) -> LaunchResult:
     t0 = time.monotonic()
     r: LaunchResult = ctx.call(step, secrets={"env": ctx.secrets} if ctx.secrets else None)
-    if not r.ok:
-        ctx.fail(step.name, t0, r.message or "launch failed", fix="check runtime.vllm in the playbook")
-    ctx.record(step.name, True, f"vllm serve started: pid {r.pid}, log {r.log_path}", t0, result=r)
+    if not r.get("ok"):
+        if r.get("supervisor") == "systemd":
+            ctx.fail(step.name, t0, f"{r.get('unit')}: {r.get('message', 'launch failed')}",
+                     fix=f"read the unit's journal in the container: pct exec {ctx.pb.vmid} -- journalctl -u "
+                         f"{r.get('unit')} -n 50 (deploy logs {ctx.pb.name})", result=r)
+        ctx.fail(step.name, t0, r.get("message", "launch failed"), fix="check runtime.vllm in the playbook")
+    if r.get("supervisor") == "systemd":
+        ctx.record(step.name, True, f"vllm serve started as systemd unit {r['unit']} (enabled: restarts on failure, "
+                                    f"starts at boot): pid {r['pid']}, log: journalctl -u {r['unit']}", t0, result=r)
+        onboot_check(ctx)
+    else:
+        ctx.record(step.name, True, f"vllm serve started: pid {r['pid']}, log {r['log_path']}; not supervised: "
+                                    "a crash leaves it down (the container does not run systemd)", t0, result=r)
     return r
+
+
+def onboot_check(ctx: Context) -> None:
+    """The unit starts when the container boots; the container starts with the host only with `onboot: 1`."""
+    t0 = time.monotonic()
+    try:
+        res = ctx.session.run(["pct", "config", str(ctx.pb.vmid)], timeout=20)
+    except Exception as e:  # noqa: BLE001 - a warning only; the deployment itself is not at stake
+        ctx.record("onboot", None, f"could not read pct config {ctx.pb.vmid}: {e}", t0)
+        return
+    onboot = None
+    for ln in res.out.splitlines():
+        k, _, v = ln.partition(":")
+        if k.strip() == "onboot":
+            onboot = v.strip()
+    if onboot == "1":
+        ctx.record("onboot", True, "the container starts with the host (onboot: 1): vLLM comes back after a "
+                                   "host reboot", t0)
+    else:
+        ctx.record("onboot", None, f"warning: container {ctx.pb.vmid} does not start with the host (pct config: "
+                                   f"onboot {onboot or 'absent'}), so after a host reboot vLLM stays down until "
+                                   f"someone starts the container; fix: pct set {ctx.pb.vmid} --onboot 1 on "
+                                   f"{ctx.pb.host}", t0)
 
 
 def wait_ready(ctx: Context, step: Step) -> ReadyResult:

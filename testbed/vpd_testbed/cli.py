@@ -86,8 +86,8 @@ def _parse_ct_options(items) -> dict:
 @click.option("--net", default=None, metavar="127.X.Y.",
               help="loopback prefix the hosts listen on (default: $VPD_TESTBED_NET or 127.77.0.)")
 @click.option("--ct-option", "ct_options", multiple=True, metavar="HOST/VMID:KEY=VALUE[,KEY=VALUE]",
-              help="vary one container: passthrough=dev|mount|cgroup-all, ip=ADDR/NN, python=venv|system|none "
-                   "(repeatable; docs/testbed.md)")
+              help="vary one container: passthrough=dev|mount|cgroup-all, ip=ADDR/NN, python=venv|system|none, "
+                   "init=namespaces|systemd (systemd: a real LXC container), onboot=0|1 (repeatable; docs/testbed.md)")
 def up_cmd(hosts, containers, gpus, root, net, ct_options):
     """Start the test bed and write its inventory.
 
@@ -96,6 +96,7 @@ def up_cmd(hosts, containers, gpus, root, net, ct_options):
       deploy testbed up --hosts 2 --containers 129,130:0-1 --gpus 4
       deploy testbed up --containers 129,131:2,133 --ct-option pve1/131:passthrough=mount,ip=10.99.0.31/24 \\
                         --ct-option pve1/133:passthrough=cgroup-all,python=none
+      deploy testbed up --containers 129,131 --ct-option pve1/131:init=systemd,onboot=1
       export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml
     """
     import time

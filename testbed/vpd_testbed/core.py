@@ -40,6 +40,14 @@ SITE_DIR = "/root/.vpd-testbed-site"  # in every container: this machine's site-
 TARGET_CONFIG = DATA / "qwen36-27b-target.trimmed.config.json"
 
 
+# back to a fresh container without rebooting it: deploy's units stopped and removed, its state gone
+LXC_RESET = ("for u in $(systemctl list-units --all --plain --no-legend 'vllm-*.service' | awk '{print $1}') "
+             "$(cd /etc/systemd/system && ls vllm-*.service 2>/dev/null); do systemctl stop \"$u\"; "
+             "systemctl disable --quiet \"$u\" 2>/dev/null; systemctl reset-failed \"$u\" 2>/dev/null; done; "
+             "rm -f /etc/systemd/system/vllm-*.service; systemctl daemon-reload; "
+             "umount /root/models 2>/dev/null; rm -rf /var/lib/vllm-pve-deploy; true")
+
+
 def default_root() -> str:
     return os.environ.get("VPD_TESTBED_DIR") or "/tmp/vpd-testbed"
 
@@ -89,7 +97,8 @@ def _normalize_containers(hosts: int, containers, gpus: int) -> dict:
     return spec
 
 
-CT_OPTIONS = {"passthrough": ("dev", "mount", "cgroup-all"), "ip": None, "python": ("venv", "system", "none")}
+CT_OPTIONS = {"passthrough": ("dev", "mount", "cgroup-all"), "ip": None, "python": ("venv", "system", "none"),
+              "init": ("namespaces", "systemd"), "onboot": ("0", "1")}
 
 
 def _normalize_options(spec: dict, options) -> dict:
@@ -104,6 +113,8 @@ def _normalize_options(spec: dict, options) -> dict:
             if v not in spec[h]:
                 raise TestbedError("options given for unknown container %s/%d" % (h, v))
             for k, val in o.items():
+                if k == "onboot":
+                    val = o[k] = str(val)
                 if k not in CT_OPTIONS:
                     raise TestbedError("unknown container option %r (known: %s)" % (k, ", ".join(CT_OPTIONS)))
                 if CT_OPTIONS[k] and val not in CT_OPTIONS[k]:
@@ -118,7 +129,7 @@ def _pct_conf(v: int, gpus, opt: dict) -> str:
     passthrough "dev" (default, PVE >= 8.1): `devN: /dev/nvidiaK` entries; "mount": `lxc.mount.entry` bind
     mounts of each device; "cgroup-all": only `lxc.cgroup2.devices.allow: c 195:* rwm` plus the control devices
     (the GPU nodes come from a hook, as with an autodev script): every GPU of the host is allowed."""
-    style = opt.get("passthrough", "dev")
+    style = opt.get("passthrough", "mount" if opt.get("init") == "systemd" else "dev")
     ctl_devs = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
     lines = ["arch: amd64", "cores: 32"]
     if style == "dev":
@@ -127,6 +138,7 @@ def _pct_conf(v: int, gpus, opt: dict) -> str:
     lines += ["features: nesting=1", "hostname: %s" % _container_name(v), "memory: 262144",
               "net0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:00:%02X:%02X,ip=%s,type=veth"
               % (v // 256 % 256, v % 256, opt.get("ip") or "dhcp"),
+              *(["onboot: 1"] if opt.get("onboot") == "1" else []),
               "ostype: debian", "rootfs: local-lvm:vm-%d-disk-0,size=200G" % v, "swap: 0",
               "lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 508:* rwm"]
     if style == "mount":
@@ -340,7 +352,8 @@ class Testbed:
         os.chmod(root, 0o755)
         bindir = root / "bin"
         bindir.mkdir()
-        for name in ("ctinit.py", "ctl.py", "gpusim.py", "pct.py", "nvidia_smi.py", "lagproxy.py", "helpers.py"):
+        for name in ("ctinit.py", "ctl.py", "gpusim.py", "pct.py", "nvidia_smi.py", "lagproxy.py", "helpers.py",
+                     "lxcct.py"):
             shutil.copy(SCRIPTS / name, bindir / name)
         keygens = [subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "vpd-testbed-client",
                                      "-f", str(root / "id_ed25519")], stdin=subprocess.DEVNULL)]
@@ -462,6 +475,8 @@ class Testbed:
         ct = {"ctdir": str(d), "hostdir": str(self.root / h), "cbin": str(self.root / h / "cbin"),
               "name": _container_name(vmid), "gpus": list(gpus), "binds": []}
         pyopt = (opt or {}).get("python", "venv")
+        if (opt or {}).get("init") == "systemd":
+            return self._build_lxc(h, vmid, gpus, py, ct, d)
         if pyopt != "venv":
             # "system": no /root/ml-env (only the machine's own python3, without vLLM); "none": not even that
             # (python* in /usr/bin are hidden by whiteouts in an extra overlay layer)
@@ -514,6 +529,42 @@ class Testbed:
                 os.rename(origs[0], env)
         if store.exists() and not any(store.glob("original-*")):
             shutil.rmtree(store, ignore_errors=True)
+    def _build_lxc(self, h, vmid, gpus, py, ct, d: Path):
+        """A real LXC container with systemd as init (lxc.py): its /root (venv with the rootfs's python3.11 and
+        the test environment's site-packages, read-only; models) is the same tree a namespace container gets."""
+        from . import lxc
+
+        lxc.check_prereqs(py["ver"])
+        rootfs = lxc.ensure_rootfs()
+        env = d / "root" / "ml-env"
+        (env / "bin").mkdir(parents=True)
+        sp = env / "lib" / ("python" + py["ver"]) / "site-packages"
+        sp.mkdir(parents=True)
+        for n in ("python", "python3", "python" + py["ver"]):
+            os.symlink("/usr/bin/python" + py["ver"], env / "bin" / n)
+        (env / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\nversion = %s\n"
+                                        % py["ver"])
+        binds, pth = [], []
+        for n, site in enumerate(py["site"]):
+            mp = env / "lib" / ("python" + py["ver"]) / ("host-site%d" % n)
+            mp.mkdir()
+            binds.append([site, "/root/ml-env/lib/python%s/host-site%d" % (py["ver"], n)])
+            pth.append(binds[-1][1])
+            binds.append([site, "%s/%d" % (SITE_DIR, n)])  # as in namespace containers (see site_pth)
+        (sp / "_vpd_testbed_host_site.pth").write_text("\n".join(pth) + "\n")
+        self._install_fake_vllm(sp, env)
+        (d / "run").mkdir(exist_ok=True)
+        smi = d / "nvidia-smi"
+        smi.write_text("#!/usr/bin/python3 -SE\n%s\nimport sys\nsys.exit(main(%r))\n"
+                       % ((SCRIPTS / "nvidia_smi.py").read_text(), "/opt/vpd-testbed-run/nvidia-sim.sock"))
+        os.chmod(smi, 0o755)
+        ct["lxc"] = lxc.write_config(d, "ct%d" % vmid, self.root / h / "lxc", rootfs, self.root / h, gpus, binds)
+        ct["binds"] = [[b[0], str(d / "root" / os.path.relpath(b[1], "/root"))] for b in binds]
+        (d / "ct.json").write_text(json.dumps(ct, indent=1))
+
+    def lxc_of(self, host: str, vmid: int):
+        """The LXC description of a real LXC container (init=systemd), None for a namespace container."""
+        return ctl.lxc_of(str(self.root / host), vmid)
 
     def _build_dev(self, h, d: Path, gpus):
         dev = d / "dev"
@@ -697,7 +748,10 @@ class Testbed:
 
     def stop_container(self, host: str, vmid: int) -> bool:
         self.ctdir(host, vmid)
-        return ctl.stop(str(self.root / host), vmid)
+        try:
+            return ctl.stop(str(self.root / host), vmid)
+        except RuntimeError as e:  # lxc-stop of an LXC container failed
+            raise TestbedError(str(e)) from None
 
     def container_pids(self, host: str, vmid: int, include_init=False) -> list:
         pid = self.init_pid(host, vmid)
@@ -716,6 +770,12 @@ class Testbed:
             e.update(env)
         if isinstance(input, str) and not text:
             input = input.encode()
+        lx = self.lxc_of(host, vmid)
+        if lx:
+            from .scripts import lxcct
+            pre = [] if wd in (None, "/") else ["env", "--chdir=" + wd]
+            return subprocess.run(lxcct.attach_argv(lx, pre + list(argv), env=e), input=input, capture_output=True,
+                                  timeout=timeout, env=e, text=text, check=check)
         return subprocess.run(ctl.enter_argv(pid, argv, wd), input=input, capture_output=True, timeout=timeout,
                               env=e, text=text, check=check)
 
@@ -836,6 +896,8 @@ class Testbed:
             for v in self.spec[h]:
                 if not self.init_pid(h, v):
                     self.start_container(h, v)
+                elif self.lxc_of(h, v):  # systemd and its services stay; deploy's units go
+                    self.container_exec(h, v, ["sh", "-c", LXC_RESET], timeout=60)
                 else:
                     victims += self.container_pids(h, v)
         _kill(victims)
@@ -938,6 +1000,13 @@ class Testbed:
             return
         if not (self.root / STATE).exists() and not (self.root / "bin" / "ctl.py").exists():
             raise TestbedError("%s does not look like a test bed state directory; not removing it" % self.root)
+        for h in self.hosts:  # LXC containers first, through LXC (its monitor cleans up after them)
+            for v in self.spec[h]:
+                if (self.root / h / ("ct%d" % v) / "ct.json").exists() and self.lxc_of(h, v):
+                    try:
+                        self.stop_container(h, v)
+                    except (RuntimeError, TestbedError):
+                        pass
         self._kill_everything()
         for h in self.hosts:
             a = self.address(h)

@@ -193,7 +193,8 @@ def test_fuser_kill_refuses_outside_a_container():
                 pytest.skip("this test machine is itself an LXC container")
     except PermissionError:
         pass  # unreadable: the agent cannot tell either, and must refuse
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # on stdin: the agent is longer than one argv string may be (MAX_ARG_STRLEN, 128 KiB)
+    p = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=60)
     out = json.loads(p.stdout)
     assert "refusing to run fuser -k here" in out["refused"] and "Proxmox host" in out["refused"]
 
@@ -239,10 +240,34 @@ print(json.dumps([http({port}, "/health"), http({port}, "/x"), http({port}, "/ch
                   http({port}, "/v1/completions", "POST", {{"a": 1}}), http(1, "/health", timeout=1)]))
 """
     try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        p = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=60)
     finally:
         srv.shutdown()
     ok, missing, chunked, post, unauth, refused = json.loads(p.stdout)
     assert ok == [200, ""] and missing == [404, "nope"] and chunked == [200, "hello world"]
     assert post[0] == 200 and json.loads(post[1]) == {"got": {"a": 1}} and unauth[0] == 401
     assert refused[0] is None and "ConnectionRefusedError" in refused[1]
+
+
+def test_unit_file_quoting_keeps_the_argv_exact_and_secrets_out():
+    """ExecStart=/Environment= arguments: double-quoted with systemd's escapes, % and $ doubled (no specifier or
+    variable expansion); the environment file single-quotes (systemd expands nothing there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("agent_mod", os.path.join(REPO, "orchestrator", "agent", "agent.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.unit_quote('{"a":"b c"}') == '"{\\"a\\":\\"b c\\"}"'
+    assert mod.unit_quote("50%$HOME\\x") == '"50%%$$HOME\\\\x"'
+    with pytest.raises(ValueError):
+        mod.unit_quote("a\nb")
+    assert mod.env_file_line("VLLM_API_KEY", "s3cr$t\"x") == "VLLM_API_KEY='s3cr$t\"x'\n"
+    with pytest.raises(ValueError):
+        mod.env_file_line("K", "it's")
+    text = mod.unit_text({"playbook": "p", "argv": ["/bin/vllm", "serve"], "stop_grace_s": 12,
+                          "supervise": {"restart_sec": 2, "start_limit_burst": 4, "start_limit_interval_s": 90}},
+                         {"A": "1"}, "/var/lib/x/vllm-p.env").decode()
+    for line in ('ExecStart="/bin/vllm" "serve"', 'Environment="A=1"', "EnvironmentFile=/var/lib/x/vllm-p.env",
+                 "KillMode=control-group", "TimeoutStopSec=12s", "Restart=on-failure", "RestartSec=2s",
+                 "StartLimitBurst=4", "StartLimitIntervalSec=90s", "WantedBy=multi-user.target"):
+        assert line in text.splitlines(), line

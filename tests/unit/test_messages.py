@@ -297,7 +297,7 @@ def test_zombie_vllm_workers_are_not_foreign_processes():
         # the agent's own code, run as a separate process (as in a container), asked for vLLM processes
         code = (open(AGENT_PATH).read().split("\nif __name__ ==")[0]
                 + "\nimport json\nprint(json.dumps([p['pid'] for p in vllm_processes()]))")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert child.pid not in json.loads(out.stdout.splitlines()[-1])
     finally:

@@ -273,3 +273,17 @@ def test_lock_leases_cover_the_steps_they_guard(work):
         lock = next(s for s in steps if s.name == "lock")
         assert lock.args["lease_s"] >= sum(s.timeout for s in steps if s.name not in ("lock", "unlock"))
         assert lock.args["term_s"] == 60
+
+
+def test_supervise_defaults_and_a_start_limit_that_can_never_be_reached(work):
+    pb = load_playbook(str(work / "playbooks" / "qwen36-dflash.yaml"), inv(work))
+    sv = pb.data["supervise"]
+    assert (sv["restart_sec"], sv["start_limit_burst"], sv["start_limit_interval_s"]) == (5.0, 3, 600.0)
+    p = edit(work, "qwen36-dflash", "\ngpu:\n",
+             "\nsupervise:\n  restart_sec: 300\n  start_limit_burst: 3\n  start_limit_interval_s: 600\ngpu:\n")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert f":{line_of(p, 'start_limit_interval_s: 600')}:" in msg and "supervise.start_limit_interval_s" in msg
+    assert "a crash loop would never stop: 3 starts 300 s apart take 900 s" in msg
+    p = edit(work, "qwen36-dflash", "start_limit_burst: 3", "start_limit_burst: 0")
+    (msg,) = problems(lambda: load_playbook(p, inv(work)))
+    assert "supervise.start_limit_burst" in msg

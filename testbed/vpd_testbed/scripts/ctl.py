@@ -33,9 +33,26 @@ def _cmdline(pid):
         return b""
 
 
+def _lxcct():
+    if __package__:  # imported by the test bed's Python API
+        from . import lxcct
+    else:  # the state directory's copy, run by pct with python3 -SE
+        import lxcct
+    return lxcct
+
+
+def lxc_of(hostdir, vmid):
+    """The LXC description of a real LXC container (systemd as init), None for a namespace container."""
+    lxcct = _lxcct()
+    return lxcct.info(lxcct.load_ct(ctdir(hostdir, vmid)))
+
+
 def init_pid(hostdir, vmid):
     """PID (root namespace) of the container's init, or None when the container is stopped."""
     d = ctdir(hostdir, vmid)
+    lx = lxc_of(hostdir, vmid)
+    if lx:
+        return _lxcct().init_pid(lx)
     try:
         with open(os.path.join(d, "init.pid")) as f:
             pid = int(f.read().split()[0])
@@ -58,6 +75,9 @@ def start(hostdir, vmid, python, root_ns_pid=None, timeout=20.0):
     d = ctdir(hostdir, vmid)
     if init_pid(hostdir, vmid):
         raise RuntimeError("CT %d already running" % int(vmid))
+    lx = lxc_of(hostdir, vmid)
+    if lx:
+        return _lxcct().start(lx)
     ctjson = os.path.join(d, "ct.json")
     here = os.path.join(os.path.dirname(os.path.abspath(hostdir)), "bin")  # the state dir's copy
     argv = ["unshare", "--pid", "--mount", "--net", "--uts", "--ipc", "--fork", "--mount-proc",
@@ -152,7 +172,10 @@ def wait_gone(pids, timeout=5.0):
     return not pids
 
 
-def stop(hostdir, vmid, timeout=5.0):
+def stop(hostdir, vmid, timeout=5.0, clean=False):
+    lx = lxc_of(hostdir, vmid)
+    if lx:
+        return _lxcct().stop(lx, clean=clean)
     pid = init_pid(hostdir, vmid)
     if not pid:
         return False

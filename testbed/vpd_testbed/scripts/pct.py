@@ -99,7 +99,12 @@ def cmd_exec(hostdir, host, args):
     if not pid:
         die("container '%d' not running!" % vmid)
     env = dict(os.environ) if keep_env else {"PATH": ctl.DEFAULT_PATH, "container": "lxc"}
-    argv = ctl.enter_argv(pid, cmd)
+    lx = ctl.lxc_of(hostdir, vmid)
+    if lx:  # a real LXC container: lxc-attach, as Proxmox's pct does
+        argv = ctl._lxcct().attach_argv(lx, cmd, env={"PATH": ctl.DEFAULT_PATH}, keep_env=keep_env)
+        env = dict(os.environ)
+    else:
+        argv = ctl.enter_argv(pid, cmd)
     sys.stdout.flush()
     try:
         os.execvpe(argv[0], argv, env)
@@ -128,6 +133,28 @@ def cmd_stop(hostdir, host, args):
     if not ctl.stop(hostdir, vmid):
         die("CT %d not running" % vmid)
     return 0
+
+
+def cmd_shutdown(hostdir, host, args):
+    vmid = get_ct(host, need_vmid(args, "pct shutdown <vmid> [OPTIONS]"))
+    try:
+        if not ctl.stop(hostdir, vmid, clean=True):
+            die("CT %d not running" % vmid)
+    except RuntimeError as e:
+        die("shutdown of container '%d' failed: %s" % (vmid, e))
+    return 0
+
+
+def cmd_reboot(hostdir, host, args):
+    """Like PVE: a clean shutdown, then a start (the container must be running)."""
+    vmid = get_ct(host, need_vmid(args, "pct reboot <vmid> [OPTIONS]"))
+    if not ctl.init_pid(hostdir, vmid):
+        die("CT %d not running" % vmid)
+    try:
+        ctl.stop(hostdir, vmid, clean=True)
+    except RuntimeError as e:
+        die("reboot of container '%d' failed: %s" % (vmid, e))
+    return cmd_start(hostdir, host, [str(vmid)])
 
 
 def cmd_config(hostdir, host, args):
@@ -211,7 +238,7 @@ def cmd_pull(hostdir, host, args):
 
 
 COMMANDS = {"list": cmd_list, "status": cmd_status, "exec": cmd_exec, "start": cmd_start, "stop": cmd_stop,
-            "shutdown": cmd_stop, "config": cmd_config, "push": cmd_push, "pull": cmd_pull}
+            "shutdown": cmd_shutdown, "reboot": cmd_reboot, "config": cmd_config, "push": cmd_push, "pull": cmd_pull}
 
 
 def main(hostdir, argv):
