@@ -570,39 +570,59 @@ def verify(obj, playbook):
     def go():
         from . import ops
         from .remote import Fleet
-        from .report import check_rows, dump_json, table, term_width
+        from .report import dump_json
 
         inv, pb = load(obj, playbook)
-        with Fleet(inv) as fleet:
-            out, r = ops.verify_only(fleet, pb, obj.progress())
+        members = pb.members if pb.is_fleet else [pb]
+        with Fleet(inv) as fleet:  # one connection per host; a playbook with targets: each container in turn
+            outs = [(m, *ops.verify_only(fleet, m, obj.progress())) for m in members]
+        docs = []
+        for m, out, r in outs:
+            doc = {"ok": out.ok, "playbook": m.name, "where": out.where,
+                   "error": out.error.as_dict() if out.error else None,
+                   **(r.as_dict() if hasattr(r, "as_dict") else r)}  # a typed VerifyResult since protocol 2
+            docs.append(doc)
+            if obj.json:
+                continue
+            if len(outs) > 1:
+                click.echo(f"\n== {out.where}")
+            _render_verify(m, out, r)
         if obj.json:
-            dump_json({"ok": out.ok, "playbook": pb.name, "where": out.where,
-                       "error": out.error.as_dict() if out.error else None,
-                       **(r.as_dict() if hasattr(r, "as_dict") else r)})  # a typed VerifyResult since protocol 2
-        else:
-            checks = r.get("checks", []) + [c for c in r.get("failed", []) if c not in r.get("checks", [])]
-            rows = check_rows(checks)
-            if rows:
-                click.echo(table(rows, ["check", "expected", "on disk", "as loaded", "verdict", "reason"],
-                                 term_width()))
-            st = r.get("stack") or {}
-            loc = r.get("location") or {}
-            if loc.get("path"):
-                click.echo(f"\nfile: {loc['path']}" + (f" -> {loc['realpath']}" if loc.get("realpath") else
-                                                        " (does not resolve)"))
-            if st.get("installed") is False:
-                click.echo(f"vLLM: not installed for {r.get('python')}")
-            elif st.get("version"):
-                click.echo(f"vLLM {st['version']}" + (f" (commit {st['commit_id']})" if st.get("commit_id") else "")
-                           + (f" at {st['path']}" if st.get("path") else "")
-                           + (f"; transformers {r['transformers_version']}" if r.get("transformers_version") else "")
-                           + (f"; python {r['python']}" if r.get("python") else ""))
-            if out.error:
-                click.echo("FAILED: " + out.error.render(), err=True)
-            else:
-                click.echo(f"OK: {pb.name} can be launched correctly on {out.where}")
-        sys.exit(EXIT_OK if out.ok else (out.error.exit_code if out.error else EXIT_FAILED))
+            dump_json(docs[0] if not pb.is_fleet else
+                      {"ok": all(d["ok"] for d in docs), "playbook": pb.name, "targets": docs})
+        bad = [out for _, out, _ in outs if not out.ok]
+        if len(outs) > 1 and not obj.json:
+            click.echo(f"\n{pb.name}: {len(outs) - len(bad)} of {len(outs)} targets verified"
+                       + (": failed on " + ", ".join(o.where for o in bad) if bad else ""))
+        codes = [o.error.exit_code if o.error else EXIT_FAILED for o in bad]
+        others = [c for c in codes if c != EXIT_UNREACHABLE]  # 3 only when every failure was an unreachable host
+        sys.exit(EXIT_OK if not bad else max(others) if others else EXIT_UNREACHABLE)
     run_guarded(go, obj)
+
+
+def _render_verify(pb, out, r):
+    from .report import check_rows, table, term_width
+
+    checks = r.get("checks", []) + [c for c in r.get("failed", []) if c not in r.get("checks", [])]
+    rows = check_rows(checks)
+    if rows:
+        click.echo(table(rows, ["check", "expected", "on disk", "as loaded", "verdict", "reason"], term_width()))
+    st = r.get("stack") or {}
+    loc = r.get("location") or {}
+    if loc.get("path"):
+        click.echo(f"\nfile: {loc['path']}" + (f" -> {loc['realpath']}" if loc.get("realpath") else
+                                                " (does not resolve)"))
+    if st.get("installed") is False:
+        click.echo(f"vLLM: not installed for {r.get('python')}")
+    elif st.get("version"):
+        click.echo(f"vLLM {st['version']}" + (f" (commit {st['commit_id']})" if st.get("commit_id") else "")
+                   + (f" at {st['path']}" if st.get("path") else "")
+                   + (f"; transformers {r['transformers_version']}" if r.get("transformers_version") else "")
+                   + (f"; python {r['python']}" if r.get("python") else ""))
+    if out.error:
+        click.echo("FAILED: " + out.error.render(), err=True)
+    else:
+        click.echo(f"OK: {pb.name} can be launched correctly on {out.where}")
 
 
 # ------------------------------------------------------------------ install-vllm

@@ -110,8 +110,13 @@ def test_fleet_usage_errors(tb, deploy, playbooks):
     p = deploy("down", "qwen36-replicas", "pve4/129", env=env)
     assert p.returncode == 2 and "pve4/129 is not a target of qwen36-replicas" in p.stderr
     assert "pve1/129, pve2/129, pve3/129" in p.stderr
+    p = deploy("--json", "verify", "qwen36-replicas", env=env)  # each target in turn
+    assert p.returncode == 0 and p.json["ok"] and [t["where"] for t in p.json["targets"]] == TARGETS, p.stdout
+    tb.set_fault("pve2", 129, "vllm_version", "0.10.0")  # below the playbook's vllm_min_version
     p = deploy("verify", "qwen36-replicas", env=env)
-    assert p.returncode == 2 and "qwen36-replicas has 3 targets" in p.stderr
+    assert p.returncode == 1 and "== pve2/129" in p.stdout
+    assert "qwen36-replicas: 2 of 3 targets verified: failed on pve2/129" in p.stdout, p.stdout + p.stderr
+    tb.set_fault("pve2", 129, "vllm_version", None)
     p = deploy("--json", "plan", "qwen36-replicas", env=env)
     assert p.returncode == 0 and [(t["host"], t["vmid"]) for t in p.json["targets"]] == [
         ("pve1", 129), ("pve2", 129), ("pve3", 129)]
