@@ -705,6 +705,16 @@ def apply_config(obj, playbook):
         from .remote import Fleet
 
         inv, pb = load(obj, playbook)
+        if pb.is_fleet:  # each target's container, in parallel (one connection per host), a line per target
+            import time
+
+            from . import fleet as F
+
+            t0 = time.monotonic()
+            with Fleet(inv) as fleet:
+                progress = F.SharedProgress(verbose=obj.verbose)
+                outs = F.run_each(pb.members, lambda m: ops.apply_config(fleet, m, progress), None)
+            _fleet_exit(obj, F.result(pb, "apply-config", outs, t0))
         with Fleet(inv) as fleet:
             out = ops.apply_config(fleet, pb, obj.progress())
         _outcome_exit(obj, out)

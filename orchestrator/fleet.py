@@ -214,7 +214,8 @@ def summary_line(row: dict, outcome) -> str:
 def render(res: dict) -> list[str]:
     """The summary: one line per target, then the totals (and for a rolling restart, who is on what)."""
     lines = [summary_line(r, o) for r, o in zip(res["targets"], res["_outcomes"])]
-    verb = {"up": "up", "restart": "restarted", "rolling restart": "restarted", "down": "down"}[res["action"]]
+    verb = {"up": "up", "restart": "restarted", "rolling restart": "restarted", "down": "down",
+            "apply-config": "with the pinned config, verified"}[res["action"]]
     total = f"{res['playbook']}: {res['passed']} of {res['total']} target(s) {verb}"
     if res["failed"]:
         total += f"; FAILED: {', '.join(res['failed'])}"

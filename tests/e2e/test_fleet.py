@@ -139,3 +139,23 @@ def test_two_targets_on_one_host_share_its_connection(tb, deploy, playbooks):
     assert [(r["where"], r["status"]) for r in p.json["targets"]] == [("pve1/129", "up"), ("pve1/130", "up")]
     assert _conns(tb)["pve1"] == before + 1
     assert _state(tb, "pve1/129")["playbook"] == _state(tb, "pve1/130")["playbook"] == "qwen36-replicas"
+
+
+def test_apply_config_installs_the_pinned_config_in_every_target(tb, deploy, playbooks):
+    """A DFlash playbook with three targets: apply-config replaces the stale guess in each container (backup, read
+    back, verified) and says so per target; a second run finds the pinned bytes everywhere."""
+    text = (playbooks.dir / "qwen36-dflash.yaml").read_text().replace("name: qwen36-dflash", "name: dflash-replicas")
+    start, end = text.index("target:\n"), text.index("\nmodel:")
+    text = text[:start] + "targets:\n" + "".join(
+        f"  - {{host: {t.split('/')[0]}, vmid: 129, gpus: [0, 1, 2, 3]}}\n" for t in TARGETS) + text[end:]
+    (playbooks.dir / "dflash-replicas.yaml").write_text(text)
+    p = deploy("apply-config", "dflash-replicas", env=playbooks.env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "dflash-replicas: 3 of 3 target(s) with the pinned config, verified" in p.stdout, p.stdout
+    for t in TARGETS:
+        host = t.split("/")[0]
+        assert '"use_sliding_window": true' in cat(tb, host, 129, "/root/models/Qwen3.6-27B-DFlash/config.json")
+    p = deploy("--json", "apply-config", "dflash-replicas", env=playbooks.env)
+    assert p.returncode == 0 and p.json["passed"] == 3 and [r["where"] for r in p.json["targets"]] == TARGETS
+    assert all("already has the pinned bytes" in s["summary"] for r in p.json["targets"] for s in r["steps"]
+               if s["step"] == "drafter-config")
