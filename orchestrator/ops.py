@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import os
 import socket
@@ -150,7 +151,7 @@ class Heartbeat:
         return self
 
     def _run(self):
-        renew = P.Step(**{**self.step.__dict__, "args": dict(self.step.args, renew=True, wait_s=0), "timeout": 30})
+        renew = dataclasses.replace(self.step, args=dict(self.step.args, renew=True, wait_s=0), timeout=30)
         while not self._stop.wait(self.interval):
             try:
                 r = self.ctx.call(renew, fresh=True)  # beside the long step the session is busy with
@@ -177,7 +178,7 @@ def take_lock(ctx: Context, step: P.Step, wait_s: float) -> Heartbeat:
     if not r.get("locked") and h and holder_dead(h):
         ctx.progress.say(ctx.where, f"     the lock's holder ({h.get('holder')}) is a dead process on this "
                                     "workstation: breaking its lock")
-        r = ctx.call(P.Step(**{**step.__dict__, "args": dict(step.args, break_token=h.get("token"))}), on_event=say)
+        r = ctx.call(dataclasses.replace(step, args=dict(step.args, break_token=h.get("token"))), on_event=say)
         h = r.get("holder") or {}
     if not r.get("locked"):
         if r.get("error"):
@@ -245,7 +246,6 @@ class Run:
     verified: dict | None = None
     ready: dict = field(default_factory=dict)
     launch_result: dict | None = None  # LaunchResult: the supervisor (systemd unit or none)
-    measured: dict | None = None
     stop_report: dict | None = None
     free: dict | None = None
     error: DeployError | None = None
@@ -418,7 +418,6 @@ def r_drift(run: Run, step: P.Step) -> None:
 def r_acceptance(run: Run, step: P.Step) -> None:
     ctx, pb = run.ctx, run.ctx.pb
     m, low = V.acceptance(ctx, step)
-    run.measured = m
     run.out.info = {**_ep(url(pb, run.fleet.inventory)), "model": pb.serve["served_model_name"],
                     "method": pb.spec["method"], "acceptance": m["acceptance"].as_dict(),
                     "supervisor": (run.launch_result or {}).get("supervisor") or "none",
@@ -477,7 +476,7 @@ def r_read_back(run: Run, step: P.Step) -> None:
 def r_note_failure(run: Run, step: P.Step) -> None:
     e = run.error
     failure = {"playbook": run.ctx.pb.name, "step": getattr(e, "step", ""), "message": e.message.splitlines()[0]}
-    run.ctx.call(P.Step(**{**step.__dict__, "args": dict(step.args, failure=failure)}))
+    run.ctx.call(dataclasses.replace(step, args=dict(step.args, failure=failure)))
 
 
 def r_holders(run: Run, step: P.Step) -> None:

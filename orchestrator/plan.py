@@ -465,9 +465,10 @@ def step_acceptance(pb):
                 **_common(pb))
 
 
-def step_note_failure(pb, failure: dict | None = None):
+def step_note_failure(pb):
+    """The failure itself is known only at run time: ops fills in args["failure"]."""
     return Step("note-failure", "record the failure in the state directory, for deploy status", action="note_failure",
-                args={"state_dir": pb.runtime["state_dir"], "failure": failure or {}}, timeout=20,
+                args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,
                 when=changed_something, phase="on-failure",
                 runs=[f"write {_state(pb, 'failure.json')} (playbook, step, message)"], **_common(pb))
 

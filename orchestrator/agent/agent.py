@@ -2625,11 +2625,7 @@ def runtime_info(a):
 
 
 def _install_state(state_dir):
-    try:
-        with open(os.path.join(state_dir, INSTALL_STATE)) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
+    return _read_json(os.path.join(state_dir, INSTALL_STATE))
 
 
 def _save_install(state_dir, st):
@@ -2776,11 +2772,7 @@ def serving_now(state_dir):
 
 
 def _pointer(state_dir):
-    try:
-        with open(os.path.join(state_dir, RUNTIME_FILE)) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
+    return _read_json(os.path.join(state_dir, RUNTIME_FILE))
 
 
 def act_install_vllm(a):

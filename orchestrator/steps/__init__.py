@@ -49,9 +49,9 @@ class Context:
         long step). Returns the typed result (orchestrator/agent/protocol.py)."""
         fill = {TOKEN: self.token, HOLDER: self.holder}
         args = {k: fill.get(v, v) if isinstance(v, str) else v for k, v in step.args.items()}
+        how = f"$ pct exec {step.vmid} -- {self.pb.runtime['python']} -" if fresh else "> (agent session)"
         self.progress.detail(self.where, self.session.audit.redact(
-            f"$ pct exec {step.vmid} -- {self.pb.runtime['python']} - {step.action} "
-            f"{json.dumps(args, sort_keys=True)}"))
+            f"{how} {step.action} {json.dumps(args, sort_keys=True)}"))
         kw = dict(payload=payload, secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event)
         with self.progress.heartbeat(self.where, f"{step.name}: {step.title}", step.timeout):
             if fresh:
