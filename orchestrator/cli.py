@@ -124,7 +124,36 @@ def load(obj: Obj, playbook: str):
     from .spec import load_playbook
 
     inv = obj.inventory()
+    not_a_container(inv, playbook)
     return inv, load_playbook(playbook, inv)
+
+
+def not_a_container(inv, playbook: str) -> None:
+    """`deploy down pve1/129`: HOST/VMID of the inventory where a PLAYBOOK is expected -> a usage error (exit 2,
+    nothing ran) naming the playbooks that target that container, instead of "file not found"."""
+    import re
+
+    m = re.fullmatch(r"([^/\s]+)/(\d+)", playbook)
+    if not m or os.path.exists(playbook) or m.group(1) not in inv.hosts:
+        return
+    from .locate import list_playbooks
+    from .spec import SpecError, load_playbook
+
+    cmd = click.get_current_context().info_name or "COMMAND"
+    mine = []
+    for n in list_playbooks():
+        try:
+            pb = load_playbook(n, inv)
+        except (SpecError, UsageError, OSError):
+            continue
+        if any(t["host"] == m.group(1) and t["vmid"] == int(m.group(2)) for t in pb.targets):
+            mine.append((n, pb.is_fleet))
+    which = ", ".join(n for n, _ in mine) or "none here"
+    fixes = [f"deploy {cmd} {n}" + (f" {playbook}" if fleet else "") for n, fleet in mine]
+    raise UsageError(f"{playbook} is a container, not a playbook: deploy {cmd} takes the PLAYBOOK (playbooks that "
+                     f"target {playbook}: {which}); nothing was run",
+                     fix=("; ".join(fixes) + "; " if fixes else "")
+                     + f"deploy status {playbook} shows which playbook runs there")
 
 
 # ------------------------------------------------------------------ plan
@@ -436,6 +465,8 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, rolling, max_unavaila
                               fix="deploy restart PLAYBOOK")
         from .spec import load_playbook
 
+        if playbook:
+            not_a_container(inv, playbook)
         pbs = [load_playbook(n, inv) for n in names]
         if dry_run:
             for pb in pbs:
@@ -704,7 +735,14 @@ def apply_config(obj, playbook):
         from . import ops
         from .remote import Fleet
 
+        from . import plan as P
+
         inv, pb = load(obj, playbook)
+        if not pb.drafter or not P.drafter_config_path(pb):
+            raise UsageError(f"{pb.name} has no drafter config to install (method {pb.spec['method']}); nothing was "
+                             "run", where=pb.path,
+                             fix=f"apply-config is for a playbook with a drafter (method dflash); deploy up {pb.name} "
+                                 "brings this one up")
         if pb.is_fleet:  # each target's container, in parallel (one connection per host), a line per target
             import time
 

@@ -285,10 +285,15 @@ def resolve_host(inv, target: str, *, user: str | None, identity_file: str | Non
 
     if inv is not None and target in inv.hosts:
         return inv.hosts[target], target
+    known = ", ".join(inv.hosts) if inv is not None and inv.hosts else "none"
+    if _NAME_RE.fullmatch(target) and not re.fullmatch(r"[0-9]+", target):
+        # a bare name (no user@, no dot, no :port) is meant as an inventory host: no DNS lookup, no connection
+        raise UsageError(f"{target!r} is not a host of the inventory (hosts: {known})",
+                         fix=f"deploy discover HOST with one of: {known}; a host not in the inventory by address: "
+                             f"deploy discover root@ADDRESS --name {target}")
     try:
         t = parse_target(target)
     except ValueError as e:
-        known = ", ".join(inv.hosts) if inv is not None and inv.hosts else "none"
         raise UsageError(f"{e}; and not a host of the inventory (hosts: {known})",
                          fix="deploy discover HOST where HOST is an inventory host name or [user@]address[:port]"
                          ) from None
@@ -419,6 +424,9 @@ def container_yaml(c: dict, indent: int) -> list[str]:
     lines.append(f"{p}  gpus: {_flow(c['gpus'])}" + ("  # " + "; ".join(gnote) if gnote else ""))
     if c.get("address"):
         lines.append(f"{p}  address: {_q(c['address'])}  # from {c['address_source']}")
+    elif c["status"] == "running" and not c["problems"]:
+        lines.append(f"{p}  # address: none found (no ip= on a net line of pct config, and none but loopback "
+                     "inside); set address: by hand if clients reach it some other way")
     rt = c.get("runtime")
     if rt:
         first = c["runtimes"][0]

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from . import plan as P
-from .errors import DeployError, LockHeld, StepFailed, Unreachable  # noqa: F401 (LockHeld: re-exported)
+from .errors import DeployError, LockHeld, StepFailed, Unreachable, UsageError  # noqa: F401 (LockHeld: re-exported)
 from .agent.protocol import CurrentResult, GpusFreeResult, StopResult
 from .facts import parse_pct_status
 from .remote import Fleet
@@ -624,8 +624,10 @@ def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
     ctx = new_context(fleet, pb, progress)
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
     if not pb.drafter or not P.drafter_config_path(pb):
-        out.error = DeployError("this playbook has no drafter to install a config for", where=pb.path,
-                                fix="none needed: nothing to install (method mtp/ngram)")
+        out.error = UsageError(f"{pb.name} has no drafter config to install (method {pb.spec['method']}); nothing "
+                               "was run", where=pb.path,
+                               fix=f"apply-config is for a playbook with a drafter; deploy up {pb.name} brings this "
+                                   "one up")
         return out
     run = Run(ctx, fleet, Options(), out, P.RunState(), time.monotonic())
     execute(run, P.plan_apply_config(pb))

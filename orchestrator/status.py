@@ -297,7 +297,7 @@ def supervision_of(raw: dict | None, st: dict) -> dict:
 def exit_text(ex: dict | None) -> str:
     """'signal KILL at 14:03:12' / 'code 1 at ...' / 'none recorded'."""
     if not ex:
-        return "none recorded (the container's journal starts at its boot)"
+        return "none since deploy up launched it"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ex["at"])) if ex.get("at") else "unknown time"
     what = f"signal {ex.get('status')}" if ex.get("code") in ("killed", "dumped") else f"code {ex.get('status')}"
     return f"{what} at {when}"

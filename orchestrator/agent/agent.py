@@ -1001,7 +1001,7 @@ def act_wait_ready(a):
             res = {"ready": False, "reason": "exited", "log_tail": last_lines[-15:],
                    "seconds": round(now() - t0, 1), "phases": seen_phases}
             if log.unit:
-                ex = last_exit(log.unit)
+                ex = last_exit(log.unit, unit_show(log.unit), st.get("started_at"))
                 res["last_exit"] = ex
                 res["exit_code"] = (ex or {}).get("status") if (ex or {}).get("code") == "exited" else None
                 res["unit"] = log.unit
@@ -1168,7 +1168,8 @@ def act_logs(a):
 UNIT_DIR = "/etc/systemd/system"
 EXIT_MESSAGE_ID = "98e322203f7a4ed290d09fe03c09fe15"  # systemd: "UNIT: Main process exited, code=..., status=..."
 UNIT_PROPS = ("MainPID", "NRestarts", "ActiveState", "SubState", "Result", "ExecMainStatus", "ExecMainCode",
-              "ActiveEnterTimestamp", "UnitFileState", "InvocationID", "LoadState")
+              "ExecMainExitTimestampMonotonic", "ActiveEnterTimestamp", "UnitFileState", "InvocationID", "LoadState",
+              "Id")
 
 
 def systemd_running():
@@ -1205,29 +1206,101 @@ def journal(args, timeout=20, limit=8 << 20):
     return [ANSI.sub("", ln) for ln in p.stdout[-limit:].decode("utf-8", "replace").splitlines()]
 
 
-def last_exit(unit):
-    """The unit's last main-process exit from the journal: {"code": exited|killed|dumped, "status": N or signal
-    name, "at": epoch seconds, "message": ...} or None. (systemctl show forgets it once systemd restarted it.)"""
-    for ln in reversed(journal(["-o", "json", "-n", "1", "MESSAGE_ID=" + EXIT_MESSAGE_ID, "UNIT=" + unit])):
+SUCCESS_MESSAGE_ID = "7ad2d189f7e94e70a38c781354912448"  # systemd: "UNIT: Deactivated successfully."
+FAILURE_MESSAGE_ID = "d9b373ed55a64feb8242e02dbe79a49c"  # systemd: "UNIT: Failed with result 'RESULT'."
+_CLD = {"1": "exited", "2": "killed", "3": "dumped"}  # ExecMainCode (siginfo CLD_*)
+
+
+def _exit_status(code, status):
+    if code in ("killed", "dumped") and status and str(status).isdigit():
         try:
-            d = json.loads(ln)
+            return signal.Signals(int(status)).name
         except ValueError:
-            continue
-        status = d.get("EXIT_STATUS")
-        code = d.get("EXIT_CODE")
-        if code in ("killed", "dumped") and status and status.isdigit():
-            try:
-                status = signal.Signals(int(status)).name
-            except ValueError:
-                pass
-        elif status and status.isdigit():
-            status = int(status)
+            return status
+    return int(status) if status is not None and str(status).isdigit() else status
+
+
+def pick_last_exit(entries, unit_state=None, since=None):
+    """The last main-process exit of THIS launch (issue 26): systemd's own journal entries about the unit since
+    the launch (oldest first, dicts of journalctl -o json), and `systemctl show`'s ExecMain* (which describe the
+    current main process: an exit there is newer than any journal line). systemd logs no "Main process exited"
+    for an exit it counts as clean (status 0: how vLLM exits when its engine dies), only "Deactivated
+    successfully"; a plain failure is "Main process exited" followed by "Failed with result". -> {"code", "status",
+    "at", "message"} or None (no exit since the launch)."""
+    u = unit_state or {}
+    mono = u.get("ExecMainExitTimestampMonotonic") or "0"
+    if mono.isdigit() and int(mono) > 0 and _CLD.get(u.get("ExecMainCode") or ""):
+        at = time.time() - (time.monotonic() - int(mono) / 1e6)
+        if since is None or at >= since - 1:
+            code = _CLD[u["ExecMainCode"]]
+            return {"code": code, "status": _exit_status(code, u.get("ExecMainStatus")), "at": round(at, 3),
+                    "message": "systemctl show %s: ExecMainCode=%s ExecMainStatus=%s"
+                               % (u.get("Id") or "UNIT", code, u.get("ExecMainStatus"))}
+    for d in reversed(entries):
+        mid, msg = d.get("MESSAGE_ID"), d.get("MESSAGE")
+        msg = clean(msg) if isinstance(msg, str) else ""
         try:
             at = int(d.get("__REALTIME_TIMESTAMP")) / 1e6
         except (TypeError, ValueError):
             at = None
-        return {"code": code, "status": status, "at": at, "message": clean(str(d.get("MESSAGE", "")))}
+        if mid == EXIT_MESSAGE_ID:
+            code = d.get("EXIT_CODE")
+            return {"code": code, "status": _exit_status(code, d.get("EXIT_STATUS")), "at": at, "message": msg}
+        if mid == SUCCESS_MESSAGE_ID or msg.endswith("Deactivated successfully."):
+            return {"code": "exited", "status": 0, "at": at, "message": msg}
+        if mid == FAILURE_MESSAGE_ID or "Failed with result" in msg:
+            continue  # its "Main process exited" comes just before it; a result with none is not an exit
     return None
+
+
+def last_exit(unit, unit_state=None, since=None):
+    """The unit's last main-process exit since `since` (the launch, epoch seconds): see pick_last_exit."""
+    args = ["-o", "json", "-n", "200", "UNIT=" + unit, "_PID=1"]
+    if since:
+        args += ["--since", "@%d" % int(since)]
+    entries = []
+    for ln in journal(args):
+        try:
+            entries.append(json.loads(ln))
+        except ValueError:
+            continue
+    return pick_last_exit(entries, unit_state, since)
+
+
+ERROR_LINE = re.compile(r"Error|error:|Traceback|died|failed")
+
+
+def pick_last_error(entries, fatal=()):
+    """The last error of THIS launch: entries are (invocation id, line), oldest first, of the launch only. The
+    newest invocation (systemd start) that logged an error-looking line wins; in it, the line that names the cause
+    (vLLM's known startup failures, `fatal`: specific first) over the wrapper's last words, else its newest error
+    line. An older crash's cause never wins over a newer crash."""
+    errs = [(inv, ln) for inv, ln in entries if ERROR_LINE.search(ln)]
+    if not errs:
+        return None
+    last_inv = errs[-1][0]
+    mine = [ln for inv, ln in errs if inv == last_inv]
+    for rx in map(re.compile, fatal or []):
+        named = [ln for ln in mine if rx.search(ln)]
+        if named:
+            return named[-1][-4000:]
+    return mine[-1][-4000:]
+
+
+def unit_error_entries(unit, since):
+    """The server's own lines (not systemd's about it) since the launch -> [(invocation id, line)]."""
+    args = ["_SYSTEMD_UNIT=" + unit, "-o", "json", "-n", "400", "--output-fields=MESSAGE,_SYSTEMD_INVOCATION_ID"]
+    if since:
+        args += ["--since", "@%d" % int(since)]
+    out = []
+    for ln in journal(args):
+        try:
+            d = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(d.get("MESSAGE"), str):
+            out.append((d.get("_SYSTEMD_INVOCATION_ID"), clean(d["MESSAGE"])))
+    return out
 
 
 def unit_quote(arg):
@@ -1393,7 +1466,7 @@ def supervision(st):
     out = {"supervisor": "systemd", "unit": st["unit"], "active": u.get("ActiveState"), "sub": u.get("SubState"),
            "result": u.get("Result"), "enabled": u.get("UnitFileState"),
            "restarts": int(u["NRestarts"]) if (u.get("NRestarts") or "").isdigit() else None,
-           "last_exit": last_exit(st["unit"]), "main_pid": int(u.get("MainPID") or 0) or None,
+           "last_exit": last_exit(st["unit"], u, st.get("started_at")), "main_pid": int(u.get("MainPID") or 0) or None,
            "container_restarted": (st.get("init_starttime") is not None
                                    and init_starttime() != st.get("init_starttime")),
            "systemd_running": systemd_running()}
@@ -1682,16 +1755,13 @@ def _status_rest(res, state_dir):
             else:
                 res["exit_code"] = read_exit_code(state_dir, 0)
         if not st.get("alive") or res.get("health") != 200 or (sup.get("restarts") or 0) > 0:
-            if st.get("unit"):  # the server's own lines (not systemd's about it)
-                lines = journal(["_SYSTEMD_UNIT=" + st["unit"], "-o", "cat", "-n", "400"])
-            else:
-                lines = tail_file(st.get("log_path") or "", 400)
-            errs = [ln for ln in lines if re.search(r"Error|error:|Traceback|died|failed", ln)]
+            if st.get("unit"):  # this launch's lines only, by systemd invocation (issue 26)
+                entries = unit_error_entries(st["unit"], st.get("started_at"))
+            else:  # the log file is this launch's (launch rotates it)
+                entries = [(None, ln) for ln in tail_file(st.get("log_path") or "", 400)]
             # the line that names the cause (vLLM's known startup failures) over the wrapper's last words
             # (the table is ordered specific first: "CUDA out of memory" before "Engine core initialization failed")
-            named = next(([ln for ln in errs if rx.search(ln)] for rx in map(re.compile, res.get("_fatal") or [])
-                          if any(rx.search(ln) for ln in errs)), None)
-            res["last_error"] = (named or errs)[-1][-4000:] if errs else None
+            res["last_error"] = pick_last_error(entries, res.get("_fatal"))
     else:
         res["vllm_processes"] = vllm_processes()
         res["supervision"] = {"supervisor": "none", "systemd_running": systemd_running()}
