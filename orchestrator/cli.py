@@ -177,7 +177,10 @@ def plan(obj, playbook, restart, clean_gpus):
         from . import plan as P
 
         inv, pb = load(obj, playbook)
-        render_plans(obj, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=restart))
+        from .ops import Options
+
+        render_plans(obj, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=restart,
+                                                       ask=Options(clean_gpus=clean_gpus).ask_before_kill(m)))
     run_guarded(go, obj)
 
 
@@ -314,7 +317,8 @@ def _where_it_answers(info) -> str:
 
 
 def up_options(f):
-    f = click.option("-y", "--yes", is_flag=True, help="Replace a different running deployment without asking.")(f)
+    f = click.option("-y", "--yes", is_flag=True, help="Replace a different running deployment, and with --clean-gpus "
+                                                       "kill GPU holders, without asking (for scripts).")(f)
     f = click.option("--wait-lock", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
                      help="Wait this long for another deploy's lock instead of failing at once.")(f)
     f = click.option("--dry-run", is_flag=True, help="Print the plan and run nothing (same as deploy plan).")(f)
@@ -333,7 +337,9 @@ def _confirm(prompt):
 @click.option("--skip-config-write", is_flag=True,
               help="Do not install the pinned drafter config. Verify still runs and reports, but does not stop the "
                    "launch: a rehearsal of the field report, where the acceptance gate must catch a stale config.")
-@click.option("--clean-gpus", is_flag=True, default=None, help="fuser -k the container's GPUs when stopping.")
+@click.option("--clean-gpus", is_flag=True, default=None,
+              help="fuser -k the container's GPUs when stopping (asks first, listing the holders deploy did not "
+                   "start; -y does not ask).")
 @click.option("--parallel", type=click.IntRange(min=1), default=None, metavar="N",
               help="A playbook with targets: bring up at most N targets at a time (default: all at once).")
 @click.option("--install-vllm", "install_first", is_flag=True,
@@ -369,8 +375,9 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
 
         inv, pb = load(obj, playbook)
         if dry_run:
-            return render_plans(obj, inv, pb, lambda m: P.plan_up(m, write_config=not skip_config_write,
-                                                                   clean_gpus=clean_gpus))
+            return render_plans(obj, inv, pb, lambda m: P.plan_up(
+                m, write_config=not skip_config_write, clean_gpus=clean_gpus,
+                ask=ops.Options(clean_gpus=clean_gpus, yes=yes).ask_before_kill(m)))
         if install_first and not pb.data["requires"].get("vllm"):
             raise UsageError(f"--install-vllm: {pb.name} does not say which vLLM it needs (requires.vllm); "
                              "nothing was run",
@@ -424,7 +431,9 @@ def _fleet_exit(obj, res):
               help="Wait this long for another deploy's lock instead of failing at once.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and run nothing.")
 @click.option("--clean-gpus", is_flag=True, default=None,
-              help="After stopping, fuser -k -TERM then -KILL whatever in the container still holds /dev/nvidia*.")
+              help="After stopping, fuser -k -TERM then -KILL whatever in the container still holds the playbook's "
+                   "/dev/nvidiaN (asks first, listing the holders deploy did not start).")
+@click.option("-y", "--yes", is_flag=True, help="With --clean-gpus: kill the GPU holders without asking (scripts).")
 @click.option("--rolling", is_flag=True,
               help="A playbook with targets: one target at a time, the next only after this one passed its gates "
                    "(the others keep serving); a failure stops the roll-out there.")
@@ -432,7 +441,7 @@ def _fleet_exit(obj, res):
               help="With --rolling: restart N targets at a time (default 1).")
 @json_option
 @click.pass_obj
-def restart(obj, playbook, wait_lock, dry_run, clean_gpus, rolling, max_unavailable):
+def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_unavailable):
     """Stop, free and prove the GPUs free, verify the drafter config, start again, and gate on acceptance.
 
     Without PLAYBOOK: restart what the state file in each inventory container says is running there.
@@ -444,7 +453,7 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, rolling, max_unavaila
     \b
     Examples:
       deploy restart qwen36-dflash --clean-gpus
-      deploy restart --clean-gpus
+      deploy restart --clean-gpus -y
       deploy restart qwen36-replicas --rolling
       deploy restart qwen36-replicas --rolling --max-unavailable 2
     """
@@ -470,9 +479,11 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, rolling, max_unavaila
         pbs = [load_playbook(n, inv) for n in names]
         if dry_run:
             for pb in pbs:
-                render_plans(obj, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=True))
+                render_plans(obj, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=True,
+                                                               ask=ops.Options(clean_gpus=clean_gpus, yes_kill=yes)
+                                                               .ask_before_kill(m)))
             return
-        opts = ops.Options(yes=True, clean_gpus=clean_gpus, wait_lock_s=wait_lock)
+        opts = ops.Options(yes=True, clean_gpus=clean_gpus, wait_lock_s=wait_lock, yes_kill=yes, confirm=_confirm)
         if len(pbs) == 1 and (rolling or pbs[0].is_fleet):
             from . import fleet as F
 

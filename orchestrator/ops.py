@@ -32,6 +32,16 @@ class Options:
     wait_lock_s: float = 0.0
     interactive: bool = False
     confirm: object = None  # callable(prompt) -> bool, for the diff-before-restart question
+    yes_kill: bool | None = None  # kill GPU holders deploy did not start without asking (-y); None: as `yes`
+
+    @property
+    def kill_confirmed(self) -> bool:
+        return self.yes if self.yes_kill is None else self.yes_kill
+
+    def ask_before_kill(self, pb) -> bool:
+        """One rule for up, restart and down: fuser -k (--clean-gpus or gpu.clean_gpus) asks first unless -y."""
+        clean = pb.data["gpu"]["clean_gpus"] if self.clean_gpus is None else self.clean_gpus
+        return bool(clean) and not self.kill_confirmed
 
 
 @dataclass
@@ -311,7 +321,8 @@ def _finish_failure(run: Run) -> None:
 def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart: bool = False,
        token: str | None = None) -> Outcome:
     ctx = new_context(fleet, pb, progress, token)
-    steps = P.plan_up(pb, write_config=opts.write_config, clean_gpus=opts.clean_gpus, restart=restart)
+    steps = P.plan_up(pb, write_config=opts.write_config, clean_gpus=opts.clean_gpus, restart=restart,
+                      ask=opts.ask_before_kill(pb))
     run = Run(ctx, fleet, opts, Outcome(False, pb.name, ctx.where, "failed", ctx.results),
               P.RunState(restart=restart), time.monotonic())
     return execute(run, steps)
@@ -485,19 +496,23 @@ def r_holders(run: Run, step: P.Step) -> None:
     t0 = time.monotonic()
     r = ctx.call(step)
     devs = {f"/dev/nvidia{g}" for g in pb.gpus}  # fuser acts on the playbook's own GPUs only
-    holders = [h for h in r.get("holders") or [] if devs & set(h.get("devices") or [])]
+    mine = [h for h in r.get("holders") or [] if devs & set(h.get("devices") or [])]
+    holders = [h for h in mine if not h.get("ours")]  # deploy's own processes: the stop step ends them
     if not holders:
-        ctx.record(step.name, True, "nothing holds the playbook's GPUs: fuser will have nothing to kill", t0)
+        ctx.record(step.name, True, "nothing but deploy's own vLLM holds the playbook's GPUs (the stop step ends it): "
+                                    "fuser will have nothing else to kill" if mine else
+                   "nothing holds the playbook's GPUs: fuser will have nothing to kill", t0)
         return
     listing = "".join(f"\n  PID {h['pid']} {h['comm']}: {h['cmdline']}" for h in holders)
-    if run.opts.yes or (run.opts.confirm and run.opts.confirm(
-            f"Will kill (fuser -k -TERM, then -KILL) in container {ctx.where}, holders of GPU(s) {pb.gpus}:"
-            f"{listing}\nProceed?")):
+    if run.opts.kill_confirmed or (run.opts.confirm and run.opts.confirm(
+            f"Will kill (fuser -k -TERM, then -KILL) in container {ctx.where}, holders of GPU(s) {pb.gpus} that "
+            f"deploy did not start:{listing}\nProceed?")):
         ctx.record(step.name, True, f"{len(holders)} holder(s) of the playbook's GPUs: confirmed", t0,
                    holders=holders)
         return
-    ctx.fail(step.name, t0, f"not confirmed; nothing was killed ({len(holders)} holder(s) of GPU(s) {pb.gpus}:"
-                            f"{listing})", fix="pass -y in scripts")
+    ctx.fail(step.name, t0, f"not confirmed; nothing was killed ({len(holders)} holder(s) of GPU(s) {pb.gpus} that "
+                            f"deploy did not start:{listing})",
+             fix="answer yes at the prompt (on a terminal), or pass -y (scripts) to kill them; or stop them yourself")
 
 
 def r_clear_failure(run: Run, step: P.Step) -> None:
@@ -593,7 +608,7 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
     ctx = new_context(fleet, pb, progress)
     run = Run(ctx, fleet, opts, Outcome(False, pb.name, ctx.where, "failed", ctx.results), P.RunState(),
               time.monotonic())
-    execute(run, P.plan_down(pb, clean_gpus=opts.clean_gpus, ask=opts.clean_gpus is True and not opts.yes))
+    execute(run, P.plan_down(pb, clean_gpus=opts.clean_gpus, ask=opts.ask_before_kill(pb)))
     if run.error is None:
         rep, free = run.stop_report or StopResult(), run.free or GpusFreeResult()
         run.out.ok, run.out.status = True, "down"

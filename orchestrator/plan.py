@@ -510,9 +510,13 @@ def failure_steps(pb: Playbook) -> list[Step]:
 
 
 def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None = None,
-            restart: bool = False) -> list[Step]:
+            restart: bool = False, ask: bool = False) -> list[Step]:
+    """ask: with fuser -k planned, list the GPU holders deploy did not start and ask first (no -y)."""
     clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
     steps = main_steps(pb, write_config=write_config, clean=clean, restart=restart)
+    if clean and ask:
+        i = next(k for k, s in enumerate(steps) if s.name == "stop")
+        steps.insert(i, step_holders(pb, when=steps[i].when))
     fb = pb.fallback if pb.data["acceptance"]["on_low_acceptance"] == "fallback" and pb.fallback else None
     low = []
     if fb is not None:
@@ -529,15 +533,21 @@ def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None 
             + [step_unlock(pb)])
 
 
+def step_holders(pb: Playbook, when=None) -> Step:
+    """Before a fuser -k (one rule for up, restart and down): list what holds the playbook's GPUs that deploy did
+    not start, and ask; nothing is killed without a yes (the prompt on a terminal, or -y)."""
+    return Step("holders", "list what holds the playbook's GPUs in the container (deploy's own processes apart: "
+                           "stop ends those) and ask before killing them; nothing is killed without a yes (-y)",
+                action="gpu_read", args={"nvidia_smi_timeout_s": 5, "state_dir": pb.runtime["state_dir"]},
+                timeout=30, when=when, runs=[f"fuser -v {_devs(pb.gpus)}; {NVIDIA_SMI_QUERY}"], **_common(pb))
+
+
 def plan_down(pb: Playbook, *, clean_gpus: bool | None = None, ask: bool = False) -> list[Step]:
-    """ask: before a fuser -k, list what holds the playbook's GPUs and ask (down --clean-gpus without -y)."""
+    """ask: before a fuser -k, list what holds the playbook's GPUs and ask (--clean-gpus without -y)."""
     clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
     steps = []
     if clean and ask:
-        steps.append(Step("holders", "list what holds the playbook's GPUs in the container and ask before killing "
-                                     "them; nothing is killed without a yes", action="gpu_read",
-                          args={"nvidia_smi_timeout_s": 5}, timeout=30,
-                          runs=[f"fuser -v {_devs(pb.gpus)}; {NVIDIA_SMI_QUERY}"], **_common(pb)))
+        steps.append(step_holders(pb))
     steps += [step_stop(pb, clean, when=None, only_this_playbook=True), step_gpus_free(pb),
              Step("clear-failure", "a deliberate down ends the story of an earlier failed up (deploy status)",
                   action="note_failure", args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,

@@ -468,7 +468,14 @@ def listener_check(st, port):
 
 
 def act_gpu_read(a):
-    return {"memory": read_gpu_memory(a.get("nvidia_smi_timeout_s", 10)), "holders": gpu_holders(),
+    holders = gpu_holders()
+    st = read_state(a["state_dir"]) if a.get("state_dir") else None
+    if st and not st.get("corrupt"):  # deploy's own processes (the stop step ends them) are not foreign holders
+        own = set(unit_cgroup_members(st["unit"])) if st.get("unit") and systemd_running() else \
+            set(proven_members(st))
+        for h in holders:
+            h["ours"] = h["pid"] in own
+    return {"memory": read_gpu_memory(a.get("nvidia_smi_timeout_s", 10)), "holders": holders,
             "in_container": in_container()}
 
 

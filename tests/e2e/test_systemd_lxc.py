@@ -232,7 +232,7 @@ def test_container_reboot_brings_vllm_back_without_deploy(sdbed, deploy):
 def test_restart_clean_gpus_frees_a_holder_outside_the_units_cgroup(sdbed, deploy):
     sdbed.set_fault("pve1", SD, "sigterm_ignoring_holder_mib", 3000)  # in the container, not in the unit
     try:
-        p = deploy("restart", "sd-dflash", "--clean-gpus")
+        p = deploy("restart", "sd-dflash", "--clean-gpus", "-y")
         assert p.returncode == 0, p.out
         assert "fuser -k freed the devices" in p.out, p.out
     finally:
