@@ -16,6 +16,7 @@ Classes (docs/domain/field-report.md, "What happened"):
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from . import vllm_facts as vf
@@ -48,9 +49,28 @@ def config_differences(actual: dict, pinned: dict) -> list[dict]:
     return out
 
 
-def pick_pinned(drafter: dict, pinned: list[dict]) -> dict | None:
-    """The pinned config for the drafter a server reads: a playbook naming the same path or hub id first, else
-    the one of the same architecture that shares the most keys."""
+def one_server_per_launch(facts: dict) -> dict:
+    """deploy's launch wrapper (`/bin/sh -c '"$@" ...' vllm-pve-deploy vllm serve ...`) carries the same argv as
+    the vllm under it: one server, not two (issue 26). Drops a server whose process is a shell with a server
+    child."""
+    procs = {p["pid"]: p for p in facts.get("processes") or []}
+    servers = facts.get("servers") or []
+    pids = {s["pid"] for s in servers}
+
+    def wrapper(s):
+        argv = (procs.get(s["pid"]) or {}).get("argv") or []
+        shell = bool(argv) and os.path.basename(argv[0]) in ("sh", "bash", "dash") and "-c" in argv[1:3]
+        return shell and any(q.get("ppid") == s["pid"] and q["pid"] in pids for q in procs.values())
+
+    facts["servers"] = [s for s in servers if not wrapper(s)]
+    return facts
+
+
+def pick_pinned(drafter: dict, pinned: list[dict], prefer: str | None = None) -> dict | None:
+    """The pinned config for the drafter a server reads: the playbook `prefer` (the state file's) if it names the
+    same path or hub id, else a playbook naming the same path or hub id, else the one of the same architecture
+    that shares the most keys."""
+    pinned = sorted(pinned, key=lambda p: p.get("playbook") != prefer) if prefer else pinned
     for p in pinned:
         if drafter.get("dir") and p.get("path") == drafter.get("dir"):
             return p
@@ -145,7 +165,7 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
                                       f"({d.get('path')}: {d['error']})",
                     f"deploy up {pbname} --clean-gpus (installs the pinned config and relaunches)", pid=srv["pid"])
             continue
-        p = pick_pinned(d, pinned)
+        p = pick_pinned(d, pinned, (playbook or {}).get("playbook"))
         try:
             cfg = json.loads(d.get("text") or "")
         except ValueError as e:
@@ -361,6 +381,7 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
             row["error"] = e.render()
             row["reachable"] = not isinstance(e, Unreachable)
             return row
+        one_server_per_launch(facts)
         hh = host_info(host)
         pbi = by_target.get((host, vmid))
         if facts.get("state") and not (facts["state"] or {}).get("corrupt"):

@@ -205,9 +205,16 @@ def release_lock(ctx: Context, step: P.Step, beat: Heartbeat | None = None) -> N
     if beat is not None:
         beat.stop()
     try:
-        ctx.call(step)
+        r = ctx.call(step)
     except DeployError:
-        pass
+        return
+    if not r.get("unlocked") and not r.get("error") and (beat is None or beat.lost is None):
+        # the heartbeat (every 15 s) did not see it: the lock was broken (deploy unlock) or taken meanwhile
+        h = r.get("holder")
+        ctx.progress.say(ctx.where, "     WARNING: the container lock was lost before this run ended" +
+                         (f" (now held by {describe_holder(h)})" if h else " (broken: deploy unlock?)") +
+                         "; another deploy may have acted on this container meanwhile: check deploy status "
+                         f"{ctx.where} before trusting this run's result")
 
 
 def diff_running(cur: CurrentResult, pb: Playbook) -> list[str]:

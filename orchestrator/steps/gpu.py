@@ -36,7 +36,11 @@ def stop(ctx: Context, step: Step) -> StopResult:
                                     + ", ".join(f"{p['pid']} ({p['comm']})" for p in rep["cgroup_left"]),
                      fix=f"pct exec {ctx.pb.vmid} -- systemctl kill -s KILL {u['unit']}", report=rep)
     elif rep.get("terminated"):
-        parts.append(f"stopped {len(rep['terminated'])} process(es) with SIGTERM")
+        n, sent = len(rep["terminated"]), rep.get("sigterm")
+        pg = (rep.get("state") or {}).get("pgid")
+        parts.append(f"stopped the {n} process(es) deploy started in process group {pg}" +
+                     (f" (SIGTERM to {len(sent)}; the other {n - len(sent)} were already exiting)"
+                      if sent is not None and len(sent) != n else " with SIGTERM"))
     if rep.get("killed"):
         parts.append("SIGKILLed " + ", ".join(f"{p['pid']} ({p.get('comm')})" for p in rep["killed"]))
     fz = rep.get("fuser") or {}
@@ -44,7 +48,8 @@ def stop(ctx: Context, step: Step) -> StopResult:
         ctx.fail(step.name, t0, fz["refused"], fix="this must never run on the Proxmox host itself")
     if fz.get("term") or fz.get("kill"):
         parts.append(f"fuser -k freed the devices (TERM: {fz.get('term')}, KILL: {fz.get('kill')})")
-    foreign = rep.foreign or []
+    fuser_pids = set(fz.get("term") or []) | set(fz.get("kill") or [])
+    foreign = [p for p in rep.foreign or [] if p["pid"] not in fuser_pids]  # killed by fuser: not "left alone"
     if foreign:
         parts.append(f"left alone {len(foreign)} vLLM process(es) deploy did not start ("
                      + ", ".join(f"{p['pid']} {p['comm']}" for p in foreign[:4]) + ")")

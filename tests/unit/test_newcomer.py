@@ -104,3 +104,56 @@ def test_discover_of_a_name_not_in_the_inventory_is_a_usage_error_without_dns(mo
     hs, _ = D.resolve_host(Inv(), "10.1.2.5", user=None, identity_file=None, known_hosts=None, accept_new=False,
                            name=None)
     assert hs.address == "10.1.2.5"
+
+
+# ---------------------------------------------------------------- item 5: doctor counts one server per launch
+
+
+def test_doctor_counts_the_launch_wrapper_and_vllm_as_one_server_and_names_the_state_files_playbook():
+    import hashlib
+    import json
+
+    from orchestrator.doctor import diagnose, one_server_per_launch
+
+    serve = ["/root/ml-env/bin/vllm", "serve", "/root/models/Qwen3.6-27B", "--port", "8000"]
+    procs = [{"pid": 20, "ppid": 1, "argv": ["/bin/sh", "-c", '"$@" 3>&-; echo $? >&3', "vllm-pve-deploy"] + serve},
+             {"pid": 21, "ppid": 20, "argv": serve}]
+    srv = lambda pid: {"pid": pid, "args": {"model": "/root/models/Qwen3.6-27B", "port": 8000}}  # noqa: E731
+    facts = one_server_per_launch({"processes": procs, "servers": [srv(20), srv(21)]})
+    assert [s["pid"] for s in facts["servers"]] == [21]
+    # a shell that is not a wrapper of a server (no server child) stays
+    facts = one_server_per_launch({"processes": procs[:1], "servers": [srv(20)]})
+    assert [s["pid"] for s in facts["servers"]] == [20]
+
+    raw = open(os.path.join(REPO, "testbed/vpd_testbed/data/qwen36-27b-dflash.stale-guess.config.json"), "rb").read()
+    pub = open(os.path.join(REPO, "playbooks/drafters/qwen36-27b-dflash.config.json"), "rb").read()
+    pin = lambda name: {"playbook": name, "fallback": None, "target": "pve1/129", "min_acceptance": 0.3,  # noqa: E731
+                        "path": "/root/models/Qwen3.6-27B-DFlash", "hub_id": None, "config": json.loads(pub),
+                        "sha256": hashlib.sha256(pub).hexdigest()}
+    d = {"kind": "local", "path": "/root/models/Qwen3.6-27B-DFlash/config.json", "dir": "/root/models/Qwen3.6-27B-DFlash",
+         "text": raw.decode(), "sha256": hashlib.sha256(raw).hexdigest(), "mtime": 50.0}
+    facts = {"servers": [{"pid": 21, "args": {"spec": {"method": "dflash", "model": "x"}, "port": 8000},
+                          "drafter": d, "target": None}], "processes": [{"pid": 21, "ppid": 1, "started_at": 100.0}],
+             "stack": {}, "holders": [], "memory": {}}
+    f = diagnose(facts, [pin("a-copy"), pin("qwen36-dflash")], host="pve1", vmid=129,
+                 playbook={"playbook": "qwen36-dflash"})
+    assert "deploy up qwen36-dflash" in f[0]["fix"] and "a-copy" not in f[0]["fix"]
+
+
+# ---------------------------------------------------------------- item 4: a lock lost before the end is said
+
+
+def test_a_lock_broken_during_the_run_is_warned_at_release():
+    from types import SimpleNamespace as NS
+
+    from orchestrator import ops
+
+    said = []
+    ctx = NS(where="pve1/129", call=lambda step: {"unlocked": False, "holder": None},
+             progress=NS(say=lambda where, msg: said.append(msg)))
+    ops.release_lock(ctx, NS(), None)
+    assert said and "WARNING: the container lock was lost before this run ended" in said[0]
+    said.clear()
+    ctx.call = lambda step: {"unlocked": True}
+    ops.release_lock(ctx, NS(), None)
+    assert not said
