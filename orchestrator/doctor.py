@@ -300,6 +300,36 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
     return findings
 
 
+def idle_drafter_checks(pinned: list[dict], host: str, vmid: int, file_sha) -> list[dict]:
+    """With no server running (issue 26): the drafter configs the playbooks that target this container name (a
+    local directory; a hub id is resolved by `deploy verify`), each compared with its pinned bytes, and what a
+    server started now would do with it. file_sha(path) -> the agent's file_sha result."""
+    out, here = [], f"{host}/{vmid}"
+    for p in pinned:
+        if not p.get("path") or here not in str(p.get("target") or "").split(", "):
+            continue
+        path = p["path"].rstrip("/") + "/config.json"
+        try:
+            r = file_sha(path)
+        except Exception as e:  # noqa: BLE001 - one unreadable file must not hide the rest of the diagnosis
+            r = {"error": str(e)}
+        c = {"playbook": p["playbook"], "path": path, "sha256": r.get("sha256"), "pinned_sha256": p["sha256"]}
+        if r.get("error"):
+            c["verdict"] = f"cannot be read ({r['error']}): deploy up {p['playbook']} installs the pinned config"
+        elif r["sha256"] == p["sha256"]:
+            c["verdict"] = f"= the published config ({p['playbook']}): a server started now would read it"
+        else:
+            c["verdict"] = f"differs from the published config ({p['playbook']})"
+            c["finding"] = {"class": "guessed-config",
+                            "cause": f"no vLLM server runs, but {path} (sha256 {r['sha256'][:12]}) is not the "
+                                     f"published config pinned by {p['playbook']} ({p['sha256'][:12]}): a server "
+                                     "started from it now would draft with the wrong layers (~1% acceptance)",
+                            "fix": f"deploy apply-config {p['playbook']} (installs and verifies the pinned config; "
+                                   f"deploy up {p['playbook']} does it too)", "evidence": {"path": path}}
+        out.append(c)
+    return out
+
+
 def _t(ts) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(ts)) + "Z"
 
@@ -387,6 +417,11 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
         if facts.get("state") and not (facts["state"] or {}).get("corrupt"):
             pbi = {**(pbi or {}), "playbook": facts["state"].get("playbook") or (pbi or {}).get("playbook")}
         row["findings"] = diagnose(facts, pinned, host=host, vmid=vmid, playbook=pbi, host_holders=hh)
+        if not facts.get("servers"):  # no server: still check the drafter configs a server started now would read
+            row["idle_configs"] = idle_drafter_checks(
+                pinned, host, vmid, lambda path: agent.call(fleet.session(host), vmid, rt["python"], "file_sha",
+                                                            {"path": path}, timeout=20))
+            row["findings"] += [c["finding"] for c in row["idle_configs"] if c.get("finding")]
         row["processes"] = [{k: p.get(k) for k in ("pid", "ppid", "pgid", "comm", "devices", "started_at")}
                             | {"argv": " ".join(p.get("argv") or [])[:400]} for p in facts.get("processes") or []]
         row["servers"] = [_server_view(s) for s in facts.get("servers") or []]
@@ -454,6 +489,8 @@ def render(rows) -> str:
             if acc.get("draft_acceptance_rate") is not None:
                 out.append(f"    draft acceptance {acc['draft_acceptance_rate']:.1%}, mean acceptance length "
                            f"{acc.get('mean_acceptance_length') or 0:.2f} ({acc.get('drafts'):g} drafts, /metrics)")
+        for c in r.get("idle_configs") or []:
+            out.append(f"  drafter config {c['path']} (no server runs; for {c['playbook']}): {c['verdict']}")
         for p in r["processes"]:
             out.append(f"  pid {p['pid']} (parent {p['ppid']}, group {p['pgid']}) {p['comm']}"
                        + (f" holds {', '.join(p['devices'])}" if p.get("devices") else ""))

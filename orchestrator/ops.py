@@ -164,7 +164,7 @@ class Heartbeat:
         renew = dataclasses.replace(self.step, args=dict(self.step.args, renew=True, wait_s=0), timeout=30)
         while not self._stop.wait(self.interval):
             try:
-                r = self.ctx.call(renew, fresh=True)  # beside the long step the session is busy with
+                r = self.ctx.call(renew, fresh=True, beat=False)  # beside the long step the session is busy with
             except Exception:  # noqa: BLE001 - a missed beat is retried; the lease term absorbs a few
                 continue
             if not r.get("locked"):

@@ -2043,7 +2043,8 @@ def cross(disk, target, a, check):
         check("layer_types length", len(lt) == n_layers, expected=n_layers, on_disk=len(lt),
               reason="len(layer_types) must equal num_hidden_layers")
         bad = [x for x in lt if x not in ("sliding_attention", "full_attention")]
-        check("layer_types values", not bad, expected="sliding_attention|full_attention", on_disk=bad,
+        check("layer_types values", not bad, expected="sliding_attention|full_attention",
+              on_disk=(("unknown: %s" % bad) if bad else "|".join(sorted(set(lt)))),
               reason="unknown layer types")
     sliding = isinstance(lt, list) and "sliding_attention" in lt
     win = disk.get("sliding_window")
@@ -2958,6 +2959,12 @@ def _install_start(a, info):
             "installer": st["installer"], "base_python": base}
 
 
+def _protocol_line(ln):
+    """The runner's own result line ({"result": ..., "protocol": N}) at the end of the install log: internal, not
+    something to show a person (issue 26)."""
+    return ln.startswith('{"result"') and '"protocol"' in ln
+
+
 def _install_follow(a):
     """Follow an install (events: phase changes, log lines, heartbeats) until it ends or follow_s passes."""
     state_dir = a["state_dir"]
@@ -2973,6 +2980,8 @@ def _install_follow(a):
             return {"ok": False, "message": "install %s was replaced by %s" % (a["id"], st.get("id"))}
         pos, lines = _tail_lines(st.get("log") or "", pos)
         for ln in lines:  # phases come from the runner's own lines in the log: in order, none missed
+            if _protocol_line(ln):
+                continue
             lines_n += 1
             last_line = clean(ln)
             m = PHASE_LINE.match(last_line)
@@ -2986,7 +2995,8 @@ def _install_follow(a):
             if not st.get("reported"):
                 st["reported"] = True
                 _save_install(state_dir, st)
-            tail = tail_file(st["log"], 30) if st.get("status") != "ok" and st.get("log") else []
+            tail = [ln for ln in tail_file(st["log"], 31) if not _protocol_line(ln)][-30:] \
+                if st.get("status") != "ok" and st.get("log") else []
             return {"ok": True, "done": True, "install": st, "log_pos": pos, "log_tail": tail,
                     "pointer": _pointer(state_dir)}
         if now() >= deadline:

@@ -157,3 +157,38 @@ def test_a_lock_broken_during_the_run_is_warned_at_release():
     ctx.call = lambda step: {"unlocked": True}
     ops.release_lock(ctx, NS(), None)
     assert not said
+
+
+# ---------------------------------------------------------------- item 10: no contradictory progress lines
+
+
+def test_still_waiting_names_one_bound_and_a_lock_renewal_prints_no_wait(agent):
+    import contextlib
+    from types import SimpleNamespace as NS
+
+    from orchestrator.plan import Step
+    from orchestrator.steps import Context
+
+    beats = []
+
+    class P:
+        def detail(self, *a):
+            pass
+
+        def heartbeat(self, where, what, limit=None):
+            beats.append((what, limit))
+            return contextlib.nullcontext()
+
+    sess = NS(audit=NS(redact=lambda s: s), agent_session=lambda vmid, py: NS(call=lambda *a, **k: {"ok": True}))
+    ctx = Context(session=sess, pb=NS(host="pve1", vmid=129, runtime={"python": "py"}), progress=P(), token="t",
+                  holder="h")
+    ctx.call(Step("wait-ready", "follow the log until it serves (timeout 900 s)", action="wait_ready", args={}, host="pve1",
+                  timeout=960, vmid=129))
+    ctx.call(Step("stop", "stop vLLM", "pve1", 129, action="stop", args={}, timeout=90))
+    assert beats == [("wait-ready: follow the log until it serves (timeout 900 s)", None), ("stop: stop vLLM", 90)]
+    beats.clear()
+    ctx.call(Step("stop", "stop vLLM", "pve1", 129, action="stop", args={}, timeout=90), beat=False)
+    assert beats == []
+    # the install runner's own result line is not shown as a log line
+    assert agent._protocol_line('{"result": {"ok": false}, "protocol": 2}')
+    assert not agent._protocol_line("ERROR: No matching distribution found for vllm==9.9")
