@@ -8,7 +8,8 @@ import sys
 import click
 
 from . import __version__
-from .errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, DeployError, UsageError
+from .errors import (EXIT_CODES_HELP, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, DeployError,
+                     UsageError)
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -46,6 +47,9 @@ def run_guarded(fn, obj: Obj):
         return fn()
     except DeployError as e:
         fail(e, obj.json)
+    except KeyboardInterrupt:  # Ctrl-C outside an operation's steps (those say what they left): exit 130
+        click.echo("\ninterrupted (Ctrl-C)", err=True)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 @click.group(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
@@ -259,7 +263,7 @@ def _outcome_exit(obj, out):
         sys.exit(EXIT_OK)
     err = (out.fallback.error if out.fallback else None) or out.error
     sys.exit(EXIT_UNREACHABLE if isinstance(err, Unreachable) else
-             (err.exit_code if err is not None and err.exit_code == EXIT_USAGE else EXIT_FAILED))
+             (err.exit_code if err is not None and err.exit_code in (EXIT_USAGE, EXIT_INTERRUPTED) else EXIT_FAILED))
 
 
 def render_outcome(out, indent=""):
@@ -830,6 +834,8 @@ def refuse_json(obj, command: str) -> None:
 @click.option("--grep", default=None, metavar="REGEX", callback=_regex, help="Only lines matching REGEX.")
 @click.option("--all", "show_all", is_flag=True,
               help="Also show this tool's own /health, /v1/models and /metrics requests (left out by default).")
+@click.option("--json", "as_json_local", is_flag=True, hidden=True, expose_value=False,
+              callback=lambda ctx, _p, v: setattr(ctx.find_object(Obj), "json", True) if v else None)
 @click.pass_obj
 def logs(obj, target, lines, follow, grep, show_all):
     """Show the vLLM log of a deployment (read from the container's state file).

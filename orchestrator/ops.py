@@ -12,7 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from . import plan as P
-from .errors import DeployError, LockHeld, StepFailed, Unreachable, UsageError  # noqa: F401 (LockHeld: re-exported)
+from .errors import (DeployError, Interrupted, LockHeld, StepFailed, Unreachable,  # noqa: F401 (LockHeld: re-exported)
+                     UsageError)
 from .agent.protocol import CurrentResult, GpusFreeResult, StopResult
 from .facts import parse_pct_status
 from .remote import Fleet
@@ -299,7 +300,8 @@ def execute(run: Run, steps: list[P.Step]) -> Outcome:
                        f"loading. deploy status {ctx.pb.name} shows it, deploy down {ctx.pb.name} stops it")
             else:
                 msg = "interrupted before launch: nothing was started"
-            run.out.error = DeployError(msg, where=ctx.where)
+            run.out.error = run.error = Interrupted("interrupted", msg, where=ctx.where,
+                                                    state_left=interrupted_state_left(run))
     finally:
         for step in phase("finally"):
             _run_step(run, step)
@@ -555,6 +557,20 @@ def drift_instead(ctx: Context, step: P.Step, verified_sha: str, err: StepFailed
     return StepFailed("drift", msg, where=err.where, details=err.details,
                       fix=f"find what rewrites {step.args['path']} (a sync job, a download) and stop it; "
                           f"then deploy up {ctx.pb.name} again")
+
+
+def interrupted_state_left(run: Run) -> str:
+    """After Ctrl-C: what this run changed (from what its steps returned; nothing is read back, the user asked to
+    stop), and that the lock is released by the finally phase."""
+    st, written = run.st, run.written
+    parts = list(st.changed)
+    if st.config_replaced:
+        parts.insert(0, f"the drafter config {written.get('path')} was replaced with the pinned bytes (old file kept "
+                        f"as {written.get('backup')}; not read back after the interruption: deploy verify "
+                        f"{run.ctx.pb.name} checks it)")
+    if st.launched:
+        parts.append("vLLM was launched and keeps running (deploy status shows it)")
+    return "; ".join(parts) if parts else "nothing was changed on the host"
 
 
 def state_left_text(run: Run) -> str:

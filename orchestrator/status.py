@@ -596,6 +596,10 @@ def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
 
         with Progress().heartbeat(f"{host}/{vmid}", f"read {log_path}", 30):
             r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
+        if grep and not r["lines"] and (r.get("unit") or r.get("exists")):  # like grep: said, exit 1 (issue 26)
+            click.echo(f"{host}/{vmid}: no line of {r.get('unit') and 'the journal of ' + r['unit'] or log_path} "
+                       f"matched --grep {grep!r}", err=True)
+            return EXIT_FAILED
         if r.get("unit") and not r["lines"]:  # a systemd unit's journal (agent: the state file names the unit)
             click.echo(f"{host}/{vmid}: the journal of {r['unit']} is empty ({r.get('source')})", err=True)
             return EXIT_FAILED

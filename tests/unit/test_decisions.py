@@ -332,6 +332,25 @@ def test_one_rule_for_killing_gpu_holders_up_restart_and_down(world):
     assert not ops.Options(clean_gpus=False).ask_before_kill(pb)
 
 
+def test_ctrl_c_before_launch_after_the_config_was_replaced_says_so_and_exits_130(world):
+    """Issue 26 item 17: Ctrl-C is exit 130, and `state left:` names the drafter config already replaced."""
+    from orchestrator.errors import EXIT_INTERRUPTED, Interrupted
+
+    inv, pb = world
+
+    def ctrl_c(args):
+        raise KeyboardInterrupt
+
+    out, actions, _ = run_up(world, healthy_script(pb, gpus_free=ctrl_c))
+    assert not out.ok and out.status == "interrupted" and isinstance(out.error, Interrupted)
+    assert out.error.exit_code == EXIT_INTERRUPTED == 130
+    assert "interrupted before launch: nothing was started" in out.error.message
+    assert "the drafter config " + P.drafter_config_path(pb) + " was replaced with the pinned bytes" in \
+        out.error.state_left and ".bak-1" in out.error.state_left
+    assert actions[-1] == "unlock"  # the lock is released
+    assert "state left:" in out.error.render()
+
+
 def test_the_audit_log_never_changes_the_mode_of_a_device(tmp_path):
     """An audit path that is a device (/dev/null, say) is written to, never chmod-ed (it was, once: 0600)."""
     if os.geteuid() != 0:
