@@ -212,13 +212,16 @@ def render_plan(obj, inv, pb, steps, emit=True):
     py = pb.runtime["python"]
     rows = [s.as_dict(inv, py) for s in steps]
     session = session_command(pb, py)
+    warnings = shared_gpu_warnings(inv, pb)
     if obj.json or not emit:
         data = {"playbook": pb.name, "host": pb.host, "vmid": pb.vmid, "agent_session": session, "steps": rows,
-                "fallback": pb.fallback.name if pb.fallback else None}
+                "fallback": pb.fallback.name if pb.fallback else None, "warnings": warnings}
         if emit:
             dump_json(data)
         return data
     click.echo(f"Plan for {pb.name} on {pb.host}/{pb.vmid} ({rows[0]['ssh']}); one SSH connection for all steps.")
+    for w in warnings:
+        click.echo(f"warning: {w}")
     click.echo("One agent process in the container runs every agent step (each `>` line below is one request to it;"
                " agent.py and N, its length, arrive on stdin):")
     click.echo(f"  $ {session}")
@@ -232,6 +235,25 @@ def render_plan(obj, inv, pb, steps, emit=True):
     click.echo(f"\n{n} steps. The lock heartbeat runs beside them as its own command: `{rows[1]['command']}` with "
                "renew=true. `deploy -v up` prints each step's commands as it runs them; --json gives this plan "
                "for review tools.")
+
+
+def shared_gpu_warnings(inv, pb) -> list[str]:
+    """From the inventory alone (plan runs nothing): other containers of the same host given any of the playbook's
+    GPUs, with the playbooks that target them (issue 26: a deployment there makes gpus-free fail)."""
+    from .steps.gpu import playbooks_targeting
+
+    host = inv.hosts.get(pb.host)
+    out = []
+    for c in (host.containers if host else ()):
+        shared = sorted(set(c.gpus or []) & set(pb.gpus))
+        if c.vmid == pb.vmid or not shared:
+            continue
+        names = [n for n in playbooks_targeting(pb.host, c.vmid) if n != pb.name]
+        out.append(f"GPU(s) {', '.join(map(str, shared))} of {pb.host}/{pb.vmid} are also given to {pb.host}/{c.vmid}"
+                   + (f" (targeted by {', '.join(names)})" if names else "")
+                   + f": while a vLLM runs there, gpus-free fails (deploy status {pb.host}/{c.vmid} shows it"
+                   + (f"; deploy down {names[0]} frees them" if names else "") + ")")
+    return out
 
 
 def _render_step(r, label, py, indent=""):

@@ -357,19 +357,25 @@ def step_stop(pb, clean_gpus, when=something_to_stop, only_this_playbook=False, 
                 timeout=g["stop_grace_s"] + 60, when=when, runs=runs, phase=phase, **_common(pb))
 
 
+OUTSIDE_AFTER_S = 10.0  # busy GPUs that nothing in the container holds for this long: held outside, fail now
+
+
 def step_gpus_free(pb):
     g = pb.data["gpu"]
     return Step("gpus-free", f"prove GPUs {pb.gpus} free: every one under {g['free_threshold_mib']} MiB "
                              f"within {g['free_timeout_s']:g} s", action="gpus_free",
                 args={"gpus": pb.gpus, "threshold_mib": g["free_threshold_mib"], "timeout_s": g["free_timeout_s"],
+                      "outside_after_s": min(OUTSIDE_AFTER_S, g["free_timeout_s"]),
                       "nvidia_smi_timeout_s": g["nvidia_smi_timeout_s"], "poll_s": 0.25},
                 timeout=g["free_timeout_s"] + g["nvidia_smi_timeout_s"] + 20,
                 runs=[f"{NVIDIA_SMI_QUERY}   # every 0.25 s up to {g['free_timeout_s']:g} s (each call "
                       f"timeout {g['nvidia_smi_timeout_s']:g} s) until GPUs {pb.gpus} are each under "
-                      f"{g['free_threshold_mib']} MiB",
+                      f"{g['free_threshold_mib']} MiB; busy for {min(OUTSIDE_AFTER_S, g['free_timeout_s']):g} s with "
+                      "no holder in the container: held outside, stop waiting",
                       f"if not: fuser -v {_devs(pb.gpus)}   # holders in the container",
-                      "if none there: pct list; pct config VMID for each other running container   # on the host: "
-                      "who else is given the busy GPUs"],
+                      "if none there: pct list; pct config VMID for each other running container; nvidia-smi "
+                      "--query-compute-apps=pid,used_memory,gpu_uuid   # on the host, read-only: who holds the busy "
+                      "GPUs (host PID, container)"],
                 **_common(pb))
 
 

@@ -201,6 +201,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         return row
     row.update(playbook=st.get("playbook"), pid=st.get("pid"), method=st.get("method"),
                served_model=st.get("served_model_name"))
+    row["_gpus"] = st.get("gpus") if isinstance(st.get("gpus"), list) else None  # for shared_gpu_problems
     sup = supervision_of(r.get("supervision"), st)
     row["supervision"] = sup
     if st.get("alive"):
@@ -343,7 +344,26 @@ def gather(inv, targets, fleet: Fleet | None = None, *, deadline: float = 15.0, 
                                   fix="check the address/port in the inventory and that the host and its sshd are up")
             rows += [_error_row(host, vmid, err) for vmid, _ in by_host[host]]
     sampler.save()
+    shared_gpu_problems(rows)
     return rows
+
+
+def shared_gpu_problems(rows: list[dict]) -> None:
+    """Two running deployments of one host on the same GPU (their state files' gpus) compete for its memory: each
+    row says so and is not healthy (issue 26: both showed ok)."""
+    running = [r for r in rows if r.get("process") == "running" and r.get("_gpus")]
+    for r in running:
+        for o in running:
+            shared = sorted(set(r["_gpus"]) & set(o["_gpus"]))
+            if o is r or o["host"] != r["host"] or not shared:
+                continue
+            r["healthy"] = False
+            r["problems"].append(f"GPU(s) {', '.join(map(str, shared))} are used by {o['host']}/{o['vmid']} too, "
+                                 f"where {o.get('playbook')} runs: two servers on one GPU compete for its memory; "
+                                 f"deploy down {o.get('playbook')} (or {r.get('playbook')}) frees them, or give each "
+                                 "container its own GPUs")
+    for r in rows:
+        r.pop("_gpus", None)
 
 
 def _row_or_error(fleet, host, vmid, rt, sampler, smi_timeout):

@@ -671,10 +671,12 @@ def act_gpus_free(a):
     timeout = float(a.get("timeout_s", 60))
     smi_timeout = float(a.get("nvidia_smi_timeout_s", 10))
     poll = float(a.get("poll_s", 0.25))
+    outside_after = a.get("outside_after_s")  # busy with no holder in here this long: held outside, say so now
     t0 = now()
     first = None
     last = None
     last_emit = 0
+    outside_since, last_look = None, 0
     while True:
         mem = read_gpu_memory(smi_timeout)
         if "error" in mem:
@@ -695,6 +697,14 @@ def act_gpus_free(a):
                     "threshold_mib": threshold}
         if now() - t0 >= timeout:
             break
+        if outside_after is not None and now() - last_look >= 1.0:
+            last_look = now()
+            if gpu_holders():
+                outside_since = None
+            elif outside_since is None:
+                outside_since = now()
+            elif now() - outside_since >= float(outside_after):
+                break  # nothing in this container holds them: waiting the rest of the timeout would not help
         if now() - last_emit > 1.0:
             emit(event="gpu", readings=readings, busy=busy, elapsed=round(now() - t0, 1))
             last_emit = now()

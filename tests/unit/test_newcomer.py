@@ -192,3 +192,19 @@ def test_still_waiting_names_one_bound_and_a_lock_renewal_prints_no_wait(agent):
     # the install runner's own result line is not shown as a log line
     assert agent._protocol_line('{"result": {"ok": false}, "protocol": 2}')
     assert not agent._protocol_line("ERROR: No matching distribution found for vllm==9.9")
+
+
+# ---------------------------------------------------------------- item 19: status flags two servers on one GPU
+
+
+def test_status_flags_two_running_deployments_on_one_gpu():
+    from orchestrator.status import shared_gpu_problems
+
+    def row(host, vmid, gpus, pb):
+        return {"host": host, "vmid": vmid, "process": "running", "_gpus": gpus, "playbook": pb, "problems": [],
+                "healthy": True}
+
+    a, b, c = row("pve1", 129, [0, 1], "x"), row("pve1", 130, [1, 2], "y"), row("pve2", 129, [0, 1], "z")
+    shared_gpu_problems([a, b, c])
+    assert not a["healthy"] and not b["healthy"] and c["healthy"] and "_gpus" not in a
+    assert "GPU(s) 1 are used by pve1/130 too, where y runs" in a["problems"][0] and "deploy down y" in a["problems"][0]
