@@ -82,7 +82,7 @@ def main(ctx, inventory, verbose, as_json):
                  ~/.config/vllm-pve-deploy/hosts.yaml
 
     \b
-    Shell completion (bash; zsh and fish alike, see docs/cli.md):
+    Shell completion (bash; zsh and fish alike, see deploy docs cli#shell-completion):
       eval "$(_DEPLOY_COMPLETE=bash_source deploy)"
     """
     from .report import guard_std_streams
@@ -407,7 +407,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
         if install_first and not pb.data["requires"].get("vllm"):
             raise UsageError(f"--install-vllm: {pb.name} does not say which vLLM it needs (requires.vllm); "
                              "nothing was run",
-                             where=pb.path, fix="add requires.vllm to the playbook (docs/playbooks.md#requires)")
+                             where=pb.path, fix="add requires.vllm to the playbook (deploy docs playbooks#requires)")
         if install_first and pb.is_fleet:
             raise UsageError(f"--install-vllm: {pb.name} has targets; up --install-vllm takes a one-target playbook",
                              where=pb.path, fix=f"deploy install-vllm {pb.name} (each target in turn), then "
@@ -731,7 +731,8 @@ def install_vllm(obj, playbook, yes, rollback, force):
             raise UsageError(f"{pb.name} does not say which vLLM it needs (requires.vllm); nothing was run",
                              where=pb.path, fix="add requires.vllm to the playbook: a version (\"0.34.0\"), "
                                                 "git+https://github.com/ORG/vllm@BRANCH, a wheel URL or a wheel path "
-                                                "in the container (docs/playbooks.md#requires)")
+                                                "in the container (deploy docs playbooks#requires); the shipped "
+                                                "playbooks name none: copy one (deploy init) and add it")
         if not pb.is_fleet:
             with Fleet(inv) as fleet:
                 out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm, force=force, rollback=rollback)
@@ -1078,6 +1079,30 @@ def schema(obj, kind):
     from .scaffold import schema_text
 
     click.echo(schema_text(kind), nl=False)
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy docs                         # the pages shipped with deploy
+  deploy docs quickstart
+  deploy docs cli#status              # one section
+  deploy docs troubleshooting | less""")
+@click.argument("topic", required=False, metavar="[TOPIC[#SECTION]]")
+@click.pass_obj
+def docs(obj, topic):
+    """Print a documentation page shipped with deploy (offline; the same pages as docs/ in the repository).
+
+    Without TOPIC: the list of pages. TOPIC#SECTION prints one section (the anchor of its heading, as in the
+    links of the pages and of deploy's messages: playbooks#requires).
+    """
+    def go():
+        from .scaffold import docs_text
+
+        refuse_json(obj, "docs")
+        click.echo(docs_text(topic), nl=False)
+    run_guarded(go, obj)
 
 
 # ------------------------------------------------------------------ unlock

@@ -488,7 +488,7 @@ def host_entry(hs, name: str) -> dict:
 
 def render_inventory(host: dict, found: dict) -> str:
     """A whole inventory with this one host (what `deploy discover HOST` prints)."""
-    return ("# written by `deploy discover`; see docs/playbooks.md (Inventory) for every key\n"
+    return ("# written by `deploy discover`; see `deploy docs playbooks#inventory` for every key\n"
             "hosts:\n" + "\n".join(_host_block(merge_host(None, found, host), found, 2)) + "\n")
 
 
