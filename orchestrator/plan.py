@@ -476,7 +476,7 @@ def step_note_failure(pb):
     return Step("note-failure", "record the failure in the state directory, for deploy status", action="note_failure",
                 args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,
                 when=changed_something, phase="on-failure",
-                runs=[f"write {_state(pb, 'failure.json')} (playbook, step, message)"], **_common(pb))
+                runs=[f"write {_state(pb, 'last_failure.json')} (playbook, step, message)"], **_common(pb))
 
 
 def step_unlock(pb):
@@ -557,7 +557,7 @@ def plan_down(pb: Playbook, *, clean_gpus: bool | None = None, ask: bool = False
     steps += [step_stop(pb, clean, when=None, only_this_playbook=True), step_gpus_free(pb),
              Step("clear-failure", "a deliberate down ends the story of an earlier failed up (deploy status)",
                   action="note_failure", args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,
-                  runs=[f"rm -f {_state(pb, 'failure.json')}"], **_common(pb))]
+                  runs=[f"rm -f {_state(pb, 'last_failure.json')}"], **_common(pb))]
     return [step_container(pb), step_lock(pb, "down", lease_for(steps))] + steps + [step_unlock(pb)]
 
 

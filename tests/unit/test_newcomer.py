@@ -208,3 +208,40 @@ def test_status_flags_two_running_deployments_on_one_gpu():
     shared_gpu_problems([a, b, c])
     assert not a["healthy"] and not b["healthy"] and c["healthy"] and "_gpus" not in a
     assert "GPU(s) 1 are used by pve1/130 too, where y runs" in a["problems"][0] and "deploy down y" in a["problems"][0]
+
+
+# ---------------------------------------------------------------- item 13: deploy docs
+
+
+def test_deploy_docs_prints_the_shipped_pages_and_sections():
+    from orchestrator.scaffold import doc_topics, docs_text
+
+    topics = doc_topics()
+    for t in ("quickstart", "cli", "playbooks", "troubleshooting", "architecture", "testbed", "domain/field-report"):
+        assert t in topics, sorted(topics)
+    assert docs_text("quickstart") == open(os.path.join(REPO, "docs", "quickstart.md"), encoding="utf-8").read()
+    sec = docs_text("playbooks#requires")
+    assert sec.startswith("### `requires`") and "\n### " not in sec[5:]
+    assert "quickstart" in docs_text(None)
+    with pytest.raises(UsageError) as e:
+        docs_text("nope")
+    assert "deploy docs lists them" in e.value.fix
+    with pytest.raises(UsageError):
+        docs_text("cli#no-such-section")
+
+
+def test_every_deploy_docs_pointer_in_the_code_resolves():
+    """Messages and --help point at `deploy docs TOPIC#SECTION`: each must print something."""
+    import glob
+    import re
+
+    from orchestrator.scaffold import docs_text
+
+    seen = set()
+    for path in glob.glob(os.path.join(REPO, "orchestrator", "**", "*.py"), recursive=True):
+        for m in re.finditer(r"deploy docs ([a-z/-]+(?:#[a-z0-9-]+)?)", open(path, encoding="utf-8").read()):
+            if m.group(1) in ("lists", "topic"):
+                continue
+            seen.add(m.group(1))
+            assert docs_text(m.group(1)), (path, m.group(1))
+    assert "playbooks#requires" in seen
