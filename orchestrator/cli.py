@@ -38,7 +38,9 @@ def fail(err: DeployError, as_json: bool) -> None:
     if as_json:
         dump_json({"ok": False, **err.as_dict()})
     else:
-        click.echo(err.render(), err=True)
+        from .report import term_width, wrap
+
+        click.echo(wrap(err.render(), term_width(sys.stderr), indent=4), err=True)
     sys.exit(err.exit_code)
 
 
@@ -288,8 +290,16 @@ def _outcome_exit(obj, out):
              (err.exit_code if err is not None and err.exit_code in (EXIT_USAGE, EXIT_INTERRUPTED) else EXIT_FAILED))
 
 
+def _echo_wrapped(text: str = "", err: bool = False, indent: int = 0) -> None:
+    """click.echo, wrapped at the terminal width on a TTY (never inside a word or path); whole lines otherwise."""
+    from .report import term_width, wrap
+
+    click.echo(wrap(text, term_width(sys.stderr if err else sys.stdout), indent=indent + 4), err=err)
+
+
 def render_outcome(out, indent=""):
-    e = click.echo
+    def e(text="", err=False):
+        _echo_wrapped(text, err=err, indent=len(indent))
     if out.error is not None:
         e(indent + ("FAILED: " if out.status != "fell back" else "LOW ACCEPTANCE: ") + out.error.render(), err=True)
     if out.fallback is not None:
@@ -354,7 +364,9 @@ def up_options(f):
 def _confirm(prompt):
     if not sys.stdin.isatty():
         return False
-    return click.confirm(prompt, default=False, err=True)
+    from .report import term_width, wrap
+
+    return click.confirm(wrap(prompt, term_width(sys.stderr), indent=4), default=False, err=True)
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -444,10 +456,10 @@ def _fleet_exit(obj, res):
         for o in res["_outcomes"]:
             if o is not None and not o.ok:
                 render_outcome(o)
-                click.echo(f"  this target alone: deploy logs {o.where}; deploy down {res['playbook']} {o.where}; "
-                           f"deploy status {o.where}", err=True)
+                _echo_wrapped(f"  this target alone: deploy logs {o.where}; deploy down {res['playbook']} {o.where}; "
+                              f"deploy status {o.where}", err=True)
         for line in F.render(res):
-            click.echo(line)
+            _echo_wrapped(line)
     sys.exit(F.exit_code(res))
 
 

@@ -181,7 +181,7 @@ def gpu_holders():
         except OSError:
             continue
         if devs:
-            out.append({"pid": pid, "comm": proc_comm(pid), "cmdline": proc_cmdline(pid)[:300],
+            out.append({"pid": pid, "comm": proc_comm(pid), "cmdline": proc_cmdline(pid)[:4000],  # whole: named
                         "devices": sorted(devs)})
     return out
 

@@ -245,3 +245,33 @@ def test_every_deploy_docs_pointer_in_the_code_resolves():
             seen.add(m.group(1))
             assert docs_text(m.group(1)), (path, m.group(1))
     assert "playbooks#requires" in seen
+
+
+# ---------------------------------------------------------------- item 12: nothing cut on a 100-column terminal
+
+
+def test_up_summary_and_errors_wrap_between_words_on_a_terminal(monkeypatch, capsys):
+    from orchestrator import cli, report
+    from orchestrator.errors import StepFailed
+    from orchestrator.ops import Outcome
+
+    monkeypatch.setattr(report, "term_width", lambda stream=None: 100)
+    long_ep = "http://10.1.2.31:8000/v1 (not routable from here: ssh -N -L 8000:10.1.2.31:8000 root@10.1.2.5, then " \
+              "http://127.0.0.1:8000/v1)"
+    out = Outcome(True, "qwen36-dflash", "pve1/129", "up", [])
+    out.info = {"url": None, "endpoint": {"url": "x", "tunnel": "t", "routable": False, "local_url": "y"},
+                "model": "qwen36", "method": "dflash", "total_s": 3.2, "phases_s": {f"step-{i}": 0.1 for i in range(12)},
+                "acceptance": {"draft_acceptance_rate": 0.5, "mean_acceptance_length": 8.6, "source": "metrics"}}
+    monkeypatch.setattr(cli, "_where_it_answers", lambda info: long_ep)
+    cli.render_outcome(out)
+    fail = Outcome(False, "qwen36-dflash", "pve1/129", "failed", [])
+    fail.error = StepFailed("gpus-free", "GPU memory is held OUTSIDE this container " + "x" * 10 + " word " * 30,
+                            where="pve1/129", fix="deploy down mtp-130 frees them " * 4, state_left="nothing " * 20)
+    cli.render_outcome(fail)
+    got = capsys.readouterr()
+    text = got.out + got.err
+    for ln in text.splitlines():
+        assert len(ln) <= 100 or " " not in ln.strip(), ln
+    flat = " ".join(text.split())
+    for word in (long_ep.split() + ["root@10.1.2.5,", "step-11", "mtp-130"]):
+        assert word in flat.split() or word in flat, word  # whole, never split
