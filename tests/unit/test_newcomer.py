@@ -275,3 +275,28 @@ def test_up_summary_and_errors_wrap_between_words_on_a_terminal(monkeypatch, cap
     flat = " ".join(text.split())
     for word in (long_ep.split() + ["root@10.1.2.5,", "step-11", "mtp-130"]):
         assert word in flat.split() or word in flat, word  # whole, never split
+
+
+# ---------------------------------------------------------------- item 20: the root file system build says what it does
+
+
+def test_rootfs_build_reports_progress(tmp_path, monkeypatch):
+    import subprocess as sp
+
+    from vpd_testbed import lxc
+
+    monkeypatch.setattr(lxc, "rootfs_path", lambda: tmp_path / "rootfs-v1")
+    real = sp.Popen
+
+    def fake_debootstrap(argv, **kw):  # writes a line, takes a moment, makes the directory
+        target = argv[-1]
+        return real(["sh", "-c", 'echo "I: Retrieving Packages"; sleep 0.5; mkdir -p "$1/etc/systemd/system"',
+                     "sh", target], **kw)
+
+    monkeypatch.setattr(lxc.subprocess, "Popen", fake_debootstrap)
+    said = []
+    dest = lxc.ensure_rootfs(say=said.append, every_s=0.2)
+    assert dest == tmp_path / "rootfs-v1" and (dest / ".vpd-complete").exists()
+    assert said[0].startswith("building the LXC root file system once (debootstrap bookworm")
+    assert any(s.startswith("still building the root file system") and "Retrieving Packages" in s for s in said)
+    assert said[-1].startswith("root file system built in")
