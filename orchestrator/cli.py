@@ -402,7 +402,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
     Examples:
       deploy up qwen36-dflash
       deploy up qwen36-dflash --dry-run
-      deploy up qwen36-dflash --install-vllm
+      deploy up my-dflash --install-vllm         # a playbook with requires.vllm
       deploy --json up qwen36-mtp -y > result.json
       deploy up qwen36-replicas --parallel 2      # a playbook with targets:
     """
@@ -727,12 +727,15 @@ def install_vllm(obj, playbook, yes, rollback, force):
     requires.install.timeout_s is "build not finished", never success. A serving vLLM is not touched (asked
     first; -y to proceed): the next `deploy up`/`restart` starts the new build.
 
+    The shipped playbooks name no requires.vllm: add it to your copy first (deploy init; deploy docs
+    playbooks#requires), e.g. `requires: {vllm: "0.34.0"}`, as my-dflash below.
+
     \b
     Examples:
-      deploy install-vllm qwen36-dflash
-      deploy install-vllm qwen36-dflash -y
-      deploy install-vllm qwen36-dflash --rollback
-      deploy --json install-vllm qwen36-dflash
+      deploy install-vllm my-dflash                # my-dflash.yaml: a copy with requires.vllm
+      deploy install-vllm my-dflash -y
+      deploy install-vllm my-dflash --rollback
+      deploy --json install-vllm my-dflash
     """
     def go():
         from .install import install
