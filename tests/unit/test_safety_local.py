@@ -505,7 +505,7 @@ def test_the_heartbeat_renews_the_lock_until_stopped_and_reports_a_loss():
         def __init__(self, answers):
             self.answers = answers
 
-        def call(self, step, fresh=False):
+        def call(self, step, fresh=False, **kw):
             calls.append(step.args)
             return self.answers.pop(0) if self.answers else {"locked": True}
 
