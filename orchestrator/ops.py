@@ -595,6 +595,9 @@ def stop_after_failure(ctx: Context, step: P.Step) -> str:
     pb = ctx.pb
     try:
         rep = ctx.call(step)
+        if rep.get("refused"):  # another playbook's deployment took the container over (a broken lock)
+            return (f"the failed server was not stopped: {rep['refused']} (another deploy took the container over "
+                    f"meanwhile; deploy status {ctx.where} shows it)")
         n = len(rep.get("terminated", []) + rep.get("killed", []))
         left = rep.get("leftovers") or []
         log = P.state_paths(pb)["log_path"]

@@ -504,7 +504,10 @@ def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, 
 def failure_steps(pb: Playbook) -> list[Step]:
     """What runs when a step of the main phase fails: stop a half-started server, tell drift from its symptom,
     read back what was changed (for `state left:`), leave a record for deploy status."""
-    out = [step_stop(pb, False, when=launched_and_reachable, name="stop-failed", phase="on-failure")]
+    # only_this_playbook: never the deployment of another playbook that took the container over meanwhile (a
+    # broken lock, issue 26)
+    out = [step_stop(pb, False, when=launched_and_reachable, name="stop-failed", phase="on-failure",
+                     only_this_playbook=True)]
     if drafter_config_path(pb):
         out.append(step_drift(pb, "drift-check", "did the drafter config change since verify? (then that is the "
                                                   "news, and the failed step its symptom)",

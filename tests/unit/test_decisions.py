@@ -351,6 +351,21 @@ def test_ctrl_c_before_launch_after_the_config_was_replaced_says_so_and_exits_13
     assert "state left:" in out.error.render()
 
 
+def test_a_failed_up_never_stops_another_playbooks_deployment_that_took_over(world):
+    """Issue 26 item 4: the lock was broken and another playbook replaced ours; our failure clean-up must not stop
+    it, and says so in `state left:`."""
+    inv, pb = world
+    refused = {"refused": "this container runs qwen36-mtp (pid 77), not qwen36-dflash", "running": "qwen36-mtp"}
+    out, actions, sess = run_up(world, healthy_script(pb, wait_ready={"ready": False, "reason": "exited",
+                                                                       "exit_code": None, "seconds": 1.0},
+                                                      stop=refused))
+    assert not out.ok and out.error.step == "wait-ready"
+    assert "exited during startup (its exit status was not recorded" in out.error.message
+    stop_args = [a for n, a in sess.calls if n == "stop"]
+    assert stop_args and stop_args[-1]["only_playbook"] == "qwen36-dflash"
+    assert "the failed server was not stopped: this container runs qwen36-mtp" in out.error.state_left
+
+
 def test_the_audit_log_never_changes_the_mode_of_a_device(tmp_path):
     """An audit path that is a device (/dev/null, say) is written to, never chmod-ed (it was, once: 0600)."""
     if os.geteuid() != 0:
