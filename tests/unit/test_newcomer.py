@@ -300,3 +300,22 @@ def test_rootfs_build_reports_progress(tmp_path, monkeypatch):
     assert said[0].startswith("building the LXC root file system once (debootstrap bookworm")
     assert any(s.startswith("still building the root file system") and "Retrieving Packages" in s for s in said)
     assert said[-1].startswith("root file system built in")
+
+
+# ---------------------------------------------------------------- item 9: discover says when it found no address
+
+
+def test_discover_says_it_found_no_address_and_the_note_is_true():
+    from types import SimpleNamespace as NS
+
+    from orchestrator.discover import container_yaml
+    from orchestrator.endpoint import endpoint
+
+    c = {"vmid": 129, "name": "ct129", "status": "running", "lock": None, "gpus": [0], "gpus_all": False,
+         "gpu_source": "dev0", "address": None, "address_source": None, "runtime": None, "runtimes": [],
+         "problems": [], "pythons": []}
+    text = "\n".join(container_yaml(c, 4))
+    assert "# address: none found (no ip= on a net line of pct config, and none but loopback inside)" in text
+    note = endpoint(NS(name="pve1"), None, 8000)["note"]
+    assert note == "address unknown: none in the inventory; deploy discover pve1 --write reads it, or set address:"
+    assert "records it" not in note  # it may find none: not a promise
