@@ -79,6 +79,27 @@ def _with_playbook_runtimes(inv, want):
     return [(h, v, rt if rt is not None else by_target.get((h, v))) for h, v, rt in want]
 
 
+def local_key_env(inv, playbook, host: str, vmid: int) -> str | None:
+    """serve.api_key_env of the local playbook named `playbook` if it targets HOST/VMID, else None. The name
+    comes from the container (state.json), so it only selects among the operator's own playbooks."""
+    from .spec import list_playbooks, load_playbook
+
+    if not isinstance(playbook, str) or inv is None:
+        return None
+    names = list_playbooks()
+    for name in ([playbook] if playbook in names else []) + [n for n in names if n != playbook]:
+        try:
+            pb = load_playbook(name, inv)
+        except (DeployError, OSError):
+            continue
+        if pb.name != playbook:
+            continue
+        for m in pb.members:
+            if (m.host, m.vmid) == (host, vmid):
+                return m.serve.get("api_key_env") or None
+    return None
+
+
 class Sampler:
     """Keeps the previous counters per container so a refresh can show recent acceptance."""
 
@@ -150,9 +171,12 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
                        {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15,
                        secrets={"api_key": key} if key else None, bulk=FATAL_BULK)
         st = r.get("state") or {}
-        local = st.get("api_key_env") if isinstance(st, dict) else None
+        # The state file is the container's word: it names the playbook, and only a LOCAL playbook of that name
+        # that targets this container chooses the local variable (never the state file's api_key_env, which a
+        # compromised container could point at any workstation secret; docs/architecture.md, "Threat model").
+        local = local_key_env(fleet.inventory, st.get("playbook") if isinstance(st, dict) else None, host, vmid)
         if not key and r.get("models_status") in (401, 403) and local and os.environ.get(local):
-            # key-protected, and the state file names the local variable holding its key: ask again, with it
+            # key-protected, and our own playbook names the local variable holding its key: ask again, with it
             key = os.environ[local]
             fleet.redact.add(key)
             r = agent.call(fleet.session(host), vmid, python, "status",
@@ -218,7 +242,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             row["problems"].append(r["listener_problem"])
         elif r.get("models_status") in (401, 403):
             row["healthy"] = False
-            local = st.get("api_key_env")
+            local = local_key_env(fleet.inventory, st.get("playbook"), host, vmid)
             row["problems"].append(f"/v1/models needs the API key ({r.get('models_status')})" +
                                    (f": export {local} (serve.api_key_env) and run status again" if local else ""))
         elif st.get("served_model_name") not in (r.get("models") or []):
