@@ -225,6 +225,8 @@ def open_dir(path, create_mode=None):
         if st.st_uid not in (0, me):
             raise UnsafeDirectory("%s is owned by uid %d, not root: that user could swap the files written there "
                                   "(fix: chown root:root %s, or use a root-owned directory)" % (path, st.st_uid, path))
+        if create_mode is not None and not create_mode & 0o077:
+            _check_private_dir(path, st)  # the state dir: deploy's own, before anything touches it (issue 22)
         if st.st_mode & 0o022 and not st.st_mode & 0o1000:
             raise UnsafeDirectory("%s is writable by %s (mode %o) without the sticky bit: other users could plant "
                                   "files under the names written there (fix: chmod go-w %s)"
@@ -237,6 +239,57 @@ def open_dir(path, create_mode=None):
     except BaseException:
         os.close(fd)
         raise
+
+
+# ---- untrusted input: the state directory and its files (issue 22, docs/architecture.md "Threat model")
+# The state dir decides which process group `stop` signals and which unit it stops: it must be deploy's own.
+# A directory other users may write in (even a sticky one such as /tmp) lets them plant state.json; it is refused,
+# naming the path and the fix, before anything reads, writes or chmods it.
+
+STATE_DIR_FIX = ("set runtime.state_dir to a directory only root can write, e.g. /var/lib/vllm-pve-deploy (the "
+                 "default), or fix it: chown root:root DIR && chmod 700 DIR")
+
+
+def _check_private_dir(path, st=None):
+    st = st or os.lstat(path)
+    if not _stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory("state directory %s is not a directory (fix: %s)" % (path, STATE_DIR_FIX))
+    if st.st_uid != 0 or st.st_mode & 0o022:
+        who = ("owned by uid %d" % st.st_uid) if st.st_uid != 0 else \
+            ("writable by %s" % ("others" if st.st_mode & 0o002 else "its group"))
+        raise UnsafeDirectory(
+            "state directory %s is %s (mode %o): another user could plant the state files that decide what deploy "
+            "stops as root; nothing in it was read or changed (fix: %s)"
+            % (path, who, st.st_mode & 0o7777, STATE_DIR_FIX.replace("DIR", path)))
+
+
+def open_state_dir(state_dir):
+    """An fd of the state directory (not created), checked as deploy's own; FileNotFoundError when absent."""
+    fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _check_private_dir(state_dir, os.fstat(fd))
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_state_file(path, limit=1 << 20):
+    """The bytes of a state file: the directory checked (open_state_dir), the file opened O_NOFOLLOW|O_NONBLOCK,
+    a regular file, root-owned and not writable by group/others, at most `limit` bytes. Raises FileNotFoundError,
+    UnsafeDirectory (with the path and the fix) or OSError."""
+    dfd = open_state_dir(os.path.dirname(path))
+    try:
+        fd = open_regular(dfd, os.path.basename(path))
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            raise UnsafeDirectory("state file %s is owned by uid %d with mode %o: not written by deploy, not used "
+                                  "(fix: remove it; deploy writes its state files root-owned, mode 600)"
+                                  % (path, st.st_uid, st.st_mode & 0o7777))
+        return fh.read(limit + 1)[:limit]
 
 
 STATE_FILES = re.compile(r"(vllm-.*\.env|state\.json|state\.stopped\.json|last_failure\.json|vllm\.log(\.1)?|exit_code|lock"
@@ -307,10 +360,13 @@ def open_regular(dfd, name, flags=os.O_RDONLY):
 def read_state(state_dir):
     path = os.path.join(state_dir, "state.json")
     try:
-        with open(path) as fh:
-            st = json.load(fh)
+        st = json.loads(read_state_file(path).decode("utf-8", "replace"))
+        if not isinstance(st, dict):
+            raise ValueError("not a JSON object")
     except FileNotFoundError:
         return None
+    except UnsafeDirectory as e:
+        return {"corrupt": str(e), "path": path, "unsafe": True}
     except (OSError, ValueError) as e:
         return {"corrupt": str(e), "path": path}
     if st.get("unit") and systemd_running():
@@ -601,7 +657,7 @@ def act_stop(a):
     if a.get("clean_gpus") and report["leftovers"]:
         report["fuser"] = fuser_kill(a.get("gpus"), float(a.get("fuser_grace_s", 5)))
         report["leftovers"] = gpu_holders()
-    if st is not None:
+    if st is not None and not st.get("unsafe"):
         try:
             dfd = open_dir(state_dir)
             try:
@@ -1706,10 +1762,10 @@ def _status_rest(res, state_dir):
 
 
 def _read_json(path):
+    """A state file's JSON (read_state_file's checks), None if absent, unsafe or unreadable."""
     try:
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+        return json.loads(read_state_file(path).decode("utf-8", "replace"))
+    except (OSError, ValueError, UnsafeDirectory):
         return None
 
 
@@ -2607,6 +2663,45 @@ def runtime_paths(a):
     return root, root + ".versions"
 
 
+# Prefixes install-vllm never moves aside, whatever they hold (issue 22: with runtime.python /usr/bin/python3 the
+# "venv root" was /usr).
+SYSTEM_PREFIXES = ("/", "/usr", "/usr/local", "/opt", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/var", "/root",
+                   "/home", "/srv", "/tmp", "/snap")
+NOT_A_VENV_FIX = ("make a venv for vLLM and point the runtime at it: python3 -m venv /opt/vllm-venv, then set "
+                  "runtime.python: /opt/vllm-venv/bin/python and runtime.vllm: /opt/vllm-venv/bin/vllm (inventory or "
+                  "playbook) and run deploy install-vllm again")
+
+
+class NotAVenv(ValueError):
+    fix = NOT_A_VENV_FIX
+
+
+def venv_problem(path):
+    """None if PATH is a real venv deploy may move aside: pyvenv.cfg (a root-owned regular file), the directory
+    root-owned and not writable by group/others, not a system prefix or a conda installation; else why not."""
+    real = os.path.realpath(path)
+    if real.rstrip("/") in SYSTEM_PREFIXES or path.rstrip("/") in SYSTEM_PREFIXES:
+        return "%s is a system prefix, not a venv" % path
+    if os.path.isdir(os.path.join(real, "conda-meta")):
+        return "%s is a conda installation (conda-meta/), not a venv" % path
+    try:
+        dst = os.lstat(real)
+    except OSError as e:
+        return "%s: %s" % (path, e.strerror)
+    if not _stat.S_ISDIR(dst.st_mode):
+        return "%s is not a directory" % path
+    if dst.st_uid != 0 or dst.st_mode & 0o022:
+        return "%s is owned by uid %d with mode %o: a runtime deploy runs as root must be root-owned and not " \
+               "writable by group or others" % (path, dst.st_uid, dst.st_mode & 0o7777)
+    try:
+        cst = os.lstat(os.path.join(real, "pyvenv.cfg"))
+    except OSError:
+        return "%s has no pyvenv.cfg: it is not a venv" % path
+    if not _stat.S_ISREG(cst.st_mode) or cst.st_uid != 0:
+        return "%s/pyvenv.cfg is not a root-owned regular file" % path
+    return None
+
+
 def runtime_info(a):
     root, store = runtime_paths(a)
     info = {"venv_root": root, "store": store, "python": a["python"], "python_exists": os.path.exists(a["python"])}
@@ -2614,6 +2709,9 @@ def runtime_info(a):
         st = os.lstat(root)
     except OSError:
         info["kind"] = "missing"
+        if root.rstrip("/") in SYSTEM_PREFIXES:
+            raise NotAVenv("runtime.python %s: %s is a system prefix, not a venv; install-vllm refuses it "
+                           "(nothing was changed)" % (a["python"], root))
         return info
     if _stat.S_ISLNK(st.st_mode):
         info.update(kind="symlink", target=os.readlink(root), real=os.path.realpath(root))
@@ -2621,6 +2719,11 @@ def runtime_info(a):
         info.update(kind="dir", real=root)
     else:
         info["kind"] = "other"
+        return info
+    why = venv_problem(root)
+    if why:
+        raise NotAVenv("runtime.python %s: %s; install-vllm manages only a venv and refuses to move it aside "
+                       "(nothing was changed)" % (a["python"], why))
     return info
 
 
@@ -2781,8 +2884,8 @@ def act_install_vllm(a):
     try:
         info = runtime_info(a)
     except ValueError as e:
-        return {"ok": False, "message": str(e),
-                "fix": "set runtime.python and runtime.vllm to ROOT/bin/python and ROOT/bin/vllm of one venv"}
+        return {"ok": False, "message": str(e), "fix": getattr(e, "fix", None)
+                or "set runtime.python and runtime.vllm to ROOT/bin/python and ROOT/bin/vllm of one venv"}
     if op == "probe":
         return {"ok": True, "runtime": info, "install": install_status(state_dir), "serving": serving_now(state_dir),
                 "pointer": _pointer(state_dir), "agent_python": sys.executable}
@@ -3092,6 +3195,9 @@ def switch_runtime(venv_root, target_dir):
         if st is not None and _stat.S_ISLNK(st.st_mode):
             prev = os.readlink(name, dir_fd=pfd)
         elif st is not None and _stat.S_ISDIR(st.st_mode):
+            why = venv_problem(venv_root)
+            if why:
+                raise NotAVenv(why)
             sfd = open_dir(os.path.join(parent, store))
             try:
                 orig = "original-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

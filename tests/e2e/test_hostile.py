@@ -34,3 +34,39 @@ def test_discover_runs_no_interpreter_another_user_owns(tb, deploy):
     assert all(r["python"] != "/root/alice-env/bin/python" for r in ct["runtimes"])
     prob = [x for x in ct["problems"] if "/root/alice-env/bin/python" in x]
     assert prob and "owned by uid 65534" in prob[0] and "not proposed as the runtime" in prob[0]
+
+
+def test_install_vllm_refuses_a_runtime_that_is_not_a_venv(tb, deploy, playbooks):
+    """runtime.python /usr/bin/python3 made /usr the "venv root" to move aside; here a stand-in prefix."""
+    tb.container_exec("pve1", 129, ["sh", "-c", "mkdir -p /root/standin/bin /root/standin/share && "
+                                    "ln -s $(readlink -f /root/ml-env/bin/python) /root/standin/bin/python && "
+                                    "echo keep > /root/standin/share/precious"], check=True)
+    pb = playbooks.dir / "qwen36-dflash.yaml"
+    pb.write_text(pb.read_text().replace("\nrequires:\n", "\nrequires:\n  vllm: \"0.34.0\"\n", 1) + "\nruntime:\n  python: /root/standin/bin/python\n  vllm: /root/standin/bin/vllm\n")
+    p = deploy("install-vllm", "qwen36-dflash", "-y", env=playbooks.env)
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert "has no pyvenv.cfg: it is not a venv" in p.stderr and "python3 -m venv" in p.stderr, p.stderr
+    assert cat(tb, "pve1", 129, "/root/standin/share/precious") == "keep\n"
+    assert tb.container_exec("pve1", 129, ["test", "-L", "/root/standin"]).returncode != 0
+    assert tb.container_exec("pve1", 129, ["ls", "/root/standin.versions"]).returncode != 0
+
+
+def test_a_state_dir_others_can_write_is_refused_before_anything_touches_it(tb, deploy, playbooks):
+    """runtime.state_dir: /tmp (sticky): a user planted state.json naming a root process; down killed it, and the
+    lock step turned /tmp into mode 1700."""
+    victim = tb.container_exec("pve1", 129, ["sh", "-c", "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $!"],
+                               check=True).stdout.strip()
+    start = cat(tb, "pve1", 129, f"/proc/{victim}/stat").rsplit(")", 1)[1].split()[19]
+    forged = {"playbook": "qwen36-mtp", "pid": int(victim), "pgid": int(victim), "starttime": int(start),
+              "launch_id": "x", "port": 8000, "served_model_name": "x", "method": "mtp", "started_at": 0}
+    tb.container_exec("pve1", 129, ["sh", "-c", f"cat > /tmp/state.json && chown {NOBODY} /tmp/state.json"],
+                      input=json.dumps(forged), check=True)
+    playbooks("qwen36-mtp", "\nserve:", "\nruntime:\n  python: /root/ml-env/bin/python\n  vllm: /root/ml-env/bin/vllm"
+                                        "\n  state_dir: /tmp\n\nserve:")
+    p = deploy("down", "qwen36-mtp", "-y", env=playbooks.env)
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert "state directory /tmp is writable by others" in p.stderr and "chmod 700" in p.stderr, p.stderr
+    assert tb.container_exec("pve1", 129, ["kill", "-0", victim]).returncode == 0, "the victim was killed"
+    assert tb.container_exec("pve1", 129, ["stat", "-c", "%a", "/tmp"]).stdout.strip() == "1777"
+    s = deploy("--json", "status", "qwen36-mtp", env=playbooks.env)
+    assert "state directory /tmp is writable by others" in " ".join(s.json["rows"][0]["problems"]), s.stdout

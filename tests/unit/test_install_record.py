@@ -60,6 +60,10 @@ def test_switch_runtime_moves_the_original_once(tmp_path):
     (root / "bin").mkdir(parents=True)
     (tmp_path / "ml-env.versions" / "a").mkdir(parents=True)
     (tmp_path / "ml-env.versions" / "b").mkdir()
+    with pytest.raises(A.NotAVenv, match="no pyvenv.cfg"):  # issue 22: only a real venv is moved aside
+        A.switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "a"))
+    assert root.is_dir() and not root.is_symlink()
+    (root / "pyvenv.cfg").write_text("home = /usr/bin\n")
     prev, new = A.switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "a"))
     assert prev.startswith("ml-env.versions/original-") and new == "ml-env.versions/a"
     assert os.readlink(root) == "ml-env.versions/a" and (tmp_path / prev / "bin").is_dir()
@@ -67,6 +71,19 @@ def test_switch_runtime_moves_the_original_once(tmp_path):
     assert prev2 == "ml-env.versions/a" and os.readlink(root) == "ml-env.versions/b"
     with pytest.raises(ValueError):
         A.switch_runtime(str(root), str(tmp_path / "elsewhere"))
+
+
+def test_install_vllm_refuses_what_is_not_a_venv(tmp_path):
+    """issue 22: runtime.python /usr/bin/python3 made /usr the venv root to move aside."""
+    for py in ("/usr/bin/python3", "/usr/local/bin/python3", "/root/bin/python"):
+        r = A.act_install_vllm({"op": "probe", "python": py, "state_dir": str(tmp_path / "s")})
+        assert not r["ok"] and "system prefix" in r["message"] and "python3 -m venv" in r["fix"], r
+    conda = tmp_path / "conda"
+    (conda / "bin").mkdir(parents=True)
+    (conda / "conda-meta").mkdir()
+    r = A.act_install_vllm({"op": "probe", "python": str(conda / "bin" / "python"), "state_dir": str(tmp_path / "s")})
+    assert not r["ok"] and "conda installation" in r["message"]
+    assert not (tmp_path / "conda.versions").exists() and not (tmp_path / "s").exists()
 
 
 @pytest.mark.parametrize("spec, req, version", [
