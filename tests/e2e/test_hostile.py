@@ -70,3 +70,31 @@ def test_a_state_dir_others_can_write_is_refused_before_anything_touches_it(tb, 
     assert tb.container_exec("pve1", 129, ["stat", "-c", "%a", "/tmp"]).stdout.strip() == "1777"
     s = deploy("--json", "status", "qwen36-mtp", env=playbooks.env)
     assert "state directory /tmp is writable by others" in " ".join(s.json["rows"][0]["problems"]), s.stdout
+
+
+def flood_runtime(tb, name, flood):
+    """/root/NAME/bin/python: floods, then runs the real Python (a container whose runtime was tampered with)."""
+    real = tb.container_exec("pve1", 129, ["readlink", "-f", "/root/ml-env/bin/python"]).stdout.strip()
+    script = f"#!/bin/sh\n{flood}\nexec {real} \"$@\"\n"
+    tb.container_exec("pve1", 129, ["sh", "-c", f"mkdir -p /root/{name}/bin && cat > /root/{name}/bin/python && "
+                                    f"chmod 755 /root/{name}/bin/python"], input=script, check=True)
+    return f"\nruntime:\n  python: /root/{name}/bin/python\n  vllm: /root/ml-env/bin/vllm\n\nserve:"
+
+
+def test_a_stderr_flood_ends_the_session_with_a_clear_error(tb, deploy, playbooks):
+    rt = flood_runtime(tb, "errflood", "head -c 50000000 /dev/zero | tr '\\0' x >&2")
+    playbooks("qwen36-mtp", "\nserve:", rt)
+    p = deploy("up", "qwen36-mtp", env=playbooks.env, timeout=300)
+    assert p.returncode != 0
+    assert "bytes to stderr; the session was ended" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
+def test_an_event_flood_is_cut_and_the_audit_log_stays_small(tb, deploy, playbooks):
+    rt = flood_runtime(tb, "evflood", "awk 'BEGIN { for (i = 0; i < 30000; i++) "
+                                      "print \"{\\\"event\\\": \\\"log\\\", \\\"line\\\": \\\"flood\\\"}\" }'")
+    playbooks("qwen36-mtp", "\nserve:", rt)
+    p = deploy("--json", "status", "qwen36-mtp", env=playbooks.env, timeout=300)
+    assert "more than 20000 events" in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]
+    assert "Traceback" not in p.stderr
+    assert (deploy.state_dir / "audit.jsonl").stat().st_size < 2 << 20
