@@ -18,6 +18,7 @@ from . import vllm_facts as vf
 from .agent import AgentError, ContainerNotRunning
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, RemoteTimeout, Unreachable, UsageError
 from .remote import Fleet, run_parallel, state_dir
+from .report import own
 
 SCHEMA = "vllm-pve-deploy/status/v1"
 NO_RUNTIME = "no vLLM runtime"
@@ -473,9 +474,9 @@ def render_table(rows, color: bool, width: int | None = None) -> str:
     if probs:
         text += "\n\nProblems:\n" + "\n".join(wrap(p, width, indent=4) for p in probs)
     if color:
-        text = text.replace("UNHEALTHY", "\x1b[31mUNHEALTHY\x1b[0m").replace(
-            "UNREACHABLE", "\x1b[31;1mUNREACHABLE\x1b[0m").replace("TIMEOUT", "\x1b[31;1mTIMEOUT\x1b[0m").replace(
-            "DRIFT", "\x1b[33mDRIFT\x1b[0m")
+        text = text.replace("UNHEALTHY", own("\x1b[31mUNHEALTHY\x1b[0m")).replace(
+            "UNREACHABLE", own("\x1b[31;1mUNREACHABLE\x1b[0m")).replace(
+            "TIMEOUT", own("\x1b[31;1mTIMEOUT\x1b[0m")).replace("DRIFT", own("\x1b[33mDRIFT\x1b[0m"))
     return text
 
 
@@ -572,7 +573,7 @@ def run_status(obj, targets, watch, deadline) -> int:
                                **({"totals": [totals(pb, rows) for pb in fleets]} if fleets else {})})
                 else:
                     if watch and color:
-                        click.echo("\x1b[H\x1b[2J", nl=False)
+                        click.echo(own("\x1b[H\x1b[2J"), nl=False)
                     click.echo(render_table(rows, color, term_width()) + render_endpoints(rows))
                     for pb in fleets:
                         click.echo("\n" + render_totals(totals(pb, rows)))

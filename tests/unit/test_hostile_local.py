@@ -58,3 +58,62 @@ def test_a_forged_state_file_does_not_choose_which_local_secret_is_sent(monkeypa
                                status.Sampler(persist=False), 1.0)
     assert sent == [None], sent  # one request, and no secret in it
     assert not row["healthy"] and "VPD_WORKSTATION_SECRET" not in " ".join(row["problems"])
+
+
+HOSTILE = "\x1b]0;PWNED\x07\x1b[2J\x1b[8mhidden\x1b[0m\x1bc\r\x9b31mEVIL\x07\x08"
+
+
+def pty_run(code: str, input: bytes = b"") -> bytes:
+    """Run python CODE with stdout and stderr on a real pseudo-terminal; -> the raw bytes the terminal got."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    os.close(slave)
+    if input:
+        os.write(master, input)
+    out, end = b"", time.monotonic() + 30
+    while time.monotonic() < end:
+        r, _, _ = select.select([master], [], [], 0.2)
+        if r:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif p.poll() is not None:
+            break
+    p.wait(timeout=10)
+    os.close(master)
+    return out
+
+
+def test_the_output_boundary_strips_container_controls_on_a_real_terminal():
+    code = ("import click, sys; from orchestrator.report import guard_std_streams, Progress, table, own; "
+            "guard_std_streams(); h = %r; print('row', h); click.echo('echo ' + h); "
+            "Progress().say('pve1/129', 'log: ' + h); print(table([[h, 'x']], ['NAME', 'V'])); "
+            "print(own('\\x1b[31m') + 'RED' + own('\\x1b[0m')); "
+            "click.confirm('replace ' + h + '?', default=False, err=True)" % HOSTILE)
+    raw = pty_run(code, input=b"n\n")
+    for bad in (b"\x1b]0;", b"\x1b[2J", b"\x1b[8m", b"\x1bc", b"\x9b", b"\xc2\x9b", b"\x07", b"\x08"):
+        assert bad not in raw, (bad, raw)
+    assert raw.count(b"hidden") >= 4 and b"EVIL" in raw and b"replace " in raw
+    assert b"\x1b[31mRED\x1b[0m" in raw  # deploy's own colour passes
+
+
+def test_json_output_stays_escaped():
+    import json
+
+    code = "from orchestrator.report import guard_std_streams, dump_json; guard_std_streams(); dump_json({'n': %r})" \
+        % HOSTILE
+    raw = pty_run(code)
+    assert b"\x1b" not in raw
+    assert "PWNED" in json.loads(raw.decode().replace("\r\n", "\n"))["n"]
