@@ -535,7 +535,16 @@ def container_yaml(c: dict, indent: int) -> list[str]:
                                                     else "no Python found"))
     for prob in c["problems"]:
         lines.append(f"{p}  # problem: {prob}")
-    return lines
+    return [one_line(ln) for ln in lines]
+
+
+def one_line(text: str) -> str:
+    """A generated YAML line whose comment carries container-reported text (versions, error output): line breaks
+    escaped (\\n), so that text cannot start a line of YAML of its own; other controls removed."""
+    from .report import strip_controls
+
+    return strip_controls(str(text).replace("\r\n", "\\n").replace("\n", "\\n").replace("\r", "\\r")
+                          .replace("\x85", "\\n").replace("\u2028", "\\n").replace("\u2029", "\\n"))
 
 
 def host_yaml(host: dict, found: dict, indent: int = 2) -> list[str]:
@@ -558,7 +567,7 @@ def host_yaml(host: dict, found: dict, indent: int = 2) -> list[str]:
         lines.append(f"{p}  # GPU {g} is SHARED by containers {', '.join(map(str, s['vmids']))}"
                      f" ({len(s['running'])} running)")
     for w in found.get("warnings") or []:
-        lines.append(f"{p}  # warning: {w}")
+        lines.append(one_line(f"{p}  # warning: {w}"))
     return lines
 
 
@@ -719,10 +728,7 @@ def write_inventory(path: str, text: str) -> str | None:
                               fix="correct the file by hand, then run deploy discover --write again") from None
         backup = None
         if os.path.exists(path):
-            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-            backup = f"{path}.bak-{stamp}"
-            with open(path, "rb") as src, open(backup, "wb") as dst:
-                dst.write(src.read())
+            backup = _backup(path)
             os.chmod(tmp, os.stat(path).st_mode & 0o7777)
         os.replace(tmp, path)
         tmp = None
@@ -733,6 +739,29 @@ def write_inventory(path: str, text: str) -> str | None:
         if fh.read() != text:
             raise DeployError(f"{path} does not read back as written", fix="check the file system, then retry")
     return backup
+
+
+def _backup(path: str) -> str:
+    """A copy of PATH as PATH.bak-<UTC time>-<random>: created O_EXCL|O_NOFOLLOW (a planted name or symlink is
+    never written through), with the original's mode (a 0600 inventory keeps a 0600 backup). -> its path."""
+    import secrets
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    sfd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(sfd, "rb") as src:
+        mode = os.fstat(src.fileno()).st_mode & 0o7777
+        data = src.read()
+    for _ in range(20):
+        backup = f"{path}.bak-{stamp}-{secrets.token_hex(3)}"
+        try:
+            fd = os.open(backup, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "wb") as dst:
+            os.fchmod(dst.fileno(), mode)
+            dst.write(data)
+        return backup
+    raise DeployError(f"cannot create a backup of {path}: 20 names taken", fix="remove old .bak- files beside it")
 
 
 def to_json(found: dict) -> dict:

@@ -1823,11 +1823,19 @@ def resolve_drafter_path(a):
     org, name = a["hub_id"].split("/", 1)
     base = os.path.join(a.get("hf_home") or "/root/.cache/huggingface", "hub", "models--%s--%s" % (org, name))
     rev = None
+    want = a.get("revision") or "main"  # from the playbook
     try:
-        with open(os.path.join(base, "refs", a.get("revision") or "main")) as fh:
-            rev = fh.read().strip()
+        fd = os.open(os.path.join(base, "refs", want), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            if not _stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            rev = fh.read(256).decode("utf-8", "replace").strip()
+        if not safe_rev(rev):
+            return {"kind": "hub", "path": None, "error": "%s/refs/%s holds %r, not a snapshot name (40 hex digits)"
+                                                          % (base, want, rev[:80])}
     except OSError:
         snaps = sorted(os.listdir(os.path.join(base, "snapshots"))) if os.path.isdir(os.path.join(base, "snapshots")) else []
+        snaps = [n for n in snaps if safe_rev(n)]
         rev = snaps[-1] if snaps else None
     if not rev:
         return {"kind": "hub", "path": None, "error": "no snapshot of %s in %s" % (a["hub_id"], base)}
@@ -2361,16 +2369,29 @@ def _serve_args(argv):
 
 
 def _read_config(path, limit=1 << 20):
+    """A config.json at a path taken from another process's argv (untrusted): a regular file only, opened
+    O_NONBLOCK|O_NOFOLLOW (a FIFO or a device would block or be read forever), at most `limit` bytes."""
     info = {"path": path}
     try:
-        st = os.stat(path)
-        with open(path, "rb") as fh:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not _stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or directory is not read)")
             raw = fh.read(limit)
         info.update(realpath=os.path.realpath(path), mtime=st.st_mtime, size=st.st_size,
                     sha256=hashlib.sha256(raw).hexdigest(), text=raw.decode("utf-8", "replace"))
     except OSError as e:
-        info["error"] = e.strerror or str(e)
+        info["error"] = (e.strerror or str(e)) if e.errno != errno.ELOOP else "a symlink (not followed)"
     return info
+
+
+SAFE_REV = re.compile(r"[0-9a-f]{40}|[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def safe_rev(rev):
+    """A hub snapshot name read from refs/<rev> (untrusted): 40 hex digits or a plain name, never a path."""
+    return isinstance(rev, str) and bool(SAFE_REV.fullmatch(rev)) and ".." not in rev
 
 
 def act_doctor(a):

@@ -117,3 +117,41 @@ def test_json_output_stays_escaped():
     raw = pty_run(code)
     assert b"\x1b" not in raw
     assert "PWNED" in json.loads(raw.decode().replace("\r\n", "\n"))["n"]
+
+
+def test_discover_write_escapes_newlines_from_the_container_in_yaml_comments(tmp_path):
+    import yaml
+
+    from orchestrator import discover
+
+    c = {"vmid": 129, "name": "ct", "status": "running", "lock": None, "gpus": [0], "gpus_all": False,
+         "gpu_source": "devN", "address": "10.0.0.5", "address_source": "net0 ip=",
+         "runtime": {"python": "/root/ml-env/bin/python", "vllm": "/root/ml-env/bin/vllm", "state_dir": "/var/lib/x"},
+         "runtimes": [{"python": "/root/ml-env/bin/python", "vllm_version": "0.34.0\nextra_key: injected",
+                       "transformers_version": "4\u2028evil: 1"}],
+         "problems": ["probe inside failed: boom\n      - vmid: 666\n        name: planted\x1b]0;t\x07"]}
+    text = "hosts:\n  - name: pve1\n    address: 10.0.0.1\n    containers:\n" + "\n".join(
+        discover.container_yaml(c, 6)) + "\n"
+    data = yaml.safe_load(text)
+    cts = data["hosts"][0]["containers"]
+    assert [x["vmid"] for x in cts] == [129] and "extra_key" not in cts[0] and "evil" not in cts[0]["runtime"]
+    assert "\x1b" not in text and "boom\\n" in text
+
+
+def test_the_hosts_yaml_backup_is_exclusive_private_and_never_through_a_symlink(tmp_path):
+    import os
+
+    from orchestrator import discover
+
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text("hosts: []\n")
+    os.chmod(inv, 0o600)
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    import datetime
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    os.symlink(victim, f"{inv}.bak-{stamp}")  # the old, predictable name
+    b = discover._backup(str(inv))
+    assert victim.read_text() == "keep" and not os.path.islink(b)
+    assert os.stat(b).st_mode & 0o777 == 0o600 and open(b).read() == "hosts: []\n"
+    assert b != discover._backup(str(inv))  # unpredictable: a new name each time
