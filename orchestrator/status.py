@@ -376,6 +376,11 @@ def _row_or_error(fleet, host, vmid, rt, sampler, smi_timeout):
         return container_row(fleet, host, vmid, rt, sampler, smi_timeout)
     except DeployError as e:
         return _error_row(host, vmid, e)
+    except (TypeError, KeyError, AttributeError, ValueError) as e:  # the answer is typed; nested data may be odd
+        return _error_row(host, vmid, AgentError(
+            f"agent action 'status' answered a malformed result ({type(e).__name__}: {e})", where=f"{host}/{vmid}",
+            fix="a bug in deploy's agent, or something in the container answers for it; report it with deploy's "
+                "audit log"))
 
 
 def _error_row(host, vmid, err) -> dict:
@@ -621,14 +626,14 @@ def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
 
         with Progress().heartbeat(f"{host}/{vmid}", f"read {log_path}", 30):
             r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
-        if r.get("unit") and not r["lines"]:  # a systemd unit's journal (agent: the state file names the unit)
+        if r.get("unit") and not r.get("lines"):  # a systemd unit's journal (agent: the state file names the unit)
             click.echo(f"{host}/{vmid}: the journal of {r['unit']} is empty ({r.get('source')})", err=True)
             return EXIT_FAILED
         if not r.get("exists"):
             click.echo(f"{host}/{vmid}: no log at {log_path} (nothing was launched there?)", err=True)
             return EXIT_FAILED
-        for ln in r["lines"]:
-            click.echo(ln)
+        for ln in r.get("lines") or []:
+            click.echo(str(ln))
         return EXIT_OK
     def line(e):
         click.echo(e.get("line", ""))

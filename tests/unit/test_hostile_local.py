@@ -155,3 +155,32 @@ def test_the_hosts_yaml_backup_is_exclusive_private_and_never_through_a_symlink(
     assert victim.read_text() == "keep" and not os.path.islink(b)
     assert os.stat(b).st_mode & 0o777 == 0o600 and open(b).read() == "hosts: []\n"
     assert b != discover._backup(str(inv))  # unpredictable: a new name each time
+
+
+@pytest.mark.parametrize("action, answer, field", [
+    ("doctor", {"processes": "x", "servers": []}, "processes"),
+    ("doctor", {"servers": []}, "processes"),
+    ("install_vllm", {"ok": "yes"}, "ok"),
+    ("install_vllm", {"ok": True, "runtime": ["x"]}, "runtime"),
+    ("hub_drafter", {"ok": True, "links": "../../etc"}, "links"),
+    ("logs", {"lines": "not a list", "exists": True}, "lines"),
+    ("status", {"state": ["x"]}, "state"),
+    ("stop", {"terminated": 5}, "terminated"),
+    ("gpus_free", {"verdict": {"x": 1}}, "verdict"),
+])
+def test_a_malformed_agent_answer_is_an_agent_error_naming_the_action(action, answer, field):
+    from orchestrator.agent import PROTOCOL, AgentError, interpret
+
+    with pytest.raises(AgentError) as e:
+        interpret(answer, PROTOCOL, action, "/root/ml-env/bin/python", where="pve1/129", vmid=129, exited=0, err="")
+    assert repr(action) in e.value.message and field in e.value.message
+
+
+def test_odd_nested_data_in_a_status_answer_is_an_error_row_not_a_traceback(monkeypatch, inv):
+    from orchestrator.agent.protocol import CurrentResult
+
+    monkeypatch.setattr(status.agent, "call", lambda *a, **k: CurrentResult.parse(
+        "status", {"state": {"playbook": "p", "alive": True, "pid": 5}, "memory": {"gpus": {"0": 7}}}))
+    row = status._row_or_error(_Fleet(inv), "pve1", 129, {"python": "/root/ml-env/bin/python"},
+                               status.Sampler(persist=False), 1.0)
+    assert "agent action 'status' answered a malformed result" in " ".join(row["problems"]) + str(row), row
