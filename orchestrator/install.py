@@ -69,6 +69,7 @@ def agent_args(pb: Playbook, op: str, **kw) -> dict:
         args.update(spec=req["vllm"], req=r["req"], label=r["label"], installer=inst["installer"],
                     base_python=inst.get("python"), index_url=inst.get("index_url"),
                     find_links=inst.get("find_links") or [], no_index=inst["no_index"], timeout_s=inst["timeout_s"],
+                    hashes=inst.get("hashes") or [],
                     check=check_args(pb, r["version"]))
     else:
         args["check"] = check_args(pb, None)

@@ -1548,6 +1548,12 @@ def _remove_lock_if(dfd, pred):
     """Move the lock aside (to a unique name) if pred(holder) holds, atomically with respect to every other remover:
     removers take the short `lock.break` mutex first, and takers can only add a lock where none is, so the file
     read under the mutex is the file moved. -> True (removed), False (pred false or no lock), None (mutex busy)."""
+    return _under_break_mutex(dfd, lambda: _remove_locked(dfd, pred))
+
+
+def _under_break_mutex(dfd, fn):
+    """fn() while holding the short `lock.break` mutex (every removal and every renewal of the lock takes it, so
+    a renewal cannot rewrite a lock a breaker is moving aside); None when the mutex is busy."""
     if not _place_new(dfd, "lock.break", json.dumps({"pid": os.getpid(), "since": now()}).encode()):
         try:
             if now() - os.stat("lock.break", dir_fd=dfd, follow_symlinks=False).st_mtime > 10:
@@ -1557,23 +1563,27 @@ def _remove_lock_if(dfd, pred):
             pass
         return None
     try:
-        cur, _ = _read_lock(dfd)
-        if cur is None or not pred(cur):
-            return False
-        os.rename("lock", unique_name(".lock.stale-"), src_dir_fd=dfd, dst_dir_fd=dfd)
-        for n in os.listdir(dfd):  # keep only the newest few stale copies (for the curious)
-            if n.startswith((".lock.stale-", "lock.break.stale-")):
-                try:
-                    if now() - os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime > 86400:
-                        os.unlink(n, dir_fd=dfd)
-                except OSError:
-                    pass
-        return True
+        return fn()
     finally:
         try:
             os.unlink("lock.break", dir_fd=dfd)
         except OSError:
             pass
+
+
+def _remove_locked(dfd, pred):
+    cur, _ = _read_lock(dfd)
+    if cur is None or not pred(cur):
+        return False
+    os.rename("lock", unique_name(".lock.stale-"), src_dir_fd=dfd, dst_dir_fd=dfd)
+    for n in os.listdir(dfd):  # keep only the newest few stale copies (for the curious)
+        if n.startswith((".lock.stale-", "lock.break.stale-")):
+            try:
+                if now() - os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime > 86400:
+                    os.unlink(n, dir_fd=dfd)
+            except OSError:
+                pass
+    return True
 
 
 def act_lock(a):
@@ -1608,20 +1618,31 @@ def _lock_in(dfd, a):
                 return {"locked": False, "lost": True, "holder": None}
             continue
         if cur.get("token") == a["token"]:
-            if float(cur.get("expires", 0)) < now():
-                return {"locked": False, "lost": True, "holder": cur}
-            # renew: the same identity, a later expiry (never past `until`); replaced atomically by rename
-            cur["expires"] = min(now() + term, float(cur.get("until", now() + term)))
-            write_at(dfd, "lock", json.dumps(cur).encode(), 0o600)
-            return {"locked": True, "expires": cur["expires"]}
+            # renew: the same identity, a later expiry (never past `until`); replaced atomically by rename, under
+            # the lock.break mutex, re-read there: a breaker that saw it expired has moved it aside, or waits
+            def renew():
+                c, _ = _read_lock(dfd)
+                if c is None or c.get("token") != a["token"] or float(c.get("expires", 0)) < now():
+                    return {"locked": False, "lost": True, "holder": c}
+                c["expires"] = min(now() + term, float(c.get("until", now() + term)))
+                write_at(dfd, "lock", json.dumps(c).encode(), 0o600)
+                return {"locked": True, "expires": c["expires"]}
+            for _ in range(200):  # the mutex is held for milliseconds; a dead holder's is cleared after 10 s
+                r = _under_break_mutex(dfd, renew)
+                if r is not None:
+                    return r
+                time.sleep(0.05)
+            return {"locked": False, "lost": True, "holder": cur,
+                    "error": "the lock.break mutex stayed busy; the lock was not renewed"}
         if a.get("renew"):
             return {"locked": False, "lost": True, "holder": cur}
         stale = float(cur.get("expires", 0)) < now()
-        named = a.get("break_token") and cur.get("token") == a["break_token"]
+        brk = _break_token(a)
+        named = brk and cur.get("token") == brk
         if stale or named:
             tok = cur.get("token")
             gone = _remove_lock_if(dfd, lambda c: c.get("token") == tok and (
-                float(c.get("expires", 0)) < now() or (named and c.get("token") == a["break_token"])))
+                float(c.get("expires", 0)) < now() or (named and c.get("token") == brk)))
             if gone:
                 emit(event="lock", message="broke the lock held by %s (%s)"
                      % (cur.get("holder"), "its holder is a dead process on this workstation" if named
@@ -1630,6 +1651,11 @@ def _lock_in(dfd, a):
         if now() >= deadline:
             return {"locked": False, "holder": cur}
         time.sleep(min(0.5, max(0.01, deadline - now())))
+
+
+def _break_token(a):
+    """Another holder's token, to break its lock: sent on stdin (SECRETS), never in argv or the audit log."""
+    return SECRETS.get("break_token") or a.get("break_token")
 
 
 def act_unlock(a):
@@ -1643,7 +1669,7 @@ def act_unlock(a):
         cur, _ = _read_lock(dfd)
         if cur is None:
             return {"unlocked": False, "holder": None}
-        want = a.get("token") or a.get("break_token")
+        want = a.get("token") or _break_token(a)
         if not want or cur.get("token") != want:
             return {"unlocked": False, "holder": cur}
         deadline = now() + 5
@@ -2939,6 +2965,12 @@ def _install_start(a, info):
         return {"ok": False, "message": "requires.install.installer is uv, but no uv on PATH, ~/.local/bin or "
                                         "~/.cargo/bin in the container",
                 "fix": "install uv in the container (pip install uv), or set requires.install.installer: pip"}
+    why = _install_source_problem(a)
+    if why:
+        return {"ok": False, "message": "refusing to install from %s: deploy installs it as root and then runs it; "
+                                        "nothing was changed" % why,
+                "fix": "keep wheels, git repositories and find_links directories in root-owned directories that "
+                       "others cannot write (e.g. chown -R root:root DIR && chmod -R go-w DIR), then retry"}
     try:
         parent = open_dir(os.path.dirname(info["venv_root"]))
         os.close(parent)
@@ -2979,7 +3011,8 @@ def _install_start(a, info):
           "previous_real": info.get("real")}
     _save_install(state_dir, st)
     args = {"state_dir": state_dir, "id": iid, "lock_fd": lock_fd, "python": a["python"],
-            "index_url": a.get("index_url"), "find_links": a.get("find_links") or [], "no_index": a.get("no_index")}
+            "index_url": a.get("index_url"), "find_links": a.get("find_links") or [], "no_index": a.get("no_index"),
+            "hashes": a.get("hashes") or []}
     env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
            "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", INSTALL_VAR: iid}
     try:
@@ -3079,11 +3112,17 @@ def act_install_run(a):
         opts += ["--find-links", fl]
     if a.get("no_index"):
         opts += ["--no-index"]
+    what = [st["req"]]
+    if a.get("hashes"):  # requires.install.hashes: a requirements file with the pinned hashes, --require-hashes
+        rfd, _ = create_excl_path(stage, "deploy-requirements.txt")
+        with os.fdopen(rfd, "w") as fh:
+            fh.write("%s %s\n" % (st["req"], " ".join("--hash=%s" % h for h in a["hashes"])))
+        what = ["--require-hashes", "-r", os.path.join(stage, "deploy-requirements.txt")]
     if uv:
-        cmd = [uv, "pip", "install", "--python", spy] + opts + [st["req"]]
+        cmd = [uv, "pip", "install", "--python", spy] + opts + what
     elif _pip_ok(base):
         cmd = [base, "-m", "pip", "--python", spy, "install", "--no-input", "--disable-pip-version-check",
-               "--progress-bar", "off"] + opts + [st["req"]]
+               "--progress-bar", "off"] + opts + what
     else:
         rc, why = _run_logged([spy, "-m", "ensurepip", "--default-pip"], deadline, None)
         if rc != 0:
@@ -3092,7 +3131,7 @@ def act_install_run(a):
                           fix="install uv in the container, or python3-venv (ensurepip), or set "
                               "requires.install.python to a Python with pip >= 22.3")
         cmd = [spy, "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "--progress-bar",
-               "off"] + opts + [st["req"]]
+               "off"] + opts + what
     st["phase"] = None
     rc, why = _run_logged(cmd, deadline, lambda p: p != st["phase"] and phase(p),
                           on_start=lambda pid: phase("download", child=pid))  # child: its own session
@@ -3134,6 +3173,60 @@ def act_install_run(a):
 
 ACTIONS["install_run"] = act_install_run
 ACTIONS["install_vllm"] = act_install_vllm
+
+
+def create_excl_path(d, name):
+    """A new file d/name (O_EXCL|O_NOFOLLOW, 0600) in a directory checked by open_dir. -> (fd, path)"""
+    dfd = open_dir(d)
+    try:
+        return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                       dir_fd=dfd), os.path.join(d, name)
+    finally:
+        os.close(dfd)
+
+
+def why_untrusted(path):
+    """None if path and every directory above it (links resolved) are root-owned and not writable by group or
+    others; else which one is not (issue 22: a file root installs or runs)."""
+    for q in {path, os.path.realpath(path)}:
+        while True:
+            try:
+                st = os.lstat(q)
+            except OSError as e:
+                return "%s (%s)" % (q, e.strerror)
+            if not _stat.S_ISLNK(st.st_mode):
+                if st.st_uid != 0:
+                    return "%s, owned by uid %d" % (q, st.st_uid)
+                if st.st_mode & 0o022 and not (_stat.S_ISDIR(st.st_mode) and st.st_mode & 0o1000 and q != path):
+                    return "%s, writable by %s" % (q, "others" if st.st_mode & 0o002 else "its group")
+            if q == "/":
+                break
+            q = os.path.dirname(q)
+    return None
+
+
+def _install_source_problem(a):
+    """A local source (wheel file, git+file repository, find_links directory, file:// index) that another user
+    owns or may write: deploy would install as root what they chose."""
+    from urllib.parse import urlsplit
+
+    paths = []
+    req = a.get("req") or ""
+    if req.startswith("/"):
+        paths.append(req)
+    elif req.startswith("git+file://"):
+        p = urlsplit(req[4:]).path
+        paths.append(p.rsplit("@", 1)[0] if "@" in os.path.basename(p) else p)
+    for v in list(a.get("find_links") or []) + [a.get("index_url") or ""]:
+        if v.startswith("/"):
+            paths.append(v)
+        elif v.startswith("file://"):
+            paths.append(urlsplit(v).path)
+    for p in paths:
+        why = why_untrusted(p)
+        if why:
+            return why
+    return None
 
 
 def _remove_stage(stage):

@@ -86,6 +86,26 @@ def test_install_vllm_refuses_what_is_not_a_venv(tmp_path):
     assert not (tmp_path / "conda.versions").exists() and not (tmp_path / "s").exists()
 
 
+def test_install_vllm_refuses_sources_another_user_owns(tmp_path):
+    """issue 22: a wheel, git+file repository or find_links directory another user owns or may write."""
+    os.chmod(tmp_path, 0o755)
+    whl = tmp_path / "vllm-0.34.0-py3-none-any.whl"
+    whl.write_bytes(b"x")
+    os.chown(whl, 65534, 65534)
+    assert "owned by uid 65534" in A._install_source_problem({"req": str(whl)})
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    os.chmod(repo, 0o777)
+    assert "writable by others" in A._install_source_problem({"req": "git+file://%s@main" % repo})
+    assert "writable by others" in A._install_source_problem({"req": "vllm==0.34.0", "find_links": [str(repo)]})
+    os.chmod(repo, 0o755)
+    assert A._install_source_problem({"req": "git+file://%s@main" % repo, "find_links": [str(repo)]}) is None
+    r = A._install_start({"req": str(whl), "state_dir": str(tmp_path / "s"), "python": "/x/bin/python",
+                          "base_python": sys.executable},
+                         {"kind": "missing", "venv_root": str(tmp_path / "env"), "store": str(tmp_path / "env.versions")})
+    assert not r["ok"] and "refusing to install from" in r["message"] and not (tmp_path / "env.versions").exists()
+
+
 @pytest.mark.parametrize("spec, req, version", [
     ("0.34.0", "vllm==0.34.0", "0.34.0"),
     ("git+https://github.com/ORG/vllm@dflash-swa-support", "git+https://github.com/ORG/vllm@dflash-swa-support", None),
