@@ -2424,6 +2424,9 @@ def act_doctor(a):
     """Everything `deploy doctor` needs, read-only: vLLM processes (argv, tree, GPUs held, start time), the
     drafter and target configs each server read, the vLLM build, GPU memory and holders, /health and /metrics."""
     end = now() + float(a.get("budget_s", 12))
+    # the tool gives up at budget_s + 10 s: by then this process is gone too, whatever it was reading (a path
+    # from another user's argv may name a FIFO or a hung mount; issue 22)
+    signal.alarm(int(float(a.get("budget_s", 12))) + 8)
     btime, tck = _boot_time(), os.sysconf("SC_CLK_TCK")
     holders = gpu_holders()
     held = {h["pid"]: h["devices"] for h in holders}

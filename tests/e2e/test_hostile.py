@@ -98,3 +98,58 @@ def test_an_event_flood_is_cut_and_the_audit_log_stays_small(tb, deploy, playboo
     assert "more than 20000 events" in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]
     assert "Traceback" not in p.stderr
     assert (deploy.state_dir / "audit.jsonl").stat().st_size < 2 << 20
+
+
+def pty_deploy(deploy_env, *args, timeout=120):
+    """Run deploy with stdout/stderr on a real pseudo-terminal: -> (exit code, the raw bytes the terminal got)."""
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+
+    from e2e_helpers import REPO
+
+    master, slave = pty.openpty()
+    env = {k: v for k, v in deploy_env.items() if k != "NO_COLOR"}
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], stdin=slave, stdout=slave, stderr=slave,
+                         cwd=REPO, env=env, close_fds=True)
+    os.close(slave)
+    out, end = b"", time.monotonic() + timeout
+    while time.monotonic() < end:
+        r, _, _ = select.select([master], [], [], 0.2)
+        if r:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif p.poll() is not None:
+            break
+    rc = p.wait(timeout=30)
+    os.close(master)
+    return rc, out
+
+
+def test_doctor_reads_no_fifo_and_prints_no_control_sequences_from_other_users(tb, deploy):
+    """A user's process claims to be `vllm serve` a model dir whose config.json is a FIFO, with escape sequences
+    in its argv: doctor blocked on the FIFO (its root agent stayed behind) and printed the argv raw."""
+    import time
+
+    tb.container_exec("pve1", 129, ["sh", "-c", f"mkdir -p /tmp/evil && mkfifo /tmp/evil/config.json && "
+                                    f"chown -R {NOBODY} /tmp/evil"], check=True)
+    spec = json.dumps({"method": "dflash", "model": "/tmp/evil", "num_speculative_tokens": 4})
+    tb.container_exec("pve1", 129, ["sh", "-c", "setpriv --reuid=65534 --regid=65534 --clear-groups setsid "
+                                    "/usr/bin/python3 -c 'import time; time.sleep(600)' /x/vllm serve /tmp/evil "
+                                    "--speculative-config \"$0\" --served-model-name \"$(printf '\\033]0;PWNED\\007"
+                                    "\\033[2Jcleared')\" </dev/null >/dev/null 2>&1 &", spec], check=True)
+    env = dict(os.environ, DEPLOY_INVENTORY=tb.inventory_path, DEPLOY_STATE_DIR=str(deploy.state_dir))
+    t0 = time.monotonic()
+    rc, raw = pty_deploy(env, "doctor", "pve1/129", "--budget", "6")
+    assert time.monotonic() - t0 < 40, "doctor waited on the FIFO"
+    assert b"/tmp/evil" in raw and b"cleared" in raw, raw[-3000:]
+    assert b"\x1b]0;" not in raw and b"\x1b[2J" not in raw and b"\x07" not in raw
+    ps = tb.container_exec("pve1", 129, ["ps", "-eo", "args"]).stdout
+    assert " - doctor " not in ps, ps
