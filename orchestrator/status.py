@@ -175,8 +175,9 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         # The state file is the container's word: it names the playbook, and only a LOCAL playbook of that name
         # that targets this container chooses the local variable (never the state file's api_key_env, which a
         # compromised container could point at any workstation secret; docs/architecture.md, "Threat model").
-        local = local_key_env(fleet.inventory, st.get("playbook") if isinstance(st, dict) else None, host, vmid)
-        if not key and r.get("models_status") in (401, 403) and local and os.environ.get(local):
+        local = local_key_env(fleet.inventory, st.get("playbook") if isinstance(st, dict) else None, host, vmid) \
+            if not key and r.get("models_status") in (401, 403) else None
+        if local and os.environ.get(local):
             # key-protected, and our own playbook names the local variable holding its key: ask again, with it
             key = os.environ[local]
             fleet.redact.add(key)
