@@ -138,13 +138,14 @@ def test_doctor_reads_no_fifo_and_prints_no_control_sequences_from_other_users(t
     in its argv: doctor blocked on the FIFO (its root agent stayed behind) and printed the argv raw."""
     import time
 
-    tb.container_exec("pve1", 129, ["sh", "-c", f"mkdir -p /tmp/evil && mkfifo /tmp/evil/config.json && "
-                                    f"chown -R {NOBODY} /tmp/evil"], check=True)
-    spec = json.dumps({"method": "dflash", "model": "/tmp/evil", "num_speculative_tokens": 4})
+    evil = "/tmp/evil\x1b]0;PWNED\x07\x1b[2Jcleared"
+    tb.container_exec("pve1", 129, ["sh", "-c", f'mkdir -p "$0" && mkfifo "$0/config.json" && chown -R {NOBODY} "$0"',
+                                    evil], check=True)
+    spec = json.dumps({"method": "dflash", "model": evil, "num_speculative_tokens": 4})
     tb.container_exec("pve1", 129, ["sh", "-c", "setpriv --reuid=65534 --regid=65534 --clear-groups setsid "
-                                    "/usr/bin/python3 -c 'import time; time.sleep(600)' /x/vllm serve /tmp/evil "
-                                    "--speculative-config \"$0\" --served-model-name \"$(printf '\\033]0;PWNED\\007"
-                                    "\\033[2Jcleared')\" </dev/null >/dev/null 2>&1 &", spec], check=True)
+                                    "/usr/bin/python3 -c 'import time; time.sleep(600)' /x/vllm serve \"$1\" "
+                                    "--speculative-config \"$0\" </dev/null >/dev/null 2>&1 &", spec, evil],
+                      check=True)
     env = dict(os.environ, DEPLOY_INVENTORY=tb.inventory_path, DEPLOY_STATE_DIR=str(deploy.state_dir))
     t0 = time.monotonic()
     rc, raw = pty_deploy(env, "doctor", "pve1/129", "--budget", "6")
