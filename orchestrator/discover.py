@@ -252,7 +252,7 @@ trusted() {
 cands=""
 v=$(command -v vllm 2>/dev/null) && {
   echo "vllm_cmd $v"
-  sb=$(head -n 1 "$v" 2>/dev/null | cut -c1-300)
+  sb=""; [ -f "$v" ] && sb=$(head -c 300 "$v" 2>/dev/null | head -n 1)
   case "$sb" in "#!"*) p=${sb#??}; p=${p%% *}; cands="$p";; esac
   cands="$cands $(dirname "$v")/python"
 }

@@ -642,7 +642,8 @@ def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
             raise _ReaderGone()
 
     try:
-        agent.call(fleet.session(host), vmid, python, "logs", args, timeout=24 * 3600 + 60, on_event=line)
+        agent.call(fleet.session(host), vmid, python, "logs", args, timeout=24 * 3600 + 60, on_event=line,
+                   streaming=True)
     except (KeyboardInterrupt, _ReaderGone):
         pass
     return EXIT_OK

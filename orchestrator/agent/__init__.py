@@ -71,11 +71,13 @@ def agent_argv(python: str, action: str, args: dict) -> list[str]:
 
 
 def call(session: HostSession, vmid: int, python: str, action: str, args: dict, *, payload: bytes | None = None,
-         secrets: dict | None = None, bulk: dict | None = None, timeout: float = 60.0, on_event=None):
+         secrets: dict | None = None, bulk: dict | None = None, timeout: float = 60.0, on_event=None,
+         streaming: bool = False):
     """Run one agent action in the container, in a process of its own (one `pct exec`); returns its typed result.
-    Raises on transport-level failure. AgentSession.call does the same over one agent process for many steps."""
+    Raises on transport-level failure. AgentSession.call does the same over one agent process for many steps.
+    streaming=True (`logs -f`): events are printed and dropped, so only the per-line cap applies."""
 
-    budget = EventBudget(action, f"{session.host.name}/{vmid}")
+    budget = EventBudget(action, f"{session.host.name}/{vmid}", streaming)
 
     def on_line(raw: bytes):
         """Events go to on_event and are not kept: a long `logs -f` holds only the line in progress."""
@@ -314,21 +316,24 @@ class AgentSession:
 # ---- untrusted input: caps on what an agent answer may make deploy hold, print and log (issue 22)
 MAX_LINE = 64 << 20        # one answer line (a result: logs and doctor bring the most)
 MAX_STDERR = 1 << 20       # the session's stderr (only read for an error message)
-MAX_EVENT_LINE = 64 << 10  # one progress event
-MAX_EVENTS = 20000         # events per request (an install's log lines come in attach calls of FOLLOW_S each)
-MAX_EVENT_BYTES = 8 << 20  # event bytes per request: what one request may add to the screen and the audit log
+MAX_EVENT_LINE = 256 << 10  # one progress event
+MAX_EVENTS = 50000         # events per request (an install's log lines come in attach calls of FOLLOW_S each)
+MAX_EVENT_BYTES = 16 << 20  # event bytes per request: what one request may add to the screen and the audit log
+# (the agent itself cuts an event's text at 16000 characters, so its own events stay below MAX_EVENT_LINE;
+# `logs -f`, whose lines are printed and neither kept nor audited, has no count or byte cap, only the line cap)
 
 
 class EventBudget:
     """Counts one request's events; over a cap, OutputTooLarge (the request fails, a session ends)."""
 
-    def __init__(self, action: str, where: str):
-        self.action, self.where, self.n, self.bytes = action, where, 0, 0
+    def __init__(self, action: str, where: str, streaming: bool = False):
+        self.action, self.where, self.n, self.bytes, self.streaming = action, where, 0, 0, streaming
 
     def take(self, line: bytes) -> None:
         self.n += 1
         self.bytes += len(line)
         why = (f"an event line of {len(line)} bytes (cap {MAX_EVENT_LINE})" if len(line) > MAX_EVENT_LINE else
+               None if self.streaming else
                f"more than {MAX_EVENTS} events" if self.n > MAX_EVENTS else
                f"more than {MAX_EVENT_BYTES} bytes of events" if self.bytes > MAX_EVENT_BYTES else None)
         if why:

@@ -45,7 +45,16 @@ def clean(text):
     return ANSI.sub("", text)
 
 
+# the workstation refuses event lines over 256 KiB (issue 22): ours stay below, even written as \u escapes
+EVENT_TEXT_MAX = 16000
+
+
 def emit(**kw):
+    if "event" in kw:
+        for k in ("line", "message", "last"):
+            v = kw.get(k)
+            if isinstance(v, str) and len(v) > EVENT_TEXT_MAX:
+                kw[k] = v[:EVENT_TEXT_MAX] + " ... (%d characters cut)" % (len(v) - EVENT_TEXT_MAX)
     sys.stdout.write(json.dumps(kw) + "\n")
     sys.stdout.flush()
 

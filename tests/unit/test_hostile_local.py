@@ -184,3 +184,29 @@ def test_odd_nested_data_in_a_status_answer_is_an_error_row_not_a_traceback(monk
     row = status._row_or_error(_Fleet(inv), "pve1", 129, {"python": "/root/ml-env/bin/python"},
                                status.Sampler(persist=False), 1.0)
     assert "agent action 'status' answered a malformed result" in " ".join(row["problems"]) + str(row), row
+
+
+def test_event_caps_and_logs_follow_exemption():
+    from orchestrator.agent import MAX_EVENT_LINE, MAX_EVENTS, EventBudget
+    from orchestrator.errors import OutputTooLarge
+
+    b = EventBudget("status", "pve1/129")
+    with pytest.raises(OutputTooLarge, match="more than %d events" % MAX_EVENTS):
+        for _ in range(MAX_EVENTS + 1):
+            b.take(b'{"event": "x"}')
+    s = EventBudget("logs", "pve1/129", streaming=True)  # logs -f: printed and dropped, no count cap
+    for _ in range(MAX_EVENTS + 1):
+        s.take(b'{"event": "line"}')
+    with pytest.raises(OutputTooLarge, match="event line of"):
+        s.take(b"x" * (MAX_EVENT_LINE + 1))
+
+
+def test_the_agent_cuts_its_own_event_texts_below_the_cap(capsys):
+    import json
+
+    from orchestrator.agent import MAX_EVENT_LINE
+    from orchestrator.agent import agent as A
+
+    A.emit(event="line", line="\U0001F600" * 100000)
+    out = capsys.readouterr().out
+    assert len(out.encode()) < MAX_EVENT_LINE and "characters cut" in json.loads(out)["line"]
