@@ -255,8 +255,8 @@ def open_dir(path, create_mode=None):
 # A directory other users may write in (even a sticky one such as /tmp) lets them plant state.json; it is refused,
 # naming the path and the fix, before anything reads, writes or chmods it.
 
-STATE_DIR_FIX = ("set runtime.state_dir to a directory only root can write, e.g. /var/lib/vllm-pve-deploy (the "
-                 "default), or fix it: chown root:root DIR && chmod 700 DIR")
+STATE_DIR_FIX = "set runtime.state_dir to a directory of deploy's own that only root can write, e.g. " \
+                "/var/lib/vllm-pve-deploy (the default)"
 
 
 def _check_private_dir(path, st=None):
@@ -266,10 +266,12 @@ def _check_private_dir(path, st=None):
     if st.st_uid != 0 or st.st_mode & 0o022:
         who = ("owned by uid %d" % st.st_uid) if st.st_uid != 0 else \
             ("writable by %s" % ("others" if st.st_mode & 0o002 else "its group"))
+        shared = st.st_mode & 0o1000  # a sticky directory (/tmp) is everyone's: never offer to chmod it
         raise UnsafeDirectory(
             "state directory %s is %s (mode %o): another user could plant the state files that decide what deploy "
-            "stops as root; nothing in it was read or changed (fix: %s)"
-            % (path, who, st.st_mode & 0o7777, STATE_DIR_FIX.replace("DIR", path)))
+            "stops as root; nothing in it was read or changed (fix: %s%s)"
+            % (path, who, st.st_mode & 0o7777, STATE_DIR_FIX, "" if shared else
+               "; or, if %s is deploy's own: chown root:root %s && chmod 700 %s" % (path, path, path)))
 
 
 def open_state_dir(state_dir):
