@@ -411,7 +411,16 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
             row["error"] = e.render()
             row["reachable"] = not isinstance(e, Unreachable)
             return row
-        one_server_per_launch(facts)
+        try:
+            return _facts_row(row, one_server_per_launch(facts.as_dict()), host, vmid, t, rt)
+        except (TypeError, KeyError, AttributeError, ValueError) as e:  # typed, but nested data still odd
+            row["error"] = agent.AgentError(
+                f"agent action 'doctor' answered a malformed result ({type(e).__name__}: {e})", where=f"{host}/{vmid}",
+                fix="a bug in deploy's agent, or something in the container answers for it; report it with "
+                    "deploy's audit log").render()
+            return row
+
+    def _facts_row(row, facts, host, vmid, t, rt):
         hh = host_info(host)
         pbi = by_target.get((host, vmid))
         if facts.get("state") and not (facts["state"] or {}).get("corrupt"):

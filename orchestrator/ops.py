@@ -189,7 +189,8 @@ def take_lock(ctx: Context, step: P.Step, wait_s: float) -> Heartbeat:
     if not r.get("locked") and h and holder_dead(h):
         ctx.progress.say(ctx.where, f"     the lock's holder ({h.get('holder')}) is a dead process on this "
                                     "workstation: breaking its lock")
-        r = ctx.call(dataclasses.replace(step, args=dict(step.args, break_token=h.get("token"))), on_event=say)
+        # the other holder's token goes on stdin, not in argv (which the audit log and `ps` show)
+        r = ctx.call(step, secrets={"break_token": h.get("token")}, on_event=say)
         h = r.get("holder") or {}
     if not r.get("locked"):
         if r.get("error"):
@@ -696,7 +697,8 @@ def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress:
     view["dead_here"] = holder_dead(h)
     if not confirm(view):
         return {"holder": view, "broken": False, "state": "kept"}
-    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir, "break_token": h.get("token")}, timeout=30)
+    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir}, secrets={"break_token": h.get("token")},
+                   timeout=30)
     if r.get("unlocked"):
         return {"holder": view, "broken": True, "state": "broken"}
     return {"holder": view, "broken": False, "state": "changed",

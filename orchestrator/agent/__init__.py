@@ -71,14 +71,19 @@ def agent_argv(python: str, action: str, args: dict) -> list[str]:
 
 
 def call(session: HostSession, vmid: int, python: str, action: str, args: dict, *, payload: bytes | None = None,
-         secrets: dict | None = None, bulk: dict | None = None, timeout: float = 60.0, on_event=None):
+         secrets: dict | None = None, bulk: dict | None = None, timeout: float = 60.0, on_event=None,
+         streaming: bool = False):
     """Run one agent action in the container, in a process of its own (one `pct exec`); returns its typed result.
-    Raises on transport-level failure. AgentSession.call does the same over one agent process for many steps."""
+    Raises on transport-level failure. AgentSession.call does the same over one agent process for many steps.
+    streaming=True (`logs -f`): events are printed and dropped, so only the per-line cap applies."""
+
+    budget = EventBudget(action, f"{session.host.name}/{vmid}", streaming)
 
     def on_line(raw: bytes):
         """Events go to on_event and are not kept: a long `logs -f` holds only the line in progress."""
         if not raw.startswith(b'{"event"'):
             return True
+        budget.take(raw)
         try:
             msg = json.loads(raw)
         except ValueError:
@@ -168,6 +173,9 @@ class AgentSession:
         self.starts += 1
         try:
             line = self._readline(time.monotonic() + timeout)
+        except OutputTooLarge:
+            self.close()
+            raise
         except _SessionEnded as e:
             if keep and self.session.keep_env_supported is None and b"Unknown option: keep-env" in self._err:
                 self.session.keep_env_supported = False  # pct refused while parsing: nothing ran
@@ -200,6 +208,11 @@ class AgentSession:
                                      fix="the remote side misbehaves; check it directly")
             while chan.recv_stderr_ready():
                 self._err += chan.recv_stderr(65536)
+                if len(self._err) > MAX_STDERR:
+                    raise OutputTooLarge(f"the agent wrote more than {MAX_STDERR} bytes to stderr; the session was "
+                                         "ended", where=self.where,
+                                         fix="something in the container floods the agent's stderr; check it "
+                                             "directly (deploy doctor), then retry")
             if chan.recv_ready():
                 chunk = chan.recv(65536)
                 if chunk:
@@ -244,11 +257,13 @@ class AgentSession:
                         session=self.starts)
             result = proto = None
             exited = 0
+            budget = EventBudget(action, self.where)
             try:
                 self._chan.sendall(raw)
                 while True:
                     line = self._readline(deadline)
                     if line.startswith(b'{"event"'):
+                        budget.take(line)
                         try:
                             ev = json.loads(line)
                         except ValueError:
@@ -277,6 +292,12 @@ class AgentSession:
                 if exited == -1 and not self.session.alive():
                     raise Unreachable("SSH connection lost during a command", where=self.session.host.name,
                                       fix="check the host; run `deploy status` to see what state was left")
+            except OutputTooLarge as e:
+                self.close()  # over a cap: this request fails and the session ends (the next call starts anew)
+                audit.write(host=self.session.host.name, vmid=self.vmid, argv=argv, exit=None, session=self.starts,
+                            duration=round(time.monotonic() - started, 4), label=f"agent:{action}",
+                            error=e.message[:300])
+                raise
             except (OSError, EOFError) as e:
                 self.close()
                 raise Unreachable(f"SSH connection lost during a command: {e or type(e).__name__}",
@@ -292,7 +313,33 @@ class AgentSession:
                              err=self._err.decode("utf-8", "replace").strip())
 
 
-MAX_LINE = 64 << 20
+# ---- untrusted input: caps on what an agent answer may make deploy hold, print and log (issue 22)
+MAX_LINE = 64 << 20        # one answer line (a result: logs and doctor bring the most)
+MAX_STDERR = 1 << 20       # the session's stderr (only read for an error message)
+MAX_EVENT_LINE = 256 << 10  # one progress event
+MAX_EVENTS = 50000         # events per request (an install's log lines come in attach calls of FOLLOW_S each)
+MAX_EVENT_BYTES = 16 << 20  # event bytes per request: what one request may add to the screen and the audit log
+# (the agent itself cuts an event's text at 16000 characters, so its own events stay below MAX_EVENT_LINE;
+# `logs -f`, whose lines are printed and neither kept nor audited, has no count or byte cap, only the line cap)
+
+
+class EventBudget:
+    """Counts one request's events; over a cap, OutputTooLarge (the request fails, a session ends)."""
+
+    def __init__(self, action: str, where: str, streaming: bool = False):
+        self.action, self.where, self.n, self.bytes, self.streaming = action, where, 0, 0, streaming
+
+    def take(self, line: bytes) -> None:
+        self.n += 1
+        self.bytes += len(line)
+        why = (f"an event line of {len(line)} bytes (cap {MAX_EVENT_LINE})" if len(line) > MAX_EVENT_LINE else
+               None if self.streaming else
+               f"more than {MAX_EVENTS} events" if self.n > MAX_EVENTS else
+               f"more than {MAX_EVENT_BYTES} bytes of events" if self.bytes > MAX_EVENT_BYTES else None)
+        if why:
+            raise OutputTooLarge(f"the agent's {self.action!r} answer sent {why}; it was stopped there",
+                                 where=self.where, fix="something in the container floods the agent's output; check "
+                                                       "it directly (deploy doctor), then retry")
 
 
 class _SessionEnded(Exception):

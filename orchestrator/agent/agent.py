@@ -45,7 +45,16 @@ def clean(text):
     return ANSI.sub("", text)
 
 
+# the workstation refuses event lines over 256 KiB (issue 22): ours stay below, even written as \u escapes
+EVENT_TEXT_MAX = 16000
+
+
 def emit(**kw):
+    if "event" in kw:
+        for k in ("line", "message", "last"):
+            v = kw.get(k)
+            if isinstance(v, str) and len(v) > EVENT_TEXT_MAX:
+                kw[k] = v[:EVENT_TEXT_MAX] + " ... (%d characters cut)" % (len(v) - EVENT_TEXT_MAX)
     sys.stdout.write(json.dumps(kw) + "\n")
     sys.stdout.flush()
 
@@ -225,6 +234,8 @@ def open_dir(path, create_mode=None):
         if st.st_uid not in (0, me):
             raise UnsafeDirectory("%s is owned by uid %d, not root: that user could swap the files written there "
                                   "(fix: chown root:root %s, or use a root-owned directory)" % (path, st.st_uid, path))
+        if create_mode is not None and not create_mode & 0o077:
+            _check_private_dir(path, st)  # the state dir: deploy's own, before anything touches it (issue 22)
         if st.st_mode & 0o022 and not st.st_mode & 0o1000:
             raise UnsafeDirectory("%s is writable by %s (mode %o) without the sticky bit: other users could plant "
                                   "files under the names written there (fix: chmod go-w %s)"
@@ -237,6 +248,59 @@ def open_dir(path, create_mode=None):
     except BaseException:
         os.close(fd)
         raise
+
+
+# ---- untrusted input: the state directory and its files (issue 22, docs/architecture.md "Threat model")
+# The state dir decides which process group `stop` signals and which unit it stops: it must be deploy's own.
+# A directory other users may write in (even a sticky one such as /tmp) lets them plant state.json; it is refused,
+# naming the path and the fix, before anything reads, writes or chmods it.
+
+STATE_DIR_FIX = "set runtime.state_dir to a directory of deploy's own that only root can write, e.g. " \
+                "/var/lib/vllm-pve-deploy (the default)"
+
+
+def _check_private_dir(path, st=None):
+    st = st or os.lstat(path)
+    if not _stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory("state directory %s is not a directory (fix: %s)" % (path, STATE_DIR_FIX))
+    if st.st_uid != 0 or st.st_mode & 0o022:
+        who = ("owned by uid %d" % st.st_uid) if st.st_uid != 0 else \
+            ("writable by %s" % ("others" if st.st_mode & 0o002 else "its group"))
+        shared = st.st_mode & 0o1000  # a sticky directory (/tmp) is everyone's: never offer to chmod it
+        raise UnsafeDirectory(
+            "state directory %s is %s (mode %o): another user could plant the state files that decide what deploy "
+            "stops as root; nothing in it was read or changed (fix: %s%s)"
+            % (path, who, st.st_mode & 0o7777, STATE_DIR_FIX, "" if shared else
+               "; or, if %s is deploy's own: chown root:root %s && chmod 700 %s" % (path, path, path)))
+
+
+def open_state_dir(state_dir):
+    """An fd of the state directory (not created), checked as deploy's own; FileNotFoundError when absent."""
+    fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _check_private_dir(state_dir, os.fstat(fd))
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_state_file(path, limit=1 << 20):
+    """The bytes of a state file: the directory checked (open_state_dir), the file opened O_NOFOLLOW|O_NONBLOCK,
+    a regular file, root-owned and not writable by group/others, at most `limit` bytes. Raises FileNotFoundError,
+    UnsafeDirectory (with the path and the fix) or OSError."""
+    dfd = open_state_dir(os.path.dirname(path))
+    try:
+        fd = open_regular(dfd, os.path.basename(path))
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            raise UnsafeDirectory("state file %s is owned by uid %d with mode %o: not written by deploy, not used "
+                                  "(fix: remove it; deploy writes its state files root-owned, mode 600)"
+                                  % (path, st.st_uid, st.st_mode & 0o7777))
+        return fh.read(limit + 1)[:limit]
 
 
 STATE_FILES = re.compile(r"(vllm-.*\.env|state\.json|state\.stopped\.json|last_failure\.json|vllm\.log(\.1)?|exit_code|lock"
@@ -307,10 +371,13 @@ def open_regular(dfd, name, flags=os.O_RDONLY):
 def read_state(state_dir):
     path = os.path.join(state_dir, "state.json")
     try:
-        with open(path) as fh:
-            st = json.load(fh)
+        st = json.loads(read_state_file(path).decode("utf-8", "replace"))
+        if not isinstance(st, dict):
+            raise ValueError("not a JSON object")
     except FileNotFoundError:
         return None
+    except UnsafeDirectory as e:
+        return {"corrupt": str(e), "path": path, "unsafe": True}
     except (OSError, ValueError) as e:
         return {"corrupt": str(e), "path": path}
     if st.get("unit") and systemd_running():
@@ -613,7 +680,7 @@ def act_stop(a):
     # after fuser: what it killed is not "left alone" (issue 26)
     killed = set((report["fuser"] or {}).get("term") or []) | set((report["fuser"] or {}).get("kill") or [])
     report["foreign"] = [p for p in vllm_processes() if p["pid"] != os.getpid() and p["pid"] not in killed]
-    if st is not None:
+    if st is not None and not st.get("unsafe"):
         try:
             dfd = open_dir(state_dir)
             try:
@@ -1587,6 +1654,12 @@ def _remove_lock_if(dfd, pred):
     """Move the lock aside (to a unique name) if pred(holder) holds, atomically with respect to every other remover:
     removers take the short `lock.break` mutex first, and takers can only add a lock where none is, so the file
     read under the mutex is the file moved. -> True (removed), False (pred false or no lock), None (mutex busy)."""
+    return _under_break_mutex(dfd, lambda: _remove_locked(dfd, pred))
+
+
+def _under_break_mutex(dfd, fn):
+    """fn() while holding the short `lock.break` mutex (every removal and every renewal of the lock takes it, so
+    a renewal cannot rewrite a lock a breaker is moving aside); None when the mutex is busy."""
     if not _place_new(dfd, "lock.break", json.dumps({"pid": os.getpid(), "since": now()}).encode()):
         try:
             if now() - os.stat("lock.break", dir_fd=dfd, follow_symlinks=False).st_mtime > 10:
@@ -1596,23 +1669,27 @@ def _remove_lock_if(dfd, pred):
             pass
         return None
     try:
-        cur, _ = _read_lock(dfd)
-        if cur is None or not pred(cur):
-            return False
-        os.rename("lock", unique_name(".lock.stale-"), src_dir_fd=dfd, dst_dir_fd=dfd)
-        for n in os.listdir(dfd):  # keep only the newest few stale copies (for the curious)
-            if n.startswith((".lock.stale-", "lock.break.stale-")):
-                try:
-                    if now() - os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime > 86400:
-                        os.unlink(n, dir_fd=dfd)
-                except OSError:
-                    pass
-        return True
+        return fn()
     finally:
         try:
             os.unlink("lock.break", dir_fd=dfd)
         except OSError:
             pass
+
+
+def _remove_locked(dfd, pred):
+    cur, _ = _read_lock(dfd)
+    if cur is None or not pred(cur):
+        return False
+    os.rename("lock", unique_name(".lock.stale-"), src_dir_fd=dfd, dst_dir_fd=dfd)
+    for n in os.listdir(dfd):  # keep only the newest few stale copies (for the curious)
+        if n.startswith((".lock.stale-", "lock.break.stale-")):
+            try:
+                if now() - os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime > 86400:
+                    os.unlink(n, dir_fd=dfd)
+            except OSError:
+                pass
+    return True
 
 
 def act_lock(a):
@@ -1647,20 +1724,31 @@ def _lock_in(dfd, a):
                 return {"locked": False, "lost": True, "holder": None}
             continue
         if cur.get("token") == a["token"]:
-            if float(cur.get("expires", 0)) < now():
-                return {"locked": False, "lost": True, "holder": cur}
-            # renew: the same identity, a later expiry (never past `until`); replaced atomically by rename
-            cur["expires"] = min(now() + term, float(cur.get("until", now() + term)))
-            write_at(dfd, "lock", json.dumps(cur).encode(), 0o600)
-            return {"locked": True, "expires": cur["expires"]}
+            # renew: the same identity, a later expiry (never past `until`); replaced atomically by rename, under
+            # the lock.break mutex, re-read there: a breaker that saw it expired has moved it aside, or waits
+            def renew():
+                c, _ = _read_lock(dfd)
+                if c is None or c.get("token") != a["token"] or float(c.get("expires", 0)) < now():
+                    return {"locked": False, "lost": True, "holder": c}
+                c["expires"] = min(now() + term, float(c.get("until", now() + term)))
+                write_at(dfd, "lock", json.dumps(c).encode(), 0o600)
+                return {"locked": True, "expires": c["expires"]}
+            for _ in range(200):  # the mutex is held for milliseconds; a dead holder's is cleared after 10 s
+                r = _under_break_mutex(dfd, renew)
+                if r is not None:
+                    return r
+                time.sleep(0.05)
+            return {"locked": False, "lost": True, "holder": cur,
+                    "error": "the lock.break mutex stayed busy; the lock was not renewed"}
         if a.get("renew"):
             return {"locked": False, "lost": True, "holder": cur}
         stale = float(cur.get("expires", 0)) < now()
-        named = a.get("break_token") and cur.get("token") == a["break_token"]
+        brk = _break_token(a)
+        named = brk and cur.get("token") == brk
         if stale or named:
             tok = cur.get("token")
             gone = _remove_lock_if(dfd, lambda c: c.get("token") == tok and (
-                float(c.get("expires", 0)) < now() or (named and c.get("token") == a["break_token"])))
+                float(c.get("expires", 0)) < now() or (named and c.get("token") == brk)))
             if gone:
                 emit(event="lock", message="broke the lock held by %s (%s)"
                      % (cur.get("holder"), "its holder is a dead process on this workstation" if named
@@ -1669,6 +1757,11 @@ def _lock_in(dfd, a):
         if now() >= deadline:
             return {"locked": False, "holder": cur}
         time.sleep(min(0.5, max(0.01, deadline - now())))
+
+
+def _break_token(a):
+    """Another holder's token, to break its lock: sent on stdin (SECRETS), never in argv or the audit log."""
+    return SECRETS.get("break_token") or a.get("break_token")
 
 
 def act_unlock(a):
@@ -1682,7 +1775,7 @@ def act_unlock(a):
         cur, _ = _read_lock(dfd)
         if cur is None:
             return {"unlocked": False, "holder": None}
-        want = a.get("token") or a.get("break_token")
+        want = a.get("token") or _break_token(a)
         if not want or cur.get("token") != want:
             return {"unlocked": False, "holder": cur}
         deadline = now() + 5
@@ -1798,10 +1891,10 @@ def _status_rest(res, state_dir):
 
 
 def _read_json(path):
+    """A state file's JSON (read_state_file's checks), None if absent, unsafe or unreadable."""
     try:
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+        return json.loads(read_state_file(path).decode("utf-8", "replace"))
+    except (OSError, ValueError, UnsafeDirectory):
         return None
 
 
@@ -1859,11 +1952,19 @@ def resolve_drafter_path(a):
     org, name = a["hub_id"].split("/", 1)
     base = os.path.join(a.get("hf_home") or "/root/.cache/huggingface", "hub", "models--%s--%s" % (org, name))
     rev = None
+    want = a.get("revision") or "main"  # from the playbook
     try:
-        with open(os.path.join(base, "refs", a.get("revision") or "main")) as fh:
-            rev = fh.read().strip()
+        fd = os.open(os.path.join(base, "refs", want), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            if not _stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            rev = fh.read(256).decode("utf-8", "replace").strip()
+        if not safe_rev(rev):
+            return {"kind": "hub", "path": None, "error": "%s/refs/%s holds %r, not a snapshot name (40 hex digits)"
+                                                          % (base, want, rev[:80])}
     except OSError:
         snaps = sorted(os.listdir(os.path.join(base, "snapshots"))) if os.path.isdir(os.path.join(base, "snapshots")) else []
+        snaps = [n for n in snaps if safe_rev(n)]
         rev = snaps[-1] if snaps else None
     if not rev:
         return {"kind": "hub", "path": None, "error": "no snapshot of %s in %s" % (a["hub_id"], base)}
@@ -1913,6 +2014,12 @@ def _vllm_stack(python_timeout):
     want += ["vllm_flash_attn/_vllm_fa2_C.abi3.so", "cumem_allocator.abi3.so"]
     info["extensions_missing"] = [w for w in want if not os.path.exists(os.path.join(root, w))]
     info["record"] = record_check(root)
+    untrusted = why_untrusted(root)
+    if untrusted:  # importing runs its code as root: only a package nobody else could have changed (issue 22)
+        info["import_ok"] = False
+        info["import_error"] = "not imported: %s (a package root imports must be root-owned and not writable by " \
+                               "others)" % untrusted
+        return info
     try:
         p = subprocess.run([sys.executable, "-c", "import vllm, vllm.platforms; from vllm.platforms import "
                             "current_platform; print(vllm.__version__)"], stdout=subprocess.PIPE,
@@ -2398,22 +2505,38 @@ def _serve_args(argv):
 
 
 def _read_config(path, limit=1 << 20):
+    """A config.json at a path taken from another process's argv (untrusted): a regular file only, opened
+    O_NONBLOCK|O_NOFOLLOW (a FIFO or a device would block or be read forever), at most `limit` bytes."""
     info = {"path": path}
     try:
-        st = os.stat(path)
-        with open(path, "rb") as fh:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not _stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or directory is not read)")
             raw = fh.read(limit)
         info.update(realpath=os.path.realpath(path), mtime=st.st_mtime, size=st.st_size,
                     sha256=hashlib.sha256(raw).hexdigest(), text=raw.decode("utf-8", "replace"))
     except OSError as e:
-        info["error"] = e.strerror or str(e)
+        info["error"] = (e.strerror or str(e)) if e.errno != errno.ELOOP else "a symlink (not followed)"
     return info
+
+
+SAFE_REV = re.compile(r"[0-9a-f]{40}|[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def safe_rev(rev):
+    """A hub snapshot name read from refs/<rev> (untrusted): 40 hex digits or a plain name, never a path."""
+    return isinstance(rev, str) and bool(SAFE_REV.fullmatch(rev)) and ".." not in rev
 
 
 def act_doctor(a):
     """Everything `deploy doctor` needs, read-only: vLLM processes (argv, tree, GPUs held, start time), the
     drafter and target configs each server read, the vLLM build, GPU memory and holders, /health and /metrics."""
     end = now() + float(a.get("budget_s", 12))
+    # the tool gives up at budget_s + 10 s: by then this process is gone too, whatever it was reading (a path
+    # from another user's argv may name a FIFO or a hung mount; issue 22)
+    signal.alarm(int(float(a.get("budget_s", 12))) + 8)
     btime, tck = _boot_time(), os.sysconf("SC_CLK_TCK")
     holders = gpu_holders()
     held = {h["pid"]: h["devices"] for h in holders}
@@ -2700,6 +2823,45 @@ def runtime_paths(a):
     return root, root + ".versions"
 
 
+# Prefixes install-vllm never moves aside, whatever they hold (issue 22: with runtime.python /usr/bin/python3 the
+# "venv root" was /usr).
+SYSTEM_PREFIXES = ("/", "/usr", "/usr/local", "/opt", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/var", "/root",
+                   "/home", "/srv", "/tmp", "/snap")
+NOT_A_VENV_FIX = ("make a venv for vLLM and point the runtime at it: python3 -m venv /opt/vllm-venv, then set "
+                  "runtime.python: /opt/vllm-venv/bin/python and runtime.vllm: /opt/vllm-venv/bin/vllm (inventory or "
+                  "playbook) and run deploy install-vllm again")
+
+
+class NotAVenv(ValueError):
+    fix = NOT_A_VENV_FIX
+
+
+def venv_problem(path):
+    """None if PATH is a real venv deploy may move aside: pyvenv.cfg (a root-owned regular file), the directory
+    root-owned and not writable by group/others, not a system prefix or a conda installation; else why not."""
+    real = os.path.realpath(path)
+    if real.rstrip("/") in SYSTEM_PREFIXES or path.rstrip("/") in SYSTEM_PREFIXES:
+        return "%s is a system prefix, not a venv" % path
+    if os.path.isdir(os.path.join(real, "conda-meta")):
+        return "%s is a conda installation (conda-meta/), not a venv" % path
+    try:
+        dst = os.lstat(real)
+    except OSError as e:
+        return "%s: %s" % (path, e.strerror)
+    if not _stat.S_ISDIR(dst.st_mode):
+        return "%s is not a directory" % path
+    if dst.st_uid != 0 or dst.st_mode & 0o022:
+        return "%s is owned by uid %d with mode %o: a runtime deploy runs as root must be root-owned and not " \
+               "writable by group or others" % (path, dst.st_uid, dst.st_mode & 0o7777)
+    try:
+        cst = os.lstat(os.path.join(real, "pyvenv.cfg"))
+    except OSError:
+        return "%s has no pyvenv.cfg: it is not a venv" % path
+    if not _stat.S_ISREG(cst.st_mode) or cst.st_uid != 0:
+        return "%s/pyvenv.cfg is not a root-owned regular file" % path
+    return None
+
+
 def runtime_info(a):
     root, store = runtime_paths(a)
     info = {"venv_root": root, "store": store, "python": a["python"], "python_exists": os.path.exists(a["python"])}
@@ -2707,6 +2869,9 @@ def runtime_info(a):
         st = os.lstat(root)
     except OSError:
         info["kind"] = "missing"
+        if root.rstrip("/") in SYSTEM_PREFIXES:
+            raise NotAVenv("runtime.python %s: %s is a system prefix, not a venv; install-vllm refuses it "
+                           "(nothing was changed)" % (a["python"], root))
         return info
     if _stat.S_ISLNK(st.st_mode):
         info.update(kind="symlink", target=os.readlink(root), real=os.path.realpath(root))
@@ -2714,6 +2879,11 @@ def runtime_info(a):
         info.update(kind="dir", real=root)
     else:
         info["kind"] = "other"
+        return info
+    why = venv_problem(root)
+    if why:
+        raise NotAVenv("runtime.python %s: %s; install-vllm manages only a venv and refuses to move it aside "
+                       "(nothing was changed)" % (a["python"], why))
     return info
 
 
@@ -2874,8 +3044,8 @@ def act_install_vllm(a):
     try:
         info = runtime_info(a)
     except ValueError as e:
-        return {"ok": False, "message": str(e),
-                "fix": "set runtime.python and runtime.vllm to ROOT/bin/python and ROOT/bin/vllm of one venv"}
+        return {"ok": False, "message": str(e), "fix": getattr(e, "fix", None)
+                or "set runtime.python and runtime.vllm to ROOT/bin/python and ROOT/bin/vllm of one venv"}
     if op == "probe":
         return {"ok": True, "runtime": info, "install": install_status(state_dir), "serving": serving_now(state_dir),
                 "pointer": _pointer(state_dir), "agent_python": sys.executable}
@@ -2908,6 +3078,12 @@ def _install_start(a, info):
         return {"ok": False, "message": "requires.install.installer is uv, but no uv on PATH, ~/.local/bin or "
                                         "~/.cargo/bin in the container",
                 "fix": "install uv in the container (pip install uv), or set requires.install.installer: pip"}
+    why = _install_source_problem(a)
+    if why:
+        return {"ok": False, "message": "refusing to install from %s: deploy installs it as root and then runs it; "
+                                        "nothing was changed" % why,
+                "fix": "keep wheels, git repositories and find_links directories in root-owned directories that "
+                       "others cannot write (e.g. chown -R root:root DIR && chmod -R go-w DIR), then retry"}
     try:
         parent = open_dir(os.path.dirname(info["venv_root"]))
         os.close(parent)
@@ -2948,7 +3124,8 @@ def _install_start(a, info):
           "previous_real": info.get("real")}
     _save_install(state_dir, st)
     args = {"state_dir": state_dir, "id": iid, "lock_fd": lock_fd, "python": a["python"],
-            "index_url": a.get("index_url"), "find_links": a.get("find_links") or [], "no_index": a.get("no_index")}
+            "index_url": a.get("index_url"), "find_links": a.get("find_links") or [], "no_index": a.get("no_index"),
+            "hashes": a.get("hashes") or []}
     env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
            "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", INSTALL_VAR: iid}
     try:
@@ -3057,11 +3234,17 @@ def act_install_run(a):
         opts += ["--find-links", fl]
     if a.get("no_index"):
         opts += ["--no-index"]
+    what = [st["req"]]
+    if a.get("hashes"):  # requires.install.hashes: a requirements file with the pinned hashes, --require-hashes
+        rfd, _ = create_excl_path(stage, "deploy-requirements.txt")
+        with os.fdopen(rfd, "w") as fh:
+            fh.write("%s %s\n" % (st["req"], " ".join("--hash=%s" % h for h in a["hashes"])))
+        what = ["--require-hashes", "-r", os.path.join(stage, "deploy-requirements.txt")]
     if uv:
-        cmd = [uv, "pip", "install", "--python", spy] + opts + [st["req"]]
+        cmd = [uv, "pip", "install", "--python", spy] + opts + what
     elif _pip_ok(base):
         cmd = [base, "-m", "pip", "--python", spy, "install", "--no-input", "--disable-pip-version-check",
-               "--progress-bar", "off"] + opts + [st["req"]]
+               "--progress-bar", "off"] + opts + what
     else:
         rc, why = _run_logged([spy, "-m", "ensurepip", "--default-pip"], deadline, None)
         if rc != 0:
@@ -3070,7 +3253,7 @@ def act_install_run(a):
                           fix="install uv in the container, or python3-venv (ensurepip), or set "
                               "requires.install.python to a Python with pip >= 22.3")
         cmd = [spy, "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "--progress-bar",
-               "off"] + opts + [st["req"]]
+               "off"] + opts + what
     st["phase"] = None
     rc, why = _run_logged(cmd, deadline, lambda p: p != st["phase"] and phase(p),
                           on_start=lambda pid: phase("download", child=pid))  # child: its own session
@@ -3112,6 +3295,60 @@ def act_install_run(a):
 
 ACTIONS["install_run"] = act_install_run
 ACTIONS["install_vllm"] = act_install_vllm
+
+
+def create_excl_path(d, name):
+    """A new file d/name (O_EXCL|O_NOFOLLOW, 0600) in a directory checked by open_dir. -> (fd, path)"""
+    dfd = open_dir(d)
+    try:
+        return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                       dir_fd=dfd), os.path.join(d, name)
+    finally:
+        os.close(dfd)
+
+
+def why_untrusted(path):
+    """None if path and every directory above it (links resolved) are root-owned and not writable by group or
+    others; else which one is not (issue 22: a file root installs or runs)."""
+    for q in {path, os.path.realpath(path)}:
+        while True:
+            try:
+                st = os.lstat(q)
+            except OSError as e:
+                return "%s (%s)" % (q, e.strerror)
+            if not _stat.S_ISLNK(st.st_mode):
+                if st.st_uid != 0:
+                    return "%s, owned by uid %d" % (q, st.st_uid)
+                if st.st_mode & 0o022 and not (_stat.S_ISDIR(st.st_mode) and st.st_mode & 0o1000 and q != path):
+                    return "%s, writable by %s" % (q, "others" if st.st_mode & 0o002 else "its group")
+            if q == "/":
+                break
+            q = os.path.dirname(q)
+    return None
+
+
+def _install_source_problem(a):
+    """A local source (wheel file, git+file repository, find_links directory, file:// index) that another user
+    owns or may write: deploy would install as root what they chose."""
+    from urllib.parse import urlsplit
+
+    paths = []
+    req = a.get("req") or ""
+    if req.startswith("/"):
+        paths.append(req)
+    elif req.startswith("git+file://"):
+        p = urlsplit(req[4:]).path
+        paths.append(p.rsplit("@", 1)[0] if "@" in os.path.basename(p) else p)
+    for v in list(a.get("find_links") or []) + [a.get("index_url") or ""]:
+        if v.startswith("/"):
+            paths.append(v)
+        elif v.startswith("file://"):
+            paths.append(urlsplit(v).path)
+    for p in paths:
+        why = why_untrusted(p)
+        if why:
+            return why
+    return None
 
 
 def _remove_stage(stage):
@@ -3194,6 +3431,9 @@ def switch_runtime(venv_root, target_dir):
         if st is not None and _stat.S_ISLNK(st.st_mode):
             prev = os.readlink(name, dir_fd=pfd)
         elif st is not None and _stat.S_ISDIR(st.st_mode):
+            why = venv_problem(venv_root)
+            if why:
+                raise NotAVenv(why)
             sfd = open_dir(os.path.join(parent, store))
             try:
                 orig = "original-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
