@@ -315,7 +315,12 @@ def render_outcome(out, indent=""):
         elif out.status == "up":
             a = i["acceptance"]
             e(f"{indent}{out.playbook} is up on {out.where}: {_where_it_answers(i)}  model {i['model']}  method {i['method']}")
-            e(f"{indent}  draft acceptance {a['draft_acceptance_rate']:.1%}, mean acceptance length "
+            g = i.get("gate") or {}
+            e(f"{indent}  acceptance gate passed: AL {a['mean_acceptance_length']:.2f}, draft acceptance "
+              f"{a['draft_acceptance_rate']:.1%} over {a['drafts']:g} drafts ({a['source']})"
+              + (" on the server that was already running" if i.get("gated_running") else "")
+              + f"; total {i['total_s']}s" if g.get("passed") else
+              f"{indent}  draft acceptance {a['draft_acceptance_rate']:.1%}, mean acceptance length "
               f"{a['mean_acceptance_length']:.2f} ({a['source']}); total {i['total_s']}s")
             e(f"{indent}  phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in i["phases_s"].items()))
             e(f"{indent}  supervised by systemd: {i['unit']} (enabled; restarts on failure, starts at boot)"

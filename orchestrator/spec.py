@@ -289,17 +289,30 @@ PLAYBOOK = Map({
     }), default=lambda: {"restart_sec": 5.0, "start_limit_burst": 3, "start_limit_interval_s": 600.0},
         doc="where the container runs systemd: how vllm-PLAYBOOK.service restarts a crashed server"),
     "acceptance": Field(Map({
-        "min_draft_acceptance": Field(Float(0, 1), required=True),
-        "min_mean_acceptance_length": Field(Float(1, 100)),
+        "min_mean_acceptance_length": Field(Float(1, 100), doc="the gate's mean acceptance length (AL) threshold; "
+                                            "default 1 + 0.4 * min(k, 3): 1.4 for k=1, 1.8 for k=2, 2.2 for k>=3"),
+        "min_first_position": Field(Float(0, 1), doc="acceptance at draft position 0 (default 0.5)"),
+        "cliff_check": Field(Bool(), default=True, doc="fail when the per-position curve falls off a cliff (positions "
+                             "from some p on all ~0): sliding layers run as full attention, or a missing window"),
+        "min_drafts": Field(Int(0, 10_000_000), doc="drafts the probe must produce for a verdict (default 100); "
+                            "fewer: the probe runs more rounds, up to probe.max_rounds"),
+        "min_draft_acceptance": Field(Float(0, 1), doc="optional: ALSO require this draft acceptance rate (the old gate; "
+                                      "the rate falls as k grows: healthy DFlash at k=15 shows 15-19 %)"),
         "probe": Field(Map({
-            "prompts": Field(List(Str(), min_len=1, max_len=64), required=True),
+            "prompts": Field(List(Str(), min_len=1, max_len=64), doc="the probe's prompts (default: the shipped "
+                             "natural-text set: chat, code, math)"),
+            "prompts_file": Field(Str(), doc="a file of prompts, one per line (# comments and blank lines skipped), "
+                                  "relative to the playbook"),
             "max_tokens": Field(Int(1, 8192), default=128),
-            "rounds": Field(Int(1, 100), default=2),
+            "rounds": Field(Int(1, 100), default=1),
+            "max_rounds": Field(Int(1, 100), doc="more rounds while the drafts are fewer than min_drafts (default "
+                                "4 x rounds), within timeout_s"),
             "timeout_s": Field(Float(1, 3600), default=120.0),
-        }), required=True),
+        }), default=lambda: {"max_tokens": 128, "rounds": 1, "timeout_s": 120.0}),
         "on_low_acceptance": Field(Str(choices=("fail", "fallback")), default="fail"),
         "fallback": Field(Str(**NAME), doc="playbook to bring up instead when acceptance is too low"),
-    }), required=True),
+    }), default=lambda: {"cliff_check": True, "probe": {"max_tokens": 128, "rounds": 1, "timeout_s": 120.0},
+                         "on_low_acceptance": "fail"}),
 }, one_of=(("target", "targets"),))
 
 
@@ -650,6 +663,55 @@ def _check_serving(pb: Playbook, serve: dict, spec: dict, acc: dict, problems: P
     if acc["on_low_acceptance"] == "fallback" and not acc.get("fallback"):
         problems.add(node_of(acc, "on_low_acceptance"), "acceptance.fallback",
                      "on_low_acceptance is 'fallback' but no fallback playbook is named")
+    _resolve_probe(pb, acc, problems)
+
+
+SHIPPED_PROMPTS = "probes/natural.txt"  # in the shipped examples (the repo's playbooks/ folder)
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """One prompt per line; blank lines and lines starting with # are skipped; `\\n` in a line is a newline."""
+    with open(path, encoding="utf-8") as fh:
+        return [ln.rstrip("\n").replace("\\n", "\n") for ln in fh
+                if ln.strip() and not ln.lstrip().startswith("#")][:64]
+
+
+def _resolve_probe(pb: Playbook, acc: dict, problems: Problems) -> None:
+    """acceptance.probe.prompts: the playbook's own list, its prompts_file, or the shipped natural-text set (chat,
+    code, math). Read here, at load time, so the plan carries the prompts themselves."""
+    from .locate import shipped_dir
+
+    probe = acc["probe"]
+    if probe.get("prompts") and probe.get("prompts_file"):
+        problems.add(node_of(probe, "prompts_file"), "acceptance.probe.prompts_file",
+                     "give prompts or prompts_file, not both")
+        return
+    if probe.get("prompts"):
+        probe["prompts_source"] = "playbook"
+    else:
+        own = probe.get("prompts_file")
+        if own:
+            path = own if os.path.isabs(own) else os.path.join(os.path.dirname(pb.path) or ".", own)
+        else:
+            base = shipped_dir()
+            path = str(base / SHIPPED_PROMPTS) if base is not None else SHIPPED_PROMPTS
+        try:
+            prompts = read_prompt_file(path)
+        except (OSError, UnicodeDecodeError) as e:
+            problems.add(node_of(probe, "prompts_file"), "acceptance.probe.prompts_file",
+                         f"cannot read the probe prompts {path}: {getattr(e, 'strerror', None) or e}")
+            return
+        if not prompts:
+            problems.add(node_of(probe, "prompts_file"), "acceptance.probe.prompts_file",
+                         f"{path} has no prompts (one per line)")
+            return
+        probe["prompts"] = prompts
+        probe["prompts_source"] = path if own else "shipped natural-text set (chat, code, math)"
+    if probe.get("max_rounds") is None:
+        probe["max_rounds"] = min(100, probe["rounds"] * 4)
+    elif probe["max_rounds"] < probe["rounds"]:
+        problems.add(node_of(probe, "max_rounds"), "acceptance.probe.max_rounds",
+                     f"{probe['max_rounds']} is fewer than rounds {probe['rounds']}")
 
 
 def _check_install_sources(req: dict, problems: Problems) -> None:

@@ -207,6 +207,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         row["healthy"] = False
         return row
     if not st:
+        gate_row(row, r, None)
         fail = r.get("last_failure")
         if fail and fail.get("at", 0) >= (r.get("stopped_at") or 0):
             pb = fail.get("playbook")
@@ -282,6 +283,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             + (f": systemd restarted it {sup['restarts']} time(s)" if sup.get("restarts") else "")
             + (" and the container rebooted since" if sup.get("container_restarted") else "")
             + f"; last exit: {exit_text(sup.get('last_exit'))}; its acceptance since that restart is shown as recent")
+    gate_row(row, r, st)
     if r.get("last_error"):
         row["last_error"] = r["last_error"]
     if st.get("drafter_path"):
@@ -305,6 +307,42 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             row["acceptance"]["recent"] = {**life.as_dict(), "since": "restart",
                                            "since_s": row.get("uptime_s")}
     return row
+
+
+def _at(t) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "an unknown time"
+
+
+def gate_row(row: dict, r: dict, st: dict | None) -> None:
+    """The acceptance gate in a status row (status/v1 `gate` and `rejected`): a running launch without a passed
+    verdict is a problem (`not gated`, since its launch); a rejection a fallback followed is shown beside it."""
+    from .gate import gate_figures
+
+    g, rej = r.get("gate") or None, r.get("rejected") or None
+    if rej and isinstance(rej, dict):
+        v = rej.get("verdict") or {}
+        row["rejected"] = {"playbook": rej.get("playbook"), "at": rej.get("at"), "figures": v.get("figures"),
+                           "reason": v.get("reason"), "fallback": v.get("rejected_fallback")}
+        row["notes"].append(f"{rej.get('playbook')} was rejected by the acceptance gate at {_at(rej.get('at'))} "
+                            f"({gate_figures(v)}): {v.get('reason')}"
+                            + (f"; {v.get('rejected_fallback')} was brought up instead" if v.get("rejected_fallback")
+                               else "") + f". deploy up {rej.get('playbook')} tries it again")
+    if not st or not st.get("alive"):
+        return
+    if g and g.get("for_current_launch"):
+        v = g.get("verdict") or {}
+        row["gate"] = {"verdict": "passed" if v.get("passed") else "failed", "at": g.get("at"),
+                       "since": st.get("started_at"), "figures": v.get("figures"), "reason": v.get("reason")}
+        if not v.get("passed"):
+            row["healthy"] = False
+            row["problems"].append(f"failed the acceptance gate at {_at(g.get('at'))} ({gate_figures(v)}): "
+                                   f"{v.get('reason')}; deploy up {st.get('playbook')} measures it again")
+        return
+    row["gate"] = {"verdict": "not gated", "at": None, "since": st.get("started_at"), "figures": None, "reason": None}
+    row["healthy"] = False
+    row["problems"].append(f"not gated since {_at(st.get('started_at'))}: this launch (pid {st.get('pid')}) never "
+                           "passed the acceptance gate (an up interrupted before the gate, or launched by a deploy "
+                           f"without gate records); deploy up {st.get('playbook')} measures and gates it")
 
 
 def supervision_of(raw: dict | None, st: dict) -> dict:
@@ -446,7 +484,8 @@ def _row(host, vmid, **values) -> dict:
     row = {"host": host, "vmid": vmid, "reachable": True, "container": "unknown", "playbook": None, "pid": None,
            "process": "unknown", "health": None, "served_model": None, "method": None, "gpus": [],
            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
-           "url": None, "tunnel": None, "supervision": None, "healthy": False, "timed_out": False, "problems": [],
+           "url": None, "tunnel": None, "supervision": None, "gate": None, "rejected": None, "healthy": False,
+           "timed_out": False, "problems": [],
            "notes": []}
     row.update(values)
     return row

@@ -65,8 +65,9 @@ M_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 M_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 M_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
-# SpeculativeConfig keys by the first version that accepts them (unknown keys are a startup error).
-SPEC_KEYS_SINCE = {"attention_backend": (0, 21, 0), "disable_eagle_block_drop": (0, 30, 0)}
+# SpeculativeConfig keys are checked in the container against the installed vLLM's own class (agent
+# launch_checks); this names, for the fix text only, keys that releases removed (docs/domain/vllm.md).
+SPEC_KEYS_REMOVED = {"disable_padded_drafter_batch": "0.34.0"}
 
 
 def expected_aux_layers(target_layer_ids: list[int], plus1_fix: bool = True) -> list[int]:

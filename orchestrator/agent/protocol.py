@@ -112,6 +112,8 @@ class CurrentResult(AgentResult):
     drafter_error: str = None
     lock: dict = None
     last_failure: dict = None
+    gate: dict = None  # gate.json: the verdict, and whether it is for the launch running now (for_current_launch)
+    rejected: dict = None  # rejected.json: the last rejection a fallback followed
 
 
 @dataclass
@@ -229,6 +231,7 @@ class AcceptanceResult(AgentResult):
     errors: list = field(default_factory=list)
     log_tail: list = None
     message: str = None
+    rounds: int = None  # the rounds the probe ran (more than planned while the drafts were too few)
 
 
 @dataclass
@@ -296,10 +299,21 @@ class InstallResult(AgentResult):
     log_tail: list = None
 
 
+@dataclass
+class GateRecordResult(AgentResult):
+    REQUIRED = ("ok",)
+    ok: bool = False
+    launch_known: bool = False
+    rejected: bool = False
+    cleared: bool = False
+    message: str = None
+
+
 RESULT_TYPES = {
     "lock": LockResult, "unlock": UnlockResult, "status": CurrentResult, "write_file": WriteFileResult,
     "verify": VerifyResult, "stop": StopResult, "gpus_free": GpusFreeResult, "port_check": PortResult,
     "launch": LaunchResult, "wait_ready": ReadyResult, "file_sha": FileShaResult, "acceptance": AcceptanceResult,
     "note_failure": NoteFailureResult, "logs": LogsResult, "doctor": DoctorResult, "hub_drafter": HubDrafterResult,
     "install_vllm": InstallResult,
+    "gate_record": GateRecordResult,
 }

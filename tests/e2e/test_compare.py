@@ -23,11 +23,13 @@ def test_compare_picks_the_faster_and_leaves_it_running(tb, deploy, playbooks):
     assert [r["playbook"] for r in res["results"]] == ["qwen36-dflash", "qwen36-mtp"]
     for r in res["results"]:
         assert r["ok"] and r["status"] == "up"
-        assert r["speed"]["requests"] == 3 and r["speed"]["tokens_per_s"] > 0
-        assert r["acceptance"]["draft_acceptance_rate"] > 0.3
+        assert r["speed"]["requests"] == 8 and r["speed"]["tokens_per_s"] > 0  # the shipped probe set, 1 round
     dflash, mtp = res["results"]
+    assert 0.15 <= dflash["acceptance"]["draft_acceptance_rate"] <= 0.20  # k=15: the rate falls, AL rises
+    assert mtp["acceptance"]["draft_acceptance_rate"] > 0.5
     assert dflash["acceptance"]["mean_acceptance_length"] > mtp["acceptance"]["mean_acceptance_length"]
-    assert res["winner"] == "qwen36-dflash" and res["speedup"] > 1.5
+    # AL ~3.5 in one drafting pass (+25 %) against MTP's ~2.4 with a head pass per token (+8 % each): ~1.4x
+    assert res["winner"] == "qwen36-dflash" and res["speedup"] > 1.2
     assert res["kept"] == {"playbook": "qwen36-dflash", "ok": True, "status": "up", "error": None}
     assert json.loads(cat(tb, "pve1", 129, STATE))["playbook"] == "qwen36-dflash"  # brought back after mtp
 
