@@ -111,7 +111,7 @@ def wait_ready(ctx: Context, step: Step) -> ReadyResult:
     if reason == "fatal":
         msg = f"vLLM failed to start: {r.cause}\n    > {r.line}"
         fix = r.fix.replace("PLAYBOOK", ctx.pb.name)
-        if "--clean-gpus" in fix and any(x.step == "gpus-free" and x.ok for x in ctx.results):
+        if r.cause == "GPU memory is held by someone else" and any(x.step == "gpus-free" and x.ok for x in ctx.results):
             # measured free just before this launch: freeing them again will not help (issue 26, item 7)
             fix = (f"gpus-free measured GPU(s) {','.join(map(str, ctx.pb.gpus))} free just before this launch, so "
                    "--clean-gpus will not help: something took GPU memory since, or gpu_memory_utilization asks for "
