@@ -21,7 +21,7 @@ import time
 
 from . import agent
 from . import plan as P
-from .errors import DeployError, StepFailed, Unreachable
+from .errors import DeployError, StepFailed, Unreachable, UsageError
 from .ops import Outcome, check_container, new_context
 from .remote import Fleet
 from .report import Progress
@@ -81,7 +81,8 @@ def tokens(pb: Playbook, its: list[dict]) -> dict:
             continue
         val = os.environ.get(var)
         if not val:
-            raise DeployError(f"{it['key']}.token_env names {var}, but it is not set in this shell", where=pb.path,
+            raise UsageError(f"{it['key']}.token_env names {var}, but it is not set in this shell; nothing was run",
+                             where=pb.path,
                               fix=f"export {var}=hf_... (a read token of an account with access to {it['hub']}) "
                                   "before running deploy")
         out["token:" + it["role"]] = val
@@ -182,8 +183,13 @@ def run(ctx, pb: Playbook, *, allow_start: bool = True, rehash: bool = False, ti
         if it.get("source_path"):
             _copy_from_host(ctx, pb, it)
     t1 = time.monotonic()
-    started = r.call({"op": "start", "state_dir": sd, "items": start_items, "timeout_s": timeout_s,
-                      "stall_s": STALL_S}, timeout=120, secrets=secrets or None)
+    try:
+        started = r.call({"op": "start", "state_dir": sd, "items": start_items, "timeout_s": timeout_s,
+                          "stall_s": STALL_S}, timeout=120, secrets=secrets or None)
+    except Unreachable as e:
+        raise ConnectionLost(f"lost the connection while starting the fetch ({e.message}); it may have started in the "
+                             "container", where=ctx.where,
+                             fix=f"deploy fetch {pb.name} re-attaches to it (or starts it) and reports its result") from e
     if not started.get("ok"):
         ctx.fail(step_name, t1, started.get("message", "the fetch did not start"), fix=started.get("fix", ""))
     if not started.get("started"):
@@ -325,8 +331,6 @@ def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = Fals
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
     try:
         if not items(pb):
-            from .errors import UsageError
-
             raise UsageError(f"{pb.name} names no source to fetch: model and speculative.drafter give only paths",
                              where=pb.path, fix="add model.hub + model.revision (or source: {path: HOST_DIR}) to the "
                                                 "playbook (docs/playbooks.md#fetch)")
@@ -338,7 +342,7 @@ def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = Fals
         out.info = {"records": res.get("records") or []}
         return out
     except DeployError as e:
-        if e.__class__.__name__ == "UsageError":
+        if isinstance(e, UsageError):
             raise
         out.error = e
         return out

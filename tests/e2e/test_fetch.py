@@ -152,7 +152,7 @@ def test_cut_transfer_resumes_and_slow_link_shows_progress(tb, hub, deploy, play
     p = deploy("fetch", "qwen36-dflash", env=playbooks.env)
     assert p.returncode == 0, p.stderr
     assert "transfer cut at 1.0 MiB of 3.0 MiB" in p.stderr and "resuming" in p.stderr, p.stderr
-    assert "ETA" in p.stderr and "MiB/s" in p.stderr and "total" in p.stderr, p.stderr
+    assert "/s, ETA" in p.stderr and "| total" in p.stderr, p.stderr
     log = hub.log.read_text()
     assert log.count(f"GET /cdn/{TARGET}/") == 2, log  # the second one with a Range
     assert sh(tb, f"sha256sum /root/models/Tiny-Target/{WEIGHTS}").split()[0] == __import__("hashlib").sha256(
@@ -220,7 +220,7 @@ def test_disk_too_small_is_refused_before_download(tb, hub, deploy, playbooks):
 def test_ssh_drop_during_fetch_then_reattach(tb, hub, deploy, playbooks):
     playbook(playbooks, MODEL)
     hub.fault(rate_bps=512 << 10)  # 3 MiB: about 6 s
-    tb.set_fault(H, None, "ssh_drop_after_s", 2.0)
+    tb.set_fault(H, None, "ssh_drop_after_s", 3.5)
     try:
         p = deploy("fetch", "qwen36-dflash", env=playbooks.env)
     finally:
