@@ -1863,6 +1863,7 @@ def _status_rest(res, state_dir):
                 res["drafter_sha256"] = None
                 res["drafter_error"] = e.strerror
         res["supervision"] = sup = supervision(st)
+        res["weights"] = serving_weights(st, state_dir)
         if not st.get("alive"):
             if st.get("unit"):
                 ex = sup.get("last_exit") or {}
@@ -4029,6 +4030,29 @@ def _fetch_runner_alive(state_dir):
         return True
     finally:
         os.close(fd)
+
+
+def serving_weights(st, state_dir):
+    """The fetch records (deploy fetch) of what the state file's server reads: its model directory (argv[2]) and
+    its drafter (a directory, or the hub cache a deploy-owned drafter dir links into). [] when none."""
+    try:
+        names = sorted(os.listdir(os.path.join(state_dir, FETCH_RECORDS)))
+    except OSError:
+        return []
+    argv = st.get("argv") or []
+    model = argv[2] if len(argv) > 2 and isinstance(argv[2], str) else None
+    dp = os.path.dirname(st.get("drafter_path") or "") or None
+    out = []
+    for n in names:
+        rec = _read_json(os.path.join(state_dir, FETCH_RECORDS, n))
+        if not isinstance(rec, dict):
+            continue
+        dest = rec.get("dest")
+        hit = dest in (model, dp) or (dp and rec.get("dest_kind") == "cache"
+                                      and os.path.basename(dest or "") == "models--" + os.path.basename(dp))
+        if hit:
+            out.append({k: rec.get(k) for k in ("role", "hub", "revision", "commit", "dest", "source", "verified_at")})
+    return out
 
 
 def act_fetch(a):

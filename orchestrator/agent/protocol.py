@@ -112,6 +112,7 @@ class CurrentResult(AgentResult):
     drafter_error: str = None
     lock: dict = None
     last_failure: dict = None
+    weights: list = None  # deploy fetch's records of the model/drafter this server reads (issue 27)
 
 
 @dataclass

@@ -132,6 +132,13 @@ def test_fetch_then_up_rerun_and_revision_shown(tb, hub, deploy, playbooks):
     assert p.json["revisions"]["model"]["commit"] == hub.commits["target"], p.stdout[-2000:]
     p = deploy("verify", "qwen36-dflash", env=playbooks.env)
     assert f"{TARGET}@main ({hub.commits['target'][:12]})" in p.stdout + p.stderr
+    p = deploy("status", env=playbooks.env)
+    assert "Weights (fetched and verified by deploy fetch):" in p.stdout, p.stdout
+    assert f"model {TARGET}@main ({hub.commits['target'][:12]}) at /root/models/Tiny-Target" in p.stdout
+    assert f"drafter {DRAFT}@{hub.commits['drafter'][:12]}" in p.stdout, p.stdout
+    p = deploy("--json", "status", env=playbooks.env)
+    row = next(r for r in p.json["rows"] if r["vmid"] == V and r["host"] == H)
+    assert {w["role"] for w in row["weights"]} == {"model", "drafter"}
 
 
 def test_up_fetches_first_and_no_fetch_refuses(tb, hub, deploy, playbooks):
