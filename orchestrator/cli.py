@@ -819,7 +819,7 @@ def fetch(obj, playbook, rehash, timeout_s, manifest_out):
     \b
     Examples:
       deploy fetch qwen36-dflash
-      HF_TOKEN_DEPLOY=hf_... deploy fetch qwen36-dflash     # with model.token_env: HF_TOKEN_DEPLOY
+      deploy fetch qwen36-dflash --timeout 7200    # the token: export the variable named in token_env first
       deploy fetch qwen36-dflash --verify
       deploy fetch qwen36-dflash --manifest /tmp/qwen36.manifest.json
       deploy --json fetch qwen36-dflash

@@ -260,3 +260,35 @@ def test_path_source_from_the_host(tb, hub, deploy, playbooks, tmp_path):
     (src / WEIGHTS).write_bytes(b"x" + hub.weights[1:])
     p = deploy("fetch", "qwen36-dflash", env=playbooks.env)
     assert p.returncode == 1 and WEIGHTS in p.stderr and "manifest" in p.stderr, p.stderr
+
+
+def test_disk_full_midway_keeps_the_partial_and_resumes(tb, hub, deploy, playbooks):
+    """The space check passes (3 MiB to come, 3.5 MiB free), then something else fills the disk mid-download."""
+    small = "/root/models/Tiny-small"
+    tb.container_exec(H, V, ["sh", "-c", f"mkdir -p {small} && mount -t tmpfs -o size=3584k tmpfs {small}"], check=True)
+    try:
+        playbook(playbooks, MODEL.replace("/root/models/Tiny-Target", f"{small}/target"))
+        hub.fault(rate_bps=1 << 20)
+        e = dict(os.environ, DEPLOY_INVENTORY=tb.inventory_path, DEPLOY_STATE_DIR=str(deploy.state_dir), NO_COLOR="1",
+                 **playbooks.env)
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "fetch", "qwen36-dflash"], cwd=REPO, env=e,
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        part = f"{small}/.target.deploy-fetch/{hub.commits['target'][:12]}/{WEIGHTS}.incomplete"
+        deadline = time.monotonic() + 60
+        while sh(tb, f"test -s {part} && echo yes") != "yes":
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        sh(tb, f"dd if=/dev/zero of={small}/filler bs=64k count=100 2>/dev/null; true")  # ~ fills what is left
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, err
+        assert f"disk full at {small}" in err and "kept for resume" in err and "nothing was moved into place" in err, err
+        assert sh(tb, f"test -s {part} && echo kept") == "kept"
+        assert sh(tb, f"test -e {small}/target && echo yes || echo no") == "no"
+        sh(tb, f"rm -f {small}/filler")
+        hub.fault()
+        p = deploy("fetch", "qwen36-dflash", env=playbooks.env)
+        assert p.returncode == 0, p.stderr
+        assert __import__("hashlib").sha256(hub.weights).hexdigest() == sh(
+            tb, f"sha256sum {small}/target/{WEIGHTS}").split()[0]
+    finally:
+        tb.container_exec(H, V, ["umount", "-l", small])
