@@ -146,7 +146,7 @@ def run(ctx, pb: Playbook, *, allow_start: bool = True, rehash: bool = False, ti
     r = _Runner(ctx, pb)
     sd = pb.runtime["state_dir"]
     t0 = time.monotonic()
-    probe = r.call({"op": "probe", "state_dir": sd, "items": its, "rehash": rehash}, timeout=600 if rehash else 60)
+    probe = r.call({"op": "probe", "state_dir": sd, "items": its, "rehash": rehash}, timeout=3600 if rehash else 60)
     if not probe.get("ok"):
         ctx.fail(step_name, t0, probe.get("message", "probe failed"))
     fst = probe.get("fetch") or {}

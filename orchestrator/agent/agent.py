@@ -3801,6 +3801,11 @@ def plan_item(item, listing, state_dir):
             have += f["size"]  # a verified blob (renamed from .incomplete only after its hash matched)
             f["state"] = "verified"
             continue
+        if item["role"] == "drafter" and f["name"] == "config.json" and item["dest_kind"] == "dir" \
+                and os.path.isfile(final) and not os.path.islink(final):
+            have += f["size"]  # the pinned bytes (or the hub's, to be pinned by up): never replaced by a fetch
+            f["state"] = "in place"
+            continue
         if item["dest_kind"] == "dir" and os.path.isfile(done) and os.path.getsize(done) == f["size"]:
             have += f["size"]
             f["state"] = "verified"
@@ -3821,6 +3826,7 @@ def plan_item(item, listing, state_dir):
 
 def download(item, commit, f, token, deadline, stall_s, progress):
     """One file into its .incomplete (resumed with Range), then verified, then renamed beside it (still staging)."""
+    from http.client import HTTPException
     from urllib.parse import quote
 
     part, done = _partial(item, commit, f)
@@ -3875,7 +3881,7 @@ def download(item, commit, f, token, deadline, stall_s, progress):
                                                                            _fmt_bytes(f["size"])), kind="timeout")
                         try:
                             chunk = r.read(CHUNK)
-                        except (OSError, ValueError) as e:
+                        except (OSError, ValueError, HTTPException) as e:  # a cut, a stall (socket timeout)
                             chunk, cut = b"", e
                         else:
                             cut = None
@@ -3895,9 +3901,7 @@ def download(item, commit, f, token, deadline, stall_s, progress):
                             raise
                         got += len(chunk)
                         progress(f, got)
-            except OSError as e:
-                if isinstance(e, FetchError):
-                    raise
+            except OSError as e:  # the buffered file's last flush (on close) can be the write that finds the disk full
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise FetchError("disk full at %s while writing %s; the partial file %s is kept for resume and "
                                      "nothing was moved into place" % (os.path.dirname(part), f["name"], part),

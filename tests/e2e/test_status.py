@@ -9,7 +9,7 @@ ROW_KEYS = {"host": str, "vmid": int, "reachable": bool, "container": str, "play
             "method": (str, type(None)), "gpus": list, "acceptance": (dict, type(None)), "drafter": (dict, type(None)),
             "uptime_s": (float, int, type(None)), "last_error": (str, type(None)), "lock": (dict, type(None)),
             "url": (str, type(None)), "tunnel": (str, type(None)), "healthy": bool, "timed_out": bool,
-            "problems": list, "supervision": (dict, type(None)), "notes": list}
+            "problems": list, "supervision": (dict, type(None)), "notes": list, "weights": (list, type(None))}
 
 
 def validate_schema(doc):
