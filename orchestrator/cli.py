@@ -872,7 +872,7 @@ def _write_fetch_manifests(fleet, pb, out_path):
 
 
 @main.command("manifest", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
-@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--hub", default=None, metavar="ORG/NAME", help="Record the repository the files come from.")
 @click.option("--revision", default=None, metavar="REV", help="Record the revision (a 40-hex commit names the "
                                                               "snapshot in a hub cache destination).")
@@ -893,6 +893,9 @@ def manifest(obj, directory, hub, revision):
         from .fetch import write_manifest
         from .report import dump_json
 
+        if not os.path.isdir(directory):
+            raise UsageError(f"{directory} is not a directory; nothing was written",
+                             fix="give the directory that holds the model's files")
         res = write_manifest(directory, hub, revision)
         if obj.json:
             dump_json(res)

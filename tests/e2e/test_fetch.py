@@ -19,6 +19,7 @@ TARGET = "acme/Tiny-Target"
 DRAFT = "z-lab/Tiny-DFlash"
 WEIGHTS = "model-00001-of-00001.safetensors"
 STATE = "/var/lib/vllm-pve-deploy"
+PINNED = "df82aa8b0e47c4312ffb0fab14d20fdb80a5d6a94c5dd4e4878c19165c654fb9"
 
 
 @pytest.fixture
@@ -126,7 +127,7 @@ def test_fetch_then_up_rerun_and_revision_shown(tb, hub, deploy, playbooks):
     assert p.returncode == 0, p.stderr
     assert "already fetched and verified" in p.stderr
     # the hub cache was not written by the pinning: the snapshot's config.json is still the hub's
-    assert sh(tb, f"sha256sum {snap}/config.json").split()[0] != "df82aa8b0e47c4312ffb0fab14d20fdb80a5d6a94c5dd4e4878c19165c654fb9"
+    assert sh(tb, f"sha256sum {snap}/config.json").split()[0] != PINNED
     # verify and status show the revision serving
     p = deploy("--json", "verify", "qwen36-dflash", env=playbooks.env)
     assert p.json["revisions"]["model"]["commit"] == hub.commits["target"], p.stdout[-2000:]
@@ -142,7 +143,9 @@ def test_fetch_then_up_rerun_and_revision_shown(tb, hub, deploy, playbooks):
 
 
 def test_up_fetches_first_and_no_fetch_refuses(tb, hub, deploy, playbooks):
-    playbook(playbooks, MODEL)
+    """The drafter here goes into a directory (drafter.path + hub): the pinned config replaces the hub's there."""
+    playbook(playbooks, MODEL, f"    path: /root/models/Tiny-DFlash\n    hub: {DRAFT}\n"
+                               f"    revision: {hub.commits['drafter']}\n    endpoint: {ENDPOINT}\n")
     p = deploy("up", "qwen36-dflash", "--no-fetch", env=playbooks.env)
     assert p.returncode == 1 and "not in place" in p.stderr and "--no-fetch" in p.stderr, p.stderr
     assert sh(tb, "test -e /root/models/Tiny-Target && echo yes || echo no") == "no"
@@ -151,6 +154,12 @@ def test_up_fetches_first_and_no_fetch_refuses(tb, hub, deploy, playbooks):
     assert "ok   fetch" in p.stderr and "is up on pve1/129" in p.stdout, p.stderr
     st = json.loads(sh(tb, f"cat {STATE}/state.json"))
     assert st["argv"][2] == "/root/models/Tiny-Target"
+    assert sh(tb, "sha256sum /root/models/Tiny-DFlash/config.json").split()[0] == PINNED
+    assert sh(tb, "ls /root/models/Tiny-DFlash | grep -c config.json.bak-") == "1"  # the hub's, kept as backup
+    # the pinned config in the drafter directory is not "missing": nothing to fetch, and it stays pinned
+    p = deploy("fetch", "qwen36-dflash", env=playbooks.env)
+    assert p.returncode == 0 and "already fetched" in p.stderr, p.stderr
+    assert sh(tb, "sha256sum /root/models/Tiny-DFlash/config.json").split()[0] == PINNED
 
 
 def test_cut_transfer_resumes_and_slow_link_shows_progress(tb, hub, deploy, playbooks):
