@@ -346,6 +346,14 @@ def render_outcome(out, indent=""):
                                                     f"{out.playbook} --rollback returns to it)" if sw.get("from") else ""))
             e(f"{indent}  a vLLM serving now keeps running from its own files; the next `deploy up`/`restart` "
               f"starts this build")
+        elif out.status in ("fetched", "already fetched"):
+            for r in i.get("records") or []:
+                rev = r.get("revision")
+                shown = r["commit"] if not rev or rev == r["commit"] else f"{rev} = {r['commit']}"
+                e(f"{indent}{r.get('role')}: {r.get('hub') or r.get('source') or 'files'} at {shown} is in place at "
+                  f"{r.get('dest')} on {out.where}, every file verified ({r.get('files_n')} files)")
+            if out.status == "already fetched":
+                e(f"{indent}  nothing was downloaded (deploy fetch {out.playbook} --verify re-hashes every file)")
         elif out.status == "rolled back":
             e(f"{indent}{i.get('venv_root')} -> {i.get('to')} again on {out.where} (vLLM {i.get('version')}); "
               f"the next `deploy up`/`restart` starts it")
@@ -388,9 +396,12 @@ def _confirm(prompt):
 @click.option("--install-vllm", "install_first", is_flag=True,
               help="First install the vLLM the playbook requires (requires.vllm), as deploy install-vllm does "
                    "(nothing to do when it is already the verified runtime).")
+@click.option("--no-fetch", is_flag=True,
+              help="A playbook with a hub or directory source: refuse (exit 1) when the weights are not in place and "
+                   "verified, instead of fetching them first.")
 @json_option
 @click.pass_obj
-def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, parallel, install_first):
+def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, parallel, install_first, no_fetch):
     """Bring PLAYBOOK up, verified end to end: config, stack, GPUs, launch, readiness, acceptance.
 
     Already up with the same argv and drafter config and healthy: nothing changes (exit 0). A different
@@ -430,7 +441,10 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
                              where=pb.path, fix=f"deploy install-vllm {pb.name} (each target in turn), then "
                                                 f"deploy up {pb.name}")
         opts = ops.Options(yes=yes, write_config=not skip_config_write, clean_gpus=clean_gpus, wait_lock_s=wait_lock,
-                           confirm=_confirm)
+                           confirm=_confirm, fetch=not no_fetch)
+        from .fetch import items as fetch_items, tokens as fetch_tokens
+
+        fetch_tokens(pb, fetch_items(pb))  # an unset token variable stops here, before any connection
         if pb.is_fleet:
             from . import fleet as F
 
@@ -666,6 +680,8 @@ def verify(obj, playbook):
             doc = {"ok": out.ok, "playbook": m.name, "where": out.where,
                    "error": out.error.as_dict() if out.error else None,
                    **(r.as_dict() if hasattr(r, "as_dict") else r)}  # a typed VerifyResult since protocol 2
+            if "revisions" in out.info:
+                doc["revisions"] = out.info["revisions"]
             docs.append(doc)
             if obj.json:
                 continue
@@ -704,6 +720,11 @@ def _render_verify(pb, out, r):
                    + (f" at {st['path']}" if st.get("path") else "")
                    + (f"; transformers {r['transformers_version']}" if r.get("transformers_version") else "")
                    + (f"; python {r['python']}" if r.get("python") else ""))
+    for role, rec in (out.info.get("revisions") or {}).items():
+        from .fetch import _rev, _when
+
+        click.echo(f"{role}: {_rev(rec)} at {rec['dest']}, fetched and verified {_when(rec.get('verified_at'))}"
+                   if rec else f"{role}: not fetched by deploy (no record; deploy fetch {pb.name})")
     if out.error:
         click.echo("FAILED: " + out.error.render(), err=True)
     else:
@@ -773,6 +794,119 @@ def install_vllm(obj, playbook, yes, rollback, force):
                 render_outcome(o)
         sys.exit(EXIT_OK if all(o.ok for o in outs) else
                  EXIT_UNREACHABLE if all(isinstance(o.error, Unreachable) for o in outs if not o.ok) else EXIT_FAILED)
+    run_guarded(go, obj)
+
+
+# ------------------------------------------------------------------ fetch, manifest
+
+
+@main.command("fetch", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("playbook", shell_complete=complete_playbooks)
+@click.option("--verify", "rehash", is_flag=True,
+              help="Also re-hash every file already in place (sha256 / git blob id) instead of trusting the record.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=6 * 3600.0, show_default=True,
+              metavar="SECONDS", help="The fetch's time limit (a partial download is kept: the next run resumes).")
+@click.option("--manifest", "manifest_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="After the fetch, write the verified record of each item as a manifest (FILE, or FILE.ROLE.json "
+                   "for several): copy it beside the files for source: {path: HOST_DIR}.")
+@json_option
+@click.pass_obj
+def fetch(obj, playbook, rehash, timeout_s, manifest_out):
+    """Fetch the playbook's model and drafter weights into its container, at the pinned revision, verified.
+
+    The download runs in the container, detached from the SSH session: a dropped connection does not stop
+    it, and running the command again re-attaches and reports. It resumes partial files (HTTP Range), checks
+    the space before it starts, prints bytes, rate and ETA per file and in total, and verifies every file
+    against the hub's record (sha256 for LFS files, the git blob id for the others) before moving anything
+    into place. Already fetched and verified: nothing to do. A `source: {path: HOST_DIR}` is copied from the
+    Proxmox host instead and verified against its deploy-manifest.json.
+
+    \b
+    Examples:
+      deploy fetch qwen36-dflash
+      deploy fetch qwen36-dflash --timeout 7200    # the token: export the variable named in token_env first
+      deploy fetch qwen36-dflash --verify
+      deploy fetch qwen36-dflash --manifest /tmp/qwen36.manifest.json
+      deploy --json fetch qwen36-dflash
+    """
+    def go():
+        from .fetch import fetch as do_fetch
+        from .remote import Fleet
+
+        inv, pb = load(obj, playbook)
+        outs = []
+        with Fleet(inv) as fleet:
+            for m in pb.members:
+                outs.append(do_fetch(fleet, m, obj.progress(), rehash=rehash, timeout_s=timeout_s))
+                if manifest_out and outs[-1].ok:
+                    _write_fetch_manifests(fleet, m, manifest_out)
+        if len(outs) == 1:
+            _outcome_exit(obj, outs[0])
+        from .errors import Unreachable
+        from .report import dump_json
+
+        if obj.json:
+            dump_json([o.as_dict() for o in outs])
+        else:
+            for o in outs:
+                render_outcome(o)
+        sys.exit(EXIT_OK if all(o.ok for o in outs) else
+                 EXIT_UNREACHABLE if all(isinstance(o.error, Unreachable) for o in outs if not o.ok) else EXIT_FAILED)
+    run_guarded(go, obj)
+
+
+def _write_fetch_manifests(fleet, pb, out_path):
+    import json as _json
+
+    from . import agent
+    from .fetch import dest_of, items, manifest_from_record
+
+    its = items(pb)
+    res = agent.call(fleet.session(pb.host), pb.vmid, pb.runtime["python"], "fetch",
+                     {"op": "records", "state_dir": pb.runtime["state_dir"], "dests": [dest_of(it) for it in its]},
+                     timeout=30)
+    for it in its:
+        rec = (res.get("records") or {}).get(dest_of(it))
+        if not rec:
+            continue
+        path = out_path if len(its) == 1 else f"{os.path.splitext(out_path)[0]}.{it['role']}.json"
+        with open(path, "w") as fh:
+            _json.dump(manifest_from_record(rec), fh, indent=1)
+            fh.write("\n")
+        click.echo(f"wrote {path}: the manifest of {it['role']} ({len(rec.get('files') or [])} files)", err=True)
+
+
+@main.command("manifest", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--hub", default=None, metavar="ORG/NAME", help="Record the repository the files come from.")
+@click.option("--revision", default=None, metavar="REV", help="Record the revision (a 40-hex commit names the "
+                                                              "snapshot in a hub cache destination).")
+@json_option
+@click.pass_obj
+def manifest(obj, directory, hub, revision):
+    """Write DIRECTORY/deploy-manifest.json: every file with its size and sha256.
+
+    For air-gapped sites: put the weights in a directory on the Proxmox host with this manifest, and name it in
+    the playbook as `source: {path: DIRECTORY}` (model or speculative.drafter); deploy fetch copies it into the
+    container and verifies every file against the manifest. Runs on this machine; nothing is sent anywhere.
+
+    \b
+    Example:
+      deploy manifest /srv/models/Qwen3.6-27B --hub Qwen/Qwen3.6-27B --revision 0123456789abcdef0123456789abcdef01234567
+    """
+    def go():
+        from .fetch import write_manifest
+        from .report import dump_json
+
+        if not os.path.isdir(directory):
+            raise UsageError(f"{directory} is not a directory; nothing was written",
+                             fix="give the directory that holds the model's files")
+        res = write_manifest(directory, hub, revision)
+        if obj.json:
+            dump_json(res)
+        else:
+            click.echo(f"wrote {res['path']}: {res['files']} files, {res['bytes']} bytes")
+        sys.exit(EXIT_OK)
     run_guarded(go, obj)
 
 

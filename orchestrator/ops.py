@@ -35,6 +35,7 @@ class Options:
     interactive: bool = False
     confirm: object = None  # callable(prompt) -> bool, for the diff-before-restart question
     yes_kill: bool | None = None  # kill GPU holders deploy did not start without asking (-y); None: as `yes`
+    fetch: bool = True  # step fetch may download what is missing (up --no-fetch: refuse instead)
 
     @property
     def kill_confirmed(self) -> bool:
@@ -409,6 +410,12 @@ def r_current(run: Run, step: P.Step) -> None:
                     if cur.vllm_processes else ""), t0)
 
 
+def r_fetch(run: Run, step: P.Step) -> None:
+    from . import fetch as F
+
+    F.run(run.ctx, run.ctx.pb, allow_start=run.opts.fetch)
+
+
 def r_write_config(run: Run, step: P.Step) -> None:
     run.written = D.write_config(run.ctx, step)
     if run.written.get("changed"):
@@ -598,7 +605,8 @@ def r_clear_failure(run: Run, step: P.Step) -> None:
         pass
 
 
-RUNNERS = {"container": r_container, "lock": r_lock, "current": r_current, "drafter-config": r_write_config,
+RUNNERS = {"container": r_container, "lock": r_lock, "current": r_current, "fetch": r_fetch,
+           "drafter-config": r_write_config,
            "verify": r_verify, "stop": r_stop, "gpus-free": r_gpus_free, "port-free": r_port, "launch": r_launch,
            "wait-ready": r_wait, "aux-layers": r_aux_layers, "drift": r_drift, "acceptance": r_acceptance,
            "gate-record": r_gate_record, "stop-low": r_stop_low, "fallback": r_fallback, "stop-failed": r_stop_failed,
@@ -717,6 +725,12 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
     step = P.step_verify(pb)
     try:
         r = D.verify(ctx, step, record=False)
+        from .spec import fetch_items
+
+        if fetch_items(pb):  # weights fetched by deploy fetch: the revision in place (from its record)
+            from . import fetch as F
+
+            out.info["revisions"] = F.records(ctx, pb)
         out.ok = not r["failed"]
         out.status = "verified" if out.ok else "failed"
         if not out.ok:

@@ -233,6 +233,7 @@ def state_record(pb: Playbook) -> dict:
 def verify_args(pb: Playbook) -> dict:
     d = pb.drafter
     return {"path": d.get("path") or hub_drafter_dir(pb), "hub_id": d.get("hub_id"), "hf_home": d.get("hf_home"),
+            **({"revision": d["revision"]} if d.get("revision") else {}),
             "sha256": d["sha256"], "target_path": pb.data["model"]["path"],
             "num_speculative_tokens": pb.spec["num_speculative_tokens"], "method": pb.spec["method"],
             "vllm_min_version": pb.data["requires"].get("vllm_min_version"),
@@ -303,7 +304,8 @@ def step_write_config(pb):
                                       f"+ links to the other files of the hub snapshot of {d['hub_id']} "
                                       f"(the hub cache is only read)", action="hub_drafter",
                     args={"path": path, "dir": hub_drafter_dir(pb), "hub_id": d["hub_id"], "hf_home": d["hf_home"],
-                          "sha256": d["sha256"]}, timeout=30,
+                          "sha256": d["sha256"], **({"revision": d["revision"]} if d.get("revision") else {})},
+                    timeout=30,
                     payload=f"{os.path.basename(d['pinned_config'])} ({len(pb.drafter_bytes)} bytes, "
                             f"sha256 {d['sha256'][:12]}...)",
                     runs=[f"mkdir -m 0700 {hub_drafter_dir(pb)}.NEW; write config.json (the pinned bytes, sha256 "
@@ -530,6 +532,12 @@ def step_unlock(pb):
 def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, restart: bool = False) -> list[Step]:
     """current .. acceptance: what brings one playbook up once the container is known and locked."""
     steps = [step_current(pb)]
+    from .spec import fetch_items
+
+    if fetch_items(pb):  # weights from the hub or a host directory: fetched (verified) before anything else
+        from .fetch import step_fetch
+
+        steps.append(step_fetch(pb))
     if pb.drafter and write_config and drafter_config_path(pb):
         steps.append(step_write_config(pb))
     steps.append(step_verify(pb))

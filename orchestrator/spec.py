@@ -187,12 +187,46 @@ INVENTORY = Map({"hosts": Field(List(HOST, max_len=1000), required=True)}, cross
 
 # ---------------------------------------------------------------- playbook
 
+def _endpoint(value: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    u = urlsplit(value)
+    if u.scheme not in ("https", "http") or not u.netloc:
+        return f"{value!r} is not an http(s):// URL"
+    if u.username or u.password:
+        return "credentials in the URL would be in argv and the audit log; name the token in token_env instead"
+    return None
+
+
+def _revision(value: str) -> str | None:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}", value) or ".." in value or value.endswith((".", "/")):
+        return f"{value!r} is not a revision: give a commit (40 hex digits), a branch or a tag"
+    return None
+
+
+# where the weights come from (issue 27): the same keys on `model` and `speculative.drafter`
+FETCH_FIELDS = {
+    "hub": Field(Str(**HUB_ID), doc="fetch from this hub repository (deploy fetch; deploy up fetches what is missing)"),
+    "revision": Field(Str(validate=_revision), doc="the revision to fetch: a commit (40 hex digits), or a branch/tag "
+                                                    "resolved once at fetch time, shown and recorded"),
+    "token_env": Field(Str(pattern=ENV_KEY, pattern_hint="a LOCAL environment variable name"),
+                       doc="name of a LOCAL environment variable holding the hub token (sent on stdin, never in argv)"),
+    "endpoint": Field(Str(validate=_endpoint), doc="the hub or a mirror (default: $HF_ENDPOINT, else "
+                                                    "https://huggingface.co)"),
+    "source": Field(Map({"path": Field(Str(**ABS_PATH), required=True,
+                                       doc="a directory on the Proxmox host with the files and deploy-manifest.json")}),
+                    doc="instead of the hub: copy from a directory on the Proxmox host, verified against its manifest"),
+}
+
 DRAFTER = Map({
     "path": Field(Str(**ABS_PATH), doc="absolute path of the drafter directory in the container (what vLLM reads)"),
     "hub_id": Field(Str(**HUB_ID), doc="instead of path: a hub id; vLLM then reads the hub cache snapshot"),
     "hf_home": Field(Str(**ABS_PATH), default="/root/.cache/huggingface", doc="HF_HOME in the container"),
     "pinned_config": Field(Str(), required=True, doc="the config.json to install, relative to the playbook"),
     "sha256": Field(Str(**SHA256), required=True, doc="sha256 of the pinned config bytes"),
+    **FETCH_FIELDS,
 })
 
 TARGET = Map({
@@ -210,6 +244,7 @@ PLAYBOOK = Map({
                          "deploy restart --rolling one at a time)"),
     "model": Field(Map({
         "path": Field(Str(**ABS_PATH), required=True, doc="target model directory in the container"),
+        **FETCH_FIELDS,
     }), required=True),
     "runtime": Field(Map({
         "python": Field(Str(**ABS_PATH), default="/root/ml-env/bin/python", doc="the Python that runs vLLM"),
@@ -651,6 +686,7 @@ def _check_serving(pb: Playbook, serve: dict, spec: dict, acc: dict, problems: P
         problems.add(node_of(spec, "extra"), "speculative.extra", "method/model/num_speculative_tokens have keys of their own")
     if drafter is not None:
         _check_drafter(pb, drafter, spec, problems)
+    _check_fetch(pb.data["model"], "model", problems)
     req = pb.data["requires"]
     if req.get("vllm") and req.get("vllm_min_version"):
         from .vllm_facts import vtuple
@@ -733,10 +769,54 @@ def _check_install_sources(req: dict, problems: Problems) -> None:
                      "a git source cannot be hash-pinned (pip hashes archives); pin a release or a wheel")
 
 
+def _check_fetch(m: dict, key: str, problems: Problems, hub_id: str | None = None) -> None:
+    """The fetch keys of `model` or `speculative.drafter`: a source names what it fetches, pinned."""
+    hub, src = m.get("hub") or hub_id, m.get("source")
+    if hub_id and m.get("hub") and m["hub"] != hub_id:
+        problems.add(node_of(m, "hub"), f"{key}.hub", f"{m['hub']!r} differs from hub_id {hub_id!r}: the snapshot "
+                                                      "goes into the hub cache under hub_id; give one of them")
+    for k in ("revision", "token_env", "endpoint"):
+        if m.get(k) and not hub:
+            problems.add(node_of(m, k), f"{key}.{k}", f"needs {key}.hub (the repository it applies to)")
+    if m.get("hub") and not m.get("revision") and not src:
+        problems.add(node_of(m, "hub"), f"{key}.revision",
+                     "a hub source needs a pinned revision: a commit (40 hex digits), or a branch or tag that deploy "
+                     "fetch resolves once and records")
+    if src and (m.get("token_env") or m.get("endpoint")):
+        problems.add(node_of(m, "source"), f"{key}.source",
+                     "a directory source is not fetched from the hub: remove token_env/endpoint (hub and revision "
+                     "may stay: they are checked against the manifest)")
+
+
+def fetch_items(pb: Playbook) -> list[dict]:
+    """What deploy fetch (and up's fetch step) brings into the container: one item per fetched model/drafter.
+    dest_kind dir: the files go into the directory (model.path, drafter.path); cache: into the hub cache under
+    drafter.hf_home (a drafter with hub_id), laid out as huggingface_hub does."""
+    out = []
+    m = pb.data["model"]
+    if m.get("hub") or m.get("source"):
+        out.append(_item("model", "model", m, m["path"], "dir", None))
+    d = pb.drafter
+    if d and (d.get("hub") or d.get("source") or (d.get("hub_id") and d.get("revision"))):
+        if d.get("path"):
+            out.append(_item("drafter", "speculative.drafter", d, d["path"], "dir", None))
+        else:
+            out.append(_item("drafter", "speculative.drafter", d, None, "cache", d["hf_home"], hub=d["hub_id"]))
+    return out
+
+
+def _item(role, key, m, dest, kind, hf_home, hub=None) -> dict:
+    src = m.get("source") or {}
+    return {"role": role, "key": key, "hub": m.get("hub") or hub, "revision": m.get("revision"),
+            "token_env": m.get("token_env"), "endpoint": m.get("endpoint"), "dest": dest, "dest_kind": kind,
+            "hf_home": hf_home, "source_path": src.get("path")}
+
+
 def _check_drafter(pb: Playbook, drafter: dict, spec: dict, problems: Problems) -> None:
     dn = drafter["__nodes__"]
     if bool(drafter.get("path")) == bool(drafter.get("hub_id")):
         problems.add(drafter["__node__"], "speculative.drafter", "give exactly one of 'path' or 'hub_id'")
+    _check_fetch(drafter, "speculative.drafter", problems, hub_id=drafter.get("hub_id"))
     pinned = drafter["pinned_config"]
     pinned_path = pinned if os.path.isabs(pinned) else os.path.join(os.path.dirname(pb.path) or ".", pinned)
     try:

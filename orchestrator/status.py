@@ -296,6 +296,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
                                    f"{disk or 'none (unreadable)'}, "
                                    f"launched with {pinned}; deploy apply-config {st.get('playbook')} reinstalls "
                                    f"the pinned bytes, then deploy restart {st.get('playbook')}")
+    if r.get("weights"):  # fetched by deploy fetch: the revision serving
+        row["weights"] = list(r["weights"])
     if r.get("metrics"):
         counters = vf.parse_spec_counters(r["metrics"])
         life = vf.lifetime_acceptance(r["metrics"]) if counters else None
@@ -486,7 +488,7 @@ def _row(host, vmid, **values) -> dict:
            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
            "url": None, "tunnel": None, "supervision": None, "gate": None, "rejected": None, "healthy": False,
            "timed_out": False, "problems": [],
-           "notes": []}
+           "notes": [], "weights": None}
     row.update(values)
     return row
 
@@ -536,6 +538,10 @@ def render_table(rows, color: bool, width: int | None = None) -> str:
     notes = [f"  {r['host']}/{r['vmid']}: {n}" for r in rows for n in r.get("notes") or []]
     if notes:
         text += "\n\nSupervision:\n" + "\n".join(wrap(n, width, indent=4) for n in notes)
+    weights = [f"  {r['host']}/{r['vmid']}: {weights_text(r['weights'])}" for r in rows if r.get("weights")]
+    if weights:
+        text += "\n\nWeights (fetched and verified by deploy fetch):\n" + "\n".join(wrap(w, width, indent=4)
+                                                                                  for w in weights)
     if probs:
         text += "\n\nProblems:\n" + "\n".join(wrap(p, width, indent=4) for p in probs)
     if color:
@@ -543,6 +549,14 @@ def render_table(rows, color: bool, width: int | None = None) -> str:
             "UNREACHABLE", own("\x1b[31;1mUNREACHABLE\x1b[0m")).replace(
             "TIMEOUT", own("\x1b[31;1mTIMEOUT\x1b[0m")).replace("DRIFT", own("\x1b[33mDRIFT\x1b[0m"))
     return text
+
+
+def weights_text(ws: list) -> str:
+    """`model acme/X@main (f1b5dbdd0103) at /root/models/X; drafter ...`: the revisions serving."""
+    return "; ".join(f"{w.get('role')} {w.get('hub') or w.get('source') or 'files'}@"
+                     + ((w.get("commit") or "")[:12] if not w.get("revision") or w["revision"] == w.get("commit")
+                        else f"{w['revision']} ({(w.get('commit') or '')[:12]})") + f" at {w.get('dest')}"
+                     for w in ws)
 
 
 def state_word(r: dict) -> str:

@@ -1888,6 +1888,7 @@ def _status_rest(res, state_dir):
                 res["drafter_sha256"] = None
                 res["drafter_error"] = e.strerror
         res["supervision"] = sup = supervision(st)
+        res["weights"] = serving_weights(st, state_dir)
         if not st.get("alive"):
             if st.get("unit"):
                 ex = sup.get("last_exit") or {}
@@ -2035,14 +2036,17 @@ def resolve_drafter_path(a):
     rev = None
     want = a.get("revision") or "main"  # from the playbook
     try:
-        fd = os.open(os.path.join(base, "refs", want), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as fh:
-            if not _stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
-            rev = fh.read(256).decode("utf-8", "replace").strip()
-        if not safe_rev(rev):
-            return {"kind": "hub", "path": None, "error": "%s/refs/%s holds %r, not a snapshot name (40 hex digits)"
-                                                          % (base, want, rev[:80])}
+        if re.match(r"^[0-9a-f]{40}$", want) and os.path.isdir(os.path.join(base, "snapshots", want)):
+            rev = want  # a pinned commit (deploy fetch put it there)
+        else:
+            fd = os.open(os.path.join(base, "refs", want), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as fh:
+                if not _stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file")
+                rev = fh.read(256).decode("utf-8", "replace").strip()
+            if not safe_rev(rev):
+                return {"kind": "hub", "path": None, "error": "%s/refs/%s holds %r, not a snapshot name (40 hex "
+                                                              "digits)" % (base, want, rev[:80])}
     except OSError:
         snaps = sorted(os.listdir(os.path.join(base, "snapshots"))) if os.path.isdir(os.path.join(base, "snapshots")) else []
         snaps = [n for n in snaps if safe_rev(n)]
@@ -2829,7 +2833,7 @@ def act_hub_drafter(a):
     data = PAYLOAD
     if data is None or hashlib.sha256(data).hexdigest() != want:
         return {"ok": False, "stage": "payload", "message": "payload does not match the pinned sha256 (transfer error)"}
-    loc = resolve_drafter_path({"hub_id": a["hub_id"], "hf_home": a.get("hf_home")})
+    loc = resolve_drafter_path({"hub_id": a["hub_id"], "hf_home": a.get("hf_home"), "revision": a.get("revision")})
     res = {"path": os.path.join(d, "config.json"), "dir": d, "hub_id": a["hub_id"], "changed": False,
            "backup": None, "snapshot": None, "revision": loc.get("revision")}
     if not loc.get("path"):
@@ -3723,6 +3727,824 @@ def _rollback(a, info):
     _record_switch(state_dir, info["venv_root"], p["current"], p["previous"])
     return {"ok": True, "rolled_back": True, "from": p["current"], "to": p["previous"], "verify": chk,
             "runtime": runtime_info(a)}
+
+# ================================================================== FETCH (issue 27): weights at a pinned revision
+# A self-contained section (stdlib only) so it can move to a module of its own: `deploy fetch` and `up`'s fetch step.
+#
+# Why not the container's huggingface_hub: its versions differ from container to container (hf_transfer, Xet,
+# changed cache rules), its resume and verification are not under our control (it checks the ETag, not the
+# bytes, of a file resumed from a partial), and it would need a progress hook per version. The hub endpoints a
+# snapshot needs are few and stable; this does them with urllib, the same in every container:
+#   GET {endpoint}/api/models/{repo}/revision/{rev}?blobs=true   -> sha (the commit), siblings [{rfilename, size,
+#                                                                    blobId, lfs: {sha256, size}}], gated
+#   GET {endpoint}/{repo}/resolve/{commit}/{file} (Range: bytes=N-) -> X-Repo-Commit, ETag, X-Linked-Size; 206
+# It writes the hub cache exactly as huggingface_hub does (blobs/<etag>, blobs/<etag>.incomplete while it
+# downloads, snapshots/<commit>/<file> -> ../../blobs/<etag>, refs/<branch>), so vLLM and transformers read it.
+# Every file is verified against the hub's record before it is moved into place: sha256 for LFS files, the git
+# blob id (sha1 of "blob <size>\0" + bytes) for the others. A directory source (`source: {path}`) is verified
+# against a manifest (deploy-manifest.json) instead.
+
+FETCH_STATE = "fetch.json"
+FETCH_LOCK = "fetch.lock"
+FETCH_RECORDS = "fetched"
+FETCH_VAR = "VLLM_PVE_DEPLOY_FETCH"
+FETCH_FINAL = ("ok", "failed", "timeout", "killed")
+MANIFEST_NAME = "deploy-manifest.json"
+MANIFEST_FORMAT = "vllm-pve-deploy-manifest/1"
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+CHUNK = 1 << 20
+
+
+class FetchError(Exception):
+    def __init__(self, message, fix="", kind="failed", **details):
+        Exception.__init__(self, message)
+        self.message, self.fix, self.kind, self.details = message, fix, kind, details
+
+
+def _repo_dir(hf_home, hub):
+    return os.path.join(hf_home, "hub", "models--" + hub.replace("/", "--"))
+
+
+def git_blob_sha1(path):
+    size = os.path.getsize(path)
+    h = hashlib.sha1(b"blob %d\0" % size)
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _record_path(state_dir, dest):
+    return os.path.join(state_dir, FETCH_RECORDS, hashlib.sha1(dest.encode()).hexdigest()[:16] + ".json")
+
+
+def fetch_record(state_dir, dest):
+    return _read_json(_record_path(state_dir, dest))
+
+
+def _final_path(item, commit, name):
+    if item["dest_kind"] == "cache":
+        return os.path.join(_repo_dir(item["hf_home"], item["hub"]), "snapshots", commit, name)
+    return os.path.join(item["dest"], name)
+
+
+def _item_dest(item):
+    """What `status`/`verify` call the destination: the directory, or the snapshot root of the hub cache."""
+    return item["dest"] if item["dest_kind"] == "dir" else _repo_dir(item["hf_home"], item["hub"])
+
+
+def in_place(item, state_dir, rehash=False):
+    """Is this item's verified snapshot in place? From the record fetch wrote when it verified and installed it:
+    the same source and revision, every file there with its recorded size (rehash: and its recorded hash). The
+    drafter's config.json may hold the pinned bytes instead of the hub's (the pin wins): it only has to exist."""
+    rec = fetch_record(state_dir, _item_dest(item))
+    out = {"role": item["role"], "dest": _item_dest(item), "record": None, "in_place": False, "missing": [],
+           "changed": []}
+    if not rec:
+        out["why"] = "never fetched here"
+        return out
+    out["record"] = {k: rec.get(k) for k in ("role", "dest", "hub", "revision", "commit", "source", "verified_at", "total_bytes",
+                                              "files_n", "endpoint")}
+    want_rev = item.get("revision")
+    same_source = (rec.get("hub") == item.get("hub")) if item.get("hub") else True
+    if item.get("source_path") and rec.get("source") != "path:" + item["source_path"] and not item.get("hub"):
+        same_source = False
+    if not same_source or (want_rev and want_rev not in (rec.get("revision"), rec.get("commit"))):
+        out["why"] = "%s was fetched at %s@%s, the playbook asks for %s@%s" % (
+            out["dest"], rec.get("hub") or rec.get("source"), rec.get("revision"), item.get("hub") or
+            item.get("source_path"), want_rev or "(any)")
+        return out
+    for f in rec.get("files") or []:
+        p = _final_path(item, rec["commit"], f["name"])
+        if item["role"] == "drafter" and f["name"] == "config.json" and os.path.isfile(p):
+            continue  # the pinned bytes replace the hub's: checked by the pin-and-verify step
+        try:
+            size = os.path.getsize(p)
+        except OSError:
+            out["missing"].append(f["name"])
+            continue
+        if size != f["size"]:
+            out["changed"].append({"name": f["name"], "expected": "%d bytes" % f["size"], "found": "%d bytes" % size})
+            continue
+        if rehash:
+            got = _hash_as(p, f)
+            if got != (f.get("sha256") or f.get("blob")):
+                out["changed"].append({"name": f["name"], "expected": f.get("sha256") or f.get("blob"), "found": got})
+    out["in_place"] = not out["missing"] and not out["changed"]
+    if not out["in_place"]:
+        out["why"] = "%s: %s" % (out["dest"], "; ".join(
+            (["missing: " + ", ".join(_some(out["missing"]))] if out["missing"] else [])
+            + ["%s changed (recorded %s, found %s)" % (c["name"], c["expected"], c["found"]) for c in out["changed"]]))
+    return out
+
+
+def _hash_as(path, f):
+    return sha256_file(path) if f.get("sha256") else git_blob_sha1(path)
+
+
+# ---------------------------------------------------------------- hub HTTP (stdlib)
+
+
+def _hub_opener():
+    import urllib.request
+
+    class Redirect(urllib.request.HTTPRedirectHandler):
+        """Follow the hub's redirects (LFS files live on a CDN), never sending the token to another host."""
+
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            from urllib.parse import urlsplit
+
+            new = urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
+            if new is not None and urlsplit(newurl).netloc != urlsplit(req.full_url).netloc:
+                new.headers.pop("Authorization", None)
+                new.unredirected_hdrs.pop("Authorization", None)
+            return new
+
+    return urllib.request.build_opener(Redirect(), urllib.request.ProxyHandler())
+
+
+def _hub_request(item, url, token, timeout, headers=None):
+    import urllib.request
+
+    h = {"User-Agent": "vllm-pve-deploy-fetch/1", "Accept-Encoding": "identity"}
+    h.update(headers or {})
+    req = urllib.request.Request(url, headers=h)
+    if token:
+        req.add_unredirected_header("Authorization", "Bearer " + token)
+    return _hub_opener().open(req, timeout=timeout)
+
+
+def hub_error(item, e, token, what):
+    """An HTTP or network error from the hub -> a FetchError that says what happened and what to do."""
+    import urllib.error
+
+    hub, ep = item["hub"], item["endpoint"].rstrip("/")
+    page = "%s/%s" % (ep, hub)
+    tvar = item.get("token_env") or "a token variable"
+    key = item["role"] if item["role"] == "model" else "speculative.drafter"
+    if isinstance(e, urllib.error.HTTPError):
+        code = e.code
+        ecode = e.headers.get("X-Error-Code") or ""
+        emsg = clean(e.headers.get("X-Error-Message") or "")[:300]
+        if ecode == "GatedRepo" or (code == 403 and "restricted" in emsg):
+            if not token:
+                return gated_no_token(item, what)
+            return FetchError("%s is gated and the token's account has no access: the terms are not accepted (%s: "
+                              "HTTP %d %s)" % (hub, what, code, emsg or "access restricted"),
+                              fix="visit %s with the token's account and accept the terms (or ask for access), "
+                                  "then run deploy fetch again" % page, kind="terms")
+        if code == 401 and token and ecode != "RepoNotFound":
+            return FetchError("the hub refused the token in %s: HTTP 401 %s (%s)" % (tvar, emsg or "unauthorized", what),
+                              fix="the token is wrong or revoked: create a new read token and export it in %s" % tvar,
+                              kind="token")
+        if ecode == "RevisionNotFound" or (code == 404 and "rev" in emsg.lower()):
+            return FetchError("%s has no revision %r: %s" % (hub, item.get("revision"), emsg or "HTTP 404"),
+                              fix="give a commit (40 hex digits), branch or tag that exists: %s/tree/main lists "
+                                  "them" % page, kind="revision")
+        if ecode == "RepoNotFound" or (code in (401, 404) and what == "repository info"):
+            return FetchError("%s: repository not found at %s%s (HTTP %d)" % (
+                hub, ep, "" if token else ", or it is private and no token was given", code),
+                fix="check %s.hub (ORG/NAME)%s" % (key, "" if token else " or set %s.token_env" % key), kind="repo")
+        if code == 404:
+            return FetchError("%s: %s is not in the repository at this revision (HTTP 404 %s)" % (hub, what, emsg),
+                              fix="the repository changed between the listing and the download; run deploy fetch "
+                                  "again", kind="file")
+        if code == 416:
+            return FetchError("%s: the hub refused the resume of %s (HTTP 416)" % (hub, what),
+                              fix="run deploy fetch again (the partial file was removed)", kind="range")
+        return FetchError("%s: HTTP %d from %s (%s)%s" % (hub, code, ep, what, ": " + emsg if emsg else ""),
+                          fix="retry later; if it persists, check %s in a browser" % page, kind="http")
+    reason = getattr(e, "reason", None) or e
+    return FetchError("network: cannot reach the hub at %s from the container (%s: %s)" % (ep, what, reason),
+                      fix="check the container's network and DNS (curl -I %s from inside it), or set %s.endpoint / "
+                          "HF_ENDPOINT to a mirror it can reach, or fetch on another machine and use "
+                          "source: {path: HOST_DIR}" % (ep, key), kind="network")
+
+
+def gated_no_token(item, what):
+    page = "%s/%s" % (item["endpoint"].rstrip("/"), item["hub"])
+    key = item["role"] if item["role"] == "model" else "speculative.drafter"
+    return FetchError("%s is a gated repository: downloading it needs a hub token, and %s.token_env is not set (%s); "
+                      "nothing was downloaded" % (item["hub"], key, what),
+                      fix="accept the terms at %s with your account, create a read token, export it in a local "
+                          "variable and name that variable in %s.token_env" % (page, key), kind="gated")
+
+
+def hub_info(item, token, timeout):
+    """The repository at a revision: commit, files with their sizes and hashes (the hub's own record)."""
+    from urllib.parse import quote
+
+    rev = item.get("revision") or "main"
+    url = "%s/api/models/%s/revision/%s?blobs=true" % (item["endpoint"].rstrip("/"), item["hub"], quote(rev, safe=""))
+    try:
+        with _hub_request(item, url, token, timeout) as r:
+            body = r.read(64 << 20)
+    except Exception as e:  # noqa: BLE001 - HTTP and network errors become messages
+        raise hub_error(item, e, token, "repository info") from None
+    try:
+        info = json.loads(body.decode("utf-8"))
+        commit = info["sha"]
+        files = []
+        for s in info["siblings"]:
+            lfs = s.get("lfs") or None
+            files.append({"name": s["rfilename"], "size": int(lfs["size"] if lfs else s["size"]),
+                          "sha256": lfs["sha256"] if lfs else None, "blob": s.get("blobId")})
+    except (ValueError, KeyError, TypeError) as e:
+        raise FetchError("%s: the hub's answer for revision %s is not a repository listing (%s)" % (item["hub"], rev, e),
+                         fix="is %s a Hugging Face hub (or a compatible mirror)?" % item["endpoint"]) from None
+    if not COMMIT_RE.match(commit or ""):
+        raise FetchError("%s: the hub gave no commit for revision %s" % (item["hub"], rev))
+    for f in files:
+        n = f["name"]
+        if n.startswith("/") or ".." in n.split("/") or "\0" in n or not n:
+            raise FetchError("%s: unsafe file name %r in the listing" % (item["hub"], n))
+        if not f["sha256"] and not f["blob"]:
+            raise FetchError("%s: the hub gave no hash for %s (asked with blobs=true)" % (item["hub"], n),
+                             fix="use a hub or mirror that lists blob ids and LFS sha256")
+    return {"commit": commit, "files": files, "gated": info.get("gated") or False}
+
+
+def read_manifest(item):
+    path = os.path.join(item["incoming"], MANIFEST_NAME)
+    m = _read_json(path)
+    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT or not isinstance(m.get("files"), list):
+        raise FetchError("%s: no manifest (%s) in the copied directory %s, or not format %s" % (
+            item["role"], MANIFEST_NAME, item["source_path"], MANIFEST_FORMAT),
+            fix="write it on the machine that has the files: deploy manifest DIR (or deploy fetch PLAYBOOK "
+                "--manifest FILE in a container that fetched from the hub), and copy it into %s" % item["source_path"])
+    files = []
+    for f in m["files"]:
+        n = f.get("name") or ""
+        if n.startswith("/") or ".." in n.split("/") or n == MANIFEST_NAME or not n:
+            raise FetchError("manifest %s: unsafe file name %r" % (item["source_path"], n))
+        files.append({"name": n, "size": int(f["size"]), "sha256": f.get("sha256"), "blob": f.get("blob")})
+    commit = m.get("commit") or hashlib.sha1(json.dumps(m["files"], sort_keys=True).encode()).hexdigest()
+    return {"commit": commit, "files": files, "hub": m.get("hub"), "revision": m.get("revision")}
+
+
+# ---------------------------------------------------------------- the runner's work for one item
+
+
+def _staging(item, commit):
+    if item["dest_kind"] == "cache":
+        return os.path.join(_repo_dir(item["hf_home"], item["hub"]), "blobs")
+    d = item["dest"].rstrip("/")
+    return os.path.join(os.path.dirname(d), ".%s.deploy-fetch" % os.path.basename(d), commit[:12])
+
+
+def _partial(item, commit, f):
+    st = _staging(item, commit)
+    if item["dest_kind"] == "cache":
+        etag = f["sha256"] or f["blob"]
+        return os.path.join(st, etag + ".incomplete"), os.path.join(st, etag)
+    return os.path.join(st, f["name"] + ".incomplete"), os.path.join(st, f["name"])
+
+
+def _existing_dir(path):
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path or "/"
+
+
+def _fmt_bytes(n):
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
+        n /= 1024
+
+
+def plan_item(item, listing, state_dir):
+    """Which files still have to come (not already verified in staging or in place), and how many bytes."""
+    commit = listing["commit"]
+    need, have = [], 0
+    for f in listing["files"]:
+        final = _final_path(item, commit, f["name"])
+        part, done = _partial(item, commit, f)
+        if item["dest_kind"] == "cache" and os.path.isfile(done) and os.path.getsize(done) == f["size"]:
+            have += f["size"]  # a verified blob (renamed from .incomplete only after its hash matched)
+            f["state"] = "verified"
+            continue
+        if item["role"] == "drafter" and f["name"] == "config.json" and item["dest_kind"] == "dir" \
+                and os.path.isfile(final) and not os.path.islink(final):
+            have += f["size"]  # the pinned bytes (or the hub's, to be pinned by up): never replaced by a fetch
+            f["state"] = "in place"
+            continue
+        if item["dest_kind"] == "dir" and os.path.isfile(done) and os.path.getsize(done) == f["size"]:
+            have += f["size"]
+            f["state"] = "verified"
+            continue
+        if item["dest_kind"] == "dir" and os.path.isfile(final) and not os.path.islink(final) \
+                and os.path.getsize(final) == f["size"] and _hash_as(final, f) == (f["sha256"] or f["blob"]):
+            have += f["size"]
+            f["state"] = "in place"
+            continue
+        try:
+            partial = os.path.getsize(part)
+        except OSError:
+            partial = 0
+        f["partial"] = min(partial, f["size"])
+        need.append(f)
+    return need, have
+
+
+def download(item, commit, f, token, deadline, stall_s, progress):
+    """One file into its .incomplete (resumed with Range), then verified, then renamed beside it (still staging)."""
+    from http.client import HTTPException
+    from urllib.parse import quote
+
+    part, done = _partial(item, commit, f)
+    os.makedirs(os.path.dirname(part), mode=0o755, exist_ok=True)
+    url = "%s/%s/resolve/%s/%s" % (item["endpoint"].rstrip("/"), item["hub"], commit, quote(f["name"]))
+    for attempt in range(3):
+        start = os.path.getsize(part) if os.path.exists(part) else 0
+        if start > f["size"]:
+            os.unlink(part)
+            start = 0
+        if start == f["size"]:
+            break
+        if now() >= deadline:
+            raise FetchError("time limit reached while downloading %s (%s of %s); the partial file is kept for "
+                             "the next run" % (f["name"], _fmt_bytes(start), _fmt_bytes(f["size"])), kind="timeout")
+        headers = {"Range": "bytes=%d-" % start} if start else {}
+        try:
+            r = _hub_request(item, url, token, stall_s, headers)
+        except Exception as e:  # noqa: BLE001
+            err = hub_error(item, e, token, f["name"])
+            if err.kind == "range":
+                os.unlink(part)
+            if err.kind == "network" and attempt < 2:
+                progress(f, start, note="network: %s; retrying" % err.message)
+                time.sleep(min(5.0, 1.0 + attempt * 2))
+                continue
+            raise err from None
+        with r:
+            repo_commit = r.headers.get("X-Repo-Commit")
+            if repo_commit and repo_commit != commit:
+                raise FetchError("%s: the hub answered %s for commit %s (X-Repo-Commit %s)" % (
+                    item["hub"], f["name"], commit, repo_commit))
+            if r.status == 206:
+                cr = r.headers.get("Content-Range") or ""
+                m = re.match(r"bytes (\d+)-", cr)
+                if not m or int(m.group(1)) != start:
+                    raise FetchError("%s: %s: asked to resume at byte %d, the server sent %r" % (
+                        item["hub"], f["name"], start, cr))
+                mode = "ab"
+            else:
+                start, mode = 0, "wb"  # the server ignored the Range: from the start
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "ab" else os.O_TRUNC),
+                         0o644)
+            got = start
+            try:
+                with os.fdopen(fd, mode) as out:
+                    while True:
+                        if now() >= deadline:
+                            out.flush()
+                            raise FetchError("time limit reached while downloading %s (%s of %s); the partial file "
+                                             "is kept for the next run" % (f["name"], _fmt_bytes(got),
+                                                                           _fmt_bytes(f["size"])), kind="timeout")
+                        try:
+                            chunk = r.read(CHUNK)
+                        except (OSError, ValueError, HTTPException) as e:  # a cut, a stall (socket timeout)
+                            chunk, cut = b"", e
+                        else:
+                            cut = None
+                        if not chunk:
+                            break
+                        try:
+                            out.write(chunk)
+                        except OSError as e:
+                            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                                raise FetchError(
+                                    "disk full at %s while writing %s (%s of %s written; %s free there now); the "
+                                    "partial file %s is kept for resume and nothing was moved into place" % (
+                                        _existing_dir(os.path.dirname(part)), f["name"], _fmt_bytes(got),
+                                        _fmt_bytes(f["size"]), _fmt_bytes(_free(os.path.dirname(part))), part),
+                                    fix="free space there (or point the playbook elsewhere), then run deploy fetch "
+                                        "again: it resumes", kind="disk") from None
+                            raise
+                        got += len(chunk)
+                        progress(f, got)
+            except OSError as e:  # the buffered file's last flush (on close) can be the write that finds the disk full
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise FetchError("disk full at %s while writing %s; the partial file %s is kept for resume and "
+                                     "nothing was moved into place" % (os.path.dirname(part), f["name"], part),
+                                     fix="free space there, then run deploy fetch again: it resumes",
+                                     kind="disk") from None
+                raise
+        if got < f["size"]:
+            progress(f, got, note="transfer cut at %s of %s%s; resuming" % (
+                _fmt_bytes(got), _fmt_bytes(f["size"]), " (%s)" % cut if cut else ""))
+            continue
+        break
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    if have != f["size"]:
+        raise FetchError("%s: %s is %d bytes after 3 attempts, the hub's record says %d; the partial file is kept "
+                         "for the next run" % (item["hub"], f["name"], have, f["size"]),
+                         fix="run deploy fetch again (it resumes); check the network", kind="network")
+    return verify_file(item, f, part, done)
+
+
+def verify_file(item, f, part, done):
+    want = f["sha256"] or f["blob"]
+    got = _hash_as(part, f)
+    if got != want:
+        os.unlink(part)  # a resume would only append to bad bytes
+        raise FetchError("%s: %s does not match the %s's record: expected %s %s, found %s (%d bytes); the file was "
+                         "removed, nothing was moved into place" % (
+                             item.get("hub") or item.get("source_path"), f["name"],
+                             "hub" if item.get("hub") and not item.get("source_path") else "manifest",
+                             "sha256" if f["sha256"] else "git blob id", want, got, f["size"]),
+                         fix="run deploy fetch again (it downloads the file afresh); if it fails the same way, the "
+                             "mirror serves wrong bytes", kind="mismatch", file=f["name"], expected=want, found=got)
+    os.rename(part, done)
+    return got
+
+
+def _free(path):
+    st = os.statvfs(_existing_dir(path))
+    return st.f_bavail * st.f_frsize
+
+
+def install_item(item, commit, listing, state_dir, source):
+    """Every file verified: move them into place (the directory), or link the snapshot (the hub cache); then the
+    record that `in_place`, status and verify read."""
+    files = listing["files"]
+    if item["dest_kind"] == "cache":
+        base = _repo_dir(item["hf_home"], item["hub"])
+        snap = os.path.join(base, "snapshots", commit)
+        for f in files:
+            etag = f["sha256"] or f["blob"]
+            link = os.path.join(snap, f["name"])
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            rel = os.path.relpath(os.path.join(base, "blobs", etag), os.path.dirname(link))
+            if os.path.lexists(link):
+                if os.path.islink(link) and os.readlink(link) == rel:
+                    continue
+                os.unlink(link)
+            os.symlink(rel, link)
+        rev = item.get("revision")
+        if rev and not COMMIT_RE.match(rev):
+            os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+            tmp = os.path.join(base, "refs", ".%s.tmp" % unique_name("ref"))
+            with open(tmp, "w") as fh:
+                fh.write(commit)
+            os.rename(tmp, os.path.join(base, "refs", rev))
+    else:
+        st = _staging(item, commit)
+        os.makedirs(item["dest"], mode=0o755, exist_ok=True)
+        for f in files:
+            src = os.path.join(st, f["name"])
+            dst = os.path.join(item["dest"], f["name"])
+            if f.get("state") == "in place" and not os.path.exists(src):
+                continue
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            if os.path.islink(dst) or os.path.isdir(dst):
+                raise FetchError("%s exists and is not a regular file: not replacing it" % dst,
+                                 fix="move it away, then run deploy fetch again")
+            os.rename(src, dst)
+        import shutil
+
+        shutil.rmtree(os.path.dirname(st) if os.path.basename(st) == commit[:12] else st, ignore_errors=True)
+    rec = {"role": item["role"], "hub": item.get("hub") or listing.get("hub"), "revision": item.get("revision")
+           or listing.get("revision") or commit, "commit": commit, "endpoint": item.get("endpoint"), "source": source,
+           "dest": _item_dest(item), "dest_kind": item["dest_kind"], "verified_at": now(),
+           "total_bytes": sum(f["size"] for f in files), "files_n": len(files),
+           "files": [{"name": f["name"], "size": f["size"], "sha256": f["sha256"], "blob": f["blob"]} for f in files]}
+    p = _record_path(state_dir, _item_dest(item))
+    dfd = open_dir(state_dir, 0o700)
+    try:
+        os.close(open_dir(os.path.join(state_dir, FETCH_RECORDS), 0o700))
+    finally:
+        os.close(dfd)
+    write_json_atomic(p, rec)
+    return rec
+
+
+# ---------------------------------------------------------------- state, lock, runner (like install_vllm)
+
+
+def _fetch_state(state_dir):
+    st = _read_json(os.path.join(state_dir, FETCH_STATE))
+    if st and st.get("status") == "running" and not _fetch_runner_alive(state_dir):
+        st = _read_json(os.path.join(state_dir, FETCH_STATE)) or st
+        if st.get("status") == "running":
+            st.update(status="killed", finished_at=now(),
+                      message="the fetch process ended without a result (killed, or the container restarted) "
+                              "while on %s; partial files are kept and nothing half-done is in place"
+                              % (st.get("file") or "-"),
+                      fix="run deploy fetch again: it resumes")
+            write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)
+    if st and st.get("t0"):
+        st["elapsed"] = round((st.get("finished_at") or now()) - st["t0"], 1)
+    return st
+
+
+def _fetch_runner_alive(state_dir):
+    import fcntl
+
+    try:
+        dfd = open_dir(state_dir, 0o700)
+    except OSError:
+        return False
+    try:
+        fd = os.open(FETCH_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def serving_weights(st, state_dir):
+    """The fetch records (deploy fetch) of what the state file's server reads: its model directory (argv[2]) and
+    its drafter (a directory, or the hub cache a deploy-owned drafter dir links into). [] when none."""
+    try:
+        names = sorted(os.listdir(os.path.join(state_dir, FETCH_RECORDS)))
+    except OSError:
+        return []
+    argv = st.get("argv") or []
+    model = argv[2] if len(argv) > 2 and isinstance(argv[2], str) else None
+    dp = os.path.dirname(st.get("drafter_path") or "") or None
+    out = []
+    for n in names:
+        rec = _read_json(os.path.join(state_dir, FETCH_RECORDS, n))
+        if not isinstance(rec, dict):
+            continue
+        dest = rec.get("dest")
+        hit = dest in (model, dp) or (dp and rec.get("dest_kind") == "cache"
+                                      and os.path.basename(dest or "") == "models--" + os.path.basename(dp))
+        if hit:
+            out.append({k: rec.get(k) for k in ("role", "hub", "revision", "commit", "dest", "source", "verified_at")})
+    return out
+
+
+def act_fetch(a):
+    """op probe: what is in place, what runs; start: start the detached runner; attach: follow it (events) for at
+    most follow_s; manifest: the record of a fetched item (a manifest for source: {path})."""
+    op, state_dir = a["op"], a["state_dir"]
+    items = a.get("items") or []
+    if op == "probe":
+        return {"ok": True, "items": [in_place(it, state_dir, rehash=bool(a.get("rehash"))) for it in items],
+                "fetch": _fetch_state(state_dir)}
+    if op == "start":
+        return _fetch_start(a)
+    if op == "attach":
+        return _fetch_follow(a)
+    if op == "records":
+        return {"ok": True, "records": {d: fetch_record(state_dir, d) for d in a.get("dests") or []}}
+    return {"ok": False, "message": "unknown op %r" % op}
+
+
+def _fetch_start(a):
+    import fcntl
+
+    state_dir = a["state_dir"]
+    try:
+        dfd = open_dir(state_dir, 0o700)
+    except (UnsafeDirectory, OSError) as e:
+        return {"ok": False, "message": "state directory %s: %s" % (state_dir, e), "fix": "fix its owner/mode"}
+    try:
+        lock_fd = os.open(FETCH_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(lock_fd)
+            return {"ok": True, "started": False, "fetch": _fetch_state(state_dir)}
+        fid = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + unique_name("")[:6]
+        logname = "fetch-%s.log" % fid
+        logfd = os.open(logname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND, 0o600, dir_fd=dfd)
+        old = sorted(n for n in os.listdir(dfd) if n.startswith("fetch-") and n.endswith(".log"))
+        for n in old[:-5]:
+            try:
+                os.unlink(n, dir_fd=dfd)
+            except OSError:
+                pass
+    finally:
+        os.close(dfd)
+    items = [dict(it) for it in a["items"]]
+    st = {"id": fid, "status": "running", "phase": "starting", "items": items, "log": os.path.join(state_dir, logname),
+          "started_at": now(), "t0": now(), "timeout_s": float(a.get("timeout_s") or 21600),
+          "stall_s": float(a.get("stall_s") or 60), "reported": False, "done_bytes": 0, "total_bytes": None}
+    write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)
+    env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
+           "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", FETCH_VAR: fid}
+    for k in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
+        if os.environ.get(k):
+            env[k] = os.environ[k]
+    args = {"state_dir": state_dir, "id": fid}
+    # the tokens reach the runner on its stdin, like they reached this agent: never argv, never the environment
+    pre = ("import base64 as _b, json as _j; SECRETS = _j.loads(_b.b64decode('%s'))\n"
+           % base64.b64encode(json.dumps(SECRETS or {}).encode()).decode()).encode()
+    try:
+        proc = subprocess.Popen([sys.executable, "-", "fetch_run", json.dumps(args)], stdin=subprocess.PIPE,
+                                stdout=logfd, stderr=subprocess.STDOUT, cwd="/", env=env, start_new_session=True,
+                                pass_fds=(lock_fd,), close_fds=True)
+        proc.stdin.write(pre + _agent_source())
+        proc.stdin.close()
+    except OSError as e:
+        st.update(status="failed", message="cannot start the fetch runner: %s" % e.strerror, finished_at=now())
+        write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)
+        return {"ok": False, "message": st["message"]}
+    finally:
+        os.close(logfd)
+        os.close(lock_fd)
+    return {"ok": True, "started": True, "id": fid, "pid": proc.pid, "log": st["log"]}
+
+
+def _fetch_follow(a):
+    """Progress events from fetch.json (bytes, rate, ETA per file and in total) until the runner ends or follow_s
+    passes; log lines (what the runner did) as events too."""
+    state_dir = a["state_dir"]
+    deadline = now() + float(a.get("follow_s") or 0)
+    beat = float(a.get("heartbeat_s") or 2)
+    pos = int(a.get("log_pos") or 0)
+    last = 0.0
+    while True:
+        st = _fetch_state(state_dir)
+        if not st:
+            return {"ok": False, "message": "no fetch recorded in %s" % state_dir}
+        if a.get("id") and st.get("id") != a["id"]:
+            return {"ok": False, "message": "fetch %s was replaced by %s" % (a["id"], st.get("id"))}
+        pos, lines = _tail_lines(st.get("log") or "", pos)
+        for ln in lines:
+            emit(event="fetch", kind="line", line=clean(ln))
+        if st.get("status") in FETCH_FINAL:
+            if not st.get("reported"):
+                st["reported"] = True
+                write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)
+            return {"ok": True, "done": True, "fetch": st, "log_pos": pos,
+                    "log_tail": tail_file(st["log"], 20) if st.get("status") != "ok" else []}
+        if now() - last >= beat and st.get("progress"):
+            last = now()
+            emit(event="fetch", kind="progress", **st["progress"])
+        if now() >= deadline:
+            return {"ok": True, "done": False, "fetch": st, "log_pos": pos}
+        time.sleep(0.2)
+
+
+def act_fetch_run(a):
+    """The detached runner: resolve every item, check the space, download, verify, move into place, record."""
+    state_dir = a["state_dir"]
+    path = os.path.join(state_dir, FETCH_STATE)
+    st = _read_json(path)
+    if not st or st.get("id") != a["id"]:
+        return {"ok": False, "message": "fetch.json does not describe fetch %s" % a["id"]}
+    st.update(pid=os.getpid(), starttime=proc_starttime(os.getpid()))
+    deadline = st["t0"] + float(st["timeout_s"])
+    stall = float(st.get("stall_s") or 60)
+
+    def save():
+        write_json_atomic(path, st)
+
+    def log(msg):
+        print("[deploy] %s %s" % (time.strftime("%H:%M:%S"), msg), flush=True)
+
+    def finish(status, message, fix=None, **kw):
+        st.update(status=status, message=message, fix=fix, finished_at=now(), progress=None, **kw)
+        save()
+        log("%s: %s" % (status, message))
+        return {"ok": status == "ok"}
+
+    try:
+        listings = []
+        st["phase"] = "resolve"
+        save()
+        for it in st["items"]:
+            token = (SECRETS or {}).get("token:" + it["role"])
+            if it.get("source_path"):
+                lst = read_manifest(it)
+                if it.get("hub") and lst.get("hub") and lst["hub"] != it["hub"]:
+                    raise FetchError("the manifest in %s is for %s, the playbook names %s" % (
+                        it["source_path"], lst["hub"], it["hub"]), fix="copy the right directory, or correct the "
+                                                                        "playbook")
+                if it.get("revision") and COMMIT_RE.match(it["revision"]) and lst["commit"] != it["revision"]:
+                    raise FetchError("the manifest in %s is commit %s, the playbook pins %s" % (
+                        it["source_path"], lst["commit"], it["revision"]), fix="copy the files of the pinned "
+                                                                               "revision, or correct the playbook")
+                it["commit"] = lst["commit"]
+                log("%s: %s from %s (manifest: %d files, %s)" % (it["role"], lst.get("hub") or "files",
+                                                                   it["source_path"], len(lst["files"]),
+                                                                   _fmt_bytes(sum(f["size"] for f in lst["files"]))))
+            else:
+                lst = hub_info(it, token, stall)
+                if lst["gated"] and not token:
+                    raise gated_no_token(it, "the listing says gated: %s" % lst["gated"])
+                it["commit"] = lst["commit"]
+                shown = it.get("revision") or "main"
+                log("%s: %s@%s is commit %s (%d files, %s)" % (it["role"], it["hub"], shown, lst["commit"],
+                                                              len(lst["files"]),
+                                                              _fmt_bytes(sum(f["size"] for f in lst["files"]))))
+            need, have = plan_item(it, lst, state_dir)
+            it["need"] = [f["name"] for f in need]
+            listings.append((it, lst, need, have, token))
+        save()
+        # the space: by filesystem, what is still to come (partials count as come) against what is free
+        st["phase"] = "space"
+        by_dev = {}
+        for it, lst, need, have, _ in listings:
+            if not need:
+                continue
+            where = _existing_dir(_staging(it, lst["commit"]))
+            dev = os.stat(where).st_dev
+            e = by_dev.setdefault(dev, {"where": where, "need": 0, "total": 0, "items": []})
+            e["need"] += sum(f["size"] - f.get("partial", 0) for f in need)
+            e["total"] += sum(f["size"] for f in lst["files"])
+            e["items"].append("%s %s" % (it["role"], it.get("hub") or it.get("source_path")))
+        for e in by_dev.values():
+            free = _free(e["where"])
+            if e["need"] > free:
+                return finish("failed", "not enough space at %s for %s: %s still to download (%d bytes; the "
+                                        "repository is %s), %s free (%d bytes); nothing was downloaded"
+                              % (e["where"], ", ".join(e["items"]), _fmt_bytes(e["need"]), e["need"],
+                                 _fmt_bytes(e["total"]), _fmt_bytes(free), free),
+                              fix="free at least %s there, or point the playbook at a larger filesystem"
+                                  % _fmt_bytes(e["need"] - free), kind="space", need=e["need"], free=free)
+        total = sum(sum(f["size"] for f in lst["files"]) for _, lst, _, _, _ in listings)
+        done0 = sum(have + sum(f.get("partial", 0) for f in need) for _, _, need, have, _ in listings)
+        st.update(phase="download", total_bytes=total, done_bytes=done0)
+        save()
+        t_start, bytes_at_start = now(), done0
+        finished_bytes = [sum(have for _, _, _, have, _ in listings)]
+        for it, lst, need, have, token in listings:
+            for f in need:
+                st["file"] = f["name"]
+                f_t0, f_start = now(), f.get("partial", 0)
+                last = [0.0]
+
+                def progress(ff, got, note=None, f_t0=f_t0, f_start=f_start, it=it):
+                    t = now()
+                    if note:
+                        log("%s: %s: %s" % (it["role"], ff["name"], note))
+                    if t - last[0] < 0.5 and got < ff["size"] and not note:
+                        return
+                    last[0] = t
+                    done = finished_bytes[0] + got + sum(x.get("partial", 0) for x in need
+                                                         if x is not ff and x.get("state") != "verified")
+                    rate_f = (got - f_start) / max(t - f_t0, 1e-6)
+                    rate = (done - bytes_at_start) / max(t - t_start, 1e-6)
+                    st["done_bytes"] = done
+                    st["progress"] = {"role": it["role"], "file": ff["name"], "file_bytes": got,
+                                      "file_total": ff["size"], "file_rate": round(rate_f),
+                                      "file_eta_s": round((ff["size"] - got) / rate_f, 1) if rate_f > 0 else None,
+                                      "done": done, "total": total, "rate": round(rate),
+                                      "eta_s": round((total - done) / rate, 1) if rate > 0 else None}
+                    save()
+
+                if it.get("source_path"):
+                    part, dn = _partial(it, lst["commit"], f)
+                    src = os.path.join(it["incoming"], f["name"])
+                    if not os.path.isfile(src) or os.path.islink(src):
+                        raise FetchError("%s: %s is listed in the manifest but not in %s" % (
+                            it["role"], f["name"], it["source_path"]), fix="copy the complete directory, or write "
+                                                                          "the manifest again")
+                    os.makedirs(os.path.dirname(part), exist_ok=True)
+                    os.rename(src, part)
+                    got = verify_file(it, f, part, dn)
+                else:
+                    got = download(it, lst["commit"], f, token, deadline, stall, progress)
+                f["state"] = "verified"
+                f["partial"] = 0
+                finished_bytes[0] += f["size"]
+                log("%s: %s verified (%s, %s %s)" % (it["role"], f["name"], _fmt_bytes(f["size"]),
+                                                     "sha256" if f["sha256"] else "git blob", got[:12]))
+        st["phase"] = "install"
+        save()
+        recs = []
+        for it, lst, need, have, _ in listings:
+            source = "path:" + it["source_path"] if it.get("source_path") else "hub:" + (it.get("endpoint") or "")
+            rec = install_item(it, lst["commit"], lst, state_dir, source)
+            if it.get("incoming"):
+                import shutil
+
+                shutil.rmtree(it["incoming"], ignore_errors=True)
+            recs.append({k: rec[k] for k in ("role", "hub", "revision", "commit", "dest", "total_bytes", "files_n")})
+            log("%s: %s in place at %s (%d files, every one verified)" % (
+                it["role"], rec["commit"][:12], rec["dest"], rec["files_n"]))
+        return finish("ok", "; ".join("%s %s@%s (%s) in place at %s, %d files verified" % (
+            r["role"], r["hub"] or "files", r["revision"] if r["revision"] == r["commit"] else "%s = %s" % (
+                r["revision"], r["commit"]), _fmt_bytes(r["total_bytes"]), r["dest"], r["files_n"]) for r in recs),
+            records=recs)
+    except FetchError as e:
+        return finish("timeout" if e.kind == "timeout" else "failed", e.message, e.fix, kind=e.kind, **e.details)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return finish("failed", "disk full at %s: partial files are kept for resume, nothing half-done is in "
+                                    "place" % (e.filename or "?"), "free space there, then run deploy fetch again",
+                          kind="disk")
+        return finish("failed", "%s: %s" % (e.filename or "fetch", e.strerror or e), kind="os")
+
+
+ACTIONS["fetch"] = act_fetch
+ACTIONS["fetch_run"] = act_fetch_run
+
+# ================================================================== end of FETCH
+
+
 
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)

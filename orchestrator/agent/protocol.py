@@ -114,6 +114,7 @@ class CurrentResult(AgentResult):
     last_failure: dict = None
     gate: dict = None  # gate.json: the verdict, and whether it is for the launch running now (for_current_launch)
     rejected: dict = None  # rejected.json: the last rejection a fallback followed
+    weights: list = None  # deploy fetch's records of the model/drafter this server reads (issue 27)
 
 
 @dataclass

@@ -56,6 +56,8 @@ NOT_RUN = {
     "compare": "brings up each playbook in turn and leaves the winner running (tests/e2e/test_compare.py runs it)",
     "install-vllm": "installs vLLM into the container and switches its runtime (tests/e2e/test_install_vllm.py runs "
                     "it)",
+    "fetch": "downloads weights into the container (tests/e2e/test_fetch.py runs it on the test bed's hub)",
+    "manifest": "writes DIR/deploy-manifest.json (tests/e2e/test_fetch.py runs it)",
     # commands of branches not merged yet, classified ahead so that merging them needs no edit here
     "discover": "connects to the address it is given, which may be outside the test bed (its own tests run it)",
     "doctor": "diagnoses a vLLM started by hand, with a time budget per container (its own tests run it)",

@@ -10,7 +10,7 @@ ROW_KEYS = {"host": str, "vmid": int, "reachable": bool, "container": str, "play
             "uptime_s": (float, int, type(None)), "last_error": (str, type(None)), "lock": (dict, type(None)),
             "url": (str, type(None)), "tunnel": (str, type(None)), "healthy": bool, "timed_out": bool,
             "problems": list, "supervision": (dict, type(None)), "notes": list, "gate": (dict, type(None)),
-            "rejected": (dict, type(None))}
+            "rejected": (dict, type(None)), "weights": (list, type(None))}
 
 
 def validate_schema(doc):
