@@ -946,6 +946,75 @@ def _run_tunnel(obj, inv, pb, row, local_port) -> int:
     return code
 
 
+@main.group(context_settings=CONTEXT)
+def monitor():
+    """Watch the deployments with Prometheus and Grafana (see docs/monitoring.md)."""
+
+
+def _duration(_ctx, param, value):
+    from .monitor import duration
+
+    try:
+        return duration(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param=param) from None
+
+
+@monitor.command("export", context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy monitor export ./monitoring
+  promtool check config ./monitoring/prometheus.yml && promtool test rules ./monitoring/rules.test.yml
+  deploy monitor export ./monitoring qwen36-mtp --for 5m""")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("playbooks", nargs=-1, shell_complete=complete_playbooks)
+@click.option("--for", "for_", default="10m", show_default=True, callback=_duration, metavar="DURATION",
+              help="How long acceptance must stay under the gate before an alert fires.")
+@click.option("--rate-window", default="5m", show_default=True, callback=_duration, metavar="DURATION",
+              help="The window acceptance rates are computed over.")
+@click.option("--down-for", default="2m", show_default=True, callback=_duration, metavar="DURATION",
+              help="How long a target must fail its scrape before VllmEndpointDown fires.")
+@click.option("--scrape-interval", default="15s", show_default=True, callback=_duration, metavar="DURATION")
+@click.option("--evaluation-interval", default="15s", show_default=True, callback=_duration, metavar="DURATION")
+@json_option
+@click.pass_obj
+def monitor_export(obj, directory, playbooks, for_, rate_window, down_for, scrape_interval, evaluation_interval):
+    """Write Prometheus and Grafana files for the deployments into DIRECTORY, from the inventory and the
+    playbooks (every playbook found, or those named; nothing is read from the hosts): targets.json (file_sd:
+    every serving container with labels host, vmid, playbook, method, model), rules.yml (acceptance length under
+    the playbook's gate, position-0 acceptance, a per-position cliff, restarts, start limit, not gated, GPU
+    memory held outside the deployment, endpoint down), rules.test.yml (promtool unit tests, one per alert),
+    prometheus.yml (uses both) and dashboard.json (Grafana)."""
+    def go():
+        from .locate import list_playbooks
+        from .monitor import export
+        from .spec import load_playbook
+
+        inv = obj.inventory()
+        names = list(playbooks) or list_playbooks()
+        pbs = [load_playbook(n, inv) for n in names]
+        res = export(inv, pbs, directory, window=rate_window, for_=for_, down_for=down_for,
+                     scrape_interval=scrape_interval, evaluation_interval=evaluation_interval)
+        if obj.json:
+            from .report import dump_json
+            dump_json({"ok": True, **res})
+            return
+        click.echo(f"wrote {', '.join(res['files'])} to {res['directory']}")
+        for g in res["targets"]:
+            lb = g["labels"]
+            th = res["thresholds"][lb["playbook"]]
+            click.echo(f"  {lb['host']}/{lb['vmid']}  {g['targets'][0]}  {lb['playbook']} ({lb['method']}): alert under "
+                       f"acceptance length {th['min_al']:g} for {for_}")
+        for m in res["left_out"]:
+            click.echo(f"  {m}: left out, its address is unknown (deploy discover {m.split('/')[0]} --write)")
+        for n in res["notes"]:
+            click.echo(f"  note: {n}")
+        click.echo(f"next: promtool check config {os.path.join(directory, 'prometheus.yml')}; promtool test rules "
+                   f"{os.path.join(directory, 'rules.test.yml')}; import dashboard.json into Grafana")
+    run_guarded(go, obj)
+
+
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("targets", nargs=-1, metavar="[PLAYBOOK|HOST|HOST/VMID]...", shell_complete=complete_targets)
 @click.option("--watch", type=click.FloatRange(min=0, min_open=True), default=None, metavar="N",
