@@ -1103,7 +1103,8 @@ def logs(obj, target, lines, follow, grep, show_all):
 Examples:
   deploy compare qwen36-dflash qwen36-mtp -y
   deploy compare qwen36-dflash qwen36-mtp --rounds 5 --prompts my-prompts.txt -y
-  deploy --json compare qwen36-dflash qwen36-mtp --keep qwen36-mtp -y""")
+  deploy --json compare qwen36-dflash qwen36-mtp --keep qwen36-mtp -y
+  deploy compare qwen36-dflash qwen36-mtp --concurrency 1,8,32 --plot sweep.png -y""")
 @click.argument("playbook_a", shell_complete=complete_playbooks)
 @click.argument("playbook_b", shell_complete=complete_playbooks)
 @click.option("--prompts", "prompts_file", default=None, metavar="FILE",
@@ -1113,19 +1114,25 @@ Examples:
 @click.option("--max-tokens", type=click.IntRange(1, 1_000_000), default=None,
               help="Output tokens per request (default: PLAYBOOK_A's acceptance.probe.max_tokens).")
 @click.option("--keep", default=None, metavar="PLAYBOOK", help="Leave this one running (default: the winner).")
+@click.option("--concurrency", "levels", default="1,4,16", show_default=True, metavar="N,N,...",
+              callback=lambda _c, p, v: _levels(p, v), help="Concurrent requests per level of the sweep.")
+@click.option("--plot", "plot_file", default=None, metavar="FILE",
+              help="Also write the sweep as a chart (.png, .svg or .pdf; needs matplotlib: the [plot] extra).")
 @click.option("-y", "--yes", is_flag=True, help="Replace what runs on the container without asking.")
 @click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
               help="Wait this long for another deploy's lock instead of failing at once.")
 @json_option
 @click.pass_obj
-def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep, yes, wait_lock):
+def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep, levels, plot_file, yes, wait_lock):
     """Which of two playbooks serves faster on one container: bring each up, time the same prompts, compare.
 
     Both playbooks must target the same host and container. Each is brought up with its own gates (its
-    fallback is not used: the playbook itself is measured, or it failed), then the prompts are sent and timed:
-    output tokens per second from each completion's usage and wall time, draft acceptance, mean acceptance
-    length and per-position acceptance from /metrics deltas. Prints both side by side and the winner, and
-    leaves the winner (or --keep) running. Exit 0 when a winner was measured and left running.
+    fallback is not used: the playbook itself is measured, or it failed), then a concurrency sweep runs (each
+    level: that many clients streaming the prompts, every request timed): output tokens/s, TTFT and inter-token
+    latency p50/p99 and the acceptance length per level, the winner per level, a terminal chart (and --plot a
+    chart file). Draft acceptance and per-position acceptance over the whole sweep from /metrics deltas. The
+    overall winner is the faster at the first level (`--keep` picks another); it is left running. Exit 0 when a
+    winner was measured and left running.
     """
     def go():
         from . import compare as C
@@ -1137,6 +1144,8 @@ def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep,
         from .spec import load_playbook
         a, b = load_playbook(playbook_a, inv), load_playbook(playbook_b, inv)
         C.check_pair(a, b)
+        if plot_file:
+            C.check_plot(plot_file)
         if keep and keep not in (a.name, b.name):
             raise UsageError(f"--keep {keep} is neither {a.name} nor {b.name}", fix=f"--keep {a.name}")
         probe = a.data["acceptance"]["probe"]
@@ -1149,15 +1158,30 @@ def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep,
         with Fleet(inv) as fleet:
             res = C.compare(fleet, a, b, obj.progress(), ops.Options(yes=True, wait_lock_s=wait_lock),
                             prompts=prompts, rounds=rounds_, max_tokens=max_tokens or probe["max_tokens"],
-                            timeout_s=probe["timeout_s"] * 2, keep=keep)
+                            timeout_s=probe["timeout_s"] * 2, keep=keep, levels=levels)
+        if plot_file and any(r.get("levels") for r in res["results"]):
+            res["plot"] = C.plot(res, plot_file)
         if obj.json:
             from .report import dump_json
             dump_json(res)
         else:
             for line in C.render(res):
                 click.echo(line)
+            if res.get("plot"):
+                click.echo(f"chart: {res['plot']}")
         sys.exit(EXIT_OK if res["ok"] else EXIT_FAILED)
     run_guarded(go, obj)
+
+
+def _levels(param, value):
+    try:
+        levels = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(not 1 <= n <= 1024 for n in levels) or len(set(levels)) != len(levels):
+        raise click.BadParameter(f"{value!r}: comma-separated distinct numbers of concurrent requests, 1..1024 "
+                                 "(e.g. 1,4,16)", param=param)
+    return sorted(levels)
 
 
 # ------------------------------------------------------------------ discover

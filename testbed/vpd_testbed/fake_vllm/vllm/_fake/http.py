@@ -266,8 +266,12 @@ def run(ctx, args, sock, st, acc, r_status):
                 pieces = pieces or [""]
             try:
                 for i, piece in enumerate(pieces):
-                    if paced:
-                        time.sleep(ttft if i == 0 else itl)
+                    if paced:  # to absolute times: per-token overhead does not add up
+                        if i == 0:
+                            t_start = time.monotonic()
+                        wait = t_start + ttft + i * itl - time.monotonic()
+                        if wait > 0:
+                            time.sleep(wait)
                     last = i == len(pieces) - 1
                     if chat:
                         ch = {"index": 0, "delta": ({"role": "assistant", "content": piece} if i == 0 else
