@@ -66,6 +66,8 @@ NOT_RUN = {
     ("testbed", "fault"): "changes the test bed (tests/testbed/ runs every fault)",
     "--watch": "runs until Ctrl-C",
     "--tunnel": "runs until Ctrl-C",
+    ("monitor", "export"): "writes files into the directory it is given (tests/e2e/test_monitor.py runs it and "
+                           "checks them with promtool)",
     "-f": "follows until Ctrl-C",
     "--follow": "follows until Ctrl-C",
 }
