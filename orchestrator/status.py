@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -101,6 +102,19 @@ def local_key_env(inv, playbook, host: str, vmid: int) -> str | None:
     return None
 
 
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+GEN_TOKENS_LINE = re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+def generation_tokens(text: str) -> float | None:
+    """vllm:generation_tokens_total summed over its series (every engine), None when absent."""
+    vals = [float(v) for v in GEN_TOKENS_LINE.findall(text or "")]
+    return sum(vals) if vals else None
+
+
 class Sampler:
     """Keeps the previous counters per container so a refresh can show recent acceptance."""
 
@@ -115,20 +129,40 @@ class Sampler:
                 self.prev = {}
         self._lock = threading.Lock()
 
-    def recent(self, key: str, counters: dict | None, pid) -> dict | None:
+    HISTORY = 24  # refreshes kept per container for the --watch sparklines
+
+    def recent(self, key: str, counters: dict | None, pid, gen_tokens: float | None = None) -> dict | None:
+        """Acceptance (and generated tokens/s) since the previous sample of this container, with the window it
+        covers; each result is also appended to the container's history (same server process only)."""
         with self._lock:
             prev = self.prev.get(key)
-            cur = {"t": time.time(), "pid": pid, "c": counters}
+            cur = {"t": time.time(), "pid": pid, "c": counters, "g": gen_tokens,
+                   "h": (prev or {}).get("h", []) if (prev or {}).get("pid") == pid else []}
             self.prev[key] = cur
         if not prev or not counters or prev.get("pid") != pid or not prev.get("c"):
             return None
         p, c = prev["c"], counters
         dd, dt, da = c["drafts"] - p["drafts"], c["draft_tokens"] - p["draft_tokens"], c["accepted"] - p["accepted"]
+        span = cur["t"] - prev["t"]
+        window = {"from": _iso(prev["t"]), "to": _iso(cur["t"]), "seconds": round(span, 1)}
+        tps = None
+        if gen_tokens is not None and prev.get("g") is not None and span > 0 and gen_tokens >= prev["g"]:
+            tps = round((gen_tokens - prev["g"]) / span, 2)
         if dd <= 0 or dt <= 0:
-            return {"since_s": round(cur["t"] - prev["t"], 1), "draft_acceptance_rate": None,
-                    "mean_acceptance_length": None, "drafts": 0}
-        return {"since_s": round(cur["t"] - prev["t"], 1), "draft_acceptance_rate": round(da / dt, 4),
-                "mean_acceptance_length": round(1 + da / dd, 3), "drafts": dd}
+            out = {"since_s": round(span, 1), "draft_acceptance_rate": None, "mean_acceptance_length": None,
+                   "drafts": 0, "tokens_per_s": tps, "window": window}
+        else:
+            out = {"since_s": round(span, 1), "draft_acceptance_rate": round(da / dt, 4),
+                   "mean_acceptance_length": round(1 + da / dd, 3), "drafts": dd, "tokens_per_s": tps,
+                   "window": window}
+        with self._lock:
+            cur["h"] = (cur["h"] + [{"t": round(cur["t"], 1), "al": out["mean_acceptance_length"],
+                                     "tps": tps}])[-self.HISTORY:]
+        return out
+
+    def history(self, key: str) -> list:
+        with self._lock:
+            return list((self.prev.get(key) or {}).get("h", []))
 
     def save(self):
         if self.path:
@@ -302,7 +336,14 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         counters = vf.parse_spec_counters(r["metrics"])
         life = vf.lifetime_acceptance(r["metrics"]) if counters else None
         row["acceptance"] = {"lifetime": life.as_dict() if life else None,
-                             "recent": sampler.recent(f"{host}/{vmid}", counters, st.get("pid"))}
+                             "recent": sampler.recent(f"{host}/{vmid}", counters, st.get("pid"),
+                                                      generation_tokens(r["metrics"]))}
+        if row["acceptance"]["lifetime"] is not None and row.get("uptime_s") is not None:
+            # vLLM's counters start with its process: the lifetime figures cover its uptime
+            now_t = time.time()
+            row["acceptance"]["lifetime"]["window"] = {"from": _iso(now_t - row["uptime_s"]), "to": _iso(now_t),
+                                                       "seconds": row["uptime_s"]}
+        row["history"] = sampler.history(f"{host}/{vmid}")
         if sup.get("supervisor") == "systemd" and st.get("alive") and not sup.get("serving_passed_gate") \
                 and row["acceptance"]["recent"] is None and life:
             # vLLM's counters start at its own start: for a restarted server, its lifetime is "since that restart"
@@ -487,7 +528,7 @@ def _row(host, vmid, **values) -> dict:
            "process": "unknown", "health": None, "served_model": None, "method": None, "gpus": [],
            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
            "url": None, "tunnel": None, "supervision": None, "gate": None, "rejected": None, "healthy": False,
-           "timed_out": False, "problems": [],
+           "timed_out": False, "problems": [], "history": [],
            "notes": [], "weights": None}
     row.update(values)
     return row
@@ -629,6 +670,69 @@ def render_totals(t: dict) -> str:
     return s
 
 
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list, lo: float | None = None, hi: float | None = None) -> str:
+    """One block character per value, scaled between lo and hi (default: the values' own range); `·` for none."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "·" * len(values)
+    lo = min(vals) if lo is None else min(lo, min(vals))
+    hi = max(vals) if hi is None else max(hi, max(vals))
+    span = hi - lo
+    return "".join("·" if v is None else SPARKS[min(len(SPARKS) - 1, int((v - lo) / span * len(SPARKS)))
+                                                if span > 0 else len(SPARKS) // 2] for v in values)
+
+
+def gate_of(inv, name: str | None, cache: dict) -> dict | None:
+    """The gate's thresholds of the playbook a row says runs there (None when it cannot be loaded)."""
+    if not name:
+        return None
+    if name not in cache:
+        try:
+            from .monitor import gate_thresholds
+            from .spec import load_playbook
+
+            cache[name] = gate_thresholds(load_playbook(name, inv))
+        except Exception:  # noqa: BLE001 - a playbook renamed or gone: no threshold shown, nothing fails
+            cache[name] = None
+    return cache[name]
+
+
+def render_history(rows, inv, cache: dict) -> str:
+    """Per deployment: recent acceptance length and tokens/s as sparklines (oldest left), the latest values and
+    the gate's threshold; what `deploy status --watch` shows under the table."""
+    lines = []
+    for r in rows:
+        h = r.get("history") or []
+        if not r.get("playbook") or not r.get("acceptance"):
+            continue
+        g = gate_of(inv, r.get("playbook"), cache)
+        als, tps = [x.get("al") for x in h], [x.get("tps") for x in h]
+        last_al = next((v for v in reversed(als) if v is not None), None)
+        last_tps = next((v for v in reversed(tps) if v is not None), None)
+        where = f"{r['host']}/{r['vmid']}"
+        if not h:
+            lines.append(f"  {where} {r['playbook']}: history starts at the next refresh")
+            continue
+        gate = ""
+        if g:
+            verdict = "" if last_al is None else (" ok" if last_al >= g["min_al"] else " UNDER THE GATE")
+            gate = f" (gate >= {g['min_al']:g}{verdict})"
+        lines.append(f"  {where} {r['playbook']}: AL {sparkline(als, lo=1.0)} "
+                     f"{'-' if last_al is None else f'{last_al:.2f}'}{gate}   tok/s {sparkline(tps, lo=0.0)} "
+                     f"{'-' if last_tps is None else f'{last_tps:g}'}")
+    if not lines:
+        return ""
+    span = ""
+    ts = [x["t"] for r in rows for x in (r.get("history") or [])]
+    if ts:
+        span = f", {len(max((r.get('history') or [] for r in rows), key=len))} refreshes over " \
+               f"{max(ts) - min(ts):.0f}s"
+    return "\nRecent (per refresh, oldest left" + span + "):\n" + "\n".join(lines)
+
+
 def run_status(obj, targets, watch, deadline) -> int:
     from .report import dump_json, term_width
 
@@ -638,6 +742,7 @@ def run_status(obj, targets, watch, deadline) -> int:
     sampler = Sampler(persist=True)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     code = None
+    gates: dict = {}
     try:
         with Fleet(inv) as fleet:
             while True:
@@ -653,7 +758,13 @@ def run_status(obj, targets, watch, deadline) -> int:
                 else:
                     if watch and color:
                         click.echo(own("\x1b[H\x1b[2J"), nl=False)
+                    if watch:
+                        click.echo(f"deploy status  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}")
                     click.echo(render_table(rows, color, term_width()) + render_endpoints(rows))
+                    if watch:
+                        hist = render_history(rows, inv, gates)
+                        if hist:
+                            click.echo(hist)
                     for pb in fleets:
                         click.echo("\n" + render_totals(totals(pb, rows)))
                     if watch:

@@ -16,6 +16,9 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 # root file system (built once, into /var/cache/vpd-testbed)
 command -v lxc-start >/dev/null 2>&1 || need+=(lxc)
 command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
+# `deploy monitor export`'s tests: the real promtool (check config/rules, test rules) and a real Prometheus that
+# scrapes the test bed (Debian's prometheus; its service is not used: the tests run their own on a free port)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     export DEBIAN_FRONTEND=noninteractive

@@ -44,7 +44,7 @@ from e2e_helpers import REPO
 DOC_FILES = sorted([os.path.join(REPO, "README.md")] + glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
                                                                  recursive=True))
 # Read-only commands that answer in about a second: run for real. (First words after `deploy`.)
-CHEAP = {"plan", "status", "verify", "logs", "schema", "completion", "docs", ("testbed", "status")}
+CHEAP = {"plan", "status", "verify", "logs", "schema", "completion", "docs", "endpoint", ("testbed", "status")}
 # Commands that only write where they are told or where they run: run for real in a scratch directory that is also
 # HOME (a leading ~ expanded to it, as a shell would), its path shown as /root (the docs' HOME) when compared.
 SANDBOXED = {"init"}
@@ -67,6 +67,9 @@ NOT_RUN = {
     ("testbed", "down"): "would tear down the suite's test bed (tests/testbed/ runs it)",
     ("testbed", "fault"): "changes the test bed (tests/testbed/ runs every fault)",
     "--watch": "runs until Ctrl-C",
+    "--tunnel": "runs until Ctrl-C",
+    ("monitor", "export"): "writes files into the directory it is given (tests/e2e/test_monitor.py runs it and "
+                           "checks them with promtool)",
     "-f": "follows until Ctrl-C",
     "--follow": "follows until Ctrl-C",
 }
