@@ -477,6 +477,12 @@ def _fleet_exit(obj, res):
                 render_outcome(o)
                 _echo_wrapped(f"  this target alone: deploy logs {o.where}; deploy down {res['playbook']} {o.where}; "
                               f"deploy status {o.where}", err=True)
+        rr = res.get("router") or {}
+        err = rr.get("error")
+        if isinstance(err, DeployError):
+            _echo_wrapped(f"FAILED: {err.where}: router: {err.message}", err=True)
+            if err.fix:
+                _echo_wrapped(f"  fix: {err.fix}", err=True)
         for line in F.render(res):
             _echo_wrapped(line)
     sys.exit(F.exit_code(res))
@@ -1313,6 +1319,47 @@ def unlock(obj, target, yes):
             click.echo(f"{host}/{vmid}: the lock changed hands meanwhile; nothing was broken" +
                        (f" (now held by {r['now'].get('holder')})" if r.get("now") else ""), err=True)
         sys.exit(EXIT_OK if r["state"] in ("free", "broken") else EXIT_FAILED)
+    run_guarded(go, obj)
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("playbook", shell_complete=complete_playbooks)
+@json_option
+@click.pass_obj
+def endpoint(obj, playbook):
+    """The URL clients use for PLAYBOOK: its router's (a playbook with router:), else each target's.
+
+    Read from the inventory (the containers' addresses, `deploy discover HOST --write` records them); nothing is
+    connected to. Where the address is not routable from this workstation the SSH tunnel command is printed too.
+    `deploy status PLAYBOOK` says whether it answers.
+
+    \b
+    Examples:
+      deploy endpoint qwen36-dflash
+      deploy --json endpoint qwen36-dflash
+    """
+    def go():
+        from .endpoint import describe
+        from .endpoint import endpoint as ep_of
+        from .report import dump_json
+
+        inv, pb = load(obj, playbook)
+        rows = []
+        if pb.data.get("router"):
+            from . import router as R
+
+            rows.append({"role": "router", "where": R.where(pb), **R.url(inv, pb)})
+        else:
+            for m in pb.members:
+                host = inv.hosts.get(m.host)
+                ct = host.container(m.vmid) if host is not None else None
+                rows.append({"role": "replica", "where": f"{m.host}/{m.vmid}", **ep_of(host, ct, m.serve["port"])})
+        if obj.json:
+            dump_json({"playbook": pb.name, "endpoints": rows})
+        else:
+            for r in rows:
+                click.echo(f"{r['where']:<14} {r['role']:<8} {describe(r)}")
+        sys.exit(EXIT_OK if all(r.get("url") for r in rows) else EXIT_FAILED)
     run_guarded(go, obj)
 
 
