@@ -97,3 +97,43 @@ def test_one_replica_router_in_its_container_up_status_down(tb, deploy, playbook
     assert d.json["router"]["stopped"] is True
     assert _router_get(tb, "pve1/129", "/health")[0] == 0  # nothing listens any more
     assert not cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/router-qwen36-routed/router.json")
+
+
+def test_killed_replica_taken_out_and_router_that_cannot_start(tb, deploy, playbooks, wheels):
+    _give_wheels(tb, wheels, "pve1", 129)
+    env = _playbook(tb, playbooks, "qwen36-routed", ["pve1/129"], "pve1/129")
+    p = deploy("up", "qwen36-routed", env=env, timeout=400)
+    assert p.returncode == 0, p.stdout + p.stderr
+    pid = json.loads(cat(tb, "pve1", 129, STATE))["pid"]
+    tb.container_exec("pve1", 129, ["kill", "-9", "--", f"-{pid}"])  # the server's whole process group
+    t0 = time.monotonic()
+    seen = None
+    while time.monotonic() - t0 < 30:
+        status, body = _router_get(tb, "pve1/129", "/workers")
+        if status == 200 and not json.loads(body)["workers"][0]["is_healthy"]:
+            seen = time.monotonic() - t0
+            break
+        time.sleep(0.2)
+    assert seen is not None, "the router never took the killed replica out"
+    print(f"unhealthy in its view {seen:.1f} s after the kill")  # interval 2 s x threshold 2
+    assert seen < 2 * 2 + 5 + 2
+    s = deploy("--json", "status", "qwen36-routed", env=env)
+    r = s.json["routers"][0]
+    assert s.returncode == 1 and r["workers"][0]["healthy"] is False
+    assert r["flags"] == ["pve1/129 is in the router but does not serve (the router sees it unhealthy: it sends "
+                          "it nothing)"]
+    s = deploy("status", "qwen36-routed", env=env)
+    assert [ln.split() for ln in s.stdout.splitlines() if "UNHEALTHY (sent" in ln] == [
+        ["http://127.0.0.1:8000", "UNHEALTHY", "(sent", "nothing)"]], s.stdout
+
+    # a router that cannot start (its port taken): the replica is up and serving, and the output says so
+    assert deploy("down", "qwen36-routed", env=env, timeout=200).returncode == 0
+    tb.set_fault("pve1", 129, "port_in_use", ROUTER_PORT)
+    p = deploy("--json", "up", "qwen36-routed", env=env, timeout=400)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.json["targets"][0]["status"] == "up" and p.json["router"]["ok"] is False
+    assert "router not ready: its process exited" in p.json["router"]["message"]
+    assert "Address already in use" in p.json["router"]["message"] or "address" in p.json["router"]["message"].lower()
+    p = deploy("up", "qwen36-routed", env=env, timeout=400)
+    assert "FAILED: pve1/129: router: router not ready" in p.stderr
+    assert "the replicas that passed keep serving on their own addresses" in p.stdout
