@@ -137,3 +137,122 @@ def test_killed_replica_taken_out_and_router_that_cannot_start(tb, deploy, playb
     p = deploy("up", "qwen36-routed", env=env, timeout=400)
     assert "FAILED: pve1/129: router: router not ready" in p.stderr
     assert "the replicas that passed keep serving on their own addresses" in p.stdout
+
+
+REPLICAS = ["pve1/129", "pve2/129", "pve3/129"]
+ROUTER_AT = "pve1/130"
+
+
+def _lan(tb):
+    if not hasattr(tb, "container_address"):
+        pytest.skip("the test bed has no network between containers (docs/testbed.md, Networking)")
+    return {t: tb.container_address(t.split("/")[0], int(t.split("/")[1])) for t in REPLICAS + [ROUTER_AT]}
+
+
+def _post(url, data, timeout=30):
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(data).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, json.loads(r.read())
+
+
+class _Load:
+    """A steady client: completions through the router, one after another, in 2 threads, until stopped."""
+
+    def __init__(self, url):
+        self.url, self.ok, self.failed, self.errors = url, 0, 0, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(2)]
+
+    def _run(self, i):
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            try:
+                status, body = _post(self.url, {"model": "qwen36", "prompt": f"load {i}-{n}", "max_tokens": 4})
+                if status == 200 and body.get("choices"):
+                    self.ok += 1
+                else:
+                    self.failed += 1
+                    self.errors.append((status, str(body)[:200]))
+            except Exception as e:  # noqa: BLE001 - every failure counts
+                self.failed += 1
+                self.errors.append(str(e)[:200])
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *a):
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+
+def test_three_hosts_spread_rolling_restart_under_load_kill_and_down(tb, deploy, playbooks, wheels):
+    addr = _lan(tb)
+    _give_wheels(tb, wheels, "pve1", 130)
+    env = _playbook(tb, playbooks, "qwen36-fleet", REPLICAS, ROUTER_AT)
+    p = deploy("--json", "up", "qwen36-fleet", env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = p.json["router"]
+    urls = [f"http://{addr[t]}:8000" for t in REPLICAS]
+    assert r["workers"] == urls and r["url"] == f"http://{addr[ROUTER_AT]}:{ROUTER_PORT}/v1"
+    # requests spread: every replica got its share of the gate's 6 (round robin: 2 each)
+    assert r["gate"]["sent"] == r["gate"]["succeeded"] == 6
+    assert {u: c["requests"] for u, c in r["gate"]["per_replica"].items()} == {u: 2 for u in urls}
+    e = deploy("endpoint", "qwen36-fleet", env=env)
+    assert e.returncode == 0 and f"http://{addr[ROUTER_AT]}:{ROUTER_PORT}/v1" in e.stdout, e.stdout + e.stderr
+
+    # completions from this machine through the router reach all replicas
+    router = f"http://{addr[ROUTER_AT]}:{ROUTER_PORT}/v1/completions"
+    seen = {_post(router, {"model": "qwen36", "prompt": f"p{i}", "max_tokens": 2})[0] for i in range(6)}
+    assert seen == {200}
+
+    s = deploy("status", "qwen36-fleet", env=env)
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert "router pve1/130 (qwen36-fleet): healthy, policy round_robin, port 30000, 3 of 3 replica(s) healthy" \
+        in s.stdout, s.stdout
+
+    # rolling restart under a steady client load: nothing fails through the router
+    pids = {t: json.loads(cat(tb, t.split("/")[0], 129, STATE))["pid"] for t in REPLICAS}
+    with _Load(router) as load:
+        time.sleep(1.0)
+        p = deploy("--json", "restart", "qwen36-fleet", "--rolling", env=env, timeout=600)
+        time.sleep(1.0)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert {t: json.loads(cat(tb, t.split("/")[0], 129, STATE))["pid"] != pids[t] for t in REPLICAS} == \
+        {t: True for t in REPLICAS}
+    drains = p.json["router"]["drains"]
+    assert set(drains) == set(REPLICAS) and all(d["drained"] and d["added_back"] for d in drains.values())
+    print(f"rolling restart under load: {load.ok} completions through the router, {load.failed} failed")
+    assert load.failed == 0, load.errors[:5]
+    assert load.ok > 20
+    s = deploy("--json", "status", "qwen36-fleet", env=env)
+    assert sorted(w["url"] for w in s.json["routers"][0]["workers"]) == sorted(urls)
+    assert s.json["routers"][0]["flags"] == []
+
+    # a replica killed: the router's health check takes it out, status shows it
+    pid = json.loads(cat(tb, "pve2", 129, STATE))["pid"]
+    tb.container_exec("pve2", 129, ["kill", "-9", "--", f"-{pid}"])
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30:
+        s = deploy("--json", "status", "qwen36-fleet", env=env)
+        ws = {w["url"]: w["healthy"] for w in s.json["routers"][0]["workers"]}
+        if ws.get(urls[1]) is False:
+            break
+    assert ws == {urls[0]: True, urls[1]: False, urls[2]: True}, ws
+    print(f"pve2/129 unhealthy in the router's view {time.monotonic() - t0:.1f} s after the kill")
+    assert "pve2/129 is in the router but does not serve (the router sees it unhealthy: it sends it nothing)" in \
+        s.json["routers"][0]["flags"]
+    assert {_post(router, {"model": "qwen36", "prompt": f"q{i}", "max_tokens": 2})[0] for i in range(4)} == {200}
+
+    # down: router and replicas
+    d = deploy("--json", "down", "qwen36-fleet", env=env, timeout=300)
+    assert d.returncode == 0, d.stdout + d.stderr
+    assert d.json["router"]["stopped"] is True and d.json["passed"] == 3
+    assert not cat(tb, "pve1", 130, "/var/lib/vllm-pve-deploy/router-qwen36-fleet/router.json")
+    s = deploy("--json", "status", "qwen36-fleet", env=env)
+    assert s.json["routers"][0]["state"] == "not deployed"
