@@ -51,25 +51,31 @@ def _playbook(tb, playbooks, name, targets, router_at, extra=""):
     return playbooks.env
 
 
-def _router_get(tb, at, path, data=None):
+def _router_get(tb, at, path, data=None, key=None):
     """An HTTP request to the router from inside its container (curl-free: the container's python)."""
     host, vmid = at.split("/")
     code = ("import json, sys, urllib.request as u\n"
             "d = sys.argv[2]\n"
-            "req = u.Request('http://127.0.0.1:%d' + sys.argv[1], data=d.encode() if d else None, "
-            "headers={'Content-Type': 'application/json'})\n"
+            "h = {'Content-Type': 'application/json'}\n"
+            "if sys.argv[3]: h['Authorization'] = 'Bearer ' + sys.argv[3]\n"
+            "req = u.Request('http://127.0.0.1:%d' + sys.argv[1], data=d.encode() if d else None, headers=h)\n"
             "try:\n  r = u.urlopen(req, timeout=30); print(r.status); print(r.read().decode())\n"
             "except Exception as e:\n  print(getattr(e, 'code', 0)); print(e)\n" % ROUTER_PORT)
     p = tb.container_exec(host, int(vmid), ["/usr/bin/python3", "-c", code, path,
-                                              json.dumps(data) if data is not None else ""], timeout=60)
+                                              json.dumps(data) if data is not None else "", key or ""],
+                          timeout=60)
     status, _, body = p.stdout.partition("\n")
     return int(status or 0), body
 
 
 def test_one_replica_router_in_its_container_up_status_down(tb, deploy, playbooks, wheels):
-    """The router next to the one replica (reached at 127.0.0.1: no network between containers needed)."""
+    """The router next to the one replica (reached at 127.0.0.1: no network between containers needed), with an
+    API key: the router accepts a token only when the replicas do (its worker management included)."""
     _give_wheels(tb, wheels, "pve1", 129)
     env = _playbook(tb, playbooks, "qwen36-routed", ["pve1/129"], "pve1/129")
+    path = playbooks.dir / "qwen36-routed.yaml"
+    path.write_text(path.read_text().replace("  load_timeout_s: 900", "  load_timeout_s: 900\n  api_key_env: VPD_RT_KEY"))
+    env = dict(env, VPD_RT_KEY="sk-router-test-1")
     p = deploy("--json", "up", "qwen36-routed", env=env, timeout=400)
     assert p.returncode == 0, p.stdout + p.stderr
     r = p.json["router"]
@@ -77,8 +83,17 @@ def test_one_replica_router_in_its_container_up_status_down(tb, deploy, playbook
     assert r["gate"]["succeeded"] == r["gate"]["sent"] == 2
     assert r["gate"]["per_replica"] == {"http://127.0.0.1:8000": {"requests": 2}}
     assert "router: ok   2 completions through it" in p.stderr
-    status, body = _router_get(tb, "pve1/129", "/v1/completions", {"model": "qwen36", "prompt": "hi", "max_tokens": 2})
+    status, body = _router_get(tb, "pve1/129", "/v1/completions", {"model": "qwen36", "prompt": "hi", "max_tokens": 2},
+                               key="sk-router-test-1")
     assert status == 200 and json.loads(body)["choices"], body
+    for p_, d_ in (("/v1/completions", {"model": "qwen36", "prompt": "hi"}), ("/list_workers", None),
+                   ("/remove_worker?url=http://127.0.0.1:8000", {})):
+        assert _router_get(tb, "pve1/129", p_, d_)[0] == 401, p_  # no key: refused, worker management included
+        assert _router_get(tb, "pve1/129", p_, d_, key="wrong")[0] == 401, p_
+    assert _router_get(tb, "pve1/129", "/list_workers", key="sk-router-test-1")[0] == 200
+    assert "sk-router-test-1" not in p.stdout + p.stderr
+    unit_env = cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/router-qwen36-routed/router.json")
+    assert "sk-router-test-1" not in unit_env and "/v1/models" not in unit_env  # argv: no key, no URLs in it
 
     # again: nothing to install, nothing to restart
     p = deploy("--json", "up", "qwen36-routed", env=env, timeout=300)
