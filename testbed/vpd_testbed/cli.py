@@ -162,13 +162,17 @@ def status_cmd(ctx, as_json, root):
         click.echo(json.dumps(st, indent=1))
         return
     click.echo("test bed %s: %s  inventory %s" % (st["root"], "up" if st["up"] else "DOWN", st["inventory"]))
+    n = st.get("network") or {}
+    if n:
+        click.echo("network %s  this machine %s (link %s)%s" % (n["subnet"], n["workstation"], n["link"],
+                                                                "" if n["up"] else "  DOWN"))
     for h in st["hosts"]:
         click.echo("%s  %s:%d  sshd %s  GPU MiB used %s%s" % (
             h["name"], h["address"], h["port"], "up" if h["sshd"] else "DOWN", h["gpu_used_mib"],
             ("  faults " + json.dumps(h["faults"])) if h["faults"] else ""))
         for c in h["containers"]:
-            click.echo("  %-10d %-8s %-12s GPUs %-10s processes %d%s" % (
-                c["vmid"], c["status"], c["name"], ",".join(map(str, c["gpus"])), c["processes"],
+            click.echo("  %-10d %-8s %-12s %-15s GPUs %-10s processes %d%s" % (
+                c["vmid"], c["status"], c["name"], c.get("address", ""), ",".join(map(str, c["gpus"])), c["processes"],
                 ("  faults " + json.dumps(c["faults"])) if c["faults"] else ""))
 
 
