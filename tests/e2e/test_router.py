@@ -68,8 +68,14 @@ def _router_get(tb, at, path, data=None, key=None):
     return int(status or 0), body
 
 
+def _replica(tb):
+    """The one replica's URL as the router reaches it: its inventory address (127.0.0.1 without one)."""
+    a = tb.container_address("pve1", 129) if hasattr(tb, "container_address") else "127.0.0.1"
+    return f"http://{a}:8000"
+
+
 def test_one_replica_router_in_its_container_up_status_down(tb, deploy, playbooks, wheels):
-    """The router next to the one replica (reached at 127.0.0.1: no network between containers needed), with an
+    """The router next to the one replica (in the same container), with an
     API key: the router accepts a token only when the replicas do (its worker management included)."""
     _give_wheels(tb, wheels, "pve1", 129)
     env = _playbook(tb, playbooks, "qwen36-routed", ["pve1/129"], "pve1/129")
@@ -79,15 +85,16 @@ def test_one_replica_router_in_its_container_up_status_down(tb, deploy, playbook
     p = deploy("--json", "up", "qwen36-routed", env=env, timeout=400)
     assert p.returncode == 0, p.stdout + p.stderr
     r = p.json["router"]
-    assert r["ok"] and r["workers"] == ["http://127.0.0.1:8000"]
+    u = _replica(tb)
+    assert r["ok"] and r["workers"] == [u]
     assert r["gate"]["succeeded"] == r["gate"]["sent"] == 2
-    assert r["gate"]["per_replica"] == {"http://127.0.0.1:8000": {"requests": 2}}
+    assert r["gate"]["per_replica"] == {u: {"requests": 2}}
     assert "router: ok   2 completions through it" in p.stderr
     status, body = _router_get(tb, "pve1/129", "/v1/completions", {"model": "qwen36", "prompt": "hi", "max_tokens": 2},
                                key="sk-router-test-1")
     assert status == 200 and json.loads(body)["choices"], body
     for p_, d_ in (("/v1/completions", {"model": "qwen36", "prompt": "hi"}), ("/list_workers", None),
-                   ("/remove_worker?url=http://127.0.0.1:8000", {})):
+                   (f"/remove_worker?url={u}", {})):
         assert _router_get(tb, "pve1/129", p_, d_)[0] == 401, p_  # no key: refused, worker management included
         assert _router_get(tb, "pve1/129", p_, d_, key="wrong")[0] == 401, p_
     assert _router_get(tb, "pve1/129", "/list_workers", key="sk-router-test-1")[0] == 200
@@ -105,7 +112,7 @@ def test_one_replica_router_in_its_container_up_status_down(tb, deploy, playbook
     assert "router pve1/129 (qwen36-routed): healthy, policy round_robin, port 30000, 1 of 1 replica(s) healthy" \
         in s.stdout, s.stdout
     s = deploy("--json", "status", "qwen36-routed", env=env)
-    assert s.json["routers"][0]["workers"] == [{"url": "http://127.0.0.1:8000", "healthy": True, "load": 0}]
+    assert s.json["routers"][0]["workers"] == [{"url": u, "healthy": True, "load": 0}]
 
     d = deploy("--json", "down", "qwen36-routed", env=env, timeout=200)
     assert d.returncode == 0, d.stderr
@@ -139,7 +146,7 @@ def test_killed_replica_taken_out_and_router_that_cannot_start(tb, deploy, playb
                           "it nothing)"]
     s = deploy("status", "qwen36-routed", env=env)
     assert [ln.split() for ln in s.stdout.splitlines() if "UNHEALTHY (sent" in ln] == [
-        ["http://127.0.0.1:8000", "UNHEALTHY", "(sent", "nothing)"]], s.stdout
+        [_replica(tb), "UNHEALTHY", "(sent", "nothing)"]], s.stdout
 
     # a router that cannot start (its port taken): the replica is up and serving, and the output says so
     assert deploy("down", "qwen36-routed", env=env, timeout=200).returncode == 0
