@@ -242,7 +242,8 @@ ROUTER = Map({
     "vmid": Field(Int(100, 999_999_999), doc="the container the router runs in (required: nothing of ours runs "
                                              "on a Proxmox host itself)"),
     "listen": Field(Str(**HOSTNAME), default="0.0.0.0", doc="the address the router binds in its container"),
-    "port": Field(Int(1, 65535), default=30000, doc="the router's port (clients use this one)"),
+    "port": Field(Int(1, 65534), default=30000, doc="the router's port (clients use this one); its Prometheus "
+                                                    "metrics are on 127.0.0.1:port+1 in the container"),
     "policy": Field(Str(choices=ROUTER_POLICIES), default="round_robin",
                     doc="vllm-router --policy: how a request picks its replica"),
     "version": Field(Str(pattern=VERSION_RE, pattern_hint="a version like 0.1.17"), default="0.1.17",
@@ -689,9 +690,10 @@ def _check_router(d: dict, inv: Inventory | None, problems: Problems) -> None:
         problems.add(node_of(serve, "host"), "serve.host", f"{serve['host']} listens only inside each container: the "
                      "router in another container cannot reach the replicas; use 0.0.0.0 or the container's address")
     if any(t and (t["host"], t["vmid"]) == (r["host"], r["vmid"]) for t in d.get("targets") or []) \
-            and r["port"] == serve["port"]:
-        problems.add(node_of(r, "port"), "router.port", f"{r['port']} is serve.port of the replica in the same "
-                     f"container ({r['host']}/{r['vmid']}); pick another port")
+            and serve["port"] in (r["port"], r["port"] + 1):
+        problems.add(node_of(r, "port"), "router.port", f"{r['port']} (and {r['port'] + 1}, its metrics) must not "
+                     f"be serve.port {serve['port']} of the replica in the same container ({r['host']}/{r['vmid']}); "
+                     "pick another port")
 
 
 def _check_target(t: dict, key: str, inv: Inventory | None, serve: dict, problems: Problems) -> None:

@@ -85,7 +85,7 @@ def test_router_cross_checks(work):
     assert "deploy discover pve2 --write" in text
     # the router in a replica's container, on the replica's port
     text = problems(work, write(work, TWO, "router:\n  host: pve1\n  vmid: 129\n  port: 8000\n"))
-    assert "router.port: 8000 is serve.port of the replica in the same container (pve1/129)" in text
+    assert "router.port: 8000 (and 8001, its metrics) must not be serve.port 8000 of the replica in the same container (pve1/129)" in text
 
 
 def test_router_loopback_replicas_refused(work):
