@@ -135,7 +135,9 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
         else:
             key_urls = [u + "/v1/models" for u in workers] if _key(pb) else []
             res = call(fleet, pb, "start", timeout=90, args=args, workers=workers, policy=r["policy"],
-                       key_check_urls=key_urls, supervise=pb.data["supervise"])
+                       key_check_urls=key_urls,
+                       supervise={k: pb.data["supervise"][k] for k in
+                                  ("restart_sec", "start_limit_burst", "start_limit_interval_s")})
             if not res.get("ok"):
                 _fail(pb, f"router did not start: {res.get('message')}", "see docs/troubleshooting.md#router")
             progress.say(w, f"router: started ({res.get('supervisor') == 'systemd' and res.get('unit') or 'detached, not supervised'}"

@@ -4555,18 +4555,14 @@ ACTIONS["fetch_run"] = act_fetch_run
 
 ROUTER_LAUNCHER = (
     # vllm-router 0.1.17's CLI does not expose api_key_validation_urls, which its Rust router takes: parse the
-    # CLI's own arguments with its own parser and start the same Rust router with the URLs (from the environment)
-    "import os, sys\n"
-    "from vllm_router.launch_router import parse_router_args\n"
-    "from vllm_router.router import policy_from_str\n"
-    "from vllm_router_rs import Router\n"
-    "a = dict(vars(parse_router_args(sys.argv[1:])))\n"
-    "a.pop('mini_lb', None)\n"
-    "for k in ('policy', 'prefill_policy', 'decode_policy'):\n"
-    "    a[k] = policy_from_str(a.get(k))\n"
-    "a['prefill_urls'] = a['decode_urls'] = None\n"
-    "a['api_key_validation_urls'] = os.environ.get('VPD_ROUTER_KEY_CHECK_URLS', '').split()\n"
-    "Router(**a).start()\n")
+    # CLI's own arguments with its own parser and start the same Rust router with the URLs (from the environment).
+    # One line: it goes into the unit's ExecStart=.
+    "import os, sys; from vllm_router.launch_router import parse_router_args; "
+    "from vllm_router.router import policy_from_str; from vllm_router_rs import Router; "
+    "a = dict(vars(parse_router_args(sys.argv[1:]))); a.pop('mini_lb', None); "
+    "a.update({k: policy_from_str(a.get(k)) for k in ('policy', 'prefill_policy', 'decode_policy')}, "
+    "prefill_urls=None, decode_urls=None, "
+    "api_key_validation_urls=os.environ.get('VPD_ROUTER_KEY_CHECK_URLS', '').split()); Router(**a).start()")
 
 
 def _router_dir(a):
@@ -4671,9 +4667,16 @@ def _router_install(a):
             return {"ok": False, "message": "%s exists and is not a venv deploy made: not touching it" % venv}
         import shutil
         shutil.rmtree(venv)
-    steps = [[a["python"], "-m", "venv", venv]]
-    pip = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--disable-pip-version-check",
-           "--no-input", "--progress-bar", "off"]
+    base, vpy = a["python"], os.path.join(venv, "bin", "python")
+    # as install_vllm does: a venv without pip, filled by the base Python's pip (--python, pip >= 22.3); else
+    # ensurepip in the new venv (a Debian python3 without python3-venv has neither)
+    steps = [[base, "-m", "venv", "--without-pip", venv]]
+    if _pip_ok(base):
+        pip = [base, "-m", "pip", "--python", vpy]
+    else:
+        steps.append([vpy, "-m", "ensurepip", "--default-pip"])
+        pip = [vpy, "-m", "pip"]
+    pip += ["install", "--disable-pip-version-check", "--no-input", "--progress-bar", "off"]
     if a.get("index_url"):
         pip += ["--index-url", a["index_url"]]
     for fl in a.get("find_links") or []:
@@ -4754,13 +4757,18 @@ def _router_start(a):
         unit = "vllm-router-%s.service" % a["playbook"]
         s = a["supervise"]
         env_file = os.path.join(d, "router.env")
+        try:
+            exec_start = "ExecStart=" + " ".join(unit_quote(x) for x in argv)
+            env_lines = ["Environment=" + unit_quote("%s=%s" % (k, v)) for k, v in sorted(env.items())]
+        except ValueError as e:
+            os.close(dfd)
+            return {"ok": False, "message": "cannot write the unit: %s" % e}
         lines = ["# Written by vllm-pve-deploy (`deploy up %s`): deploy rewrites it; edit the playbook." % a["playbook"],
                  "[Unit]", "Description=vLLM Router for playbook %s (vllm-pve-deploy)" % a["playbook"],
                  "After=network.target", "StartLimitBurst=%d" % int(s["start_limit_burst"]),
                  "StartLimitIntervalSec=%gs" % float(s["start_limit_interval_s"]), "",
-                 "[Service]", "Type=simple", "ExecStart=" + " ".join(unit_quote(x) for x in argv),
-                 "WorkingDirectory=/"]
-        lines += ["Environment=" + unit_quote("%s=%s" % (k, v)) for k, v in sorted(env.items())]
+                 "[Service]", "Type=simple", exec_start, "WorkingDirectory=/"]
+        lines += env_lines
         lines += ["# secrets: only in this 0600 file (the router itself needs none today: see docs/router.md)",
                   "EnvironmentFile=" + env_file, "StandardOutput=journal", "StandardError=inherit",
                   "SyslogIdentifier=vllm-router-%s" % a["playbook"], "KillMode=control-group",
