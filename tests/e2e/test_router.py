@@ -38,10 +38,9 @@ def _playbook(tb, playbooks, name, targets, router_at, extra=""):
         "target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]",
         "targets:\n" + "".join(f"  - {{host: {t.split('/')[0]}, vmid: {t.split('/')[1]}, gpus: [0, 1]}}\n"
                                for t in targets))
-    head, rest = text.split("    prompts:\n", 1)
-    rest = rest.split("    max_tokens:", 1)[1]
-    text = head + '    prompts: ["Explain in three sentences why the sky is blue."]\n    max_tokens:' + rest
-    text = text.replace("rounds: 2", "rounds: 1").replace("tensor_parallel_size: 4", "tensor_parallel_size: 2")
+    text = text.replace("  probe:\n", '  min_drafts: 20\n  probe:\n    prompts: ["Explain in three sentences why the sky '
+                                      'is blue."]\n', 1)  # as tests/e2e/test_fleet.py: one prompt, fast
+    text = text.replace("tensor_parallel_size: 4", "tensor_parallel_size: 2")
     h, v = router_at.split("/")
     text += (f"router:\n  host: {h}\n  vmid: {v}\n  port: {ROUTER_PORT}\n  python: /root/ml-env/bin/python\n"
              "  install: {find_links: [/root/router-wheels], no_index: true}\n" + extra)
