@@ -196,15 +196,47 @@ def render_plans(obj, inv, pb, plan_of):
 
     if not pb.is_fleet:
         return render_plan(obj, inv, pb, plan_of(pb))
+    rplan = _router_plan(inv, pb)
     if obj.json:
         dump_json({"playbook": pb.name, "targets": [render_plan(obj, inv, m, plan_of(m), emit=False)
-                                                    for m in pb.members]})
+                                                    for m in pb.members], **({"router": rplan} if rplan else {})})
         return
     click.echo(f"{pb.name} has {len(pb.members)} targets; deploy up brings them up in parallel, each with the steps "
                "below (one SSH connection per host, shared by its targets).")
     for m in pb.members:
         click.echo("")
         render_plan(obj, inv, m, plan_of(m))
+    if rplan:
+        click.echo(f"\nThen the router in {rplan['where']} (agent action `router`, {rplan['python']}), with the targets "
+                   "that passed their gates:")
+        for i, st in enumerate(rplan["steps"], 1):
+            click.echo(f"  {i}. {st}")
+
+
+def _router_plan(inv, pb):
+    """What up does for `router:` after the targets (docs/cli.md#the-router), with the router's exact arguments."""
+    from . import router as R
+    from .errors import DeployError as _DE
+    from .remote import shell_join
+
+    r = R.spec(pb)
+    if not r:
+        return None
+    try:
+        workers = [R.replica_url(inv, pb, m) for m in pb.members]
+    except _DE as e:
+        workers = [f"<{e.message}>"]
+    base = R._base(pb)
+    args = R.router_argv_args(pb, workers)
+    return {"where": R.where(pb), "python": r["python"], "venv": base["venv"], "argv_args": args, "steps": [
+        f"install: {r['python']} -m venv {base['venv']}; pip install vllm-router=={r['version']} (skipped when "
+        "installed and intact); check every file against its RECORD, the version, import vllm_router_rs",
+        f"start (unit vllm-router-{pb.name}.service where systemd runs, else detached): {base['venv']}/bin/python "
+        f"-c LAUNCHER {shell_join(args)}" + (" (env VPD_ROUTER_KEY_CHECK_URLS: each replica's /v1/models)"
+                                             if pb.serve.get("api_key_env") else ""),
+        "wait (60 s) until GET /workers shows every replica healthy",
+        f"gate: {r['gate_requests_per_replica'] * len(pb.members)} completions through it; each replica's "
+        "vllm:request_success_total must grow"]}
 
 
 def render_plan(obj, inv, pb, steps, emit=True):
@@ -477,6 +509,12 @@ def _fleet_exit(obj, res):
                 render_outcome(o)
                 _echo_wrapped(f"  this target alone: deploy logs {o.where}; deploy down {res['playbook']} {o.where}; "
                               f"deploy status {o.where}", err=True)
+        rr = res.get("router") or {}
+        err = rr.get("error")
+        if isinstance(err, DeployError):
+            _echo_wrapped(f"FAILED: {err.where}: router: {err.message}", err=True)
+            if err.fix:
+                _echo_wrapped(f"  fix: {err.fix}", err=True)
         for line in F.render(res):
             _echo_wrapped(line)
     sys.exit(F.exit_code(res))
@@ -971,7 +1009,8 @@ Examples:
 @click.pass_obj
 def endpoint(obj, playbook, tunnel, local_port, where):
     """Where a deployment answers: its URL (the container's address from the inventory), a curl line that works,
-    and, where that address is not routable from this machine, an SSH tunnel through the Proxmox host.
+    and, where that address is not routable from this machine, an SSH tunnel through the Proxmox host. A playbook
+    with router: answers at its router (the one URL clients use), not at each replica.
 
     Nothing is sent without --tunnel. With --tunnel: one SSH connection to the host; the host's sshd connects to
     the container (as `ssh -L` does); the local URL and a curl line for it are printed, then it runs until Ctrl-C

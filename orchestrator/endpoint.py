@@ -101,8 +101,20 @@ def curl_line(url: str, model: str, api_key_env: str | None = None) -> str:
 
 
 def playbook_endpoints(inv, pb) -> list[dict]:
-    """One row per target of the playbook: where, the endpoint (see endpoint()), the served model and a curl line."""
+    """One row per target of the playbook: where, the endpoint (see endpoint()), the served model and a curl line;
+    for a playbook with router: one row, the router's (role "router"; clients use the replicas' key through it)."""
     rows = []
+    if pb.data.get("router"):
+        from . import router as R
+
+        r = R.spec(pb)
+        host = inv.hosts.get(r["host"])
+        ep = R.url(inv, pb)
+        first = pb.member(f"{pb.targets[0]['host']}/{pb.targets[0]['vmid']}") if pb.is_fleet else pb
+        model, key = first.serve["served_model_name"], first.serve.get("api_key_env")
+        return [{"where": R.where(pb), "host": r["host"], "vmid": r["vmid"], "role": "router", **ep,
+                 "model": model, "api_key_env": key,
+                 "curl": curl_line(ep["url"], model, key) if ep.get("url") else None}] if host is not None or ep else []
     for t in pb.targets:
         member = pb.member(f"{t['host']}/{t['vmid']}") if pb.is_fleet else pb
         host = inv.hosts.get(t["host"])
@@ -111,7 +123,7 @@ def playbook_endpoints(inv, pb) -> list[dict]:
              "note": f"host {t['host']} is not in the inventory"}
         model = member.serve["served_model_name"]
         key = member.serve.get("api_key_env")
-        rows.append({"where": f"{t['host']}/{t['vmid']}", "host": t["host"], "vmid": t["vmid"], **ep,
+        rows.append({"where": f"{t['host']}/{t['vmid']}", "host": t["host"], "vmid": t["vmid"], "role": "replica", **ep,
                      "model": model, "api_key_env": key,
                      "curl": curl_line(ep["url"], model, key) if ep.get("url") else None})
     return rows

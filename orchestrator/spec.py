@@ -235,6 +235,39 @@ TARGET = Map({
     "gpus": Field(List(Int(0, 63), min_len=1, max_len=64, unique=True), required=True),
 })
 
+ROUTER_POLICIES = ("round_robin", "random", "cache_aware", "power_of_two", "consistent_hash")
+ROUTER_INSTALL_DEFAULTS = {"index_url": None, "find_links": [], "no_index": False, "timeout_s": 900.0}
+ROUTER = Map({
+    "host": Field(Str(**NAME), required=True, doc="the Proxmox host of the router's container"),
+    "vmid": Field(Int(100, 999_999_999), doc="the container the router runs in (required: nothing of ours runs "
+                                             "on a Proxmox host itself)"),
+    "listen": Field(Str(**HOSTNAME), default="0.0.0.0", doc="the address the router binds in its container"),
+    "port": Field(Int(1, 65534), default=30000, doc="the router's port (clients use this one); its Prometheus "
+                                                    "metrics are on 127.0.0.1:port+1 in the container"),
+    "policy": Field(Str(choices=ROUTER_POLICIES), default="round_robin",
+                    doc="vllm-router --policy: how a request picks its replica"),
+    "version": Field(Str(pattern=VERSION_RE, pattern_hint="a version like 0.1.17"), default="0.1.17",
+                     doc="the vllm-router release, pinned; installed in a venv in the container, checked against "
+                         "its RECORD"),
+    "python": Field(Str(**ABS_PATH), default="/usr/bin/python3",
+                    doc="the Python the router's venv is made from (and that runs deploy's agent there)"),
+    "install": Field(Map({
+        "index_url": Field(Str(validate=_index_url), doc="the package index (pip --index-url)"),
+        "find_links": Field(List(Str(validate=_find_links), max_len=20), default=list,
+                            doc="directories or URLs with wheels (--find-links)"),
+        "no_index": Field(Bool(), default=False, doc="only find_links, no index (--no-index)"),
+        "timeout_s": Field(Float(1, 7200), default=900.0, doc="the install's limit"),
+    }), default=lambda: dict(ROUTER_INSTALL_DEFAULTS)),
+    "health_check_interval_s": Field(Int(1, 3600), default=2,
+                                     doc="the router checks each replica's /health this often"),
+    "health_failure_threshold": Field(Int(1, 100), default=2,
+                                      doc="failed checks in a row before a replica is taken out"),
+    "drain_timeout_s": Field(Float(0, 3600), default=120.0,
+                             doc="restart --rolling: how long to wait for a removed replica's running requests"),
+    "gate_requests_per_replica": Field(Int(1, 100), default=2,
+                                       doc="deploy up's gate: completions sent through the router per replica"),
+})
+
 PLAYBOOK = Map({
     "name": Field(Str(**NAME), required=True),
     "description": Field(Str(), default=""),
@@ -348,6 +381,9 @@ PLAYBOOK = Map({
         "fallback": Field(Str(**NAME), doc="playbook to bring up instead when acceptance is too low"),
     }), default=lambda: {"cliff_check": True, "probe": {"max_tokens": 128, "rounds": 1, "timeout_s": 120.0},
                          "on_low_acceptance": "fail"}),
+    "router": Field(ROUTER, doc="with targets: vLLM Router (vllm-router) in front of the replicas, in one "
+                                "container: one URL for the fleet (deploy endpoint); drained replicas during "
+                                "restart --rolling. See docs/router.md"),
 }, one_of=(("target", "targets"),))
 
 
@@ -616,6 +652,48 @@ def _check_playbook(pb: Playbook, inv: Inventory | None, problems: Problems) -> 
     elif d.get("target"):
         _check_target(d["target"], "target", inv, serve, problems)
     _check_serving(pb, serve, spec, acc, problems)
+    if d.get("router"):
+        _check_router(d, inv, problems)
+
+
+def _check_router(d: dict, inv: Inventory | None, problems: Problems) -> None:
+    """router: only in front of `targets:`; in a container of the inventory (never a Proxmox host); every replica
+    reachable by address from there; no port clash with a replica in the same container."""
+    r = d["router"]
+    if d.get("targets") is None:
+        problems.add(r["__node__"], "router", "a router goes in front of replicas: use targets: (or remove router:)")
+    if r.get("vmid") is None:
+        problems.add(r["__node__"], "router.vmid", f"required: the router runs in a container of host "
+                     f"{r['host']!r}, never on the Proxmox host itself (nothing of deploy's runs there); name one "
+                     "with router.vmid")
+        return
+    serve = d["serve"]
+    if inv is not None:
+        host = inv.hosts.get(r["host"])
+        if host is None:
+            problems.add(node_of(r, "host"), "router.host", f"unknown host {r['host']!r} in inventory {inv.path}; "
+                         f"known: {', '.join(inv.hosts) or 'none'}")
+        elif host.container(r["vmid"]) is None:
+            problems.add(node_of(r, "vmid"), "router.vmid", f"host {host.name!r} has no container {r['vmid']} in "
+                         f"{inv.path}; known: {', '.join(str(c.vmid) for c in host.containers) or 'none'}")
+        for i, t in enumerate(d.get("targets") or []):
+            if not t or (t["host"], t["vmid"]) == (r["host"], r["vmid"]):
+                continue
+            h = inv.hosts.get(t["host"])
+            ct = h.container(t["vmid"]) if h is not None else None
+            if ct is not None and not ct.address:
+                problems.add(t["__node__"], f"targets[{i}]", f"the router (in {r['host']}/{r['vmid']}) reaches "
+                             f"this replica by address, and {t['host']}/{t['vmid']} has none in {inv.path}; run "
+                             f"deploy discover {t['host']} --write (or set its address)")
+    if serve["host"] in ("127.0.0.1", "localhost", "::1") and any(
+            t and (t["host"], t["vmid"]) != (r["host"], r["vmid"]) for t in d.get("targets") or []):
+        problems.add(node_of(serve, "host"), "serve.host", f"{serve['host']} listens only inside each container: the "
+                     "router in another container cannot reach the replicas; use 0.0.0.0 or the container's address")
+    if any(t and (t["host"], t["vmid"]) == (r["host"], r["vmid"]) for t in d.get("targets") or []) \
+            and serve["port"] in (r["port"], r["port"] + 1):
+        problems.add(node_of(r, "port"), "router.port", f"{r['port']} (and {r['port'] + 1}, its metrics) must not "
+                     f"be serve.port {serve['port']} of the replica in the same container ({r['host']}/{r['vmid']}); "
+                     "pick another port")
 
 
 def _check_target(t: dict, key: str, inv: Inventory | None, serve: dict, problems: Problems) -> None:

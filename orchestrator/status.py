@@ -733,6 +733,36 @@ def render_history(rows, inv, cache: dict) -> str:
     return "\nRecent (per refresh, oldest left" + span + "):\n" + "\n".join(lines)
 
 
+def router_status(fleet, inv, pb, rows) -> dict:
+    """The router row of a playbook with router: (its own view of the replicas) and the flags against the rows."""
+    from . import router as R
+
+    rv = R.view(fleet, pb)
+    t = totals(pb, rows)
+    rv["playbook"] = pb.name
+    rv["flags"] = R.compare(pb, inv, rv, set(t["serving_targets"]))
+    rv["ok"] = bool(rv.get("ok")) and not rv["flags"]
+    if rv.get("running"):
+        rv["url"] = R.url(inv, pb).get("url")
+    return rv
+
+
+def render_router(rv: dict) -> str:
+    head = f"router {rv['where']} ({rv['playbook']}): "
+    if not rv.get("running"):
+        return head + f"{rv.get('state')}" + (f": {rv['message']}" if rv.get("message") else "") + \
+            f" (deploy up {rv['playbook']} starts it)"
+    ws = rv.get("workers") or []
+    lines = [head + f"{rv.get('state')}, policy {rv.get('policy')}, port {rv.get('port')}, "
+                    f"{sum(1 for w in ws if w.get('healthy'))} of {len(ws)} replica(s) healthy in its view"
+             + (f", {rv['url']}" if rv.get("url") else "") + (f"; {rv['error']}" if rv.get("error") else "")]
+    for w in ws:
+        lines.append(f"  {w['url']:<32} {'healthy' if w.get('healthy') else 'UNHEALTHY (sent nothing)'}")
+    for f in rv.get("flags") or []:
+        lines.append(f"  ! {f}")
+    return "\n".join(lines)
+
+
 def run_status(obj, targets, watch, deadline) -> int:
     from .report import dump_json, term_width
 
@@ -750,11 +780,15 @@ def run_status(obj, targets, watch, deadline) -> int:
                 with obj.progress().heartbeat("status", "the slowest host(s) to answer", deadline):
                     rows = gather(inv, targets, fleet, deadline=deadline, sampler=sampler)
                 code = exit_code(rows)
+                routers = {pb.name: router_status(fleet, inv, pb, rows) for pb in fleets if pb.data.get("router")}
+                if any(not r["ok"] for r in routers.values()) and code == 0:
+                    code = 1
                 if obj.json:
                     dump_json({"schema": SCHEMA, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "seconds": round(time.monotonic() - t0, 3), "exit_code": code,
                                "rows": [{k: v for k, v in r.items() if k != "_endpoint"} for r in rows],
-                               **({"totals": [totals(pb, rows) for pb in fleets]} if fleets else {})})
+                               **({"totals": [totals(pb, rows) for pb in fleets]} if fleets else {}),
+                               **({"routers": list(routers.values())} if routers else {})})
                 else:
                     if watch and color:
                         click.echo(own("\x1b[H\x1b[2J"), nl=False)
@@ -767,6 +801,8 @@ def run_status(obj, targets, watch, deadline) -> int:
                             click.echo(hist)
                     for pb in fleets:
                         click.echo("\n" + render_totals(totals(pb, rows)))
+                        if pb.name in routers:
+                            click.echo(render_router(routers[pb.name]))
                     if watch:
                         click.echo(f"\n(refreshed in {time.monotonic() - t0:.2f}s; every {watch:g}s; Ctrl-C to stop)")
                 if not watch or reader_gone():  # `--watch | head`: nobody reads any more, stop watching

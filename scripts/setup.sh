@@ -35,4 +35,7 @@ echo "setup: pip: installing the tool, the test bed and the test tools into .ven
   ".venv/pip-install.log)" >&2
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e ./testbed -e '.[test]' > .venv/pip-install.log 2>&1 || { cat .venv/pip-install.log >&2; exit 1; }
+# the real vLLM Router (issue 29) for the test bed's containers, which have no route to PyPI: its wheels, once
+# per machine, into /var/cache/vpd-testbed/wheels (about 30 MB); the router tests skip without them
+.venv/bin/python -m vpd_testbed.router_wheels >/dev/null || echo "setup: vllm-router wheels not downloaded (the router tests will skip)" >&2
 echo "setup: done ($(.venv/bin/deploy --version))" >&2

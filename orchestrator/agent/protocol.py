@@ -310,11 +310,26 @@ class GateRecordResult(AgentResult):
     message: str = None
 
 
+@dataclass
+class RouterResult(AgentResult):
+    """`router` (op: install, start, wait, view, gate, remove, add, drain_wait, stop; issue 29): the fields every op
+    that has them gives the same type; the rest (per op) are in .extra."""
+    ok: bool = None
+    message: str = None
+    ready: bool = None
+    installed: bool = None
+    drained: bool = None
+    sent: int = None
+    succeeded: int = None
+    workers: list = None
+    state: dict = None
+
+
 RESULT_TYPES = {
     "lock": LockResult, "unlock": UnlockResult, "status": CurrentResult, "write_file": WriteFileResult,
     "verify": VerifyResult, "stop": StopResult, "gpus_free": GpusFreeResult, "port_check": PortResult,
     "launch": LaunchResult, "wait_ready": ReadyResult, "file_sha": FileShaResult, "acceptance": AcceptanceResult,
     "note_failure": NoteFailureResult, "logs": LogsResult, "doctor": DoctorResult, "hub_drafter": HubDrafterResult,
     "install_vllm": InstallResult,
-    "gate_record": GateRecordResult,
+    "gate_record": GateRecordResult, "router": RouterResult,
 }
