@@ -2384,7 +2384,7 @@ def serving_checks(stack, disk, a, check):
             why = "vLLM %s silently runs sliding layers as full attention (degraded acceptance)" % stack.get("version")
         else:
             why = "no sliding-window support marker (_resolve_layer_attention / _get_dflash_layer_types) found"
-        check("fix: DFlash sliding window", sw_ok, expected=">= 0.26 (V2 model runner, GPU) or the PR #40898 build",
+        check("fix: DFlash sliding window", sw_ok, expected=">= 0.26 (GPU) or the PR #40898 build",
               on_disk="%s%s" % (stack.get("version"), " (PR #40898 build)" if m["pr40898_sliding_window"] else ""),
               reason=why)
 
