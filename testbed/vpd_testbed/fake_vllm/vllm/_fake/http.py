@@ -166,7 +166,9 @@ def run(ctx, args, sock, st, acc, r_status):
                 return
             model = req.get("model") or served[0]
             if model not in served:
-                self._error(404, f"The model `{model}` does not exist.", "NotFoundError")
+                # vLLM 0.32.0 (real, issue 25) names the served names
+                self._error(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
+                            "NotFoundError")
                 return
             if st.dead:
                 self._error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
