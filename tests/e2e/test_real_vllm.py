@@ -425,8 +425,11 @@ def test_contract_fake_against_real(rbed):
         assert wk and wk[0][1] == eng[0][0] and wk[0][3].startswith("VLLM::Worker"), (who, rows)
         # SIGTERM: everything gone in a few seconds, with the [shutdown] sequence
         assert o["stop_s"] < 15, (who, o["stop_s"])
-    assert _phases(real["log_at_ready"]) == _phases(fake["log_at_ready"]), (_phases(real["log_at_ready"]),
-                                                                          _phases(fake["log_at_ready"]))
+    # the phase table: every phase the real (CPU, --enforce-eager) log shows, the fake shows too, in the same order
+    # (the CPU build prints no "Model loading took", "Available KV cache memory" or graph capture lines)
+    rp, fp = _phases(real["log_at_ready"]), _phases(fake["log_at_ready"])
+    assert rp == [p for p in fp if p in rp], (rp, fp)
+    assert rp == ["config", "kv cache allocated", "server starting", "serving"], rp
     assert _metric_labels(real["metrics"]).keys() <= _metric_labels(fake["metrics"]).keys() | {
         "vllm:num_requests_running"}
 
