@@ -287,15 +287,18 @@ def sigterm_and_time(bed, vmid, pid, log):
 
 def observe(bed, vmid, spec, log, expect_fail=False):
     """Everything the tool reads from a vLLM, from one hand-started server."""
+    if expect_fail:  # in the foreground: its exit status and how long it took
+        t0 = time.monotonic()
+        out = cx(bed, vmid, "cd /root && CUDA_VISIBLE_DEVICES=%s VLLM_CPU_KVCACHE_SPACE=1 NO_COLOR=1 "
+                            "/root/ml-env/bin/vllm serve /root/models/%s --host 127.0.0.1 --port %d --max-model-len 512 "
+                            "--enforce-eager --served-model-name byhand --speculative-config %s > %s 2>&1 < /dev/null;"
+                            " echo rc=$?" % ("2" if vmid == REAL else "0", "tiny-qwen3" if vmid == REAL else
+                                             "Qwen3.6-27B", BYHAND_PORT, shlex.quote(json.dumps(spec)), log),
+                 timeout=900).stdout
+        return {"seconds": time.monotonic() - t0, "rc": int(out.strip().rpartition("rc=")[2] or -1),
+                "log": cx(bed, vmid, "cat %s" % log).stdout}
     pid = start_by_hand(bed, vmid, log, spec)
     o = {"pid": pid}
-    t0 = time.monotonic()
-    if expect_fail:
-        rc = cx(bed, vmid, "while kill -0 %d 2>/dev/null; do sleep 0.1; done; cat /proc/%d/status 2>/dev/null; "
-                           "true" % (pid, pid), timeout=900)
-        o["seconds"] = time.monotonic() - t0
-        o["log"] = cx(bed, vmid, "cat %s" % log).stdout
-        return o
     o["ready_s"], o["http_before_ready"] = wait_ready(bed, vmid, pid, log)
     o["log_at_ready"] = cx(bed, vmid, "cat %s" % log).stdout
     o["health"] = http(bed, vmid, "/health")
@@ -463,6 +466,8 @@ def test_contract_failure_texts_fake_and_real(rbed):
                 if hit:
                     got = hit[0]
                     break
-            print("real-vllm: %s on %s: %.1f s, first cause %r" % (name, "real" if vmid == REAL else "fake",
-                                                                   o["seconds"], got))
+            print("real-vllm: %s on %s: exit %d after %.1f s, first cause %r"
+                  % (name, "real" if vmid == REAL else "fake", o["rc"], o["seconds"], got))
             assert got == cause, (name, vmid, got, o["log"][-1500:])
+            assert o["rc"] == 1, (name, vmid, o["rc"])  # both: exit 1, before the engine starts
+            assert "EngineCore" not in o["log"], (name, vmid)
