@@ -2296,8 +2296,11 @@ def cross(disk, target, a, check):
     if target is None:
         return
     N = target.get("num_hidden_layers")
-    check("num_target_layers", disk.get("num_target_layers") == N, expected=N,
-          on_disk=disk.get("num_target_layers", ABSENT), reason="must equal the target's text_config.num_hidden_layers")
+    dflash = a.get("method") in (None, "dflash")  # EAGLE3 drafters have no num_target_layers or mask token
+    if dflash:
+        check("num_target_layers", disk.get("num_target_layers") == N, expected=N,
+              on_disk=disk.get("num_target_layers", ABSENT),
+              reason="must equal the target's text_config.num_hidden_layers")
     if isinstance(ids, list) and isinstance(N, int):
         bad = [i for i in ids if not isinstance(i, int) or i < 0 or i + 1 > N - 1]
         inc = all(isinstance(x, int) and isinstance(y, int) and x < y for x, y in zip(ids, ids[1:]))
@@ -2310,7 +2313,7 @@ def cross(disk, target, a, check):
               on_disk=disk.get(key, ABSENT), reason="the drafter shares the target's embeddings and LM head")
     mt = dc.get("mask_token_id", disk.get("mask_token_id"))  # vLLM reads dflash_config's, else the top-level key
     vs = target.get("vocab_size")
-    if isinstance(vs, int):
+    if isinstance(vs, int) and dflash:
         check("mask_token_id range", isinstance(mt, int) and 0 <= mt < vs, expected="< %d" % vs, on_disk=mt,
               reason="mask_token_id must be a token of the target's vocabulary")
 
