@@ -397,8 +397,8 @@ def _error_message(body):
         b = json.loads(body)
     except ValueError:
         return None, None
-    if isinstance(b.get("error"), dict):
-        return b["error"].get("message"), sorted(b["error"])
+    if isinstance(b.get("error"), dict):  # vLLM 0.32.0: {"error": {message, type, param, code}}
+        return b["error"].get("message"), ["error"] + ["error." + k for k in sorted(b["error"])]
     return b.get("message"), sorted(b)
 
 

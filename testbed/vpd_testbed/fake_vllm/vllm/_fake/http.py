@@ -108,7 +108,8 @@ def run(ctx, args, sock, st, acc, r_status):
             self._access(code)
 
         def _error(self, code, message, etype):
-            self._send(code, {"object": "error", "message": message, "type": etype, "param": None, "code": code})
+            # vLLM 0.32.0's ErrorResponse (real, issue 25): {"error": {message, type, param, code}}
+            self._send(code, {"error": {"message": message, "type": etype, "param": None, "code": code}})
 
         def _authorized(self):
             if not api_keys or not self.path.startswith("/v1"):
