@@ -97,7 +97,7 @@ def deploy(rbed, tmp_path):
         return p
 
     yield run
-    run("down", "pve1/%d" % REAL, timeout=120)
+    rbed.reset()  # whatever a test left running (a fallback, a hand-started server) is gone; models as seeded
 
 
 def cx(bed, vmid, cmd, timeout=60):
@@ -325,6 +325,7 @@ def _exit_code_of(bed, vmid, log_cmd):
 
 def test_doctor_on_a_hand_started_real_vllm(rbed, deploy):
     spec = {"method": "dflash", "model": "/root/models/tiny-dflash", "num_speculative_tokens": 4}
+    rbed.reset()
     pid = start_by_hand(rbed, REAL, "/tmp/byhand.log", spec, port=8000)
     try:
         wait_ready(rbed, REAL, pid, "/tmp/byhand.log")
