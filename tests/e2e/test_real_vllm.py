@@ -208,7 +208,7 @@ def test_random_drafter_fails_the_gate_and_falls_back(rbed, deploy):
 def test_mixed_drafter_is_refused_and_explained(rbed, deploy):
     v = deploy("--json", "verify", "real-dflash-mixed")
     bad = {c["check"]: c for c in v.json["checks"] if not c["ok"]}
-    assert "fix: DFlash sliding window" in bad and "V1 model runner" in bad["fix: DFlash sliding window"]["reason"]
+    assert "fix: DFlash sliding window" in bad and "Model Runner V1" in bad["fix: DFlash sliding window"]["reason"]
     p = deploy("up", "real-dflash-mixed", "--skip-verify") if False else deploy("up", "real-dflash-mixed")
     assert p.returncode != 0
     assert "V1 model runner" in p.stderr or "sliding" in p.stderr, p.stderr[-3000:]
