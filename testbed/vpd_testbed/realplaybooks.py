@@ -74,6 +74,9 @@ def playbook_text(name, method, drafter, k, desc, host, vmid, gpu, pinned=None, 
         "",
         "acceptance:",
         "  min_draft_acceptance: 0.30",
+        # 2 prompts x 48 tokens at ~100 % acceptance (5 tokens a draft) is ~19 drafts a round: 30 is plenty to tell
+        # a 100 % drafter from a ~0 % one, without minutes of CPU decoding for the default 100
+        "  min_drafts: 30",
         "  probe:",
         "    prompts:",
     ] + ["      - %s" % json.dumps(p) for p in PROMPTS] + [
