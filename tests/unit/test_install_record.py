@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from orchestrator.agent import agent as A
+from orchestrator.agent.container import install as A
+from orchestrator.agent.container.stack import record_check
 from orchestrator.install import requirement
 from orchestrator.spec import _vllm_source
 from vpd_testbed.fake_vllm import wheels
@@ -27,7 +28,7 @@ def installed(tmp_path_factory):
 
 def test_record_ok_then_missing_and_changed(installed):
     pkg = installed / "vllm"
-    r = A.record_check(str(pkg))
+    r = record_check(str(pkg))
     assert r["status"] == "ok" and r["files"] > 30 and not r["missing"] and not r["changed"], r
     victim = pkg / "_fake" / "http.py"
     data = victim.read_bytes()
@@ -36,7 +37,7 @@ def test_record_ok_then_missing_and_changed(installed):
     try:
         victim.unlink()
         other.write_bytes(odata + b"# x\n")
-        r = A.record_check(str(pkg))
+        r = record_check(str(pkg))
         assert r["status"] == "failed"
         assert r["missing"] == ["vllm/_fake/http.py"]
         assert [c["path"] for c in r["changed"]] == ["vllm/platforms/__init__.py"]
@@ -48,10 +49,10 @@ def test_record_ok_then_missing_and_changed(installed):
 
 def test_record_absent(tmp_path):
     (tmp_path / "vllm").mkdir()
-    r = A.record_check(str(tmp_path / "vllm"))
+    r = record_check(str(tmp_path / "vllm"))
     assert r["status"] == "no-record" and "not installed by a package installer" in r["message"]
     (tmp_path / "vllm-0.1.dist-info").mkdir()
-    r = A.record_check(str(tmp_path / "vllm"))
+    r = record_check(str(tmp_path / "vllm"))
     assert r["status"] == "failed" and "RECORD" in r["message"] and "did not finish" in r["message"]
 
 

@@ -1,0 +1,144 @@
+"""The agent's own cache in the container: the archive this agent runs from, kept under the state directory.
+
+Each exec's program is BOOT (below, a few hundred bytes): it reads STATE_DIR/vpd-agent/SHA256.zip through
+O_NOFOLLOW from a directory of root's with mode 0700, checks the sha256, and runs the agent from it with
+zipimport. When the file is missing or does not match, BOOT asks for the archive ({"need": SHA} on stdout: an
+agent session answers on stdin, a one-shot exec is sent again with the archive inline), checks what arrived and
+calls `store` (exec'd from the archive itself, so BOOT stays small). See orchestrator/agent/archive.py.
+"""
+
+import os
+import time
+
+KEEP = 3  # archives kept in the cache: this one and the newest others (another deploy version may still run)
+NEED_EXIT = 3
+
+BOOT = '''\
+def _vpd(H, D):
+    import os, sys
+    try:
+        from _sha2 import sha256
+    except ImportError:
+        try:
+            from _sha256 import sha256
+        except ImportError:
+            from hashlib import sha256
+    P = D and D + "/" + H + ".zip"
+    try:
+        s = os.lstat(D)
+        with os.fdopen(os.open(P, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            ok = (s.st_uid in (0, os.geteuid()) and s.st_mode & 0o170777 == 0o40700
+                  and sha256(f.read()).hexdigest() == H)
+    except (OSError, TypeError):
+        ok = False
+    b = None
+    if not ok:
+        b = sys.modules["__main__"].__dict__.pop("_VPD_ARCHIVE", None)
+        if b is None:
+            print('{"need": "%s"}' % H, flush=True)
+            if sys.argv[1:2] != ["session"]:
+                sys.exit(3)
+            b = sys.stdin.buffer.read(int(sys.stdin.buffer.readline()))
+        if sha256(b).hexdigest() != H:
+            print('{"result": {"error": "the agent archive arrived damaged (sha256 differs)"}}', flush=True)
+            sys.exit(1)
+        import io, zipfile
+        g = {}
+        exec(zipfile.ZipFile(io.BytesIO(b)).read("vpd_agent/cache.py"), g)
+        P = g["store"](H, D, b)
+    sys.path.insert(0, P)
+    from vpd_agent import main
+    main.run(sys.argv, H, D, P)
+'''
+
+
+def bootstrap(sha, cache_dir):
+    """The program an exec sends (bytes): BOOT and the call with this archive's hash and cache directory."""
+    return (BOOT + "_vpd(%r, %r)\n" % (sha, cache_dir)).encode()
+
+
+def inline(data):
+    """The archive as a line ahead of the bootstrap (base85: no quote or backslash in the literal)."""
+    import base64
+
+    return b"import base64 as _b; _VPD_ARCHIVE = _b.b85decode(b'" + base64.b85encode(data) + b"')\n"
+
+
+def safe_dir(path):
+    """Is path a real directory (not a symlink) of root's (or ours), mode 0700?"""
+    s = os.lstat(path)
+    return s.st_uid in (0, os.geteuid()) and s.st_mode & 0o170777 == 0o40700
+
+
+def store(sha, cache_dir, data):
+    """Keep the verified archive as CACHE/SHA.zip (temp file O_EXCL|O_NOFOLLOW, fsync, rename, fsync the
+    directory), prune all but the newest KEEP, and return its path. Where no cache can be kept (no directory
+    given, not root, a read-only file system, a directory that is not root's and 0700): a private temp file,
+    removed at exit."""
+    if cache_dir:
+        try:
+            try:
+                os.makedirs(cache_dir, 0o700)
+            except FileExistsError:
+                pass
+            if not safe_dir(cache_dir):
+                raise OSError("%s is not a directory of root's with mode 0700: not used" % cache_dir)
+            dfd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                name = sha + ".zip"
+                tmp = ".%s.tmp-%d-%s" % (sha, os.getpid(), os.urandom(6).hex())
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                except BaseException:
+                    os.unlink(tmp, dir_fd=dfd)
+                    raise
+                os.fsync(dfd)
+                prune(dfd, name)
+            finally:
+                os.close(dfd)
+            return os.path.join(cache_dir, name)
+        except OSError:
+            pass
+    import atexit
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="vpd-agent-")
+    atexit.register(shutil.rmtree, d, True)
+    path = os.path.join(d, sha + ".zip")
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def prune(dfd, keep_name):
+    """Remove all but the newest KEEP archives (keep_name always stays), and temp files of writers that died."""
+    def mtime(n):
+        return os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime
+
+    try:
+        others = sorted((mtime(n), n) for n in os.listdir(dfd) if n.endswith(".zip") and n != keep_name)
+        for _, n in others[:max(0, len(others) - (KEEP - 1))]:
+            os.unlink(n, dir_fd=dfd)
+        for n in os.listdir(dfd):
+            if n.startswith(".") and ".tmp-" in n and time.time() - mtime(n) > 3600:
+                os.unlink(n, dir_fd=dfd)
+    except OSError:
+        pass
+
+
+def program(sha, cache_dir, path):
+    """This agent as a program for another interpreter's stdin (the detached install runner, a staging venv's
+    Python): the archive inline (so it runs even if the cache was pruned meanwhile), then the bootstrap."""
+    import hashlib
+
+    with open(path, "rb") as fh:
+        data = fh.read()
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise OSError("the agent archive %s changed while this agent ran (sha256 differs)" % path)
+    return inline(data) + bootstrap(sha, cache_dir)

@@ -1,0 +1,585 @@
+"""`install_vllm` (probe, start, attach, rollback) and `install_run` (the detached runner): a fresh venv in
+ROOT.versions/, the installer (uv or pip) with phases from its output, the new stack verified in its own Python,
+then the runtime link switched with one rename. The runner and the staging venv's Python get this agent on stdin
+(cache.program: the cached archive inline, then the bootstrap)."""
+
+import stat as _stat
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from . import core
+from .core import ANSI, _read_json, clean, emit, now
+from .files import UnsafeDirectory, _tail_lines, open_dir, tail_file, unique_name, write_json_atomic
+from .procs import proc_starttime
+from .state import read_state
+
+
+INSTALL_STATE = "install.json"
+
+
+INSTALL_LOCK = "install.lock"
+
+
+RUNTIME_FILE = "runtime.json"
+
+
+INSTALL_VAR = "VLLM_PVE_DEPLOY_INSTALL"
+
+
+INSTALL_FINAL = ("ok", "failed", "timeout", "killed")
+
+
+INSTALL_PHASES = [  # over pip's and uv's output, first match wins
+    ("install", re.compile(r"^\s*(Installing collected packages|Successfully installed|Installed \d+ packages?|"
+                           r"Installing wheels|Uninstalled \d+ package)")),
+    ("build", re.compile(r"^\s*(Building wheels? for|Building \S+ @|Built \S+|Running setup\.py|Installing build "
+                         r"dependencies|Getting requirements to build|Preparing metadata|Building editable|"
+                         r"running build|\[\d+/\d+\] )")),
+    ("download", re.compile(r"^\s*(Collecting|Downloading|Obtaining|Cloning|Looking in|Processing|Resolved \d+|"
+                            r"Updating |Updated |Fetched|Downloaded|Prepared \d+|Requirement already satisfied)")),
+]
+
+
+PHASE_LINE = re.compile(r"^\[deploy\] \S+ phase: (\w+) \(\+([0-9.]+)s\)$")
+
+
+def install_phase(line):
+    for name, rx in INSTALL_PHASES:
+        if rx.search(line):
+            return name
+    return None
+
+
+def _base_python():
+    return getattr(sys, "_base_executable", None) or sys.executable
+
+
+def runtime_paths(a):
+    py = a["python"]
+    bindir = os.path.dirname(py)
+    root = os.path.dirname(bindir)
+    if os.path.basename(bindir) != "bin" or root in ("", "/"):
+        raise ValueError("runtime.python %s is not in a venv's bin/ directory: install-vllm manages a venv "
+                         "(ROOT/bin/python)" % py)
+    if a.get("vllm") and os.path.dirname(os.path.dirname(a["vllm"])) != root:
+        raise ValueError("runtime.vllm %s is not in the venv %s of runtime.python: the venv install-vllm switches "
+                         "would not be the one deploy launches" % (a["vllm"], root))
+    return root, root + ".versions"
+
+
+def runtime_info(a):
+    root, store = runtime_paths(a)
+    info = {"venv_root": root, "store": store, "python": a["python"], "python_exists": os.path.exists(a["python"])}
+    try:
+        st = os.lstat(root)
+    except OSError:
+        info["kind"] = "missing"
+        return info
+    if _stat.S_ISLNK(st.st_mode):
+        info.update(kind="symlink", target=os.readlink(root), real=os.path.realpath(root))
+    elif _stat.S_ISDIR(st.st_mode):
+        info.update(kind="dir", real=root)
+    else:
+        info["kind"] = "other"
+    return info
+
+
+def _install_state(state_dir):
+    return _read_json(os.path.join(state_dir, INSTALL_STATE))
+
+
+def _save_install(state_dir, st):
+    write_json_atomic(os.path.join(state_dir, INSTALL_STATE), st)
+
+
+def _runner_alive(state_dir):
+    """An install runner holds an flock on install.lock for its whole life: free means no runner."""
+    import fcntl
+
+    try:
+        dfd = open_dir(state_dir, 0o700)
+    except OSError:
+        return False
+    try:
+        fd = os.open(INSTALL_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def install_status(state_dir, check_timeout=120):
+    """install.json (plus `elapsed`, in the container's clock), with a runner that died (SIGKILL, OOM, a reboot)
+    turned into status 'killed' and its staging venv checked (RECORD, import) so the report says what it left."""
+    st = _install_status(state_dir, check_timeout)
+    if st and st.get("t0"):
+        st["elapsed"] = round((st.get("finished_at") or now()) - st["t0"], 1)
+    return st
+
+
+def _install_status(state_dir, check_timeout):
+    st = _install_state(state_dir)
+    if not st or st.get("status") != "running" or _runner_alive(state_dir):
+        return st
+    st = _install_state(state_dir) or st  # it may have finished between the two reads
+    if st.get("status") != "running":
+        return st
+    stage = st.get("stage")
+    check = None
+    if stage and os.path.exists(os.path.join(stage, "bin", "python")):
+        check = stack_check_in(os.path.join(stage, "bin", "python"), st.get("check") or {}, check_timeout)
+    st.update(status="killed", finished_at=now(), verify=check,
+              message="the install process ended without a result (killed, or the container restarted) in phase "
+                      "%s, %.0fs after it started; the runtime was not switched" % (st.get("phase"),
+                                                                                    now() - st.get("t0", now())),
+              fix="run deploy install-vllm again (a fresh venv; the incomplete one is left at %s: rm -rf it)" % stage)
+    _save_install(state_dir, st)
+    return st
+
+
+def _agent_source():
+    """This agent as a program for another interpreter's stdin (the detached runner, a staging venv's Python):
+    the archive it runs from, inline, and the bootstrap (cache.py)."""
+    from .cache import program
+
+    a = core.ARCHIVE
+    return program(a["sha256"], a["cache_dir"], a["path"])
+
+
+def stack_check_in(python, check_args, timeout):
+    """Run action stack_check in another interpreter (a staging venv's), this agent on its stdin."""
+    try:
+        p = subprocess.run([python, "-", "stack_check", json.dumps(check_args)], input=_agent_source(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout, cwd="/")
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "checks": [], "error": "the check did not finish within %ss" % timeout}
+    except OSError as e:
+        return {"ok": False, "checks": [], "error": "cannot run %s: %s" % (python, e.strerror)}
+    for line in p.stdout.decode("utf-8", "replace").splitlines():
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(msg, dict) and "result" in msg:
+            return msg["result"]
+    err = p.stderr.decode("utf-8", "replace").strip().splitlines()
+    return {"ok": False, "checks": [], "error": "%s exited %d: %s" % (python, p.returncode, err[-1] if err else "")}
+
+
+def _find_uv(a):
+    path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin") + ":/root/.local/bin:/root/.cargo/bin"
+    import shutil
+
+    return shutil.which("uv", path=path)
+
+
+def _pip_ok(base):
+    """Can base's pip install into another interpreter (pip --python, pip >= 22.3)?"""
+    try:
+        p = subprocess.run([base, "-m", "pip", "--version"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    m = re.match(r"pip (\d+)\.(\d+)", p.stdout.decode("utf-8", "replace"))
+    return p.returncode == 0 and bool(m) and (int(m.group(1)), int(m.group(2))) >= (22, 3)
+
+
+def serving_now(state_dir):
+    st = read_state(state_dir)
+    if st and st.get("alive"):
+        return {"pid": st.get("pid"), "playbook": st.get("playbook"), "argv0": (st.get("argv") or [None])[0]}
+    return None
+
+
+def _pointer(state_dir):
+    return _read_json(os.path.join(state_dir, RUNTIME_FILE))
+
+
+def act_install_vllm(a):
+    op = a["op"]
+    state_dir = a["state_dir"]
+    try:
+        info = runtime_info(a)
+    except ValueError as e:
+        return {"ok": False, "message": str(e),
+                "fix": "set runtime.python and runtime.vllm to ROOT/bin/python and ROOT/bin/vllm of one venv"}
+    if op == "probe":
+        return {"ok": True, "runtime": info, "install": install_status(state_dir), "serving": serving_now(state_dir),
+                "pointer": _pointer(state_dir), "agent_python": sys.executable}
+    if op == "start":
+        res = _install_start(a, info)
+        if not res.get("started") or not a.get("follow_s"):
+            return res
+        a = dict(a, id=res["id"], log_pos=0)
+    if op in ("start", "attach"):
+        return _install_follow(a)
+    if op == "rollback":
+        return _rollback(a, info)
+    return {"ok": False, "message": "unknown op %r" % op}
+
+
+def _install_start(a, info):
+    import fcntl
+
+    state_dir = a["state_dir"]
+    if info["kind"] == "other":
+        return {"ok": False, "message": "%s is neither a directory nor a symlink" % info["venv_root"],
+                "fix": "move it away, or set runtime.python to a venv"}
+    base = a.get("base_python") or _base_python()
+    if not os.path.exists(base):
+        return {"ok": False, "message": "the base Python %s does not exist in the container" % base,
+                "fix": "set requires.install.python to a Python that exists there (e.g. /usr/bin/python3)"}
+    installer = a.get("installer") or "auto"
+    uv = _find_uv(a) if installer in ("auto", "uv") else None
+    if installer == "uv" and not uv:
+        return {"ok": False, "message": "requires.install.installer is uv, but no uv on PATH, ~/.local/bin or "
+                                        "~/.cargo/bin in the container",
+                "fix": "install uv in the container (pip install uv), or set requires.install.installer: pip"}
+    try:
+        parent = open_dir(os.path.dirname(info["venv_root"]))
+        os.close(parent)
+        sfd = open_dir(info["store"], 0o755)
+        dfd = open_dir(state_dir, 0o700)
+    except (UnsafeDirectory, OSError) as e:
+        return {"ok": False, "message": "refusing to install next to %s: %s" % (info["venv_root"], e),
+                "fix": "fix the directory's owner/mode as the message says"}
+    try:
+        lock_fd = os.open(INSTALL_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(lock_fd)
+            return {"ok": True, "started": False, "install": install_status(state_dir)}
+        iid = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + unique_name("")[:6]
+        label = re.sub(r"[^A-Za-z0-9._-]+", "-", a.get("label") or "vllm")[:60].strip("-.") or "vllm"
+        stage_name = "%s-%s" % (iid, label)
+        os.mkdir(stage_name, 0o755, dir_fd=sfd)
+        logname = "install-%s.log" % iid
+        logfd = os.open(logname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND, 0o600,
+                        dir_fd=dfd)
+        os.fchmod(logfd, 0o600)
+        old = sorted(n for n in os.listdir(dfd) if n.startswith("install-") and n.endswith(".log"))
+        for n in old[:-5]:  # keep the last five logs
+            try:
+                os.unlink(n, dir_fd=dfd)
+            except OSError:
+                pass
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    stage = os.path.join(info["store"], stage_name)
+    st = {"id": iid, "status": "running", "phase": "starting", "spec": a.get("spec"), "req": a["req"],
+          "stage": stage, "venv_root": info["venv_root"], "log": os.path.join(state_dir, logname),
+          "installer": "uv" if uv else "pip", "uv": uv, "base_python": base, "started_at": now(), "t0": now(),
+          "timeout_s": float(a["timeout_s"]), "check": a.get("check") or {}, "reported": False,
+          "previous_real": info.get("real")}
+    _save_install(state_dir, st)
+    args = {"state_dir": state_dir, "id": iid, "lock_fd": lock_fd, "python": a["python"],
+            "index_url": a.get("index_url"), "find_links": a.get("find_links") or [], "no_index": a.get("no_index")}
+    env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
+           "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", INSTALL_VAR: iid}
+    try:
+        proc = subprocess.Popen([base, "-", "install_run", json.dumps(args)], stdin=subprocess.PIPE, stdout=logfd,
+                                stderr=subprocess.STDOUT, cwd="/", env=env, start_new_session=True,
+                                pass_fds=(lock_fd,), close_fds=True)
+        proc.stdin.write(_agent_source())
+        proc.stdin.close()
+    except OSError as e:
+        st.update(status="failed", message="cannot start the install runner with %s: %s" % (base, e.strerror),
+                  fix="set requires.install.python to a working Python in the container", finished_at=now())
+        _save_install(state_dir, st)
+        return {"ok": False, "message": st["message"], "fix": st["fix"]}
+    finally:
+        os.close(logfd)
+        os.close(lock_fd)
+    return {"ok": True, "started": True, "id": iid, "pid": proc.pid, "stage": stage, "log": st["log"],
+            "installer": st["installer"], "base_python": base}
+
+
+def _install_follow(a):
+    """Follow an install (events: phase changes, log lines, heartbeats) until it ends or follow_s passes."""
+    state_dir = a["state_dir"]
+    deadline = now() + float(a.get("follow_s") or 0)
+    beat = float(a.get("heartbeat_s") or 30)
+    pos = int(a.get("log_pos") or 0)
+    last_beat, phase, last_line, lines_n = now(), None, "", 0
+    while True:
+        st = install_status(state_dir)
+        if not st:
+            return {"ok": False, "message": "no install recorded in %s" % state_dir}
+        if a.get("id") and st.get("id") != a["id"]:
+            return {"ok": False, "message": "install %s was replaced by %s" % (a["id"], st.get("id"))}
+        pos, lines = _tail_lines(st.get("log") or "", pos)
+        for ln in lines:  # phases come from the runner's own lines in the log: in order, none missed
+            lines_n += 1
+            last_line = clean(ln)
+            m = PHASE_LINE.match(last_line)
+            if m:
+                phase = m.group(1)
+                emit(event="install", kind="phase", phase=phase, elapsed=float(m.group(2)))
+                last_beat = now()
+            else:
+                emit(event="install", kind="line", line=last_line)
+        if st.get("status") in INSTALL_FINAL:
+            if not st.get("reported"):
+                st["reported"] = True
+                _save_install(state_dir, st)
+            tail = tail_file(st["log"], 30) if st.get("status") != "ok" and st.get("log") else []
+            return {"ok": True, "done": True, "install": st, "log_pos": pos, "log_tail": tail,
+                    "pointer": _pointer(state_dir)}
+        if now() >= deadline:
+            return {"ok": True, "done": False, "install": st, "log_pos": pos}
+        if now() - last_beat >= beat:
+            last_beat = now()
+            emit(event="install", kind="heartbeat", phase=phase, elapsed=round(now() - st.get("t0", now()), 1),
+                 lines=lines_n, last=last_line)
+        time.sleep(0.2)
+
+
+def act_install_run(a):
+    """The detached runner (its own session; stdout/stderr are the install log): venv, install, verify, switch."""
+    state_dir = a["state_dir"]
+    st = _install_state(state_dir)
+    if not st or st.get("id") != a["id"]:
+        return {"ok": False, "message": "install.json does not describe install %s" % a["id"]}
+    st.update(pid=os.getpid(), starttime=proc_starttime(os.getpid()))
+
+    def phase(name, **kw):
+        st.update(phase=name, **kw)
+        _save_install(state_dir, st)
+        print("[deploy] %s phase: %s (+%.1fs)" % (time.strftime("%H:%M:%S"), name, now() - st["t0"]), flush=True)
+
+    def finish(status, message, fix=None, **kw):
+        st.update(status=status, message=message, fix=fix, finished_at=now(), **kw)
+        _save_install(state_dir, st)
+        print("[deploy] %s: %s" % (status, message), flush=True)
+        return {"ok": status == "ok"}
+
+    stage, base, uv = st["stage"], st["base_python"], st.get("uv")
+    spy = os.path.join(stage, "bin", "python")
+    deadline = st["t0"] + float(st["timeout_s"])
+    phase("venv")
+    venv = [uv, "venv", "--python", base, stage] if uv else [base, "-m", "venv", "--without-pip", stage]
+    rc, why = _run_logged(venv, deadline, None)
+    if rc != 0:
+        _remove_stage(stage)
+        return finish("timeout" if why == "timeout" else "failed",
+                      "build not finished: the time limit requires.install.timeout_s (%ss) was reached while creating "
+                      "the venv" % st["timeout_s"] if why == "timeout" else
+                      "creating the venv %s failed (%s)" % (stage, why),
+                      fix="read the log %s in the container (its last lines are shown above)" % st["log"])
+    opts = []
+    if a.get("index_url"):
+        opts += ["--index-url", a["index_url"]]
+    for fl in a.get("find_links") or []:
+        opts += ["--find-links", fl]
+    if a.get("no_index"):
+        opts += ["--no-index"]
+    if uv:
+        cmd = [uv, "pip", "install", "--python", spy] + opts + [st["req"]]
+    elif _pip_ok(base):
+        cmd = [base, "-m", "pip", "--python", spy, "install", "--no-input", "--disable-pip-version-check",
+               "--progress-bar", "off"] + opts + [st["req"]]
+    else:
+        rc, why = _run_logged([spy, "-m", "ensurepip", "--default-pip"], deadline, None)
+        if rc != 0:
+            _remove_stage(stage)
+            return finish("failed", "no pip for %s: ensurepip failed (%s)" % (base, why),
+                          fix="install uv in the container, or python3-venv (ensurepip), or set "
+                              "requires.install.python to a Python with pip >= 22.3")
+        cmd = [spy, "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "--progress-bar",
+               "off"] + opts + [st["req"]]
+    st["phase"] = None
+    rc, why = _run_logged(cmd, deadline, lambda p: p != st["phase"] and phase(p),
+                          on_start=lambda pid: phase("download", child=pid))  # child: its own session
+    if why == "timeout":
+        _remove_stage(stage)
+        return finish("timeout", "build not finished: the time limit requires.install.timeout_s (%ss) was reached "
+                                 "in phase %s; the installer was stopped and the runtime was not switched"
+                      % (st["timeout_s"], st["phase"]),
+                      fix="raise requires.install.timeout_s in the playbook (a vLLM build from source can take an "
+                          "hour), then deploy install-vllm again")
+    if rc != 0:
+        _remove_stage(stage)
+        return finish("failed", "%s exited with %s in phase %s; the runtime was not switched"
+                      % ("uv" if uv else "pip", why, st["phase"]),
+                      fix="read the installer's error at the end of the log (shown above; all of it: %s in the "
+                          "container), correct requires.vllm / requires.install, then deploy install-vllm again"
+                          % st["log"])
+    phase("verify")
+    chk = stack_check_in(spy, st.get("check") or {}, max(30.0, min(600.0, deadline - now() + 120)))
+    st["verify"] = chk
+    if not chk.get("ok"):
+        bad = [c for c in chk.get("checks", []) if not c["ok"] and c.get("severity", "error") == "error"]
+        _remove_stage(stage)
+        return finish("failed", "the new vLLM failed verification (%s); the runtime was not switched"
+                      % ("; ".join("%s: %s" % (c["check"], c["reason"]) for c in bad) or chk.get("error")),
+                      fix="install a vLLM that has what the playbook requires (requires.vllm, vllm_min_version, fixes)")
+    phase("switch")
+    try:
+        prev, target = switch_runtime(st["venv_root"], stage)
+    except (OSError, UnsafeDirectory) as e:
+        return finish("failed", "verified, but switching %s to %s failed: %s" % (st["venv_root"], stage, e),
+                      fix="check %s and its parent directory; the new venv is kept at %s" % (st["venv_root"], stage))
+    _record_switch(state_dir, st["venv_root"], prev, target, st)
+    return finish("ok", "vLLM %s installed in %s and verified; %s now points to it (previous: %s)"
+                  % ((chk.get("stack") or {}).get("version"), stage, st["venv_root"], prev or "none"),
+                  switched={"from": prev, "to": target}, version=(chk.get("stack") or {}).get("version"),
+                  commit_id=(chk.get("stack") or {}).get("commit_id"))
+
+
+def _remove_stage(stage):
+    """Only a staging venv this install created, inside ROOT.versions/."""
+    import shutil
+
+    if stage and os.path.basename(os.path.dirname(stage)).endswith(".versions") and not os.path.islink(stage):
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _run_logged(cmd, deadline, on_phase, on_start=None):
+    """Run cmd in its own session, its output copied to our stdout (the log) line by line; the phase follows the
+    output. At the deadline the whole session is stopped (TERM, then KILL): -> (returncode, 'exit N'|'timeout')."""
+    import selectors
+
+    print("[deploy] $ " + " ".join(cmd), flush=True)
+    env = dict(os.environ, PIP_NO_INPUT="1", NO_COLOR="1", UV_NO_PROGRESS="1", PYTHONUNBUFFERED="1")
+    try:
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True, env=env, cwd="/")
+    except OSError as e:
+        return 127, "cannot run %s: %s" % (cmd[0], e.strerror)
+    if on_start:
+        on_start(p.pid)
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    buf = b""
+    timed_out = False
+    while True:
+        left = deadline - now()
+        if left <= 0:
+            timed_out = True
+            break
+        if not sel.select(timeout=min(left, 1.0)):
+            continue
+        chunk = os.read(p.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
+        buf += chunk
+        *done, buf = buf.split(b"\n")
+        for ln in done:
+            ph = install_phase(ANSI.sub("", ln.decode("utf-8", "replace")))
+            if ph and on_phase:
+                on_phase(ph)
+    if timed_out:
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(p.pid, sig)
+            except OSError:
+                break
+            try:
+                p.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        p.wait()
+        return -1, "timeout"
+    rc = p.wait()
+    return rc, "exit %d" % rc if rc >= 0 else "signal %d" % -rc
+
+
+def switch_runtime(venv_root, target_dir):
+    """Point venv_root at target_dir (a venv in venv_root.versions/) with one rename of a new symlink over it.
+    A real directory there (the venv before deploy managed it) is first moved into .versions/ as original-*.
+    -> (previous target or None, new target), both relative to venv_root's parent."""
+    parent, name = os.path.split(venv_root.rstrip("/"))
+    store = name + ".versions"
+    if os.path.dirname(target_dir.rstrip("/")) != os.path.join(parent, store):
+        raise ValueError("%s is not in %s" % (target_dir, os.path.join(parent, store)))
+    new = store + "/" + os.path.basename(target_dir.rstrip("/"))
+    pfd = open_dir(parent)
+    try:
+        try:
+            st = os.lstat(name, dir_fd=pfd)
+        except FileNotFoundError:
+            st = None
+        prev = None
+        if st is not None and _stat.S_ISLNK(st.st_mode):
+            prev = os.readlink(name, dir_fd=pfd)
+        elif st is not None and _stat.S_ISDIR(st.st_mode):
+            sfd = open_dir(os.path.join(parent, store))
+            try:
+                orig = "original-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+                os.rename(name, orig, src_dir_fd=pfd, dst_dir_fd=sfd)
+            finally:
+                os.close(sfd)
+            prev = store + "/" + orig
+        elif st is not None:
+            raise ValueError("%s is neither a directory nor a symlink" % venv_root)
+        tmp = unique_name(".%s.link-" % name)
+        os.symlink(new, tmp, dir_fd=pfd)
+        try:
+            os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+        except OSError:
+            os.unlink(tmp, dir_fd=pfd)
+            raise
+        os.fsync(pfd)
+    finally:
+        os.close(pfd)
+    return prev, new
+
+
+def _record_switch(state_dir, venv_root, prev, new, st=None):
+    p = _pointer(state_dir) or {}
+    hist = list(p.get("history") or [])[-19:]
+    hist.append({"at": now(), "from": prev, "to": new, "install": (st or {}).get("id"), "spec": (st or {}).get("spec"),
+                 "rollback": st is None})
+    write_json_atomic(os.path.join(state_dir, RUNTIME_FILE),
+                      {"venv_root": venv_root, "current": new, "previous": prev, "history": hist})
+
+
+def _rollback(a, info):
+    state_dir = a["state_dir"]
+    p = _pointer(state_dir)
+    if not p or not p.get("previous"):
+        return {"ok": False, "message": "no previous vLLM runtime recorded in %s/%s: nothing to roll back to"
+                                        % (state_dir, RUNTIME_FILE),
+                "fix": "deploy install-vllm PLAYBOOK installs one (the one it replaces becomes the previous)"}
+    if _runner_alive(state_dir):
+        return {"ok": False, "message": "an install is running (deploy install-vllm PLAYBOOK re-attaches to it)",
+                "fix": "wait for it to finish, then roll back"}
+    parent = os.path.dirname(info["venv_root"])
+    prev_dir = os.path.join(parent, p["previous"])
+    if not os.path.exists(os.path.join(prev_dir, "bin", "python")):
+        return {"ok": False, "message": "the previous runtime %s is gone (no bin/python)" % prev_dir,
+                "fix": "install the vLLM you want with deploy install-vllm PLAYBOOK"}
+    if info.get("kind") != "symlink" or info.get("target") != p.get("current"):
+        return {"ok": False, "message": "%s is %s, not the link deploy set (%s): something else changed it"
+                                        % (info["venv_root"], info.get("target") or info.get("kind"), p.get("current")),
+                "fix": "look at %s; deploy install-vllm PLAYBOOK installs afresh" % info["venv_root"]}
+    # the previous build is whatever it was: no exact version to match, and a venv deploy did not install (the
+    # original one) may have no RECORD
+    chk = stack_check_in(os.path.join(prev_dir, "bin", "python"),
+                         dict(a.get("check") or {}, version=None, record_required=False), 180)
+    tmp = unique_name(".%s.link-" % os.path.basename(info["venv_root"]))
+    pfd = open_dir(parent)
+    try:
+        os.symlink(p["previous"], tmp, dir_fd=pfd)
+        os.rename(tmp, os.path.basename(info["venv_root"]), src_dir_fd=pfd, dst_dir_fd=pfd)
+        os.fsync(pfd)
+    finally:
+        os.close(pfd)
+    _record_switch(state_dir, info["venv_root"], p["current"], p["previous"])
+    return {"ok": True, "rolled_back": True, "from": p["current"], "to": p["previous"], "verify": chk,
+            "runtime": runtime_info(a)}
