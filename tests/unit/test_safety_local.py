@@ -480,7 +480,7 @@ def test_escape_sequences_are_stripped_from_names_and_log_lines(tmp_path, procs)
     p = procs([sys.executable, "-c", "import time; time.sleep(60)", "\x1b]0;pwned\x07\x1bc\x1b[2Jhidden"])
     code = agent_code("from vpd_agent.core import clean\nfrom vpd_agent.procs import proc_cmdline\n"
                       "print(json.dumps([proc_cmdline(%d), clean(%r)]))\n" % (
-        p.pid, "a\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\b\x1bc\x9b31m")
+        p.pid, "a\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\b\x1bc\x9b31m"))
     out = json.loads(subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
                                     timeout=60).stdout)  # on stdin: longer than one argv string may be
     assert "\x1b" not in out[0] and "hidden" in out[0]
