@@ -149,9 +149,9 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         r = agent.call(fleet.session(host), vmid, python, "status",
                        {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15,
                        secrets={"api_key": key} if key else None, bulk=FATAL_BULK)
-        st = r.get("state") or {}
+        st = r.state or {}
         local = st.get("api_key_env") if isinstance(st, dict) else None
-        if not key and r.get("models_status") in (401, 403) and local and os.environ.get(local):
+        if not key and r.models_status in (401, 403) and local and os.environ.get(local):
             # key-protected, and the state file names the local variable holding its key: ask again, with it
             key = os.environ[local]
             fleet.redact.add(key)
@@ -167,22 +167,22 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         row.update(container="stopped" if "not running" in e.message else "missing", healthy=False)
         row["problems"].append(e.message)
         return row
-    mem = r.get("memory") or {}
+    mem = r.memory or {}
     if "error" in mem:
         row["problems"].append(f"nvidia-smi: {mem.get('message')}")
         row["healthy"] = False
     else:
         row["gpus"] = [{"index": int(i), "used_mib": g["used"], "total_mib": g["total"]}
                        for i, g in sorted(mem.get("gpus", {}).items(), key=lambda x: int(x[0]))]
-    row["lock"] = r.get("lock")
-    st = r.get("state")
+    row["lock"] = r.lock
+    st = r.state
     if st and st.get("corrupt"):
         row["problems"].append(f"state file unreadable: {st['corrupt']}")
         row["healthy"] = False
         return row
     if not st:
-        fail = r.get("last_failure")
-        if fail and fail.get("at", 0) >= (r.get("stopped_at") or 0):
+        fail = r.last_failure
+        if fail and fail.get("at", 0) >= (r.stopped_at or 0):
             pb = fail.get("playbook")
             row.update(playbook=pb, process="failed", healthy=False)
             row["problems"].append(
@@ -190,7 +190,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(fail['at']))} ({fail.get('step')}: "
                 f"{fail.get('message')}); nothing of ours runs now. deploy logs {pb} shows the server's log; "
                 f"deploy up {pb} tries again")
-        stray = r.get("vllm_processes") or []
+        stray = r.vllm_processes or []
         if stray:
             row["process"] = "not ours"
             row["problems"].append(f"{len(stray)} vLLM process(es) not started by deploy: "
@@ -201,27 +201,27 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         return row
     row.update(playbook=st.get("playbook"), pid=st.get("pid"), method=st.get("method"),
                served_model=st.get("served_model_name"))
-    sup = supervision_of(r.get("supervision"), st)
+    sup = supervision_of(r.supervision, st)
     row["supervision"] = sup
     if st.get("alive"):
         _add_endpoint(row, fleet, host, vmid, st.get("port") or 8000)
     if st.get("alive"):
         row["process"] = "running"
-        started = (r.get("supervision") or {}).get("main_started_at") or st.get("started_at", time.time())
+        started = (r.supervision or {}).get("main_started_at") or st.get("started_at", time.time())
         row["uptime_s"] = round(time.time() - started, 1)  # of the process serving now (systemd may restart it)
-        row["health"] = r.get("health")
-        if r.get("health") != 200:
+        row["health"] = r.health
+        if r.health != 200:
             row["healthy"] = False
-            row["problems"].append(f"/health: {r.get('health') or 'no answer'}")
-        elif r.get("listener_problem"):
+            row["problems"].append(f"/health: {r.health or 'no answer'}")
+        elif r.listener_problem:
             row["healthy"] = False
-            row["problems"].append(r["listener_problem"])
-        elif r.get("models_status") in (401, 403):
+            row["problems"].append(r.listener_problem)
+        elif r.models_status in (401, 403):
             row["healthy"] = False
             local = st.get("api_key_env")
-            row["problems"].append(f"/v1/models needs the API key ({r.get('models_status')})" +
+            row["problems"].append(f"/v1/models needs the API key ({r.models_status})" +
                                    (f": export {local} (serve.api_key_env) and run status again" if local else ""))
-        elif st.get("served_model_name") not in (r.get("models") or []):
+        elif st.get("served_model_name") not in (r.models or []):
             row["healthy"] = False
             row["problems"].append(f"/v1/models does not list {st.get('served_model_name')}")
     elif sup["supervisor"] == "systemd":
@@ -239,7 +239,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
     else:
         row["process"] = "exited"
         row["healthy"] = False
-        row["problems"].append(f"vLLM (pid {st.get('pid')}) has exited (code {r.get('exit_code')})")
+        row["problems"].append(f"vLLM (pid {st.get('pid')}) has exited (code {r.exit_code})")
     if sup["supervisor"] == "systemd":
         since = "the container booted (it rebooted after deploy up)" if sup.get("container_restarted") else \
             "deploy up"
@@ -255,10 +255,10 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             + (f": systemd restarted it {sup['restarts']} time(s)" if sup.get("restarts") else "")
             + (" and the container rebooted since" if sup.get("container_restarted") else "")
             + f"; last exit: {exit_text(sup.get('last_exit'))}; its acceptance since that restart is shown as recent")
-    if r.get("last_error"):
-        row["last_error"] = r["last_error"]
+    if r.last_error:
+        row["last_error"] = r.last_error
     if st.get("drafter_path"):
-        pinned, disk = st.get("drafter_sha256"), r.get("drafter_sha256")
+        pinned, disk = st.get("drafter_sha256"), r.drafter_sha256
         row["drafter"] = {"path": st["drafter_path"], "pinned_sha256": pinned, "on_disk_sha256": disk,
                           "drift": disk != pinned}
         if disk != pinned:
@@ -267,9 +267,9 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
                                    f"{disk or 'none (unreadable)'}, "
                                    f"launched with {pinned}; deploy apply-config {st.get('playbook')} reinstalls "
                                    f"the pinned bytes, then deploy restart {st.get('playbook')}")
-    if r.get("metrics"):
-        counters = vf.parse_spec_counters(r["metrics"])
-        life = vf.lifetime_acceptance(r["metrics"]) if counters else None
+    if r.metrics:
+        counters = vf.parse_spec_counters(r.metrics)
+        life = vf.lifetime_acceptance(r.metrics) if counters else None
         row["acceptance"] = {"lifetime": life.as_dict() if life else None,
                              "recent": sampler.recent(f"{host}/{vmid}", counters, st.get("pid"))}
         if sup.get("supervisor") == "systemd" and st.get("alive") and not sup.get("serving_passed_gate") \

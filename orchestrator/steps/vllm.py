@@ -50,18 +50,18 @@ def port_free(ctx: Context, step: Step) -> None:
 def launch(ctx: Context, step: Step) -> LaunchResult:
     t0 = time.monotonic()
     r: LaunchResult = ctx.call(step, secrets={"env": ctx.secrets} if ctx.secrets else None)
-    if not r.get("ok"):
-        if r.get("supervisor") == "systemd":
-            ctx.fail(step.name, t0, f"{r.get('unit')}: {r.get('message', 'launch failed')}",
+    if not r.ok:
+        if r.supervisor == "systemd":
+            ctx.fail(step.name, t0, f"{r.unit}: {(r.message or 'launch failed')}",
                      fix=f"read the unit's journal in the container: pct exec {ctx.pb.vmid} -- journalctl -u "
-                         f"{r.get('unit')} -n 50 (deploy logs {ctx.pb.name})", result=r)
-        ctx.fail(step.name, t0, r.get("message", "launch failed"), fix="check runtime.vllm in the playbook")
-    if r.get("supervisor") == "systemd":
-        ctx.record(step.name, True, f"vllm serve started as systemd unit {r['unit']} (enabled: restarts on failure, "
-                                    f"starts at boot): pid {r['pid']}, log: journalctl -u {r['unit']}", t0, result=r)
+                         f"{r.unit} -n 50 (deploy logs {ctx.pb.name})", result=r)
+        ctx.fail(step.name, t0, (r.message or "launch failed"), fix="check runtime.vllm in the playbook")
+    if r.supervisor == "systemd":
+        ctx.record(step.name, True, f"vllm serve started as systemd unit {r.unit} (enabled: restarts on failure, "
+                                    f"starts at boot): pid {r.pid}, log: journalctl -u {r.unit}", t0, result=r)
         onboot_check(ctx)
     else:
-        ctx.record(step.name, True, f"vllm serve started: pid {r['pid']}, log {r['log_path']}; not supervised: "
+        ctx.record(step.name, True, f"vllm serve started: pid {r.pid}, log {r.log_path}; not supervised: "
                                     "a crash leaves it down (the container does not run systemd)", t0, result=r)
     return r
 
@@ -151,7 +151,7 @@ def check_aux_layers(ctx: Context, ready: ReadyResult, verified, *, blocking: bo
     if got == want:
         ctx.record("aux-layers", True, f"vLLM taps {tuple(got)} as the drafter expects", t0)
         return
-    disk = next((c.get("on_disk") for c in (verified or {}).get("checks", [])
+    disk = next((c.get("on_disk") for c in (verified.checks if verified is not None else [])
                  if c["check"] == "field dflash_config.target_layer_ids"), None)
     if got == ids:
         msg, fix = (f"vLLM taps target layers {tuple(got)}, expected {tuple(want)}: these are the raw ids, so this "

@@ -318,7 +318,7 @@ def test_a_slow_connect_is_timeout_a_refused_one_unreachable():
 
 
 def test_outcomes_and_plans_render_whole(capsys):
-    from orchestrator.cli import render_outcome
+    from orchestrator.render import render_outcome
     from orchestrator.ops import Outcome
 
     err = StepFailed("drift", f"the drafter config changed behind our back while vLLM started: {LONG_PATH} now "

@@ -24,8 +24,8 @@ class ProtocolError(Exception):
 
 @dataclass
 class AgentResult:
-    """Base: typed fields, plus `extra` for fields this side does not know. The mapping methods (`get`, `[]`,
-    `in`) read fields and extra alike, for code that reads results generically (status tables, --json)."""
+    """Base: typed fields, read as attributes, plus `extra` for fields this side does not know (a newer agent's);
+    as_dict() gives the wire form back (for --json and the outcome's details)."""
 
     REQUIRED = ()
     extra: dict = field(default_factory=dict, repr=False)
@@ -48,31 +48,6 @@ class AgentResult:
         out.update(self.extra)
         return out
 
-    # the generic read-only view (and `r["failed"] = ...` annotations the tool adds)
-    def get(self, key, default=None):
-        if key != "extra" and key in self.__dataclass_fields__:
-            v = getattr(self, key)
-            return default if v is None else v
-        return self.extra.get(key, default)
-
-    def __getitem__(self, key):
-        if key != "extra" and key in self.__dataclass_fields__:
-            return getattr(self, key)
-        return self.extra[key]
-
-    def __setitem__(self, key, value):
-        if key != "extra" and key in self.__dataclass_fields__:
-            setattr(self, key, value)
-        else:
-            self.extra[key] = value
-
-    def keys(self):  # so that `{**result}` and dict(result) give the wire form
-        return self.as_dict().keys()
-
-    def __contains__(self, key):
-        return (key != "extra" and key in self.__dataclass_fields__ and getattr(self, key) is not None) or \
-            key in self.extra
-
 
 @dataclass
 class LockResult(AgentResult):
@@ -80,6 +55,8 @@ class LockResult(AgentResult):
     locked: bool = False
     holder: dict = None
     error: str = None
+    lost: bool = None  # a renewal found the lock gone or taken
+    expires: float = None
 
 
 @dataclass
@@ -103,6 +80,13 @@ class CurrentResult(AgentResult):
     drafter_error: str = None
     lock: dict = None
     last_failure: dict = None
+    stopped_at: float = None  # when state.json became state.stopped.json
+    metrics: str = None  # /metrics text
+    supervision: dict = None  # systemd's view (container/systemd.py supervision)
+    listener_problem: str = None  # the port is held by a process not proven ours: the key was not sent
+    exit_code: object = None  # the server's recorded exit (int, or a signal name under systemd)
+    last_error: str = None  # the log line that names the cause
+    argv0_real_now: str = None  # where the recorded argv[0] resolves now (install-vllm switches the runtime link)
 
 
 @dataclass
@@ -116,6 +100,14 @@ class WriteFileResult(AgentResult):
     backup: str = None
     stage: str = None
     message: str = None
+    errno: str = None
+    # hub_drafter: deploy's own drafter directory for a hub id
+    dir: str = None
+    hub_id: str = None
+    snapshot: str = None
+    revision: str = None
+    snapshot_config_sha256: str = None
+    links: list = None
 
 
 @dataclass
@@ -127,10 +119,20 @@ class VerifyResult(AgentResult):
     location: dict = None
     stack: dict = None
     transformers_version: str = None
+    python: str = None
+    target: dict = None
+    trust_remote_code: bool = None
+    loader: str = None
+    loaded_error: str = None
+    local_hint: str = None
+    failed: list = None  # the tool's own: the failing checks (steps/drafter.py verify)
 
 
 @dataclass
 class StopResult(AgentResult):
+    unit: dict = None  # systemd's stop + disable report
+    unit_problem: str = None
+    cgroup_left: list = None
     terminated: list = field(default_factory=list)
     killed: list = field(default_factory=list)
     leftovers: list = field(default_factory=list)
@@ -177,6 +179,15 @@ class LaunchResult(AgentResult):
     pgid: int = None
     log_path: str = None
     message: str = None
+    supervisor: str = None  # systemd | none
+    unit: str = None
+    unit_path: str = None
+    unit_changed: bool = None
+    unit_sha256: str = None
+    env_file: str = None
+    unit_state: dict = None
+    invocation: str = None
+    systemd: bool = None
 
 
 @dataclass
@@ -196,6 +207,10 @@ class ReadyResult(AgentResult):
     models: list = None
     status: int = None
     message: str = None
+    alive: bool = None
+    body: str = None
+    unit: str = None
+    last_exit: dict = None
 
 
 @dataclass
@@ -231,5 +246,6 @@ RESULT_TYPES = {
     "lock": LockResult, "unlock": UnlockResult, "status": CurrentResult, "write_file": WriteFileResult,
     "verify": VerifyResult, "stop": StopResult, "gpus_free": GpusFreeResult, "port_check": PortResult,
     "launch": LaunchResult, "wait_ready": ReadyResult, "file_sha": FileShaResult, "acceptance": AcceptanceResult,
+    "hub_drafter": WriteFileResult,
     "note_failure": NoteFailureResult,
 }
