@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from . import plan as P
 from .errors import DeployError, LockHeld, StepFailed, Unreachable  # noqa: F401 (LockHeld: re-exported)
-from .agent.protocol import CurrentResult, GpusFreeResult, StopResult, VerifyResult, WriteFileResult
+from .agent.protocol import CurrentResult, GpusFreeResult, ReadyResult, StopResult, VerifyResult, WriteFileResult
 from .facts import parse_pct_status
 from .remote import Fleet
 from .report import Progress, sha
@@ -245,7 +245,7 @@ class Run:
     written: WriteFileResult | None = None  # what drafter-config wrote
     read_back: dict = field(default_factory=dict)  # the config read again after a failure: now, or now_error
     verified: dict | None = None
-    ready: dict = field(default_factory=dict)
+    ready: ReadyResult | None = None
     launch_result: dict | None = None  # LaunchResult: the supervisor (systemd unit or none)
     stop_report: dict | None = None
     free: dict | None = None

@@ -1,5 +1,247 @@
-"""The agent protocol, shared by both sides: the dataclasses live in container/protocol.py (they travel in the
-agent's archive, so the agent checks each result against its type before it leaves the container)."""
+"""The typed results of the agent's actions: one dataclass per action result, read as attributes.
 
-from .container.protocol import *  # noqa: F401,F403
-from .container.protocol import PROTOCOL, RESULT_TYPES, AgentResult, ProtocolError  # noqa: F401
+The wire contract (the protocol version, the fields each result must carry) is container/protocol.py, which travels
+with the agent: the agent checks each result against it before it leaves the container, and `parse` here checks the
+same table (a result missing a required field is a protocol error on either side, named with the action and the
+field). Fields a newer agent adds are kept in `.extra`, not dropped. The tool refuses a result from another protocol
+version (agent/call.py `interpret`).
+
+One name per concept: the step, the agent action and the step function share it (`gpus_free`: step
+`gpus-free`; `acceptance`: step `acceptance`, measured and gated by steps/vllm.py `acceptance`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from .container.protocol import PROTOCOL, ProtocolError  # noqa: F401 (re-exported)
+from .container.protocol import REQUIRED as WIRE
+
+
+@dataclass
+class AgentResult:
+    """Base: typed fields, read as attributes, plus `extra` for fields this side does not know (a newer agent's);
+    as_dict() gives the wire form back (for --json and the outcome's details)."""
+
+    REQUIRED = ()
+    extra: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def parse(cls, action, d):
+        if not isinstance(d, dict):
+            raise ProtocolError("agent action %r returned %s, not an object" % (action, type(d).__name__))
+        missing = [k for k in cls.REQUIRED if k not in d]
+        if missing:
+            raise ProtocolError("agent action %r result lacks %s (protocol %d, %s)"
+                                % (action, ", ".join(missing), PROTOCOL, cls.__name__))
+        names = {f.name for f in fields(cls)} - {"extra"}
+        obj = cls(**{k: v for k, v in d.items() if k in names})
+        obj.extra = {k: v for k, v in d.items() if k not in names}
+        return obj
+
+    def as_dict(self):
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        out.update(self.extra)
+        return out
+
+
+@dataclass
+class LockResult(AgentResult):
+    REQUIRED = WIRE["lock"]
+    locked: bool = False
+    holder: dict = None
+    error: str = None
+    lost: bool = None  # a renewal found the lock gone or taken
+    expires: float = None
+
+
+@dataclass
+class UnlockResult(AgentResult):
+    unlocked: bool = False
+    holder: dict = None
+    error: str = None
+
+
+@dataclass
+class CurrentResult(AgentResult):
+    """`status`: what runs in the container now (read by `current`, and by deploy status)."""
+    REQUIRED = WIRE["status"]
+    state: dict = None
+    memory: dict = None
+    health: int = None
+    models: list = None
+    models_status: int = None
+    vllm_processes: list = None
+    drafter_sha256: str = None
+    drafter_error: str = None
+    lock: dict = None
+    last_failure: dict = None
+    stopped_at: float = None  # when state.json became state.stopped.json
+    metrics: str = None  # /metrics text
+    supervision: dict = None  # systemd's view (container/systemd.py supervision)
+    listener_problem: str = None  # the port is held by a process not proven ours: the key was not sent
+    exit_code: object = None  # the server's recorded exit (int, or a signal name under systemd)
+    last_error: str = None  # the log line that names the cause
+    argv0_real_now: str = None  # where the recorded argv[0] resolves now (install-vllm switches the runtime link)
+
+
+@dataclass
+class WriteFileResult(AgentResult):
+    ok: bool = False
+    changed: bool = False
+    path: str = None
+    realpath: str = None
+    before_sha256: str = None
+    after_sha256: str = None
+    backup: str = None
+    stage: str = None
+    message: str = None
+    errno: str = None
+    # hub_drafter: deploy's own drafter directory for a hub id
+    dir: str = None
+    hub_id: str = None
+    snapshot: str = None
+    revision: str = None
+    snapshot_config_sha256: str = None
+    links: list = None
+
+
+@dataclass
+class VerifyResult(AgentResult):
+    REQUIRED = WIRE["verify"]
+    checks: list = field(default_factory=list)
+    sha256: str = None
+    sha256_after: str = None
+    location: dict = None
+    stack: dict = None
+    transformers_version: str = None
+    python: str = None
+    target: dict = None
+    trust_remote_code: bool = None
+    loader: str = None
+    loaded_error: str = None
+    local_hint: str = None
+    failed: list = None  # the tool's own: the failing checks (steps/drafter.py verify)
+
+
+@dataclass
+class StopResult(AgentResult):
+    unit: dict = None  # systemd's stop + disable report
+    unit_problem: str = None
+    cgroup_left: list = None
+    terminated: list = field(default_factory=list)
+    killed: list = field(default_factory=list)
+    leftovers: list = field(default_factory=list)
+    foreign: list = field(default_factory=list)
+    fuser: dict = None
+    seconds: float = 0.0
+    state: dict = None
+    gpu_before: dict = None
+    refused: str = None
+    running: str = None
+    not_ours: str = None
+    state_error: str = None
+    stopped: list = None  # the tool's own summary: terminated + killed
+
+
+@dataclass
+class GpusFreeResult(AgentResult):
+    REQUIRED = WIRE["gpus_free"]
+    verdict: str = None  # free | held_inside | held_outside | gpu_missing | nvidia_smi_*
+    before: dict = None
+    after: dict = None
+    seconds: float = 0.0
+    busy: list = None
+    holders: list = None
+    missing: list = None
+    seen: list = None
+    command: str = None
+    message: str = None
+    timeout_s: float = None
+
+
+@dataclass
+class PortResult(AgentResult):
+    REQUIRED = WIRE["port_check"]
+    listeners: list = field(default_factory=list)
+    port: int = None
+
+
+@dataclass
+class LaunchResult(AgentResult):
+    REQUIRED = WIRE["launch"]
+    ok: bool = False
+    pid: int = None
+    pgid: int = None
+    log_path: str = None
+    message: str = None
+    supervisor: str = None  # systemd | none
+    unit: str = None
+    unit_path: str = None
+    unit_changed: bool = None
+    unit_sha256: str = None
+    env_file: str = None
+    unit_state: dict = None
+    invocation: str = None
+    systemd: bool = None
+
+
+@dataclass
+class ReadyResult(AgentResult):
+    """`wait_ready`: serving, or why not (reason: fatal, exited, timeout, model_missing, auth, ...)."""
+    REQUIRED = WIRE["wait_ready"]
+    ready: bool = False
+    seconds: float = 0.0
+    reason: str = None
+    cause: str = None
+    line: str = None
+    fix: str = None
+    exit_code: int = None
+    log_tail: list = None
+    phases: list = None
+    aux_layers: list = None
+    models: list = None
+    status: int = None
+    message: str = None
+    alive: bool = None
+    body: str = None
+    unit: str = None
+    last_exit: dict = None
+
+
+@dataclass
+class FileShaResult(AgentResult):
+    sha256: str = None
+    path: str = None
+    realpath: str = None
+    size: int = None
+    error: str = None
+    errno: int = None
+
+
+@dataclass
+class AcceptanceResult(AgentResult):
+    """`acceptance`: /metrics before and after the probe requests (and the log tail for the fallback line)."""
+    REQUIRED = WIRE["acceptance"]
+    ok: bool = False
+    before: str = None
+    after: str = None
+    sent: int = 0
+    succeeded: int = 0
+    errors: list = field(default_factory=list)
+    log_tail: list = None
+    message: str = None
+
+
+@dataclass
+class NoteFailureResult(AgentResult):
+    ok: bool = False
+
+
+RESULT_TYPES = {
+    "lock": LockResult, "unlock": UnlockResult, "status": CurrentResult, "write_file": WriteFileResult,
+    "verify": VerifyResult, "stop": StopResult, "gpus_free": GpusFreeResult, "port_check": PortResult,
+    "launch": LaunchResult, "wait_ready": ReadyResult, "file_sha": FileShaResult, "acceptance": AcceptanceResult,
+    "hub_drafter": WriteFileResult,
+    "note_failure": NoteFailureResult,
+}

@@ -8,6 +8,7 @@ calls `store` (exec'd from the archive itself, so BOOT stays small). See orchest
 """
 
 import os
+import sys
 import time
 
 KEEP = 3  # archives kept in the cache: this one and the newest others (another deploy version may still run)
@@ -23,16 +24,22 @@ def _vpd(H, D):
             from _sha256 import sha256
         except ImportError:
             from hashlib import sha256
-    P = D and D + "/" + H + ".zip"
-    try:
+    P = None
+    try:  # this Python's compiled copy (H.TAG.SHA.zip), else the archive itself (H.zip), each checked by hash
         s = os.lstat(D)
-        with os.fdopen(os.open(P, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
-            ok = (s.st_uid in (0, os.geteuid()) and s.st_mode & 0o170777 == 0o40700
-                  and sha256(f.read()).hexdigest() == H)
+        if s.st_uid in (0, os.geteuid()) and s.st_mode & 0o170777 == 0o40700:
+            k = "%s.%s." % (H, sys.implementation.cache_tag)
+            for n in [x for x in os.listdir(D) if x.startswith(k)] + [H + ".zip"]:
+                try:
+                    with os.fdopen(os.open(D + "/" + n, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+                        if sha256(f.read()).hexdigest() == (n[len(k):-4] if n.startswith(k) else H):
+                            P = D + "/" + n
+                            break
+                except OSError:
+                    pass
     except (OSError, TypeError):
-        ok = False
-    b = None
-    if not ok:
+        pass
+    if P is None:
         b = sys.modules["__main__"].__dict__.pop("_VPD_ARCHIVE", None)
         if b is None:
             print('{"need": "%s"}' % H, flush=True)
@@ -117,14 +124,18 @@ def store(sha, cache_dir, data):
 
 
 def prune(dfd, keep_name):
-    """Remove all but the newest KEEP archives (keep_name always stays), and temp files of writers that died."""
+    """Remove all but the newest KEEP archives (keep_name always stays) with their compiled copies, and temp files
+    of writers that died."""
     def mtime(n):
         return os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime
 
     try:
-        others = sorted((mtime(n), n) for n in os.listdir(dfd) if n.endswith(".zip") and n != keep_name)
+        names = os.listdir(dfd)
+        others = sorted((mtime(n), n) for n in names if n.endswith(".zip") and n.count(".") == 1 and n != keep_name)
         for _, n in others[:max(0, len(others) - (KEEP - 1))]:
-            os.unlink(n, dir_fd=dfd)
+            for m in names:
+                if m.startswith(n[:-len("zip")]):
+                    os.unlink(m, dir_fd=dfd)
         for n in os.listdir(dfd):
             if n.startswith(".") and ".tmp-" in n and time.time() - mtime(n) > 3600:
                 os.unlink(n, dir_fd=dfd)
@@ -132,11 +143,59 @@ def prune(dfd, keep_name):
         pass
 
 
+def compile_archive(sha, cache_dir, path):
+    """This Python's compiled copy of the archive: every module as unchecked hash-based bytecode (PEP 552) beside
+    its source, kept as CACHE/SHA.TAG.SHA256-OF-IT.zip, so later execs of the same Python skip compiling (the
+    agent's largest cost per exec). Best effort: the agent runs from the source archive when this fails."""
+    import hashlib
+    import importlib.util
+    import io
+    import marshal
+    import zipfile
+
+    if not cache_dir or os.path.dirname(path) != cache_dir or not path.endswith(sha + ".zip"):
+        return None
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+        if hashlib.sha256(data).hexdigest() != sha:
+            return None
+        out = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+            for info in src.infolist():
+                body = src.read(info)
+                dst.writestr(info.filename, body)
+                if info.filename.endswith(".py"):
+                    code = compile(body, path + "/" + info.filename, "exec", dont_inherit=True)
+                    pyc = (importlib.util.MAGIC_NUMBER + (1).to_bytes(4, "little") + importlib.util.source_hash(body)
+                           + marshal.dumps(code))
+                    dst.writestr(info.filename + "c", pyc)
+        blob = out.getvalue()
+        name = "%s.%s.%s.zip" % (sha, sys.implementation.cache_tag, hashlib.sha256(blob).hexdigest())
+        dfd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            tmp = ".%s.tmp-%d-%s" % (name, os.getpid(), os.urandom(6).hex())
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return os.path.join(cache_dir, name)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
 def program(sha, cache_dir, path):
     """This agent as a program for another interpreter's stdin (the detached install runner, a staging venv's
     Python): the archive inline (so it runs even if the cache was pruned meanwhile), then the bootstrap."""
     import hashlib
 
+    if not path.endswith("/" + sha + ".zip"):  # a compiled copy: send the archive it was built from
+        path = os.path.join(cache_dir, sha + ".zip")
     with open(path, "rb") as fh:
         data = fh.read()
     if hashlib.sha256(data).hexdigest() != sha:

@@ -5,7 +5,6 @@ a read-back; log tails with control sequences stripped."""
 import stat as _stat
 import base64
 import errno
-import hashlib
 import json
 import os
 import re
@@ -127,6 +126,8 @@ def _sha_at(dfd, name, follow=True):
         st = os.fstat(fh.fileno())
         if not _stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", name)
+        import hashlib
+
         h = hashlib.sha256()
         raw = bytearray()  # kept for the backup: the exact bytes hashed
         for chunk in iter(lambda: fh.read(1 << 16), b""):
@@ -177,6 +178,8 @@ def tail_file(path, n, grep=None, exclude=None):
 def write_owned(d, name, data, mode):
     """A file that only deploy writes (the unit, its environment file): only when its bytes differ; temp file,
     fsync, rename, read back; through a checked directory fd, never through a symlink. -> (changed, sha256)"""
+    import hashlib
+
     want = hashlib.sha256(data).hexdigest()
     dfd = open_dir(d)
     try:

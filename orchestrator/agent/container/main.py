@@ -3,7 +3,8 @@ request per stdin line. Each action's module is imported when that action runs, 
 status needs (not the installer, verify or doctor).
 
 Output: zero or more {"event": ...} lines, then exactly one {"result": ..., "protocol": N}; an exception becomes
-{"result": {"error", "traceback"}}. Every result is checked against its type in protocol.py before it leaves.
+{"result": {"error", "traceback"}}. Every result is checked against the wire contract (protocol.py) before it
+leaves.
 """
 
 import base64
@@ -38,7 +39,7 @@ def handler(action):
 
 def run_action(action, args, rid=None):
     """Run one action and emit its one result line; 0 on success, 1 when it raised, 2 for an unknown action."""
-    from .protocol import PROTOCOL, RESULT_TYPES
+    from .protocol import PROTOCOL, check
 
     extra = {} if rid is None else {"id": rid}
     fn = handler(action)
@@ -47,9 +48,7 @@ def run_action(action, args, rid=None):
         return 2
     try:
         res = fn(args)
-        typ = RESULT_TYPES.get(action)
-        if typ is not None:
-            typ.parse(action, res)  # a result that breaks the shared protocol fails here, by name
+        check(action, res)  # a result that breaks the shared protocol fails here, by name
         emit(result=res, protocol=PROTOCOL, **extra)
     except BrokenPipeError:
         raise
@@ -109,4 +108,8 @@ def run(argv, sha, cache_dir, path):
     core.SECRETS = g.get("SECRETS") or {}
     core.PAYLOAD = g.get("PAYLOAD")
     core.ARCHIVE = {"sha256": sha, "cache_dir": cache_dir, "path": path}
+    if cache_dir and path == os.path.join(cache_dir, sha + ".zip"):  # no compiled copy for this Python yet
+        from .cache import compile_archive
+
+        compile_archive(sha, cache_dir, path)
     sys.exit(main(argv))
