@@ -1,6 +1,6 @@
 """`deploy doctor [HOST|HOST/VMID ...]`: read-only diagnosis of a vLLM that `deploy` may not have started.
 
-One agent `doctor` call per container (orchestrator/agent/agent.py: act_doctor) gathers the facts; `diagnose()`
+One agent `doctor` call per container (orchestrator/agent/container/doctor.py: act_doctor) gathers the facts; `diagnose()`
 (pure, tested on dicts) names each field-report failure class it finds, with its cause and the `deploy` command
 that fixes it. Nothing is changed anywhere.
 
@@ -67,7 +67,7 @@ def pick_pinned(drafter: dict, pinned: list[dict]) -> dict | None:
 
 
 def fixes_present(stack: dict) -> tuple[bool, bool]:
-    """(+1 layer-id offset, DFlash sliding window), by the same rules as verify's serving checks (agent.py)."""
+    """(+1 layer-id offset, DFlash sliding window), by the same rules as verify's serving checks (agent/container/stack.py)."""
     v = vf.vtuple(stack.get("version"))
     m = stack.get("markers") or {}
     plus1 = bool(m.get("plus1_fix") or (v is not None and v >= (0, 22) and m.get("pr40898_sliding_window")))

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
+import threading
 import zipfile
 from functools import lru_cache
 
@@ -61,3 +63,66 @@ def inline() -> bytes:
     """The archive as a preamble line, for an exec whose container asked for it (or a test that runs the agent
     locally)."""
     return cache.inline(archive())
+
+
+# What this workstation knows the containers hold: {"HOST|ADDRESS|PORT/VMID:CACHE_DIR": archive sha256}, in the
+# workstation's state directory. A one-shot exec (`PYTHON - ACTION ARGS`, the program is all of stdin, so the
+# container cannot ask for more on the same channel) sends the archive inline when the container is not known to
+# have this version, and only the bootstrap when it is: one exec either way. A container that lost its copy
+# answers {"need"} and gets the archive in a second exec (then the entry is corrected).
+_known: dict | None = None
+_known_lock = threading.Lock()
+
+
+def _known_path() -> str:
+    from ..remote import state_dir
+
+    return os.path.join(state_dir(), "agent-cache.json")
+
+
+def container_key(host, vmid: int, cache: str) -> str:
+    return f"{host.name}|{host.address or host.ssh_config_alias}|{host.port}/{vmid}:{cache}"
+
+
+def _load() -> dict:
+    """The known set, read once per process and state directory (tests switch DEPLOY_STATE_DIR)."""
+    global _known
+    path = _known_path()
+    if _known is None or _known.get("") != path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            data = {}
+        _known = {k: v for k, v in data.items() if isinstance(v, str)} if isinstance(data, dict) else {}
+        _known[""] = path
+    return _known
+
+
+def known(key: str) -> bool:
+    with _known_lock:
+        return _load().get(key) == sha256()
+
+
+def remember(key: str, present: bool) -> None:
+    """Record (or forget) that the container behind key holds this archive; best effort, written atomically."""
+    with _known_lock:
+        cur = _load()
+        if present == (cur.get(key) == sha256()):
+            return
+        if present:
+            cur[key] = sha256()
+        else:
+            cur.pop(key, None)
+        path = cur[""]
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump({k: v for k, v in cur.items() if k}, fh, indent=0, sort_keys=True)
+            os.rename(tmp, path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

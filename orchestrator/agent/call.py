@@ -40,8 +40,9 @@ def agent_argv(python: str, action: str, args: dict) -> list[str]:
 def call(session, vmid: int, python: str, action: str, args: dict, *, payload: bytes | None = None,
          secrets: dict | None = None, bulk: dict | None = None, timeout: float = 60.0, on_event=None):
     """Run one agent action in the container, in a process of its own (one `pct exec`); returns its typed result.
-    The archive is sent only when the container asks for it ({"need": SHA}, exit 3, before anything ran): then the
-    exec goes again with the archive inline, which the container keeps. Raises on transport-level failure.
+    The archive goes inline only when this workstation does not know the container to hold this version
+    (archive.known); a container that answers {"need": SHA} (exit 3, before anything ran: it lost its copy) gets
+    the exec again with the archive inline, which it keeps. Raises on transport-level failure.
     AgentSession.call does the same over one agent process for many steps."""
 
     def on_line(raw: bytes):
@@ -57,12 +58,13 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
         return False
 
     cache_dir = archive.cache_dir(args.get("state_dir"))
+    key = archive.container_key(session.host, vmid, cache_dir)
+    inline = not archive.known(key)
     deadline = time.monotonic() + timeout
-    for inline in (False, True):
+    while True:
         res = session.ct(vmid, agent_argv(python, action, args),
                          stdin=agent_stdin(payload, secrets, bulk, cache_dir=cache_dir, inline=inline),
-                         timeout=max(1.0, deadline - time.monotonic()) if inline else timeout,
-                         label=f"agent:{action}", on_line=on_line)
+                         timeout=max(1.0, deadline - time.monotonic()), label=f"agent:{action}", on_line=on_line)
         result = proto = need = None
         for line in res.out.splitlines():
             try:
@@ -74,7 +76,11 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
             elif isinstance(msg, dict) and "need" in msg:
                 need = msg["need"]
         if result is None and need == archive.sha256() and res.exited == archive.NEED_EXIT and not inline:
-            continue  # the container lacks this version of the agent; nothing ran: send it along
+            archive.remember(key, False)  # it lost its copy; nothing ran: send the exec again with the archive
+            inline = True
+            continue
+        if result is not None:
+            archive.remember(key, True)
         break
     return interpret(result, proto, action, python, where=f"{session.host.name}/{vmid}", vmid=vmid,
                      exited=res.exited, err=res.err.strip() or res.out.strip())

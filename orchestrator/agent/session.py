@@ -76,6 +76,8 @@ class AgentSession:
             hello = {}
         if isinstance(hello, dict) and hello.get("need") == archive.sha256():
             line, hello = self._send_archive(time.monotonic() + timeout)
+        if isinstance(hello, dict) and hello.get("protocol") == PROTOCOL:
+            archive.remember(archive.container_key(self.session.host, self.vmid, self.cache_dir), True)
         if hello.get("protocol") != PROTOCOL:
             self.close()
             raise AgentError(f"the agent session answered {line[:200]!r}, not protocol {PROTOCOL}", where=self.where,
