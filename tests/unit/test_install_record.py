@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from orchestrator.agent.container import install as A
+from orchestrator.agent.container.runner import switch_runtime
 from orchestrator.agent.container.stack import record_check
 from orchestrator.install import requirement
 from orchestrator.spec import _vllm_source
@@ -61,13 +62,13 @@ def test_switch_runtime_moves_the_original_once(tmp_path):
     (root / "bin").mkdir(parents=True)
     (tmp_path / "ml-env.versions" / "a").mkdir(parents=True)
     (tmp_path / "ml-env.versions" / "b").mkdir()
-    prev, new = A.switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "a"))
+    prev, new = switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "a"))
     assert prev.startswith("ml-env.versions/original-") and new == "ml-env.versions/a"
     assert os.readlink(root) == "ml-env.versions/a" and (tmp_path / prev / "bin").is_dir()
-    prev2, _ = A.switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "b"))
+    prev2, _ = switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "b"))
     assert prev2 == "ml-env.versions/a" and os.readlink(root) == "ml-env.versions/b"
     with pytest.raises(ValueError):
-        A.switch_runtime(str(root), str(tmp_path / "elsewhere"))
+        switch_runtime(str(root), str(tmp_path / "elsewhere"))
 
 
 @pytest.mark.parametrize("spec, req, version", [

@@ -156,6 +156,8 @@ def compile_archive(sha, cache_dir, path):
     if not cache_dir or os.path.dirname(path) != cache_dir or not path.endswith(sha + ".zip"):
         return None
     try:
+        if any(n.startswith("%s.%s." % (sha, sys.implementation.cache_tag)) for n in os.listdir(cache_dir)):
+            return None  # another exec compiled it meanwhile
         with open(path, "rb") as fh:
             data = fh.read()
         if hashlib.sha256(data).hexdigest() != sha:
@@ -187,6 +189,31 @@ def compile_archive(sha, cache_dir, path):
         return os.path.join(cache_dir, name)
     except (OSError, SyntaxError, ValueError):
         return None
+
+
+def compile_in_background(sha, cache_dir, path):
+    """compile_archive in a detached child (its own session, no stdio of ours), so this exec's answer does not
+    wait for it: the first exec of a version runs from the sources, the next ones from the compiled copy."""
+    try:
+        pid = os.fork()
+    except OSError:
+        return
+    if pid:
+        try:  # the child forks again and exits at once: reaped here, the grandchild is init's
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+        return
+    try:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        compile_archive(sha, cache_dir, path)
+    finally:
+        os._exit(0)
 
 
 def program(sha, cache_dir, path):

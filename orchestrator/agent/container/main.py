@@ -23,7 +23,7 @@ ACTIONS = {
     "speed": "probe:act_speed", "logs": "logs:act_logs", "lock": "lock:act_lock", "unlock": "lock:act_unlock",
     "status": "status:act_status", "note_failure": "state:act_note_failure", "verify": "verify:act_verify",
     "doctor": "doctor:act_doctor", "hub_drafter": "hub:act_hub_drafter", "stack_check": "stack:act_stack_check",
-    "install_vllm": "install:act_install_vllm", "install_run": "install:act_install_run",
+    "install_vllm": "install:act_install_vllm", "install_run": "runner:act_install_run",
 }
 
 
@@ -109,7 +109,7 @@ def run(argv, sha, cache_dir, path):
     core.PAYLOAD = g.get("PAYLOAD")
     core.ARCHIVE = {"sha256": sha, "cache_dir": cache_dir, "path": path}
     if cache_dir and path == os.path.join(cache_dir, sha + ".zip"):  # no compiled copy for this Python yet
-        from .cache import compile_archive
+        from .cache import compile_in_background
 
-        compile_archive(sha, cache_dir, path)
+        compile_in_background(sha, cache_dir, path)
     sys.exit(main(argv))
