@@ -156,8 +156,13 @@ def compile_archive(sha, cache_dir, path):
     if not cache_dir or os.path.dirname(path) != cache_dir or not path.endswith(sha + ".zip"):
         return None
     try:
-        if any(n.startswith("%s.%s." % (sha, sys.implementation.cache_tag)) for n in os.listdir(cache_dir)):
-            return None  # another exec compiled it meanwhile
+        prefix = "%s.%s." % (sha, sys.implementation.cache_tag)
+        for n in os.listdir(cache_dir):
+            if n.startswith(prefix) and n.endswith(".zip"):
+                with open(os.path.join(cache_dir, n), "rb") as fh:
+                    if hashlib.sha256(fh.read()).hexdigest() == n[len(prefix):-4]:
+                        return None  # another exec compiled it meanwhile
+                os.unlink(os.path.join(cache_dir, n))  # damaged: replaced below
         with open(path, "rb") as fh:
             data = fh.read()
         if hashlib.sha256(data).hexdigest() != sha:
