@@ -513,9 +513,11 @@ def test_the_heartbeat_renews_the_lock_until_stopped_and_reports_a_loss():
         def __init__(self, answers):
             self.answers = answers
 
-        def call(self, step, fresh=False):
+        def call(self, step, fresh=False):  # as Context.call: the typed result
+            from orchestrator.agent.protocol import LockResult
+
             calls.append(step.args)
-            return self.answers.pop(0) if self.answers else {"locked": True}
+            return LockResult.parse("lock", self.answers.pop(0) if self.answers else {"locked": True})
 
     step = Step("lock", "t", "pve1", 129, action="lock", args={"token": "T", "term_s": 0.2, "lease_s": 60})
     beat = ops.Heartbeat(Ctx([]), step).start()
