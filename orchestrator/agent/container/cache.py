@@ -17,13 +17,7 @@ NEED_EXIT = 3
 BOOT = '''\
 def _vpd(H, D):
     import os, sys
-    try:
-        from _sha2 import sha256
-    except ImportError:
-        try:
-            from _sha256 import sha256
-        except ImportError:
-            from hashlib import sha256
+    from hashlib import sha256
     P = None
     try:  # this Python's compiled copy (H.TAG.SHA.zip), else the archive itself (H.zip), each checked by hash
         s = os.lstat(D)
@@ -47,7 +41,8 @@ def _vpd(H, D):
                 sys.exit(3)
             b = sys.stdin.buffer.read(int(sys.stdin.buffer.readline()))
         if sha256(b).hexdigest() != H:
-            print('{"result": {"error": "the agent archive arrived damaged (sha256 differs)"}}', flush=True)
+            print('{"result": {"error": "the agent archive arrived damaged (sha256 differs)", "traceback": ""}}',
+                  flush=True)
             sys.exit(1)
         import io, zipfile
         g = {}
@@ -168,7 +163,7 @@ def compile_archive(sha, cache_dir, path):
         if hashlib.sha256(data).hexdigest() != sha:
             return None
         out = io.BytesIO()
-        with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
             for info in src.infolist():
                 body = src.read(info)
                 dst.writestr(info.filename, body)
