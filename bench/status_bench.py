@@ -43,7 +43,7 @@ sys.path.insert(0, REPO)
 RAW_PROBE = "nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits"
 VMID = 129
 CMD_TIMEOUT = 60.0          # any single subprocess
-DEADLINE = 15.0             # deploy status --deadline (its per-host deadline)
+DEADLINE = 30.0             # deploy status --deadline (its per-host deadline; generous: the machine may be loaded)
 WATCH_INTERVAL = 0.3        # pause between in-process --watch refreshes (the real --watch N sleeps N s)
 
 

@@ -8,8 +8,9 @@ import sys
 import click
 
 from . import __version__
-from .errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, DeployError, UsageError
-from .render import render_outcome, render_plans, render_verify
+from .errors import (EXIT_CODES_HELP, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, DeployError,
+                     UsageError)
+from .render import _echo_wrapped, render_outcome, render_plans, render_verify
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -38,7 +39,9 @@ def fail(err: DeployError, as_json: bool) -> None:
     if as_json:
         dump_json({"ok": False, **err.as_dict()})
     else:
-        click.echo(err.render(), err=True)
+        from .report import term_width, wrap
+
+        click.echo(wrap(err.render(), term_width(sys.stderr), indent=4), err=True)
     sys.exit(err.exit_code)
 
 
@@ -47,6 +50,9 @@ def run_guarded(fn, obj: Obj):
         return fn()
     except DeployError as e:
         fail(e, obj.json)
+    except KeyboardInterrupt:  # Ctrl-C outside an operation's steps (those say what they left): exit 130
+        click.echo("\ninterrupted (Ctrl-C)", err=True)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 @click.group(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
@@ -79,7 +85,7 @@ def main(ctx, inventory, verbose, as_json):
                  ~/.config/vllm-pve-deploy/hosts.yaml
 
     \b
-    Shell completion (bash; zsh and fish alike, see docs/cli.md):
+    Shell completion (bash; zsh and fish alike, see deploy docs cli#shell-completion):
       eval "$(_DEPLOY_COMPLETE=bash_source deploy)"
     """
     from .report import guard_std_streams
@@ -125,7 +131,36 @@ def load(obj: Obj, playbook: str):
     from .spec import load_playbook
 
     inv = obj.inventory()
+    not_a_container(inv, playbook)
     return inv, load_playbook(playbook, inv)
+
+
+def not_a_container(inv, playbook: str) -> None:
+    """`deploy down pve1/129`: HOST/VMID of the inventory where a PLAYBOOK is expected -> a usage error (exit 2,
+    nothing ran) naming the playbooks that target that container, instead of "file not found"."""
+    import re
+
+    m = re.fullmatch(r"([^/\s]+)/(\d+)", playbook)
+    if not m or os.path.exists(playbook) or m.group(1) not in inv.hosts:
+        return
+    from .locate import list_playbooks
+    from .spec import SpecError, load_playbook
+
+    cmd = click.get_current_context().info_name or "COMMAND"
+    mine = []
+    for n in list_playbooks():
+        try:
+            pb = load_playbook(n, inv)
+        except (SpecError, UsageError, OSError):
+            continue
+        if any(t["host"] == m.group(1) and t["vmid"] == int(m.group(2)) for t in pb.targets):
+            mine.append((n, pb.is_fleet))
+    which = ", ".join(n for n, _ in mine) or "none here"
+    fixes = [f"deploy {cmd} {n}" + (f" {playbook}" if fleet else "") for n, fleet in mine]
+    raise UsageError(f"{playbook} is a container, not a playbook: deploy {cmd} takes the PLAYBOOK (playbooks that "
+                     f"target {playbook}: {which}); nothing was run",
+                     fix=("; ".join(fixes) + "; " if fixes else "")
+                     + f"deploy status {playbook} shows which playbook runs there")
 
 
 # ------------------------------------------------------------------ plan
@@ -149,7 +184,10 @@ def plan(obj, playbook, restart, clean_gpus):
         from . import plan as P
 
         inv, pb = load(obj, playbook)
-        render_plans(obj.json, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=restart))
+        from .ops import Options
+
+        render_plans(obj.json, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=restart,
+                                                       ask=Options(clean_gpus=clean_gpus).ask_before_kill(m)))
     run_guarded(go, obj)
 
 
@@ -168,11 +206,12 @@ def _outcome_exit(obj, out):
         sys.exit(EXIT_OK)
     err = (out.fallback.error if out.fallback else None) or out.error
     sys.exit(EXIT_UNREACHABLE if isinstance(err, Unreachable) else
-             (err.exit_code if err is not None and err.exit_code == EXIT_USAGE else EXIT_FAILED))
+             (err.exit_code if err is not None and err.exit_code in (EXIT_USAGE, EXIT_INTERRUPTED) else EXIT_FAILED))
 
 
 def up_options(f):
-    f = click.option("-y", "--yes", is_flag=True, help="Replace a different running deployment without asking.")(f)
+    f = click.option("-y", "--yes", is_flag=True, help="Replace a different running deployment, and with --clean-gpus "
+                                                       "kill GPU holders, without asking (for scripts).")(f)
     f = click.option("--wait-lock", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
                      help="Wait this long for another deploy's lock instead of failing at once.")(f)
     f = click.option("--dry-run", is_flag=True, help="Print the plan and run nothing (same as deploy plan).")(f)
@@ -182,7 +221,9 @@ def up_options(f):
 def _confirm(prompt):
     if not sys.stdin.isatty():
         return False
-    return click.confirm(prompt, default=False, err=True)
+    from .report import term_width, wrap
+
+    return click.confirm(wrap(prompt, term_width(sys.stderr), indent=4), default=False, err=True)
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -191,7 +232,9 @@ def _confirm(prompt):
 @click.option("--skip-config-write", is_flag=True,
               help="Do not install the pinned drafter config. Verify still runs and reports, but does not stop the "
                    "launch: a rehearsal of the field report, where the acceptance gate must catch a stale config.")
-@click.option("--clean-gpus", is_flag=True, default=None, help="fuser -k the container's GPUs when stopping.")
+@click.option("--clean-gpus", is_flag=True, default=None,
+              help="fuser -k the container's GPUs when stopping (asks first, listing the holders deploy did not "
+                   "start; -y does not ask).")
 @click.option("--parallel", type=click.IntRange(min=1), default=None, metavar="N",
               help="A playbook with targets: bring up at most N targets at a time (default: all at once).")
 @click.option("--install-vllm", "install_first", is_flag=True,
@@ -216,7 +259,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
     Examples:
       deploy up qwen36-dflash
       deploy up qwen36-dflash --dry-run
-      deploy up qwen36-dflash --install-vllm
+      deploy up my-dflash --install-vllm         # a playbook with requires.vllm
       deploy --json up qwen36-mtp -y > result.json
       deploy up qwen36-replicas --parallel 2      # a playbook with targets:
     """
@@ -227,12 +270,13 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
 
         inv, pb = load(obj, playbook)
         if dry_run:
-            return render_plans(obj.json, inv, pb, lambda m: P.plan_up(m, write_config=not skip_config_write,
-                                                                   clean_gpus=clean_gpus))
+            return render_plans(obj.json, inv, pb, lambda m: P.plan_up(
+                m, write_config=not skip_config_write, clean_gpus=clean_gpus,
+                ask=ops.Options(clean_gpus=clean_gpus, yes=yes).ask_before_kill(m)))
         if install_first and not pb.data["requires"].get("vllm"):
             raise UsageError(f"--install-vllm: {pb.name} does not say which vLLM it needs (requires.vllm); "
                              "nothing was run",
-                             where=pb.path, fix="add requires.vllm to the playbook (docs/playbooks.md#requires)")
+                             where=pb.path, fix="add requires.vllm to the playbook (deploy docs playbooks#requires)")
         if install_first and pb.is_fleet:
             raise UsageError(f"--install-vllm: {pb.name} has targets; up --install-vllm takes a one-target playbook",
                              where=pb.path, fix=f"deploy install-vllm {pb.name} (each target in turn), then "
@@ -269,10 +313,10 @@ def _fleet_exit(obj, res):
         for o in res["_outcomes"]:
             if o is not None and not o.ok:
                 render_outcome(o)
-                click.echo(f"  this target alone: deploy logs {o.where}; deploy down {res['playbook']} {o.where}; "
-                           f"deploy status {o.where}", err=True)
+                _echo_wrapped(f"  this target alone: deploy logs {o.where}; deploy down {res['playbook']} {o.where}; "
+                              f"deploy status {o.where}", err=True)
         for line in F.render(res):
-            click.echo(line)
+            _echo_wrapped(line)
     sys.exit(F.exit_code(res))
 
 
@@ -282,7 +326,9 @@ def _fleet_exit(obj, res):
               help="Wait this long for another deploy's lock instead of failing at once.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and run nothing.")
 @click.option("--clean-gpus", is_flag=True, default=None,
-              help="After stopping, fuser -k -TERM then -KILL whatever in the container still holds /dev/nvidia*.")
+              help="After stopping, fuser -k -TERM then -KILL whatever in the container still holds the playbook's "
+                   "/dev/nvidiaN (asks first, listing the holders deploy did not start).")
+@click.option("-y", "--yes", is_flag=True, help="With --clean-gpus: kill the GPU holders without asking (scripts).")
 @click.option("--rolling", is_flag=True,
               help="A playbook with targets: one target at a time, the next only after this one passed its gates "
                    "(the others keep serving); a failure stops the roll-out there.")
@@ -290,7 +336,7 @@ def _fleet_exit(obj, res):
               help="With --rolling: restart N targets at a time (default 1).")
 @json_option
 @click.pass_obj
-def restart(obj, playbook, wait_lock, dry_run, clean_gpus, rolling, max_unavailable):
+def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_unavailable):
     """Stop, free and prove the GPUs free, verify the drafter config, start again, and gate on acceptance.
 
     Without PLAYBOOK: restart what the state file in each inventory container says is running there.
@@ -302,7 +348,7 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, rolling, max_unavaila
     \b
     Examples:
       deploy restart qwen36-dflash --clean-gpus
-      deploy restart --clean-gpus
+      deploy restart --clean-gpus -y
       deploy restart qwen36-replicas --rolling
       deploy restart qwen36-replicas --rolling --max-unavailable 2
     """
@@ -323,12 +369,16 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, rolling, max_unavaila
                               fix="deploy restart PLAYBOOK")
         from .spec import load_playbook
 
+        if playbook:
+            not_a_container(inv, playbook)
         pbs = [load_playbook(n, inv) for n in names]
         if dry_run:
             for pb in pbs:
-                render_plans(obj.json, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=True))
+                render_plans(obj.json, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=True,
+                                                               ask=ops.Options(clean_gpus=clean_gpus, yes_kill=yes)
+                                                               .ask_before_kill(m)))
             return
-        opts = ops.Options(yes=True, clean_gpus=clean_gpus, wait_lock_s=wait_lock)
+        opts = ops.Options(yes=True, clean_gpus=clean_gpus, wait_lock_s=wait_lock, yes_kill=yes, confirm=_confirm)
         if len(pbs) == 1 and (rolling or pbs[0].is_fleet):
             from . import fleet as F
 
@@ -509,12 +559,15 @@ def install_vllm(obj, playbook, yes, rollback, force):
     requires.install.timeout_s is "build not finished", never success. A serving vLLM is not touched (asked
     first; -y to proceed): the next `deploy up`/`restart` starts the new build.
 
+    The shipped playbooks name no requires.vllm: add it to your copy first (deploy init; deploy docs
+    playbooks#requires), e.g. `requires: {vllm: "0.34.0"}`, as my-dflash below.
+
     \b
     Examples:
-      deploy install-vllm qwen36-dflash
-      deploy install-vllm qwen36-dflash -y
-      deploy install-vllm qwen36-dflash --rollback
-      deploy --json install-vllm qwen36-dflash
+      deploy install-vllm my-dflash                # my-dflash.yaml: a copy with requires.vllm
+      deploy install-vllm my-dflash -y
+      deploy install-vllm my-dflash --rollback
+      deploy --json install-vllm my-dflash
     """
     def go():
         from .install import install
@@ -525,7 +578,8 @@ def install_vllm(obj, playbook, yes, rollback, force):
             raise UsageError(f"{pb.name} does not say which vLLM it needs (requires.vllm); nothing was run",
                              where=pb.path, fix="add requires.vllm to the playbook: a version (\"0.34.0\"), "
                                                 "git+https://github.com/ORG/vllm@BRANCH, a wheel URL or a wheel path "
-                                                "in the container (docs/playbooks.md#requires)")
+                                                "in the container (deploy docs playbooks#requires); the shipped "
+                                                "playbooks name none: copy one (deploy init) and add it")
         if not pb.is_fleet:
             with Fleet(inv) as fleet:
                 out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm, force=force, rollback=rollback)
@@ -566,7 +620,14 @@ def apply_config(obj, playbook):
         from . import ops
         from .remote import Fleet
 
+        from . import plan as P
+
         inv, pb = load(obj, playbook)
+        if not pb.drafter or not P.drafter_config_path(pb):
+            raise UsageError(f"{pb.name} has no drafter config to install (method {pb.spec['method']}); nothing was "
+                             "run", where=pb.path,
+                             fix=f"apply-config is for a playbook with a drafter (method dflash); deploy up {pb.name} "
+                                 "brings this one up")
         if pb.is_fleet:  # each target's container, in parallel (one connection per host), a line per target
             import time
 
@@ -643,6 +704,8 @@ def refuse_json(obj, command: str) -> None:
 @click.option("--grep", default=None, metavar="REGEX", callback=_regex, help="Only lines matching REGEX.")
 @click.option("--all", "show_all", is_flag=True,
               help="Also show this tool's own /health, /v1/models and /metrics requests (left out by default).")
+@click.option("--json", "as_json_local", is_flag=True, hidden=True, expose_value=False,
+              callback=lambda ctx, _p, v: setattr(ctx.find_object(Obj), "json", True) if v else None)
 @click.pass_obj
 def logs(obj, target, lines, follow, grep, show_all):
     """Show the vLLM log of a deployment (read from the container's state file).
@@ -863,6 +926,30 @@ def schema(obj, kind):
     from .scaffold import schema_text
 
     click.echo(schema_text(kind), nl=False)
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy docs                         # the pages shipped with deploy
+  deploy docs quickstart
+  deploy docs cli#status              # one section
+  deploy docs troubleshooting | less""")
+@click.argument("topic", required=False, metavar="[TOPIC[#SECTION]]")
+@click.pass_obj
+def docs(obj, topic):
+    """Print a documentation page shipped with deploy (offline; the same pages as docs/ in the repository).
+
+    Without TOPIC: the list of pages. TOPIC#SECTION prints one section (the anchor of its heading, as in the
+    links of the pages and of deploy's messages: playbooks#requires).
+    """
+    def go():
+        from .scaffold import docs_text
+
+        refuse_json(obj, "docs")
+        click.echo(docs_text(topic), nl=False)
+    run_guarded(go, obj)
 
 
 # ------------------------------------------------------------------ unlock

@@ -178,6 +178,8 @@ def runtimes_of(probe: dict) -> list[dict]:
     for p in probe["pythons"]:
         if not p.get("vllm") and not p.get("vllm_path"):
             continue
+        if p.get("untrusted"):
+            continue  # deploy would run it as root: never proposed (untrusted_runtimes says why)
         key = p.get("prefix") or p["path"]
         if key in seen:
             continue
@@ -191,6 +193,15 @@ def runtimes_of(probe: dict) -> list[dict]:
     if cmd:
         found.sort(key=lambda r: r["vllm"] != cmd)
     return found
+
+
+def untrusted_runtimes(probe: dict) -> list[str]:
+    """A problem line for each interpreter with vLLM that deploy must not run as root (another user owns it or a
+    directory above it, or one is writable by group/others)."""
+    return [f"{p['path']} has vLLM {p.get('vllm') or '?'} but is not proposed as the runtime: {p['untrusted']}; "
+            "deploy runs runtime.python as root, so it must be root-owned and not writable by others all the way up "
+            "(fix: install vLLM in a root-owned venv, e.g. deploy install-vllm)"
+            for p in probe["pythons"] if p.get("untrusted") and (p.get("vllm") or p.get("vllm_path"))]
 
 
 def shared_gpus(containers: list[dict]) -> dict[int, list[int]]:
@@ -210,7 +221,12 @@ def inventory_name(name: str | None, vmid: int) -> str:
 
 # ------------------------------------------------------------------ the in-container probe
 
-# One read-only POSIX sh script per running container; Python may be absent. $1 is the Python snippet.
+# One read-only POSIX sh script per running container; Python may be absent. $1 is the Python reader.
+# It EXECUTES nothing found in the container's user space: the candidate interpreters (some in other users' homes)
+# are only listed; their versions are learned by the reader, which READS files (pyvenv.cfg, dist-info METADATA,
+# _version.py) and runs, with -I -S (no site, no .pth code), in the first Python that is trusted: it and every
+# directory above it (links resolved) root-owned and not writable by group or others. See docs/architecture.md,
+# "Threat model".
 PROBE_SH = r"""
 echo "hostname $(hostname 2>/dev/null || cat /etc/hostname 2>/dev/null)"
 a=$(hostname -I 2>/dev/null) || a=""
@@ -218,55 +234,138 @@ a=$(hostname -I 2>/dev/null) || a=""
 echo "addr $a"
 for d in /dev/nvidia[0-9]*; do [ -e "$d" ] && echo "gpu $d"; done
 T=""; command -v timeout >/dev/null 2>&1 && T="timeout -k 2 20"
+trusted() {
+  r=$(readlink -f -- "$1" 2>/dev/null) && [ -n "$r" ] || return 1
+  for q in "$1" "$r"; do
+    while :; do
+      if [ ! -L "$q" ]; then
+        s=$(stat -c '%u %a' -- "$q" 2>/dev/null) || return 1
+        case "$s" in "0 "*) ;; *) return 1;; esac
+        case "${s#0 }" in *[2367]|*[2367]?) return 1;; esac
+      fi
+      [ "$q" = / ] && break
+      q=$(dirname -- "$q")
+    done
+  done
+  return 0
+}
 cands=""
 v=$(command -v vllm 2>/dev/null) && {
   echo "vllm_cmd $v"
-  sb=$(head -n 1 "$v" 2>/dev/null | cut -c1-300)
+  sb=""; [ -f "$v" ] && sb=$(head -c 300 "$v" 2>/dev/null | head -n 1)
   case "$sb" in "#!"*) p=${sb#??}; p=${p%% *}; cands="$p";; esac
   cands="$cands $(dirname "$v")/python"
 }
+list=""
 for p in $cands /root/ml-env/bin/python /root/venv/bin/python /root/.venv/bin/python /root/vllm/bin/python \
     /root/vllm-env/bin/python /opt/vllm/bin/python /opt/venv/bin/python /root/*/bin/python /opt/*/bin/python \
     /home/*/*/bin/python /root/miniconda3/bin/python /root/anaconda3/bin/python /opt/conda/bin/python \
     /root/miniconda3/envs/*/bin/python /opt/conda/envs/*/bin/python $(command -v python3 2>/dev/null) \
     /usr/local/bin/python3 /usr/bin/python3; do
+  case "$p" in /*) ;; *) continue;; esac
   case " $seen " in *" $p "*) continue;; esac
   seen="$seen $p"
   [ -f "$p" ] && [ -x "$p" ] || continue
-  out=$($T "$p" -I -c "$1" 2>/dev/null | tail -n 1)
-  [ -n "$out" ] || out='{"error": "did not run"}'
-  echo "py $p $out"
+  list="$list $p"
 done
+R=""
+for p in /usr/bin/python3 /usr/local/bin/python3 $list; do
+  [ -f "$p" ] && [ -x "$p" ] && trusted "$p" && { R=$p; break; }
+done
+if [ -n "$R" ]; then
+  $T "$R" -I -S -c "$1" $list 2>/dev/null
+else
+  for p in $list; do echo "py $p {\"error\": \"not read: no root-owned Python in the container to read it with\"}"; done
+fi
 exit 0
 """
 
-# Reads versions without importing vllm (a real `import vllm` takes seconds): metadata, else _version.py.
+# The reader: versions from files only (it imports nothing from the candidates). One `py PATH JSON` line each.
 PROBE_PY = r"""
-import json, os, re, sys
-import importlib.util as u
-def ver(name, rel):
+import glob, json, os, re, stat, sys
+def small(path, limit=1 << 16):
     try:
-        from importlib import metadata
-        return metadata.version(name)
-    except Exception:
-        pass
-    s = u.find_spec(name)
-    if s is None or not s.origin:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
         return None
     try:
-        src = open(os.path.join(os.path.dirname(s.origin), rel)).read()
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, limit).decode("utf-8", "replace")
     except OSError:
-        return "unknown"
-    m = re.search(r'''^(?:__version__|version)\b[^'"\n]*['"]([^'"]+)['"]''', src, re.M)
-    return m.group(1) if m else "unknown"
-s = u.find_spec("vllm")
-out = {"prefix": sys.prefix, "python_version": "%d.%d.%d" % sys.version_info[:3],
-       "vllm_path": os.path.dirname(s.origin) if s and s.origin else None}
-out["vllm"] = ver("vllm", "_version.py") if out["vllm_path"] else None
-out["transformers"] = ver("transformers", "__init__.py") if u.find_spec("transformers") else None
-b = os.path.join(os.path.dirname(sys.executable), "vllm")
-out["vllm_bin"] = b if os.access(b, os.X_OK) else None
-print(json.dumps(out))
+        return None
+    finally:
+        os.close(fd)
+def why_untrusted(path):
+    for q in {path, os.path.realpath(path)}:
+        while True:
+            try:
+                st = os.lstat(q)
+            except OSError as e:
+                return "%s: %s" % (q, e.strerror)
+            if not stat.S_ISLNK(st.st_mode):
+                if st.st_uid != 0:
+                    return "%s is owned by uid %d" % (q, st.st_uid)
+                if st.st_mode & 0o022:
+                    return "%s is writable by %s" % (q, "others" if st.st_mode & 0o002 else "its group")
+            if q == "/":
+                break
+            q = os.path.dirname(q)
+    return None
+def cfg(prefix):
+    out = {}
+    for ln in (small(os.path.join(prefix, "pyvenv.cfg")) or "").splitlines():
+        k, eq, v = ln.partition("=")
+        if eq:
+            out[k.strip().lower()] = v.strip()
+    return out
+def sites(prefix):
+    ds = glob.glob(os.path.join(prefix, "lib", "python3*", "site-packages")) \
+        + glob.glob(os.path.join(prefix, "lib", "python3*", "dist-packages")) \
+        + glob.glob(os.path.join(prefix, "local", "lib", "python3*", "dist-packages"))
+    out = []
+    for d in sorted(set(ds)):
+        out.append(d)
+        for pth in sorted(glob.glob(os.path.join(d, "*.pth")))[:50]:
+            for ln in (small(pth) or "").splitlines()[:50]:
+                ln = ln.strip()
+                if ln and not ln.startswith(("#", "import ", "import\t")):
+                    x = os.path.join(d, ln)
+                    if os.path.isdir(x) and x not in out:
+                        out.append(x)
+    return out
+def dist(sp, name):
+    pkg = os.path.join(sp, name)
+    pkg = pkg if os.path.isfile(os.path.join(pkg, "__init__.py")) else None
+    for di in sorted(glob.glob(os.path.join(sp, name + "-*.dist-info"))):
+        m = re.search(r"^Version:\s*(\S+)", small(os.path.join(di, "METADATA")) or "", re.M)
+        if m:
+            return m.group(1), pkg
+    if pkg:
+        src = small(os.path.join(pkg, "_version.py")) or small(os.path.join(pkg, "__init__.py")) or ""
+        m = re.search(r"^(?:__version__|version)\b[^'\"\n]*['\"]([^'\"]+)['\"]", src, re.M)
+        return (m.group(1) if m else "unknown"), pkg
+    return None, None
+for path in sys.argv[1:]:
+    bindir = os.path.dirname(path)
+    prefix = os.path.dirname(bindir)
+    c = cfg(prefix)
+    if not c:
+        prefix = os.path.dirname(os.path.dirname(os.path.realpath(path)))
+    ver = c.get("version") or c.get("version_info")
+    if not ver:
+        m = re.search(r"python(3\.\d+)$", os.path.realpath(path))
+        ver = m.group(1) if m else None
+    out = {"prefix": prefix, "python_version": ver, "vllm": None, "vllm_path": None, "transformers": None,
+           "untrusted": why_untrusted(path), "venv": bool(c)}
+    for sp in sites(prefix):
+        if out["vllm"] is None:
+            out["vllm"], out["vllm_path"] = dist(sp, "vllm")
+        if out["transformers"] is None:
+            out["transformers"] = dist(sp, "transformers")[0]
+    b = os.path.join(bindir, "vllm")
+    out["vllm_bin"] = b if os.path.isfile(b) and os.access(b, os.X_OK) else None
+    print("py %s %s" % (path, json.dumps(out)))
 """
 
 
@@ -285,10 +384,15 @@ def resolve_host(inv, target: str, *, user: str | None, identity_file: str | Non
 
     if inv is not None and target in inv.hosts:
         return inv.hosts[target], target
+    known = ", ".join(inv.hosts) if inv is not None and inv.hosts else "none"
+    if _NAME_RE.fullmatch(target) and not re.fullmatch(r"[0-9]+", target):
+        # a bare name (no user@, no dot, no :port) is meant as an inventory host: no DNS lookup, no connection
+        raise UsageError(f"{target!r} is not a host of the inventory (hosts: {known})",
+                         fix=f"deploy discover HOST with one of: {known}; a host not in the inventory by address: "
+                             f"deploy discover root@ADDRESS --name {target}")
     try:
         t = parse_target(target)
     except ValueError as e:
-        known = ", ".join(inv.hosts) if inv is not None and inv.hosts else "none"
         raise UsageError(f"{e}; and not a host of the inventory (hosts: {known})",
                          fix="deploy discover HOST where HOST is an inventory host name or [user@]address[:port]"
                          ) from None
@@ -380,6 +484,7 @@ def _container(ct, value, err, host_gpus, warnings) -> dict:
         c.update(address=probe["addresses"][0], address_source="inside (hostname -I)")
     rts = runtimes_of(probe)
     c["runtimes"] = rts
+    c["problems"] += untrusted_runtimes(probe)
     c["pythons"] = [{"path": p["path"], "vllm": p.get("vllm")} for p in probe["pythons"]]
     if rts:
         c["runtime"] = {k: rts[0][k] for k in ("python", "vllm", "state_dir")}
@@ -419,6 +524,9 @@ def container_yaml(c: dict, indent: int) -> list[str]:
     lines.append(f"{p}  gpus: {_flow(c['gpus'])}" + ("  # " + "; ".join(gnote) if gnote else ""))
     if c.get("address"):
         lines.append(f"{p}  address: {_q(c['address'])}  # from {c['address_source']}")
+    elif c["status"] == "running" and not c["problems"]:
+        lines.append(f"{p}  # address: none found (no ip= on a net line of pct config, and none but loopback "
+                     "inside); set address: by hand if clients reach it some other way")
     rt = c.get("runtime")
     if rt:
         first = c["runtimes"][0]
@@ -435,7 +543,16 @@ def container_yaml(c: dict, indent: int) -> list[str]:
                                                     else "no Python found"))
     for prob in c["problems"]:
         lines.append(f"{p}  # problem: {prob}")
-    return lines
+    return [one_line(ln) for ln in lines]
+
+
+def one_line(text: str) -> str:
+    """A generated YAML line whose comment carries container-reported text (versions, error output): line breaks
+    escaped (\\n), so that text cannot start a line of YAML of its own; other controls removed."""
+    from .report import strip_controls
+
+    return strip_controls(str(text).replace("\r\n", "\\n").replace("\n", "\\n").replace("\r", "\\r")
+                          .replace("\x85", "\\n").replace("\u2028", "\\n").replace("\u2029", "\\n"))
 
 
 def host_yaml(host: dict, found: dict, indent: int = 2) -> list[str]:
@@ -458,7 +575,7 @@ def host_yaml(host: dict, found: dict, indent: int = 2) -> list[str]:
         lines.append(f"{p}  # GPU {g} is SHARED by containers {', '.join(map(str, s['vmids']))}"
                      f" ({len(s['running'])} running)")
     for w in found.get("warnings") or []:
-        lines.append(f"{p}  # warning: {w}")
+        lines.append(one_line(f"{p}  # warning: {w}"))
     return lines
 
 
@@ -480,7 +597,7 @@ def host_entry(hs, name: str) -> dict:
 
 def render_inventory(host: dict, found: dict) -> str:
     """A whole inventory with this one host (what `deploy discover HOST` prints)."""
-    return ("# written by `deploy discover`; see docs/playbooks.md (Inventory) for every key\n"
+    return ("# written by `deploy discover`; see `deploy docs playbooks#inventory` for every key\n"
             "hosts:\n" + "\n".join(_host_block(merge_host(None, found, host), found, 2)) + "\n")
 
 
@@ -619,10 +736,7 @@ def write_inventory(path: str, text: str) -> str | None:
                               fix="correct the file by hand, then run deploy discover --write again") from None
         backup = None
         if os.path.exists(path):
-            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-            backup = f"{path}.bak-{stamp}"
-            with open(path, "rb") as src, open(backup, "wb") as dst:
-                dst.write(src.read())
+            backup = _backup(path)
             os.chmod(tmp, os.stat(path).st_mode & 0o7777)
         os.replace(tmp, path)
         tmp = None
@@ -633,6 +747,29 @@ def write_inventory(path: str, text: str) -> str | None:
         if fh.read() != text:
             raise DeployError(f"{path} does not read back as written", fix="check the file system, then retry")
     return backup
+
+
+def _backup(path: str) -> str:
+    """A copy of PATH as PATH.bak-<UTC time>-<random>: created O_EXCL|O_NOFOLLOW (a planted name or symlink is
+    never written through), with the original's mode (a 0600 inventory keeps a 0600 backup). -> its path."""
+    import secrets
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    sfd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(sfd, "rb") as src:
+        mode = os.fstat(src.fileno()).st_mode & 0o7777
+        data = src.read()
+    for _ in range(20):
+        backup = f"{path}.bak-{stamp}-{secrets.token_hex(3)}"
+        try:
+            fd = os.open(backup, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "wb") as dst:
+            os.fchmod(dst.fileno(), mode)
+            dst.write(data)
+        return backup
+    raise DeployError(f"cannot create a backup of {path}: 20 names taken", fix="remove old .bak- files beside it")
 
 
 def to_json(found: dict) -> dict:

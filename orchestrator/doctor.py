@@ -16,6 +16,7 @@ Classes (docs/domain/field-report.md, "What happened"):
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from . import vllm_facts as vf
@@ -48,9 +49,28 @@ def config_differences(actual: dict, pinned: dict) -> list[dict]:
     return out
 
 
-def pick_pinned(drafter: dict, pinned: list[dict]) -> dict | None:
-    """The pinned config for the drafter a server reads: a playbook naming the same path or hub id first, else
-    the one of the same architecture that shares the most keys."""
+def one_server_per_launch(facts: dict) -> dict:
+    """deploy's launch wrapper (`/bin/sh -c '"$@" ...' vllm-pve-deploy vllm serve ...`) carries the same argv as
+    the vllm under it: one server, not two (issue 26). Drops a server whose process is a shell with a server
+    child."""
+    procs = {p["pid"]: p for p in facts.get("processes") or []}
+    servers = facts.get("servers") or []
+    pids = {s["pid"] for s in servers}
+
+    def wrapper(s):
+        argv = (procs.get(s["pid"]) or {}).get("argv") or []
+        shell = bool(argv) and os.path.basename(argv[0]) in ("sh", "bash", "dash") and "-c" in argv[1:3]
+        return shell and any(q.get("ppid") == s["pid"] and q["pid"] in pids for q in procs.values())
+
+    facts["servers"] = [s for s in servers if not wrapper(s)]
+    return facts
+
+
+def pick_pinned(drafter: dict, pinned: list[dict], prefer: str | None = None) -> dict | None:
+    """The pinned config for the drafter a server reads: the playbook `prefer` (the state file's) if it names the
+    same path or hub id, else a playbook naming the same path or hub id, else the one of the same architecture
+    that shares the most keys."""
+    pinned = sorted(pinned, key=lambda p: p.get("playbook") != prefer) if prefer else pinned
     for p in pinned:
         if drafter.get("dir") and p.get("path") == drafter.get("dir"):
             return p
@@ -145,7 +165,7 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
                                       f"({d.get('path')}: {d['error']})",
                     f"deploy up {pbname} --clean-gpus (installs the pinned config and relaunches)", pid=srv["pid"])
             continue
-        p = pick_pinned(d, pinned)
+        p = pick_pinned(d, pinned, (playbook or {}).get("playbook"))
         try:
             cfg = json.loads(d.get("text") or "")
         except ValueError as e:
@@ -280,6 +300,39 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
     return findings
 
 
+def idle_drafter_checks(pinned: list[dict], host: str, vmid: int, file_sha) -> list[dict]:
+    """With no server running (issue 26): the drafter configs the playbooks that target this container name (a
+    local directory; a hub id is resolved by `deploy verify`), each compared with its pinned bytes, and what a
+    server started now would do with it. file_sha(path) -> the agent's file_sha result."""
+    from .agent.protocol import FileShaResult
+
+    out, here = [], f"{host}/{vmid}"
+    for p in pinned:
+        if not p.get("path") or here not in str(p.get("target") or "").split(", "):
+            continue
+        path = p["path"].rstrip("/") + "/config.json"
+        try:
+            r = file_sha(path)
+        except Exception as e:  # noqa: BLE001 - one unreadable file must not hide the rest of the diagnosis
+            r = FileShaResult(error=str(e))
+        c = {"playbook": p["playbook"], "path": path, "sha256": r.sha256, "pinned_sha256": p["sha256"]}
+        if r.error or not r.sha256:
+            c["verdict"] = (f"cannot be read ({r.error or 'no sha256'}): deploy up {p['playbook']} installs the pinned "
+                            "config")
+        elif r.sha256 == p["sha256"]:
+            c["verdict"] = f"= the published config ({p['playbook']}): a server started now would read it"
+        else:
+            c["verdict"] = f"differs from the published config ({p['playbook']})"
+            c["finding"] = {"class": "guessed-config",
+                            "cause": f"no vLLM server runs, but {path} (sha256 {r.sha256[:12]}) is not the "
+                                     f"published config pinned by {p['playbook']} ({p['sha256'][:12]}): a server "
+                                     "started from it now would draft with the wrong layers (~1% acceptance)",
+                            "fix": f"deploy apply-config {p['playbook']} (installs and verifies the pinned config; "
+                                   f"deploy up {p['playbook']} does it too)", "evidence": {"path": path}}
+        out.append(c)
+    return out
+
+
 def _t(ts) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(ts)) + "Z"
 
@@ -361,11 +414,26 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
             row["error"] = e.render()
             row["reachable"] = not isinstance(e, Unreachable)
             return row
+        try:
+            return _facts_row(row, one_server_per_launch(facts.as_dict()), host, vmid, t, rt)
+        except (TypeError, KeyError, AttributeError, ValueError) as e:  # typed, but nested data still odd
+            row["error"] = agent.AgentError(
+                f"agent action 'doctor' answered a malformed result ({type(e).__name__}: {e})", where=f"{host}/{vmid}",
+                fix="a bug in deploy's agent, or something in the container answers for it; report it with "
+                    "deploy's audit log").render()
+            return row
+
+    def _facts_row(row, facts, host, vmid, t, rt):
         hh = host_info(host)
         pbi = by_target.get((host, vmid))
         if facts.get("state") and not (facts["state"] or {}).get("corrupt"):
             pbi = {**(pbi or {}), "playbook": facts["state"].get("playbook") or (pbi or {}).get("playbook")}
         row["findings"] = diagnose(facts, pinned, host=host, vmid=vmid, playbook=pbi, host_holders=hh)
+        if not facts.get("servers"):  # no server: still check the drafter configs a server started now would read
+            row["idle_configs"] = idle_drafter_checks(
+                pinned, host, vmid, lambda path: agent.call(fleet.session(host), vmid, rt["python"], "file_sha",
+                                                            {"path": path}, timeout=20))
+            row["findings"] += [c["finding"] for c in row["idle_configs"] if c.get("finding")]
         row["processes"] = [{k: p.get(k) for k in ("pid", "ppid", "pgid", "comm", "devices", "started_at")}
                             | {"argv": " ".join(p.get("argv") or [])[:400]} for p in facts.get("processes") or []]
         row["servers"] = [_server_view(s) for s in facts.get("servers") or []]
@@ -433,6 +501,8 @@ def render(rows) -> str:
             if acc.get("draft_acceptance_rate") is not None:
                 out.append(f"    draft acceptance {acc['draft_acceptance_rate']:.1%}, mean acceptance length "
                            f"{acc.get('mean_acceptance_length') or 0:.2f} ({acc.get('drafts'):g} drafts, /metrics)")
+        for c in r.get("idle_configs") or []:
+            out.append(f"  drafter config {c['path']} (no server runs; for {c['playbook']}): {c['verdict']}")
         for p in r["processes"]:
             out.append(f"  pid {p['pid']} (parent {p['ppid']}, group {p['pgid']}) {p['comm']}"
                        + (f" holds {', '.join(p['devices'])}" if p.get("devices") else ""))

@@ -69,7 +69,8 @@ def endpoint(host, container, port: int) -> dict:
     address = getattr(container, "address", None) if container is not None else None
     if not address:
         return {"url": None, "address": None, "port": port, "routable": None, "tunnel": None, "local_url": None,
-                "note": f"address unknown: deploy discover {host.name} --write records it"}
+                "note": f"address unknown: none in the inventory; deploy discover {host.name} --write reads it, "
+                        "or set address:"}
     shown = f"[{address}]" if ":" in address else address
     url = f"http://{shown}:{port}/v1"
     r = routable(address)

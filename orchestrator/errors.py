@@ -6,13 +6,15 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # the operation ran and failed (a check, a launch, the acceptance gate)
 EXIT_USAGE = 2  # bad usage or invalid playbook/inventory: nothing was run
 EXIT_UNREACHABLE = 3  # some hosts could not be reached
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell convention 128 + 2
 
 EXIT_CODES_HELP = """\b
 Exit codes:
   0  success
   1  the operation failed (a check, the launch, the acceptance gate)
   2  bad usage or invalid playbook/inventory (nothing was run)
-  3  some hosts were unreachable"""
+  3  some hosts were unreachable
+  130  interrupted (Ctrl-C); what was left is said"""
 
 
 class DeployError(Exception):
@@ -94,6 +96,12 @@ class StepFailed(DeployError):
 
     def as_dict(self) -> dict:
         return {**super().as_dict(), "step": self.step, "state_left": self.state_left}
+
+
+class Interrupted(StepFailed):
+    """Ctrl-C during an operation: exit 130, with what the host holds now (`state left`)."""
+
+    exit_code = EXIT_INTERRUPTED
 
 
 class LockHeld(DeployError):

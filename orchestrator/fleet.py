@@ -173,6 +173,8 @@ def exit_code(res: dict) -> int:
     if res["ok"]:
         return EXIT_OK
     errs = [o.error for o in res["_outcomes"] if o is not None and not o.ok]
+    if any(o is not None and o.status == "interrupted" for o in res["_outcomes"]):
+        return 130  # Ctrl-C (errors.EXIT_INTERRUPTED)
     if errs and all(isinstance(e, Unreachable) for e in errs):
         return EXIT_UNREACHABLE
     return EXIT_FAILED

@@ -69,6 +69,7 @@ def agent_args(pb: Playbook, op: str, **kw) -> dict:
         args.update(spec=req["vllm"], req=r["req"], label=r["label"], installer=inst["installer"],
                     base_python=inst.get("python"), index_url=inst.get("index_url"),
                     find_links=inst.get("find_links") or [], no_index=inst["no_index"], timeout_s=inst["timeout_s"],
+                    hashes=inst.get("hashes") or [],
                     check=check_args(pb, r["version"]))
     else:
         args["check"] = check_args(pb, None)
@@ -85,6 +86,17 @@ class _Runner:
         self.python = pb.data["requires"]["install"].get("python") or pb.runtime["python"]
 
     def call(self, args: dict, timeout: float, on_event=None) -> dict:
+        """The install's answer as its wire dict (InstallResult, checked, then as_dict(): the install record and the
+        runtime pointer are nested data this module reads as such)."""
+        res = self._call(args, timeout, on_event).as_dict()
+        if args.get("op") == "probe" and res.get("ok") and not isinstance(res.get("runtime"), dict):
+            raise agent.AgentError("agent action 'install_vllm' (probe) answered ok without a runtime object: a "
+                                   "malformed answer", where=self.ctx.where,
+                                   fix="a bug in deploy's agent, or something in the container answers for it; "
+                                       "report it with deploy's audit log")
+        return res
+
+    def _call(self, args: dict, timeout: float, on_event=None) -> dict:
         ctx = self.ctx
         ctx.progress.detail(ctx.where, ctx.session.audit.redact(
             f"$ pct exec {self.pb.vmid} -- {self.python} - install_vllm {args.get('op')}"))

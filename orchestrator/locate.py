@@ -33,16 +33,17 @@ def user_config_dir() -> Path:
     return Path(base) / APP
 
 
-def shipped_dir() -> Path | None:
-    """The installed package's examples (orchestrator.examples = the repo's playbooks/ folder)."""
+def shipped_dir(package: str = "orchestrator.examples", folder: str = "playbooks") -> Path | None:
+    """The installed package's examples (orchestrator.examples = the repo's playbooks/ folder), or its docs
+    (orchestrator.docs = docs/)."""
     try:
-        spec = importlib.util.find_spec("orchestrator.examples")
+        spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         spec = None
     for p in (spec.submodule_search_locations or []) if spec else []:
         if os.path.isdir(p):
             return Path(p)
-    src = Path(__file__).resolve().parent.parent / "playbooks"  # running from a source checkout
+    src = Path(__file__).resolve().parent.parent / folder  # running from a source checkout
     return src if src.is_dir() else None
 
 

@@ -12,7 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from . import plan as P
-from .errors import DeployError, LockHeld, StepFailed, Unreachable  # noqa: F401 (LockHeld: re-exported)
+from .errors import (DeployError, Interrupted, LockHeld, StepFailed, Unreachable,  # noqa: F401 (LockHeld: re-exported)
+                     UsageError)
 from .agent.protocol import CurrentResult, GpusFreeResult, ReadyResult, StopResult, VerifyResult, WriteFileResult
 from .facts import parse_pct_status
 from .remote import Fleet
@@ -32,6 +33,16 @@ class Options:
     wait_lock_s: float = 0.0
     interactive: bool = False
     confirm: object = None  # callable(prompt) -> bool, for the diff-before-restart question
+    yes_kill: bool | None = None  # kill GPU holders deploy did not start without asking (-y); None: as `yes`
+
+    @property
+    def kill_confirmed(self) -> bool:
+        return self.yes if self.yes_kill is None else self.yes_kill
+
+    def ask_before_kill(self, pb) -> bool:
+        """One rule for up, restart and down: fuser -k (--clean-gpus or gpu.clean_gpus) asks first unless -y."""
+        clean = pb.data["gpu"]["clean_gpus"] if self.clean_gpus is None else self.clean_gpus
+        return bool(clean) and not self.kill_confirmed
 
 
 @dataclass
@@ -154,7 +165,7 @@ class Heartbeat:
         renew = dataclasses.replace(self.step, args=dict(self.step.args, renew=True, wait_s=0), timeout=30)
         while not self._stop.wait(self.interval):
             try:
-                r = self.ctx.call(renew, fresh=True)  # beside the long step the session is busy with
+                r = self.ctx.call(renew, fresh=True, beat=False)  # beside the long step the session is busy with
             except Exception:  # noqa: BLE001 - a missed beat is retried; the lease term absorbs a few
                 continue
             if not r.locked:
@@ -178,7 +189,8 @@ def take_lock(ctx: Context, step: P.Step, wait_s: float) -> Heartbeat:
     if not r.locked and h and holder_dead(h):
         ctx.progress.say(ctx.where, f"     the lock's holder ({h.get('holder')}) is a dead process on this "
                                     "workstation: breaking its lock")
-        r = ctx.call(dataclasses.replace(step, args=dict(step.args, break_token=h.get("token"))), on_event=say)
+        # the other holder's token goes on stdin, not in argv (which the audit log and `ps` show)
+        r = ctx.call(step, secrets={"break_token": h.get("token")}, on_event=say)
         h = r.holder or {}
     if not r.locked:
         if r.error:
@@ -195,9 +207,16 @@ def release_lock(ctx: Context, step: P.Step, beat: Heartbeat | None = None) -> N
     if beat is not None:
         beat.stop()
     try:
-        ctx.call(step)
+        r = ctx.call(step)
     except DeployError:
-        pass
+        return
+    if not r.unlocked and not r.error and (beat is None or beat.lost is None):
+        # the heartbeat (every 15 s) did not see it: the lock was broken (deploy unlock) or taken meanwhile
+        h = r.holder
+        ctx.progress.say(ctx.where, "     WARNING: the container lock was lost before this run ended" +
+                         (f" (now held by {describe_holder(h)})" if h else " (broken: deploy unlock?)") +
+                         "; another deploy may have acted on this container meanwhile: check deploy status "
+                         f"{ctx.where} before trusting this run's result")
 
 
 def diff_running(cur: CurrentResult, pb: Playbook) -> list[str]:
@@ -283,7 +302,8 @@ def execute(run: Run, steps: list[P.Step]) -> Outcome:
                        f"loading. deploy status {ctx.pb.name} shows it, deploy down {ctx.pb.name} stops it")
             else:
                 msg = "interrupted before launch: nothing was started"
-            run.out.error = DeployError(msg, where=ctx.where)
+            run.out.error = run.error = Interrupted("interrupted", msg, where=ctx.where,
+                                                    state_left=interrupted_state_left(run))
     finally:
         for step in phase("finally"):
             _run_step(run, step)
@@ -312,7 +332,8 @@ def _finish_failure(run: Run) -> None:
 def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart: bool = False,
        token: str | None = None) -> Outcome:
     ctx = new_context(fleet, pb, progress, token)
-    steps = P.plan_up(pb, write_config=opts.write_config, clean_gpus=opts.clean_gpus, restart=restart)
+    steps = P.plan_up(pb, write_config=opts.write_config, clean_gpus=opts.clean_gpus, restart=restart,
+                      ask=opts.ask_before_kill(pb))
     run = Run(ctx, fleet, opts, Outcome(False, pb.name, ctx.where, "failed", ctx.results),
               P.RunState(restart=restart), time.monotonic())
     return execute(run, steps)
@@ -486,19 +507,23 @@ def r_holders(run: Run, step: P.Step) -> None:
     t0 = time.monotonic()
     r = ctx.call(step)
     devs = {f"/dev/nvidia{g}" for g in pb.gpus}  # fuser acts on the playbook's own GPUs only
-    holders = [h for h in r.get("holders") or [] if devs & set(h.get("devices") or [])]
+    mine = [h for h in r.get("holders") or [] if devs & set(h.get("devices") or [])]
+    holders = [h for h in mine if not h.get("ours")]  # deploy's own processes: the stop step ends them
     if not holders:
-        ctx.record(step.name, True, "nothing holds the playbook's GPUs: fuser will have nothing to kill", t0)
+        ctx.record(step.name, True, "nothing but deploy's own vLLM holds the playbook's GPUs (the stop step ends it): "
+                                    "fuser will have nothing else to kill" if mine else
+                   "nothing holds the playbook's GPUs: fuser will have nothing to kill", t0)
         return
     listing = "".join(f"\n  PID {h['pid']} {h['comm']}: {h['cmdline']}" for h in holders)
-    if run.opts.yes or (run.opts.confirm and run.opts.confirm(
-            f"Will kill (fuser -k -TERM, then -KILL) in container {ctx.where}, holders of GPU(s) {pb.gpus}:"
-            f"{listing}\nProceed?")):
+    if run.opts.kill_confirmed or (run.opts.confirm and run.opts.confirm(
+            f"Will kill (fuser -k -TERM, then -KILL) in container {ctx.where}, holders of GPU(s) {pb.gpus} that "
+            f"deploy did not start:{listing}\nProceed?")):
         ctx.record(step.name, True, f"{len(holders)} holder(s) of the playbook's GPUs: confirmed", t0,
                    holders=holders)
         return
-    ctx.fail(step.name, t0, f"not confirmed; nothing was killed ({len(holders)} holder(s) of GPU(s) {pb.gpus}:"
-                            f"{listing})", fix="pass -y in scripts")
+    ctx.fail(step.name, t0, f"not confirmed; nothing was killed ({len(holders)} holder(s) of GPU(s) {pb.gpus} that "
+                            f"deploy did not start:{listing})",
+             fix="answer yes at the prompt (on a terminal), or pass -y (scripts) to kill them; or stop them yourself")
 
 
 def r_clear_failure(run: Run, step: P.Step) -> None:
@@ -536,6 +561,20 @@ def drift_instead(ctx: Context, step: P.Step, verified_sha: str, err: StepFailed
                           f"then deploy up {ctx.pb.name} again")
 
 
+def interrupted_state_left(run: Run) -> str:
+    """After Ctrl-C: what this run changed (from what its steps returned; nothing is read back, the user asked to
+    stop), and that the lock is released by the finally phase."""
+    st, written = run.st, run.written or WriteFileResult()
+    parts = list(st.changed)
+    if st.config_replaced:
+        parts.insert(0, f"the drafter config {written.path} was replaced with the pinned bytes (old file kept "
+                        f"as {written.backup}; not read back after the interruption: deploy verify "
+                        f"{run.ctx.pb.name} checks it)")
+    if st.launched:
+        parts.append("vLLM was launched and keeps running (deploy status shows it)")
+    return "; ".join(parts) if parts else "nothing was changed on the host"
+
+
 def state_left_text(run: Run) -> str:
     """What the host holds now, from facts read after the failure (the read-back step), not from intentions."""
     st, written, back = run.st, run.written or WriteFileResult(), run.read_back
@@ -558,6 +597,9 @@ def stop_after_failure(ctx: Context, step: P.Step) -> str:
     pb = ctx.pb
     try:
         rep = ctx.call(step)
+        if rep.refused:  # another playbook's deployment took the container over (a broken lock)
+            return (f"the failed server was not stopped: {rep.refused} (another deploy took the container over "
+                    f"meanwhile; deploy status {ctx.where} shows it)")
         n = len((rep.terminated or []) + (rep.killed or []))
         left = rep.leftovers or []
         log = P.state_paths(pb)["log_path"]
@@ -594,7 +636,7 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
     ctx = new_context(fleet, pb, progress)
     run = Run(ctx, fleet, opts, Outcome(False, pb.name, ctx.where, "failed", ctx.results), P.RunState(),
               time.monotonic())
-    execute(run, P.plan_down(pb, clean_gpus=opts.clean_gpus, ask=opts.clean_gpus is True and not opts.yes))
+    execute(run, P.plan_down(pb, clean_gpus=opts.clean_gpus, ask=opts.ask_before_kill(pb)))
     if run.error is None:
         rep, free = run.stop_report or StopResult(), run.free or GpusFreeResult()
         run.out.ok, run.out.status = True, "down"
@@ -625,8 +667,10 @@ def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
     ctx = new_context(fleet, pb, progress)
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
     if not pb.drafter or not P.drafter_config_path(pb):
-        out.error = DeployError("this playbook has no drafter to install a config for", where=pb.path,
-                                fix="none needed: nothing to install (method mtp/ngram)")
+        out.error = UsageError(f"{pb.name} has no drafter config to install (method {pb.spec['method']}); nothing "
+                               "was run", where=pb.path,
+                               fix=f"apply-config is for a playbook with a drafter; deploy up {pb.name} brings this "
+                                   "one up")
         return out
     run = Run(ctx, fleet, Options(), out, P.RunState(), time.monotonic())
     execute(run, P.plan_apply_config(pb))
@@ -654,7 +698,8 @@ def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress:
     view["dead_here"] = holder_dead(h)
     if not confirm(view):
         return {"holder": view, "broken": False, "state": "kept"}
-    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir, "break_token": h.get("token")}, timeout=30)
+    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir}, secrets={"break_token": h.get("token")},
+                   timeout=30)
     if r.unlocked:
         return {"holder": view, "broken": True, "state": "broken"}
     return {"holder": view, "broken": False, "state": "changed",

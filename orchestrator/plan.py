@@ -357,19 +357,25 @@ def step_stop(pb, clean_gpus, when=something_to_stop, only_this_playbook=False, 
                 timeout=g["stop_grace_s"] + 60, when=when, runs=runs, phase=phase, **_common(pb))
 
 
+OUTSIDE_AFTER_S = 10.0  # busy GPUs that nothing in the container holds for this long: held outside, fail now
+
+
 def step_gpus_free(pb):
     g = pb.data["gpu"]
     return Step("gpus-free", f"prove GPUs {pb.gpus} free: every one under {g['free_threshold_mib']} MiB "
                              f"within {g['free_timeout_s']:g} s", action="gpus_free",
                 args={"gpus": pb.gpus, "threshold_mib": g["free_threshold_mib"], "timeout_s": g["free_timeout_s"],
+                      "outside_after_s": min(OUTSIDE_AFTER_S, g["free_timeout_s"]),
                       "nvidia_smi_timeout_s": g["nvidia_smi_timeout_s"], "poll_s": 0.25},
                 timeout=g["free_timeout_s"] + g["nvidia_smi_timeout_s"] + 20,
                 runs=[f"{NVIDIA_SMI_QUERY}   # every 0.25 s up to {g['free_timeout_s']:g} s (each call "
                       f"timeout {g['nvidia_smi_timeout_s']:g} s) until GPUs {pb.gpus} are each under "
-                      f"{g['free_threshold_mib']} MiB",
+                      f"{g['free_threshold_mib']} MiB; busy for {min(OUTSIDE_AFTER_S, g['free_timeout_s']):g} s with "
+                      "no holder in the container: held outside, stop waiting",
                       f"if not: fuser -v {_devs(pb.gpus)}   # holders in the container",
-                      "if none there: pct list; pct config VMID for each other running container   # on the host: "
-                      "who else is given the busy GPUs"],
+                      "if none there: pct list; pct config VMID for each other running container; nvidia-smi "
+                      "--query-compute-apps=pid,used_memory,gpu_uuid   # on the host, read-only: who holds the busy "
+                      "GPUs (host PID, container)"],
                 **_common(pb))
 
 
@@ -470,7 +476,7 @@ def step_note_failure(pb):
     return Step("note-failure", "record the failure in the state directory, for deploy status", action="note_failure",
                 args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,
                 when=changed_something, phase="on-failure",
-                runs=[f"write {_state(pb, 'failure.json')} (playbook, step, message)"], **_common(pb))
+                runs=[f"write {_state(pb, 'last_failure.json')} (playbook, step, message)"], **_common(pb))
 
 
 def step_unlock(pb):
@@ -498,7 +504,10 @@ def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, 
 def failure_steps(pb: Playbook) -> list[Step]:
     """What runs when a step of the main phase fails: stop a half-started server, tell drift from its symptom,
     read back what was changed (for `state left:`), leave a record for deploy status."""
-    out = [step_stop(pb, False, when=launched_and_reachable, name="stop-failed", phase="on-failure")]
+    # only_this_playbook: never the deployment of another playbook that took the container over meanwhile (a
+    # broken lock, issue 26)
+    out = [step_stop(pb, False, when=launched_and_reachable, name="stop-failed", phase="on-failure",
+                     only_this_playbook=True)]
     if drafter_config_path(pb):
         out.append(step_drift(pb, "drift-check", "did the drafter config change since verify? (then that is the "
                                                   "news, and the failed step its symptom)",
@@ -510,9 +519,13 @@ def failure_steps(pb: Playbook) -> list[Step]:
 
 
 def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None = None,
-            restart: bool = False) -> list[Step]:
+            restart: bool = False, ask: bool = False) -> list[Step]:
+    """ask: with fuser -k planned, list the GPU holders deploy did not start and ask first (no -y)."""
     clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
     steps = main_steps(pb, write_config=write_config, clean=clean, restart=restart)
+    if clean and ask:
+        i = next(k for k, s in enumerate(steps) if s.name == "stop")
+        steps.insert(i, step_holders(pb, when=steps[i].when))
     fb = pb.fallback if pb.data["acceptance"]["on_low_acceptance"] == "fallback" and pb.fallback else None
     low = []
     if fb is not None:
@@ -529,19 +542,25 @@ def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None 
             + [step_unlock(pb)])
 
 
+def step_holders(pb: Playbook, when=None) -> Step:
+    """Before a fuser -k (one rule for up, restart and down): list what holds the playbook's GPUs that deploy did
+    not start, and ask; nothing is killed without a yes (the prompt on a terminal, or -y)."""
+    return Step("holders", "list what holds the playbook's GPUs in the container (deploy's own processes apart: "
+                           "stop ends those) and ask before killing them; nothing is killed without a yes (-y)",
+                action="gpu_read", args={"nvidia_smi_timeout_s": 5, "state_dir": pb.runtime["state_dir"]},
+                timeout=30, when=when, runs=[f"fuser -v {_devs(pb.gpus)}; {NVIDIA_SMI_QUERY}"], **_common(pb))
+
+
 def plan_down(pb: Playbook, *, clean_gpus: bool | None = None, ask: bool = False) -> list[Step]:
-    """ask: before a fuser -k, list what holds the playbook's GPUs and ask (down --clean-gpus without -y)."""
+    """ask: before a fuser -k, list what holds the playbook's GPUs and ask (--clean-gpus without -y)."""
     clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
     steps = []
     if clean and ask:
-        steps.append(Step("holders", "list what holds the playbook's GPUs in the container and ask before killing "
-                                     "them; nothing is killed without a yes", action="gpu_read",
-                          args={"nvidia_smi_timeout_s": 5}, timeout=30,
-                          runs=[f"fuser -v {_devs(pb.gpus)}; {NVIDIA_SMI_QUERY}"], **_common(pb)))
+        steps.append(step_holders(pb))
     steps += [step_stop(pb, clean, when=None, only_this_playbook=True), step_gpus_free(pb),
              Step("clear-failure", "a deliberate down ends the story of an earlier failed up (deploy status)",
                   action="note_failure", args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,
-                  runs=[f"rm -f {_state(pb, 'failure.json')}"], **_common(pb))]
+                  runs=[f"rm -f {_state(pb, 'last_failure.json')}"], **_common(pb))]
     return [step_container(pb), step_lock(pb, "down", lease_for(steps))] + steps + [step_unlock(pb)]
 
 

@@ -3,6 +3,8 @@ has the table engine, progress lines and JSON). cli.py calls these; nothing here
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 
@@ -30,13 +32,16 @@ def render_plan(as_json, inv, pb, steps, emit=True):
     py = pb.runtime["python"]
     rows = [s.as_dict(inv, py) for s in steps]
     session = session_command(pb, py)
+    warnings = shared_gpu_warnings(inv, pb)
     if as_json or not emit:
         data = {"playbook": pb.name, "host": pb.host, "vmid": pb.vmid, "agent_session": session, "steps": rows,
-                "fallback": pb.fallback.name if pb.fallback else None}
+                "fallback": pb.fallback.name if pb.fallback else None, "warnings": warnings}
         if emit:
             dump_json(data)
         return data
     click.echo(f"Plan for {pb.name} on {pb.host}/{pb.vmid} ({rows[0]['ssh']}); one SSH connection for all steps.")
+    for w in warnings:
+        click.echo(f"warning: {w}")
     click.echo("One agent process in the container runs every agent step (each `>` line below is one request to it;"
                " the agent's bootstrap, N bytes, arrives on stdin):")
     click.echo(f"  $ {session}")
@@ -50,6 +55,25 @@ def render_plan(as_json, inv, pb, steps, emit=True):
     click.echo(f"\n{n} steps. The lock heartbeat runs beside them as its own command: `{rows[1]['command']}` with "
                "renew=true. `deploy -v up` prints each step's commands as it runs them; --json gives this plan "
                "for review tools.")
+
+
+def shared_gpu_warnings(inv, pb) -> list[str]:
+    """From the inventory alone (plan runs nothing): other containers of the same host given any of the playbook's
+    GPUs, with the playbooks that target them (issue 26: a deployment there makes gpus-free fail)."""
+    from .steps.gpu import playbooks_targeting
+
+    host = inv.hosts.get(pb.host)
+    out = []
+    for c in (host.containers if host else ()):
+        shared = sorted(set(c.gpus or []) & set(pb.gpus))
+        if c.vmid == pb.vmid or not shared:
+            continue
+        names = [n for n in playbooks_targeting(pb.host, c.vmid) if n != pb.name]
+        out.append(f"GPU(s) {', '.join(map(str, shared))} of {pb.host}/{pb.vmid} are also given to {pb.host}/{c.vmid}"
+                   + (f" (targeted by {', '.join(names)})" if names else "")
+                   + f": while a vLLM runs there, gpus-free fails (deploy status {pb.host}/{c.vmid} shows it"
+                   + (f"; deploy down {names[0]} frees them" if names else "") + ")")
+    return out
 
 
 def _render_step(r, label, py, indent=""):
@@ -66,8 +90,16 @@ def _render_step(r, label, py, indent=""):
         _render_step(sub, f"{label}{i}.", py, indent + "    ")
 
 
+def _echo_wrapped(text: str = "", err: bool = False, indent: int = 0) -> None:
+    """click.echo, wrapped at the terminal width on a TTY (never inside a word or path); whole lines otherwise."""
+    from .report import term_width, wrap
+
+    click.echo(wrap(text, term_width(sys.stderr if err else sys.stdout), indent=indent + 4), err=err)
+
+
 def render_outcome(out, indent=""):
-    e = click.echo
+    def e(text="", err=False):
+        _echo_wrapped(text, err=err, indent=len(indent))
     if out.error is not None:
         e(indent + ("FAILED: " if out.status != "fell back" else "LOW ACCEPTANCE: ") + out.error.render(), err=True)
     if out.fallback is not None:

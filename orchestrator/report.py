@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -51,9 +52,43 @@ def wrap(text: str, width: int | None, indent: int = 0) -> str:
     return "\n".join(out)
 
 
+# ---- the output boundary (issue 22, docs/architecture.md "Threat model")
+# Much of what deploy prints comes from containers (process names and argv, log lines, state files, agent
+# answers): a compromised container could set the window title, clear the screen or hide text before a
+# confirmation prompt. Every byte written to stdout/stderr passes SafeStream.write, which strips terminal control
+# sequences: CSI, OSC (ended by BEL or ESC \), DCS/SOS/PM/APC, other ESC sequences, and C0/C1 controls except
+# newline and tab. deploy's own sequences (colours, erasing a line, clearing the screen in `status --watch`) are
+# written with own(): their ESC and CR are replaced by a random marker made at start-up, which no container can
+# know, and turned back into ESC/CR here. JSON output keeps its escapes (\u001b is text, not a control).
+TERMINAL_CONTROLS = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"
+                               r"|\x1b[PX^_][^\x1b]*(?:\x1b\\)?|\x1b[ -/]*[0-~]?"
+                               r"|[\x00-\x08\x0b-\x1f\x7f\x80-\x9f\u2028\u2029]")
+_OWN_ESC = "".join(chr(0xE000 + b) for b in os.urandom(6))
+_OWN_CR = "".join(chr(0xE100 + b) for b in os.urandom(6))
+_OWN = re.compile("(%s|%s)" % (re.escape(_OWN_ESC), re.escape(_OWN_CR)))
+
+
+def own(seq: str) -> str:
+    """A terminal sequence of deploy's own (ESC/CR in it), to pass the output boundary."""
+    return seq.replace("\x1b", _OWN_ESC).replace("\r", _OWN_CR)
+
+
+def strip_controls(text: str) -> str:
+    """text without terminal control sequences (container-derived strings, for any output)."""
+    return TERMINAL_CONTROLS.sub("", text)
+
+
+def to_terminal(text: str) -> str:
+    """What the boundary writes: controls stripped, deploy's own sequences restored."""
+    if _OWN_ESC not in text and _OWN_CR not in text:
+        return TERMINAL_CONTROLS.sub("", text)
+    return "".join("\x1b" if part == _OWN_ESC else "\r" if part == _OWN_CR else TERMINAL_CONTROLS.sub("", part)
+                   for part in _OWN.split(text))
+
+
 class SafeStream:
     """A stdout/stderr whose reader went away (a closed pipe, `| head`) must not abort the operation: writes to
-    it are dropped from then on. The audit log keeps the record."""
+    it are dropped from then on. The audit log keeps the record. It is also the output boundary (to_terminal)."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -63,7 +98,9 @@ class SafeStream:
         if self.closed_by_reader:
             return len(s)
         try:
-            return self._stream.write(s)
+            n = len(s)
+            self._stream.write(to_terminal(s) if isinstance(s, str) else s)
+            return n
         except (BrokenPipeError, ValueError, OSError):
             self._gone()
             return len(s)
@@ -130,7 +167,7 @@ class Progress:
         self.last_out = time.monotonic()
 
     def _c(self, code: str, text: str) -> str:
-        return f"\x1b[{code}m{text}\x1b[0m" if self.color else text
+        return own(f"\x1b[{code}m") + text + own("\x1b[0m") if self.color else text
 
     def _write(self, text: str) -> None:
         self.last_out = time.monotonic()
@@ -169,7 +206,7 @@ class Progress:
             # it was printed whole when it last changed)
             if self.INPLACE and self.color and not self.quiet and len(line) < (term_width(self.stream) or 0):
                 try:
-                    self.stream.write(f"\r\x1b[2K{line}")
+                    self.stream.write(own("\r\x1b[2K") + line)
                     self.stream.flush()
                     self._inplace = True
                 except (BrokenPipeError, ValueError, OSError):

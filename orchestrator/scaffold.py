@@ -83,3 +83,52 @@ def init(directory: str, force: bool = False) -> dict:
             raise UsageError(f"{target}: read back differs from what was written", fix="check the disk and run again")
         written.append(str(target))
     return {"directory": str(dest.resolve()), "written": written, "unchanged": unchanged, "backups": backups}
+
+
+# ------------------------------------------------------------------ deploy docs: the shipped pages, offline
+
+
+def doc_topics() -> dict[str, Path]:
+    """{topic: page}: every shipped page (docs/*.md by its name, docs/design/x.md as design/x)."""
+    d = shipped_dir("orchestrator.docs", "docs")
+    if d is None:
+        return {}
+    out = {}
+    for p in sorted(d.rglob("*.md")):
+        out[p.relative_to(d).with_suffix("").as_posix()] = p
+    return out
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to '-'."""
+    import re
+
+    return re.sub(r"\s", "-", re.sub(r"[^\w\- ]", "", heading.strip().lower()))
+
+
+def docs_text(topic: str | None) -> str:
+    """`deploy docs [TOPIC[#SECTION]]`: the list of topics, a page, or one section of it (to the next heading
+    of the same level)."""
+    topics = doc_topics()
+    if not topic:
+        return "Pages shipped with deploy (deploy docs TOPIC, or TOPIC#SECTION for one section):\n" + "".join(
+            f"  {t}\n" for t in topics)
+    name, _, section = topic.partition("#")
+    name = name.removeprefix("docs/").removesuffix(".md")
+    if name not in topics:
+        raise UsageError(f"no shipped page {name!r}", fix="deploy docs lists them: " + ", ".join(topics))
+    text = topics[name].read_text(encoding="utf-8")
+    if not section:
+        return text
+    lines, start, level = text.splitlines(keepends=True), None, 0
+    for i, ln in enumerate(lines):
+        if ln.startswith("#"):
+            n = len(ln) - len(ln.lstrip("#"))
+            if start is None and _slug(ln.lstrip("#")) == section.lower():
+                start, level = i, n
+            elif start is not None and n <= level:
+                return "".join(lines[start:i])
+    if start is None:
+        heads = [_slug(ln.lstrip("#")) for ln in lines if ln.startswith("## ")]
+        raise UsageError(f"no section #{section} in {name}", fix=f"sections of {name}: " + ", ".join(heads))
+    return "".join(lines[start:])

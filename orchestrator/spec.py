@@ -101,7 +101,7 @@ def _method(value: str) -> str | None:
 
 
 INSTALL_DEFAULTS = {"timeout_s": 3600.0, "installer": "auto", "python": None, "index_url": None, "find_links": [],
-                    "no_index": False, "heartbeat_s": 30.0}
+                    "no_index": False, "heartbeat_s": 30.0, "hashes": [], "allow_insecure": False}
 
 # ---------------------------------------------------------------- inventory
 
@@ -263,6 +263,12 @@ PLAYBOOK = Map({
                                 doc="directories or URLs with wheels (--find-links)"),
             "no_index": Field(Bool(), default=False, doc="only find_links, no index (--no-index)"),
             "heartbeat_s": Field(Float(1, 3600), default=30.0, doc="a progress line at least this often"),
+            "hashes": Field(List(Str(pattern=r"sha256:[0-9a-f]{64}", pattern_hint="sha256:<64 lowercase hex digits>"),
+                                 max_len=50),
+                            default=list, doc="pin the vLLM artifact: pip/uv --require-hashes (then every "
+                                              "dependency needs a pinned hash too: pip's rule)"),
+            "allow_insecure": Field(Bool(), default=False,
+                                    doc="accept plain http:// (and git+http://) sources; refused otherwise"),
         }), default=lambda: dict(INSTALL_DEFAULTS)),
     }), default=lambda: {"vllm": None, "vllm_min_version": None, "fixes": [], "install": dict(INSTALL_DEFAULTS)}),
     "gpu": Field(Map({
@@ -640,9 +646,29 @@ def _check_serving(pb: Playbook, serve: dict, spec: dict, acc: dict, problems: P
         if have and need and have < need:
             problems.add(node_of(req, "vllm"), "requires.vllm",
                          f"{req['vllm']} is older than requires.vllm_min_version {req['vllm_min_version']}")
+    _check_install_sources(req, problems)
     if acc["on_low_acceptance"] == "fallback" and not acc.get("fallback"):
         problems.add(node_of(acc, "on_low_acceptance"), "acceptance.fallback",
                      "on_low_acceptance is 'fallback' but no fallback playbook is named")
+
+
+def _check_install_sources(req: dict, problems: Problems) -> None:
+    """issue 22: plain http (a network attacker swaps the code root then runs) only with allow_insecure; hashes
+    only for what pip can hash (a release or a wheel, not a git source)."""
+    inst = req.get("install") or {}
+    if not inst.get("allow_insecure"):
+        srcs = [("requires.vllm", req, "vllm", req.get("vllm"))]
+        srcs += [("requires.install.index_url", inst, "index_url", inst.get("index_url"))]
+        srcs += [(f"requires.install.find_links[{i}]", inst, "find_links", v)
+                 for i, v in enumerate(inst.get("find_links") or [])]
+        for key, owner, field_, v in srcs:
+            if isinstance(v, str) and v.lower().startswith(("http://", "git+http://")):
+                problems.add(node_of(owner, field_), key,
+                             f"{v!r} is plain http: anyone on the path could replace the code deploy installs and "
+                             "runs as root; use https://, or set requires.install.allow_insecure: true")
+    if inst.get("hashes") and isinstance(req.get("vllm"), str) and req["vllm"].startswith("git+"):
+        problems.add(node_of(inst, "hashes"), "requires.install.hashes",
+                     "a git source cannot be hash-pinned (pip hashes archives); pin a release or a wheel")
 
 
 def _check_drafter(pb: Playbook, drafter: dict, spec: dict, problems: Problems) -> None:

@@ -18,6 +18,7 @@ from . import vllm_facts as vf
 from .agent import AgentError, ContainerNotRunning
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, RemoteTimeout, Unreachable, UsageError
 from .remote import Fleet, run_parallel, state_dir
+from .report import own
 
 SCHEMA = "vllm-pve-deploy/status/v1"
 NO_RUNTIME = "no vLLM runtime"
@@ -77,6 +78,27 @@ def _with_playbook_runtimes(inv, want):
             by_target.setdefault((m.host, m.vmid), {**m.runtime, "api_key_env": m.serve.get("api_key_env"),
                                                     "implicit": f"playbook {m.name}"})
     return [(h, v, rt if rt is not None else by_target.get((h, v))) for h, v, rt in want]
+
+
+def local_key_env(inv, playbook, host: str, vmid: int) -> str | None:
+    """serve.api_key_env of the local playbook named `playbook` if it targets HOST/VMID, else None. The name
+    comes from the container (state.json), so it only selects among the operator's own playbooks."""
+    from .spec import list_playbooks, load_playbook
+
+    if not isinstance(playbook, str) or inv is None:
+        return None
+    names = list_playbooks()
+    for name in ([playbook] if playbook in names else []) + [n for n in names if n != playbook]:
+        try:
+            pb = load_playbook(name, inv)
+        except (DeployError, OSError):
+            continue
+        if pb.name != playbook:
+            continue
+        for m in pb.members:
+            if (m.host, m.vmid) == (host, vmid):
+                return m.serve.get("api_key_env") or None
+    return None
 
 
 class Sampler:
@@ -150,9 +172,13 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
                        {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15,
                        secrets={"api_key": key} if key else None, bulk=FATAL_BULK)
         st = r.state or {}
-        local = st.get("api_key_env") if isinstance(st, dict) else None
-        if not key and r.models_status in (401, 403) and local and os.environ.get(local):
-            # key-protected, and the state file names the local variable holding its key: ask again, with it
+        # The state file is the container's word: it names the playbook, and only a LOCAL playbook of that name
+        # that targets this container chooses the local variable (never the state file's api_key_env, which a
+        # compromised container could point at any workstation secret; docs/architecture.md, "Threat model").
+        local = local_key_env(fleet.inventory, st.get("playbook") if isinstance(st, dict) else None, host, vmid) \
+            if not key and r.models_status in (401, 403) else None
+        if local and os.environ.get(local):
+            # key-protected, and our own playbook names the local variable holding its key: ask again, with it
             key = os.environ[local]
             fleet.redact.add(key)
             r = agent.call(fleet.session(host), vmid, python, "status",
@@ -201,6 +227,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         return row
     row.update(playbook=st.get("playbook"), pid=st.get("pid"), method=st.get("method"),
                served_model=st.get("served_model_name"))
+    row["_gpus"] = st.get("gpus") if isinstance(st.get("gpus"), list) else None  # for shared_gpu_problems
     sup = supervision_of(r.supervision, st)
     row["supervision"] = sup
     if st.get("alive"):
@@ -218,7 +245,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             row["problems"].append(r.listener_problem)
         elif r.models_status in (401, 403):
             row["healthy"] = False
-            local = st.get("api_key_env")
+            local = local_key_env(fleet.inventory, st.get("playbook"), host, vmid)
             row["problems"].append(f"/v1/models needs the API key ({r.models_status})" +
                                    (f": export {local} (serve.api_key_env) and run status again" if local else ""))
         elif st.get("served_model_name") not in (r.models or []):
@@ -297,7 +324,7 @@ def supervision_of(raw: dict | None, st: dict) -> dict:
 def exit_text(ex: dict | None) -> str:
     """'signal KILL at 14:03:12' / 'code 1 at ...' / 'none recorded'."""
     if not ex:
-        return "none recorded (the container's journal starts at its boot)"
+        return "none since deploy up launched it"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ex["at"])) if ex.get("at") else "unknown time"
     what = f"signal {ex.get('status')}" if ex.get("code") in ("killed", "dumped") else f"code {ex.get('status')}"
     return f"{what} at {when}"
@@ -343,7 +370,26 @@ def gather(inv, targets, fleet: Fleet | None = None, *, deadline: float = 15.0, 
                                   fix="check the address/port in the inventory and that the host and its sshd are up")
             rows += [_error_row(host, vmid, err) for vmid, _ in by_host[host]]
     sampler.save()
+    shared_gpu_problems(rows)
     return rows
+
+
+def shared_gpu_problems(rows: list[dict]) -> None:
+    """Two running deployments of one host on the same GPU (their state files' gpus) compete for its memory: each
+    row says so and is not healthy (issue 26: both showed ok)."""
+    running = [r for r in rows if r.get("process") == "running" and r.get("_gpus")]
+    for r in running:
+        for o in running:
+            shared = sorted(set(r["_gpus"]) & set(o["_gpus"]))
+            if o is r or o["host"] != r["host"] or not shared:
+                continue
+            r["healthy"] = False
+            r["problems"].append(f"GPU(s) {', '.join(map(str, shared))} are used by {o['host']}/{o['vmid']} too, "
+                                 f"where {o.get('playbook')} runs: two servers on one GPU compete for its memory; "
+                                 f"deploy down {o.get('playbook')} (or {r.get('playbook')}) frees them, or give each "
+                                 "container its own GPUs")
+    for r in rows:
+        r.pop("_gpus", None)
 
 
 def _row_or_error(fleet, host, vmid, rt, sampler, smi_timeout):
@@ -351,6 +397,11 @@ def _row_or_error(fleet, host, vmid, rt, sampler, smi_timeout):
         return container_row(fleet, host, vmid, rt, sampler, smi_timeout)
     except DeployError as e:
         return _error_row(host, vmid, e)
+    except (TypeError, KeyError, AttributeError, ValueError) as e:  # the answer is typed; nested data may be odd
+        return _error_row(host, vmid, AgentError(
+            f"agent action 'status' answered a malformed result ({type(e).__name__}: {e})", where=f"{host}/{vmid}",
+            fix="a bug in deploy's agent, or something in the container answers for it; report it with deploy's "
+                "audit log"))
 
 
 def _error_row(host, vmid, err) -> dict:
@@ -449,9 +500,9 @@ def render_table(rows, color: bool, width: int | None = None) -> str:
     if probs:
         text += "\n\nProblems:\n" + "\n".join(wrap(p, width, indent=4) for p in probs)
     if color:
-        text = text.replace("UNHEALTHY", "\x1b[31mUNHEALTHY\x1b[0m").replace(
-            "UNREACHABLE", "\x1b[31;1mUNREACHABLE\x1b[0m").replace("TIMEOUT", "\x1b[31;1mTIMEOUT\x1b[0m").replace(
-            "DRIFT", "\x1b[33mDRIFT\x1b[0m")
+        text = text.replace("UNHEALTHY", own("\x1b[31mUNHEALTHY\x1b[0m")).replace(
+            "UNREACHABLE", own("\x1b[31;1mUNREACHABLE\x1b[0m")).replace(
+            "TIMEOUT", own("\x1b[31;1mTIMEOUT\x1b[0m")).replace("DRIFT", own("\x1b[33mDRIFT\x1b[0m"))
     return text
 
 
@@ -548,7 +599,7 @@ def run_status(obj, targets, watch, deadline) -> int:
                                **({"totals": [totals(pb, rows) for pb in fleets]} if fleets else {})})
                 else:
                     if watch and color:
-                        click.echo("\x1b[H\x1b[2J", nl=False)
+                        click.echo(own("\x1b[H\x1b[2J"), nl=False)
                     click.echo(render_table(rows, color, term_width()) + render_endpoints(rows))
                     for pb in fleets:
                         click.echo("\n" + render_totals(totals(pb, rows)))
@@ -596,14 +647,18 @@ def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
 
         with Progress().heartbeat(f"{host}/{vmid}", f"read {log_path}", 30):
             r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
-        if r.get("unit") and not r["lines"]:  # a systemd unit's journal (agent: the state file names the unit)
-            click.echo(f"{host}/{vmid}: the journal of {r['unit']} is empty ({r.get('source')})", err=True)
+        if grep and not r.lines and (r.unit or r.exists):  # like grep: said, exit 1 (issue 26)
+            click.echo(f"{host}/{vmid}: no line of {r.unit and 'the journal of ' + r.unit or log_path} "
+                       f"matched --grep {grep!r}", err=True)
             return EXIT_FAILED
-        if not r.get("exists"):
+        if r.unit and not r.lines:  # a systemd unit's journal (agent: the state file names the unit)
+            click.echo(f"{host}/{vmid}: the journal of {r.unit} is empty ({r.source})", err=True)
+            return EXIT_FAILED
+        if not r.exists:
             click.echo(f"{host}/{vmid}: no log at {log_path} (nothing was launched there?)", err=True)
             return EXIT_FAILED
-        for ln in r["lines"]:
-            click.echo(ln)
+        for ln in r.lines or []:
+            click.echo(str(ln))
         return EXIT_OK
     def line(e):
         click.echo(e.get("line", ""))
@@ -611,7 +666,8 @@ def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
             raise _ReaderGone()
 
     try:
-        agent.call(fleet.session(host), vmid, python, "logs", args, timeout=24 * 3600 + 60, on_event=line)
+        agent.call(fleet.session(host), vmid, python, "logs", args, timeout=24 * 3600 + 60, on_event=line,
+                   streaming=True)
     except (KeyboardInterrupt, _ReaderGone):
         pass
     return EXIT_OK

@@ -15,6 +15,7 @@ cat <<MSG
 The test bed is still running. Try:
   export PATH=$PWD/.venv/bin:\$PATH DEPLOY_INVENTORY=$DEPLOY_INVENTORY
   deploy verify qwen36-dflash
-  deploy testbed fault pve1/129 oom_at_startup=free_memory && deploy restart qwen36-dflash
+  deploy testbed fault pve1/129 oom_at_startup=free_memory && deploy restart qwen36-dflash   # fails, as it should
+  deploy testbed fault pve1/129 --clear && deploy restart qwen36-dflash                     # the fault off: up again
   deploy testbed down          # removes every process, mount and file it made
 MSG

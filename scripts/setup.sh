@@ -18,15 +18,18 @@ command -v lxc-start >/dev/null 2>&1 || need+=(lxc)
 command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
-    echo "setup: installing ${need[*]}" >&2
     export DEBIAN_FRONTEND=noninteractive
+    echo "setup: apt-get update (reading the package lists; about 10-30 s)" >&2
     apt-get update -qq >/dev/null
+    echo "setup: apt-get install ${need[*]} (about 10-60 s)" >&2
     apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
   else
     echo "setup: please install: ${need[*]} (the test bed needs them)" >&2
   fi
 fi
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+[ -x .venv/bin/python ] || { echo "setup: creating the virtual environment .venv" >&2; "$PY" -m venv .venv; }
+echo "setup: pip: installing the tool, the test bed and the test tools into .venv (about 20-60 s; log:" \
+  ".venv/pip-install.log)" >&2
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e ./testbed -e '.[test]' > .venv/pip-install.log 2>&1 || { cat .venv/pip-install.log >&2; exit 1; }
 echo "setup: done ($(.venv/bin/deploy --version))" >&2

@@ -7,7 +7,7 @@ import base64
 import json
 import time
 
-from ..errors import AgentError, ContainerNotRunning
+from ..errors import AgentError, ContainerNotRunning, OutputTooLarge
 from . import archive
 from .protocol import PROTOCOL, RESULT_TYPES, ProtocolError
 
@@ -38,17 +38,22 @@ def agent_argv(python: str, action: str, args: dict) -> list[str]:
 
 
 def call(session, vmid: int, python: str, action: str, args: dict, *, payload: bytes | None = None,
-         secrets: dict | None = None, bulk: dict | None = None, timeout: float = 60.0, on_event=None):
+         secrets: dict | None = None, bulk: dict | None = None, timeout: float = 60.0, on_event=None,
+         streaming: bool = False):
     """Run one agent action in the container, in a process of its own (one `pct exec`); returns its typed result.
     The archive goes inline only when this workstation does not know the container to hold this version
     (archive.known); a container that answers {"need": SHA} (exit 3, before anything ran: it lost its copy) gets
     the exec again with the archive inline, which it keeps. Raises on transport-level failure.
-    AgentSession.call does the same over one agent process for many steps."""
+    AgentSession.call does the same over one agent process for many steps.
+    streaming=True (`logs -f`): events are printed and dropped, so only the per-line cap applies."""
+
+    budget = EventBudget(action, f"{session.host.name}/{vmid}", streaming)
 
     def on_line(raw: bytes):
         """Events go to on_event and are not kept: a long `logs -f` holds only the line in progress."""
         if not raw.startswith(b'{"event"'):
             return True
+        budget.take(raw)
         try:
             msg = json.loads(raw)
         except ValueError:
@@ -115,3 +120,32 @@ def interpret(result, proto, action: str, python: str, *, where: str, vmid: int,
         return typ.parse(action, result)
     except ProtocolError as e:
         raise AgentError(str(e), where=where, fix="a bug in deploy's agent; report it with deploy's audit log")
+
+
+# ---- untrusted input: caps on what an agent answer may make deploy hold, print and log (issue 22)
+MAX_LINE = 64 << 20        # one answer line (a result: logs and doctor bring the most)
+MAX_STDERR = 1 << 20       # the session's stderr (only read for an error message)
+MAX_EVENT_LINE = 256 << 10  # one progress event
+MAX_EVENTS = 50000         # events per request (an install's log lines come in attach calls of FOLLOW_S each)
+MAX_EVENT_BYTES = 16 << 20  # event bytes per request: what one request may add to the screen and the audit log
+# (the agent itself cuts an event's text at 16000 characters, so its own events stay below MAX_EVENT_LINE;
+# `logs -f`, whose lines are printed and neither kept nor audited, has no count or byte cap, only the line cap)
+
+
+class EventBudget:
+    """Counts one request's events; over a cap, OutputTooLarge (the request fails, a session ends)."""
+
+    def __init__(self, action: str, where: str, streaming: bool = False):
+        self.action, self.where, self.n, self.bytes, self.streaming = action, where, 0, 0, streaming
+
+    def take(self, line: bytes) -> None:
+        self.n += 1
+        self.bytes += len(line)
+        why = (f"an event line of {len(line)} bytes (cap {MAX_EVENT_LINE})" if len(line) > MAX_EVENT_LINE else
+               None if self.streaming else
+               f"more than {MAX_EVENTS} events" if self.n > MAX_EVENTS else
+               f"more than {MAX_EVENT_BYTES} bytes of events" if self.bytes > MAX_EVENT_BYTES else None)
+        if why:
+            raise OutputTooLarge(f"the agent's {self.action!r} answer sent {why}; it was stopped there",
+                                 where=self.where, fix="something in the container floods the agent's output; check "
+                                                       "it directly (deploy doctor), then retry")

@@ -18,6 +18,9 @@ from .container.protocol import PROTOCOL, ProtocolError  # noqa: F401 (re-export
 from .container.protocol import REQUIRED as WIRE
 
 
+_TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str, "list": list, "dict": dict}
+
+
 @dataclass
 class AgentResult:
     """Base: typed fields, read as attributes, plus `extra` for fields this side does not know (a newer agent's);
@@ -35,6 +38,12 @@ class AgentResult:
             raise ProtocolError("agent action %r result lacks %s (protocol %d, %s)"
                                 % (action, ", ".join(missing), PROTOCOL, cls.__name__))
         names = {f.name for f in fields(cls)} - {"extra"}
+        for f in fields(cls):  # the answer comes from the container: each known field has its declared type
+            v = d.get(f.name)
+            want = _TYPES.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+            if f.name != "extra" and v is not None and want is not None and not isinstance(v, want):
+                raise ProtocolError("agent action %r result field %r is %s, not %s (%s)"
+                                    % (action, f.name, type(v).__name__, f.type, cls.__name__))
         obj = cls(**{k: v for k, v in d.items() if k in names})
         obj.extra = {k: v for k, v in d.items() if k not in names}
         return obj
@@ -129,6 +138,7 @@ class StopResult(AgentResult):
     unit: dict = None  # systemd's stop + disable report
     unit_problem: str = None
     cgroup_left: list = None
+    sigterm: list = None  # the pids SIGTERM reached (the others were already exiting)
     terminated: list = field(default_factory=list)
     killed: list = field(default_factory=list)
     leftovers: list = field(default_factory=list)
@@ -238,10 +248,72 @@ class NoteFailureResult(AgentResult):
     ok: bool = False
 
 
+@dataclass
+class LogsResult(AgentResult):
+    """`logs`: the last lines (or, following, events and then this)."""
+    lines: list = None
+    exists: bool = None
+    unit: str = None
+    source: str = None
+    followed_s: float = None
+
+
+@dataclass
+class DoctorResult(AgentResult):
+    """`doctor`: read-only facts for diagnose() (doctor.py)."""
+    REQUIRED = WIRE["doctor"]
+    processes: list = field(default_factory=list)
+    servers: list = field(default_factory=list)
+    holders: list = None
+    memory: dict = None
+    stack: dict = None
+    state: dict = None
+    now: float = None
+    pid_ns: str = None
+
+
+@dataclass
+class HubDrafterResult(AgentResult):
+    REQUIRED = WIRE["hub_drafter"]
+    ok: bool = False
+    path: str = None
+    dir: str = None
+    hub_id: str = None
+    changed: bool = False
+    stage: str = None
+    message: str = None
+    snapshot: str = None
+    snapshot_config_sha256: str = None
+    before_sha256: str = None
+    after_sha256: str = None
+    links: list = None
+    revision: str = None
+    backup: str = None  # (none: deploy's own directory is rebuilt, not edited)
+
+
+@dataclass
+class InstallResult(AgentResult):
+    """`install_vllm` (probe, start, attach, rollback)."""
+    REQUIRED = WIRE["install_vllm"]
+    ok: bool = False
+    message: str = None
+    fix: str = None
+    runtime: dict = None
+    install: dict = None
+    serving: dict = None
+    pointer: dict = None
+    started: bool = None
+    done: bool = None
+    id: str = None
+    pid: int = None
+    log_pos: int = None
+    log_tail: list = None
+
+
 RESULT_TYPES = {
     "lock": LockResult, "unlock": UnlockResult, "status": CurrentResult, "write_file": WriteFileResult,
     "verify": VerifyResult, "stop": StopResult, "gpus_free": GpusFreeResult, "port_check": PortResult,
     "launch": LaunchResult, "wait_ready": ReadyResult, "file_sha": FileShaResult, "acceptance": AcceptanceResult,
-    "hub_drafter": WriteFileResult,
-    "note_failure": NoteFailureResult,
+    "note_failure": NoteFailureResult, "logs": LogsResult, "doctor": DoctorResult, "hub_drafter": HubDrafterResult,
+    "install_vllm": InstallResult,
 }

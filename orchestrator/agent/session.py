@@ -12,7 +12,7 @@ import time
 from ..errors import AgentError, OutputTooLarge, RemoteTimeout, Unreachable
 from ..remote import HostSession, pct_exec_argv
 from . import archive
-from .call import agent_argv, interpret
+from .call import MAX_LINE, MAX_STDERR, EventBudget, agent_argv, interpret
 from .protocol import PROTOCOL
 
 
@@ -60,6 +60,9 @@ class AgentSession:
         self.starts += 1
         try:
             line = self._readline(time.monotonic() + timeout)
+        except OutputTooLarge:
+            self.close()
+            raise
         except _SessionEnded as e:
             if keep and self.session.keep_env_supported is None and b"Unknown option: keep-env" in self._err:
                 self.session.keep_env_supported = False  # pct refused while parsing: nothing ran
@@ -114,6 +117,11 @@ class AgentSession:
                                      fix="the remote side misbehaves; check it directly")
             while chan.recv_stderr_ready():
                 self._err += chan.recv_stderr(65536)
+                if len(self._err) > MAX_STDERR:
+                    raise OutputTooLarge(f"the agent wrote more than {MAX_STDERR} bytes to stderr; the session was "
+                                         "ended", where=self.where,
+                                         fix="something in the container floods the agent's stderr; check it "
+                                             "directly (deploy doctor), then retry")
             if chan.recv_ready():
                 chunk = chan.recv(65536)
                 if chunk:
@@ -158,11 +166,13 @@ class AgentSession:
                         session=self.starts)
             result = proto = None
             exited = 0
+            budget = EventBudget(action, self.where)
             try:
                 self._chan.sendall(raw)
                 while True:
                     line = self._readline(deadline)
                     if line.startswith(b'{"event"'):
+                        budget.take(line)
                         try:
                             ev = json.loads(line)
                         except ValueError:
@@ -191,6 +201,12 @@ class AgentSession:
                 if exited == -1 and not self.session.alive():
                     raise Unreachable("SSH connection lost during a command", where=self.session.host.name,
                                       fix="check the host; run `deploy status` to see what state was left")
+            except OutputTooLarge as e:
+                self.close()  # over a cap: this request fails and the session ends (the next call starts anew)
+                audit.write(host=self.session.host.name, vmid=self.vmid, argv=argv, exit=None, session=self.starts,
+                            duration=round(time.monotonic() - started, 4), label=f"agent:{action}",
+                            error=e.message[:300])
+                raise
             except (OSError, EOFError) as e:
                 self.close()
                 raise Unreachable(f"SSH connection lost during a command: {e or type(e).__name__}",
@@ -205,8 +221,6 @@ class AgentSession:
             return interpret(result, proto, action, self.python, where=self.where, vmid=self.vmid, exited=exited,
                              err=self._err.decode("utf-8", "replace").strip())
 
-
-MAX_LINE = 64 << 20
 
 
 class _SessionEnded(Exception):

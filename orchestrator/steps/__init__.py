@@ -3,7 +3,9 @@ StepFailed with what failed, where, expected vs found, and what to do next."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -43,7 +45,7 @@ class Context:
         return f"{self.pb.host}/{self.pb.vmid}"
 
     def call(self, step: Step, *, payload: bytes | None = None, secrets: dict | None = None, on_event=None,
-             fresh: bool = False):
+             fresh: bool = False, beat: bool = True):
         """Run the step's agent action: over this container's agent session (one process for all of an
         operation's steps), or with fresh=True in a process of its own (the lock heartbeat, which runs beside a
         long step). Returns the typed result (orchestrator/agent/protocol.py)."""
@@ -53,7 +55,12 @@ class Context:
         self.progress.detail(self.where, self.session.audit.redact(
             f"{how} {step.action} {json.dumps(args, sort_keys=True)}"))
         kw = dict(payload=payload, secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event)
-        with self.progress.heartbeat(self.where, f"{step.name}: {step.title}", step.timeout):
+        # the step's own bound when its title states one ("(timeout 900 s)", "within 60 s"), else the channel's;
+        # beat=False: a background call (the lock's renewal) prints no "still waiting" of its own (issue 26)
+        bounded = re.search(r"\btimeout \d|\bwithin \d", step.title or "")
+        hb = self.progress.heartbeat(self.where, f"{step.name}: {step.title}", None if bounded else step.timeout) \
+            if beat else contextlib.nullcontext()
+        with hb:
             if fresh:
                 return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, **kw)
             return agent.session_for(self.session, step.vmid, self.pb.runtime["python"],

@@ -36,7 +36,11 @@ def stop(ctx: Context, step: Step) -> StopResult:
                                     + ", ".join(f"{p['pid']} ({p['comm']})" for p in rep.cgroup_left),
                      fix=f"pct exec {ctx.pb.vmid} -- systemctl kill -s KILL {u['unit']}", report=rep)
     elif rep.terminated:
-        parts.append(f"stopped {len(rep.terminated)} process(es) with SIGTERM")
+        n, sent = len(rep.terminated), rep.sigterm
+        pg = (rep.state or {}).get("pgid")
+        parts.append(f"stopped the {n} process(es) deploy started in process group {pg}" +
+                     (f" (SIGTERM to {len(sent)}; the other {n - len(sent)} were already exiting)"
+                      if sent is not None and len(sent) != n else " with SIGTERM"))
     if rep.killed:
         parts.append("SIGKILLed " + ", ".join(f"{p['pid']} ({p.get('comm')})" for p in rep.killed))
     fz = rep.fuser or {}
@@ -44,7 +48,8 @@ def stop(ctx: Context, step: Step) -> StopResult:
         ctx.fail(step.name, t0, fz["refused"], fix="this must never run on the Proxmox host itself")
     if fz.get("term") or fz.get("kill"):
         parts.append(f"fuser -k freed the devices (TERM: {fz.get('term')}, KILL: {fz.get('kill')})")
-    foreign = rep.foreign or []
+    fuser_pids = set(fz.get("term") or []) | set(fz.get("kill") or [])
+    foreign = [p for p in rep.foreign or [] if p["pid"] not in fuser_pids]  # killed by fuser: not "left alone"
     if foreign:
         parts.append(f"left alone {len(foreign)} vLLM process(es) deploy did not start ("
                      + ", ".join(f"{p['pid']} {p['comm']}" for p in foreign[:4]) + ")")
@@ -94,14 +99,66 @@ def gpus_free(ctx: Context, step: Step) -> GpusFreeResult:
                  result=r)
     # held outside: nothing in this container holds the devices
     others = other_containers_sharing(ctx, r.busy or step.args["gpus"])
+    for o in others:
+        o["playbooks"] = playbooks_targeting(ctx.pb.host, o["vmid"])
+    holders = host_holders(ctx, r.busy or step.args["gpus"])
     extra = ("; other running containers on this host given the busy GPU(s): " +
-             ", ".join(f"{o['vmid']} ({o['name']}, GPUs {o['gpus']})" for o in others)) if others else \
+             ", ".join(f"{o['vmid']} ({o['name']}, GPUs {o['gpus']}"
+                       + (f"; targeted by playbook {', '.join(o['playbooks'])}" if o["playbooks"] else "") + ")"
+                       for o in others)) if others else \
         "; no other running container on this host is given the busy GPU(s), so the holder is the host itself"
+    if holders:
+        extra += "; on the host: " + ", ".join(
+            f"host PID {h['pid']} ({h.get('comm') or '?'}) uses {h['mib']} MiB of GPU {h['gpu']}"
+            + (f" in container {h['vmid']}" if h.get("vmid") else " (the host itself)") for h in holders)
+    downs = [f"deploy down {p}" for o in others for p in o["playbooks"]]
+    if downs:
+        fix = (f"{' or '.join(downs)} frees them (it runs in container "
+               f"{', '.join(str(o['vmid']) for o in others if o['playbooks'])} on the same GPUs), then deploy up "
+               f"{ctx.pb.name}; or give each container its own GPUs. deploy never kills outside the target container")
+    elif holders and not others:
+        fix = (f"stop host PID {', '.join(str(h['pid']) for h in holders)} on {ctx.pb.host} yourself (deploy never "
+               "kills on the host), then deploy up again")
+    else:
+        fix = ("stop the holder on the host or in the other container; deploy never kills outside the target "
+               "container, and will not launch until the GPUs are free")
     ctx.fail(step.name, t0, f"GPU memory is held OUTSIDE this container ({busy} > {thr} MiB after "
                             f"{r.seconds:.0f}s, and no process in container {ctx.pb.vmid} holds /dev/nvidia*)"
-                            + extra,
-             fix="stop the holder on the host or in the other container; deploy never kills outside the target "
-                 "container, and will not launch until the GPUs are free", result=r, others=others)
+                            + extra, fix=fix, result=r, others=others, host_holders=holders)
+
+
+def playbooks_targeting(host: str, vmid: int) -> list[str]:
+    """The local playbooks whose target (or one of whose targets) is HOST/VMID: their names, for a fix command.
+    Read from the playbook files (no inventory check: a name is all the fix needs)."""
+    import yaml
+
+    from ..locate import find_playbook, list_playbooks
+
+    out = []
+    for name in list_playbooks():
+        try:
+            with open(find_playbook(name), encoding="utf-8") as fh:
+                data = yaml.safe_load(fh.read(1 << 20)) or {}
+        except (OSError, yaml.YAMLError, Exception):  # noqa: BLE001 - a broken playbook is just not named
+            continue
+        targets = data.get("targets") or ([data.get("target")] if data.get("target") else [])
+        if any(isinstance(t, dict) and t.get("host") == host and t.get("vmid") == vmid for t in targets):
+            out.append(data.get("name") or name)
+    return out
+
+
+def host_holders(ctx: Context, gpus: list[int]) -> list[dict]:
+    """Read-only, on the Proxmox host: the processes nvidia-smi says use the busy GPUs, outside this container
+    (host PID, MiB, the container by its cgroup, or none: the host itself), as deploy doctor names them."""
+    from ..doctor import HOST_HOLDERS_SH, parse_host_holders
+
+    try:
+        r = ctx.session.run(["sh", "-c", HOST_HOLDERS_SH], timeout=25, label="gpus-free")
+    except Exception:  # noqa: BLE001 - naming the holder is extra information; the failure stands without it
+        return []
+    if not r.ok:
+        return []
+    return [h for h in parse_host_holders(r.out)["holders"] if h["gpu"] in gpus and h.get("vmid") != ctx.pb.vmid]
 
 
 def other_containers_sharing(ctx: Context, gpus: list[int]) -> list[dict]:

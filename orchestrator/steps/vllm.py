@@ -110,9 +110,22 @@ def wait_ready(ctx: Context, step: Step) -> ReadyResult:
     if reason == "fatal":
         msg = f"vLLM failed to start: {r.cause}\n    > {r.line}"
         fix = r.fix.replace("PLAYBOOK", ctx.pb.name)
+        if "--clean-gpus" in fix and any(x.step == "gpus-free" and x.ok for x in ctx.results):
+            # measured free just before this launch: freeing them again will not help (issue 26, item 7)
+            fix = (f"gpus-free measured GPU(s) {','.join(map(str, ctx.pb.gpus))} free just before this launch, so "
+                   "--clean-gpus will not help: something took GPU memory since, or gpu_memory_utilization asks for "
+                   f"more than is free; see deploy status and deploy doctor {ctx.where} (on the test bed: a fault "
+                   f"such as oom_at_startup is on; deploy testbed fault {ctx.where} --clear)")
     elif reason == "exited":
-        msg = (f"vLLM exited during startup with code {r.exit_code}" +
-               (" (exit 0 is not a clean stop: the engine crashed)" if r.exit_code == 0 else "") +
+        ex = r.last_exit or {}
+        if r.exit_code is not None:
+            how = f"with code {r.exit_code}" + (" (exit 0 is not a clean stop: the engine crashed)"
+                                                if r.exit_code == 0 else "")
+        elif ex.get("code") in ("killed", "dumped"):
+            how = f"killed by signal {ex.get('status')}"
+        else:  # nothing recorded its status: a signal took it (or the wrapper that records it) down
+            how = "(its exit status was not recorded: a signal ended it, or the wrapper that records it)"
+        msg = (f"vLLM exited during startup {how}" +
                (f"; last log lines:\n{tail}" if tail else ""))
         fix = f"read the full log: deploy logs {ctx.pb.name}"
     elif reason == "timeout":

@@ -221,4 +221,6 @@ def fault_cmd(target, assignment, clear, list_, root):
         tb.set_fault(host, vmid, name, value)
     except (TestbedError, F.FaultError, ValueError, RuntimeError) as e:
         _fail(e)
-    click.echo("%s: %s %s" % (target, name, "off" if value is None else "= " + json.dumps(value)), err=True)
+    click.echo("%s: %s %s" % (target, name, "off" if value is None else "= " + json.dumps(value) +
+                              " (on until: deploy testbed fault %s %s=off, or deploy testbed fault %s --clear)"
+                              % (target, name, target)), err=True)

@@ -50,27 +50,59 @@ def check_prereqs(python_ver: str) -> None:
                              "site-packages (transformers) cannot be shared with it" % (SUITE, PYTHON_VER, python_ver))
 
 
-def ensure_rootfs(log=None) -> Path:
-    """The cached root file system, built on first use (under a lock: concurrent test sessions build it once)."""
+def _say(msg: str) -> None:
+    import sys
+
+    print("testbed: " + msg, file=sys.stderr, flush=True)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(path) - 4096))
+            lines = [ln for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1].strip()[:120] if lines else ""
+    except OSError:
+        return ""
+
+
+def ensure_rootfs(log=None, say=_say, every_s: float = 10.0) -> Path:
+    """The cached root file system, built on first use (under a lock: concurrent test sessions build it once).
+    The build says what it does and, every `every_s` seconds, how long it has run and debootstrap's last line."""
     dest = rootfs_path()
     if (dest / ".vpd-complete").exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest.parent / ".build.lock", "w") as lk:
-        fcntl.flock(lk, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lk, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say("another test bed is building the LXC root file system in %s; waiting for it" % dest.parent)
+            fcntl.flock(lk, fcntl.LOCK_EX)
         if (dest / ".vpd-complete").exists():
             return dest
         tmp = dest.parent / (dest.name + ".building")
         shutil.rmtree(tmp, ignore_errors=True)
         t0 = time.monotonic()
         logf = Path(log or (dest.parent / (dest.name + ".log")))
+        say("building the LXC root file system once (debootstrap %s minbase from Debian's mirror, about 45-90 s; "
+            "log: %s); later test beds reuse it" % (SUITE, logf))
         with open(logf, "wb") as lf:
-            try:
-                r = subprocess.run(["debootstrap", "--variant=minbase", "--include=" + PACKAGES, SUITE, str(tmp)],
-                                   stdin=subprocess.DEVNULL, stdout=lf, stderr=subprocess.STDOUT, timeout=900)
-            except subprocess.TimeoutExpired:
-                raise LxcUnavailable("debootstrap %s into %s did not finish within 900 s (see %s): is Debian's mirror "
-                                     "reachable?" % (SUITE, tmp, logf)) from None
+            p = subprocess.Popen(["debootstrap", "--variant=minbase", "--include=" + PACKAGES, SUITE, str(tmp)],
+                                 stdin=subprocess.DEVNULL, stdout=lf, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 900
+            while True:
+                try:
+                    p.wait(timeout=max(0.1, min(every_s, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        p.kill()
+                        p.wait()
+                        raise LxcUnavailable("debootstrap %s into %s did not finish within 900 s (see %s): is "
+                                             "Debian's mirror reachable?" % (SUITE, tmp, logf)) from None
+                    say("still building the root file system (%.0f s): %s" % (time.monotonic() - t0, _last_line(logf)))
+            r = p
         if r.returncode:
             tail = "\n    ".join(logf.read_text(errors="replace").splitlines()[-12:])
             raise LxcUnavailable("debootstrap %s into %s failed (exit %d); last lines of %s:\n    %s"
@@ -78,6 +110,7 @@ def ensure_rootfs(log=None) -> Path:
         _prepare(tmp)
         (tmp / ".vpd-complete").write_text("built in %.0f s by the vllm-pve-deploy test bed\n" % (time.monotonic() - t0))
         os.rename(tmp, dest)
+        say("root file system built in %.0f s: %s" % (time.monotonic() - t0, dest))
         return dest
 
 

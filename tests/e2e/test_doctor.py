@@ -102,8 +102,20 @@ def test_doctor_names_a_stale_write(tb, deploy):
 
 
 def test_doctor_without_vllm_and_on_a_broken_build(tb, deploy):
+    # no server, but the drafter directory holds the guessed config: said, with what to run (issue 26)
+    p = deploy("doctor", "pve1/129", "--json")
+    row = p.json["containers"][0]
+    assert p.returncode == 1 and row["servers"] == [], row
+    assert [x["class"] for x in row["findings"]] == ["guessed-config"]
+    assert "no vLLM server runs, but " + DRAFTER in row["findings"][0]["cause"]
+    assert row["findings"][0]["fix"].startswith("deploy apply-config qwen36-dflash")
+    text = deploy("doctor", "pve1/129").stdout
+    assert "drafter config %s (no server runs; for qwen36-dflash): differs" % DRAFTER in text
+    assert "no problem found" not in text
+    tb.container_exec("pve1", 129, ["sh", "-c", "cat > %s" % DRAFTER], input=pinned_bytes(), text=False)
     p = deploy("doctor", "pve1/129", "--json")
     assert p.returncode == 0 and p.json["containers"][0]["servers"] == []
+    assert "= the published config (qwen36-dflash)" in deploy("doctor", "pve1/129").stdout
     tb.set_fault("pve1", 129, "missing_extension", "_C_stable_libtorch.abi3.so")
     p = deploy("doctor", "pve1/129", "--json")
     f = p.json["containers"][0]["findings"]
@@ -112,6 +124,7 @@ def test_doctor_without_vllm_and_on_a_broken_build(tb, deploy):
 
 
 def test_doctor_names_a_holder_outside_the_container(tb, deploy):
+    tb.container_exec("pve1", 129, ["sh", "-c", "cat > %s" % DRAFTER], input=pinned_bytes(), text=False)
     tb.set_fault("pve1", None, "foreign_holder", {"gpu": 0, "mib": 30000})
     deadline = time.monotonic() + 10
     while tb.gpu_used("pve1")[0] < 30000 and time.monotonic() < deadline:

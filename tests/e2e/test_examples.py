@@ -8,7 +8,12 @@ README.md and docs/**/*.md, is checked against the code.
   commands named in CHEAP) run for real against the test bed: no usage error, no traceback, JSON where --json.
   `init` (SANDBOXED) runs for real in a scratch directory that is also HOME.
 - Where a doc shows output (`$ deploy ...` followed by output lines), that output is checked against the real
-  output: its lines, normalised (numbers, hashes, addresses and spacing), must appear in order.
+  output: its lines, normalised (numbers, hashes, addresses and spacing), must appear in order. Counts are not
+  normalised: `29 checks`, `at most 3740 s`, `19 steps` must be the real numbers (issue 26).
+- Step lines shown anywhere in the docs (`[pve1/129] ok   verify   ...`), also in blocks that are not run, are
+  compared with the same step of real runs (up, the fallback, down) where they describe the same thing: their
+  counts must be the real ones. Every option of every command (the test bed's too, and the KEY= values its help
+  names) is documented in docs/cli.md, and every state file name the docs give exists in the code.
 - The rest (up, down, restart, apply-config, testbed up/down/fault, --watch, -f) change or hold the test bed or
   run until Ctrl-C: they are parsed only, each with the reason in NOT_RUN. A doc block can ask for more with a
   marker line right before its fence:
@@ -39,7 +44,7 @@ from e2e_helpers import REPO
 DOC_FILES = sorted([os.path.join(REPO, "README.md")] + glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
                                                                  recursive=True))
 # Read-only commands that answer in about a second: run for real. (First words after `deploy`.)
-CHEAP = {"plan", "status", "verify", "logs", "schema", "completion", ("testbed", "status")}
+CHEAP = {"plan", "status", "verify", "logs", "schema", "completion", "docs", ("testbed", "status")}
 # Commands that only write where they are told or where they run: run for real in a scratch directory that is also
 # HOME (a leading ~ expanded to it, as a shell would), its path shown as /root (the docs' HOME) when compared.
 SANDBOXED = {"init"}
@@ -294,9 +299,15 @@ def test_example_parses(ex, capsys):
 # ------------------------------------------------------------------ running the cheap ones
 
 
-def _norm(line: str) -> str:
+COUNTS = re.compile(r"\b\d+ (?:checks?\b|check\(s\)|steps\b)|\bat most \d+ s\b")
+
+
+def _norm(line: str, counts: bool = True) -> str:
+    """Numbers, hashes and addresses normalised; with counts=True the counts (COUNTS) are kept exactly."""
     s = re.sub(r"127\.77\.\d+\.\d+", "ADDR", line.strip())
     s = re.sub(r"\b[0-9a-f]{7,64}\b", "H", s)
+    if counts:  # digits of a count are spelt as letters, out of reach of the number rule below
+        s = COUNTS.sub(lambda m: re.sub(r"\d", lambda d: "abcdefghij"[int(d.group())], m.group()), s)
     s = re.sub(r"\d+", "0", s)
     s = re.sub(r"-{2,}", "--", s)  # table rules follow the column widths
     return re.sub(r"\s+", " ", s)
@@ -400,3 +411,92 @@ def test_every_example_not_run_says_why():
     for ex in ALL:
         reason = why_not_run(ex)
         assert "not known to be read-only" not in reason, f"{ex}: {reason}"
+
+
+# ------------------------------------------------------------------ outputs of commands that are not run (issue 26)
+
+STEP_LINE = re.compile(r"\[[\w.-]+/\d+\] (ok  |FAIL|skip) (\S+)\s+(.*?)(?: \([\d.]+s\))?\s*$")
+
+
+def doc_step_lines():
+    """Every progress line of a step shown in a fenced block of the docs: (source, mark, step, summary)."""
+    out = []
+    for path in DOC_FILES:
+        rel, fence = os.path.relpath(path, REPO), False
+        for n, ln in enumerate(open(path, encoding="utf-8").read().splitlines(), 1):
+            if re.match(r"\s*```", ln):
+                fence = not fence
+                continue
+            m = STEP_LINE.search(ln) if fence else None
+            if m:
+                out.append((f"{rel}:{n}", m.group(1), m.group(2), m.group(3)))
+    return out
+
+
+def test_step_lines_anywhere_in_the_docs_have_the_real_counts(tb, deploy):
+    """A documented step line that describes what a real run printed (the same words once numbers are set
+    aside) must also have its counts: `28 checks` where verify now makes 29 is caught here, in every block."""
+    env = {"VPD_TESTBED_DIR": str(tb.root)}
+    real = []
+    for argv in (["up", "qwen36-dflash", "--skip-config-write"], ["up", "qwen36-dflash", "-y"],
+                 ["verify", "qwen36-dflash"], ["verify", "qwen36-mtp"], ["down", "qwen36-dflash"]):
+        p = deploy(*argv, env=env, timeout=300)
+        real += [m.groups() for m in map(STEP_LINE.search, (p.stdout + p.stderr).splitlines()) if m]
+    assert real, "no step lines in the real runs"
+    wrong = []
+    for src, mark, step, summary in doc_step_lines():
+        same = [r for r in real if r[:2] == (mark, step) and _matches(_norm(summary, False), _norm(r[2], False))]
+        if same and not any(_matches(_norm(summary), _norm(r[2])) for r in same):
+            wrong.append(f"{src}: {mark} {step} {summary}\n    real: {same[0][2]}")
+    assert not wrong, "documented counts differ from a real run:\n" + "\n".join(wrong)
+
+
+def _click_commands():
+    from orchestrator.cli import main
+
+    def walk(cmd, path):
+        yield path, cmd
+        if isinstance(cmd, click.Group):
+            for name, sub in sorted(cmd.commands.items()):
+                yield from walk(sub, path + [name])
+    return list(walk(main, ["deploy"]))
+
+
+def test_every_option_is_documented_in_cli_md():
+    """Each option of each command (and each KEY= an option's help names, e.g. --ct-option's init=, onboot=) is in
+    docs/cli.md: a new option without its line there fails here."""
+    text = open(os.path.join(REPO, "docs", "cli.md"), encoding="utf-8").read()
+    missing = []
+    for path, cmd in _click_commands():
+        if getattr(cmd, "hidden", False):
+            continue
+        for p in cmd.params:
+            if not isinstance(p, click.Option) or p.hidden:
+                continue
+            names = [o for o in p.opts + p.secondary_opts if o.startswith("--")] or p.opts
+            if not any(re.search(r"(?<![\w-])" + re.escape(o) + r"(?![\w-])", text) for o in names):
+                missing.append(f"{' '.join(path)} {names[0]}")
+            for key in re.findall(r"(?<![\w$])([a-z_]+)=[a-z0-9]", p.help or ""):
+                if not re.search(r"(?<![\w-])" + re.escape(key) + "=", text):
+                    missing.append(f"{' '.join(path)} {names[0]} {key}=")
+    assert not missing, "options not documented in docs/cli.md: " + ", ".join(missing)
+
+
+def test_state_file_names_in_the_docs_exist_in_the_code():
+    """`last_failure.json`, not `failure.json`: every file of the state directory the docs name (a path under
+    /var/lib/vllm-pve-deploy/, or a row of a table of files) is one the code writes or reads."""
+    import glob
+
+    code = "".join(open(f, encoding="utf-8").read() for f in glob.glob(os.path.join(REPO, "orchestrator", "**", "*.py"),
+                                                                       recursive=True))
+    wrong = []
+    for path in DOC_FILES:
+        for n, ln in enumerate(open(path, encoding="utf-8").read().splitlines(), 1):
+            names = re.findall(r"/var/lib/vllm-pve-deploy/([a-z][\w.-]*\.(?:json|log|lock))\b", ln)
+            names += re.findall(r"^\| `([a-z][\w.-]*\.(?:json|log|lock))` \|", ln)
+            for name in names:
+                if re.search(r"-\d{8}T", name):  # an install id in the name: its fixed prefix must be in the code
+                    name = name[:re.search(r"-\d{8}T", name).start() + 1]
+                if not re.search(r"(?<![\w.-])" + re.escape(name) + r"(?![\w])", code):
+                    wrong.append(f"{os.path.relpath(path, REPO)}:{n}: {name}")
+    assert not wrong, "state file names in the docs that the code does not know: " + ", ".join(wrong)

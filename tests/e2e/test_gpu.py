@@ -153,5 +153,9 @@ def test_vllm_started_by_hand_is_never_killed_without_clean_gpus(tb, deploy, pla
     assert "left alone" in steps["stop"]["summary"]
     assert "holders in this container: PID" in p.json["error"]["message"]
     assert min(used(tb, "pve1")) > 50_000  # still running: not ours to kill
-    p = deploy("up", "qwen36-mtp", "--clean-gpus", env=playbooks.env)  # the explicit opt-in
+    # the explicit opt-in asks first, like down --clean-gpus (issue 26): no terminal and no -y, nothing is killed
+    p = deploy("up", "qwen36-mtp", "--clean-gpus", env=playbooks.env)
+    assert p.returncode == 1 and "not confirmed; nothing was killed" in p.stderr and "byhand" in p.stderr, p.stderr
+    assert min(used(tb, "pve1")) > 50_000
+    p = deploy("up", "qwen36-mtp", "--clean-gpus", "-y", env=playbooks.env)
     assert p.returncode == 0, p.stderr

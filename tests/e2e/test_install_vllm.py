@@ -223,3 +223,20 @@ def test_playbook_with_targets_installs_in_each(tb, iv, playbooks):
     for vmid in (129, 130):
         out = tb.container_exec(H, vmid, [f"{ENV_DIR}/bin/python", "-c", "import vllm; print(vllm.__version__)"])
         assert out.stdout.strip() == "0.30.0"
+
+
+def test_hash_pinning_refuses_other_bytes_and_installs_the_pinned_ones(tb, iv, sources):
+    """issue 22: requires.install.hashes -> --require-hashes; a wrong hash is a failed install, not a switch."""
+    import hashlib
+
+    whl = sources["wheels"]["0.34.0"]
+    good = "sha256:" + hashlib.sha256(open(whl, "rb").read()).hexdigest()
+    before = sh(tb, f"readlink {ENV_DIR} || echo dir")
+    iv.set("0.34.0", hashes=["sha256:" + "0" * 64])
+    p = iv.run("install-vllm", "qwen36-dflash")
+    assert p.returncode != 0 and "the runtime was not switched" in p.stderr + p.stdout, p.stderr[-2000:]
+    assert sh(tb, f"readlink {ENV_DIR} || echo dir") == before
+    iv.set("0.34.0", hashes=[good])
+    p = iv.run("install-vllm", "qwen36-dflash")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert runtime_version(tb) == "0.34.0"

@@ -127,6 +127,7 @@ def test_unlock_shows_the_holder_and_breaks_only_after_confirmation(tb, deploy):
     p = deploy("--json", "unlock", "pve1/129", "-y")
     assert p.returncode == 0 and p.json["state"] == "broken" and "token" not in p.json["holder"]
     assert tb.container_exec("pve1", 129, ["test", "-e", STATE + "/lock"]).returncode == 1
+    assert not any("their-token" in json.dumps(a) for a in audit(deploy))  # issue 22: on stdin, not in argv
     p = deploy("unlock", "pve1/129")
     assert p.returncode == 0 and "no deploy lock is held" in p.stdout
 

@@ -216,6 +216,27 @@ def test_crash_loop_stops_at_the_start_limit(sdbed, deploy):
         sdbed.clear_faults()
 
 
+def test_a_crash_loop_with_exit_0_shows_this_launchs_exit_and_error(sdbed, deploy):
+    """Issue 26 item 1: vLLM exits 0 when its engine dies; systemd logs no "Main process exited" for that. Last
+    exit and last error must come from this launch (not the CUDA OOM of the crash loop before this `up`)."""
+    p = deploy("up", "sd-dflash", "-y")
+    assert p.returncode == 0, p.out
+    launched = time.time()
+    sdbed.set_fault("pve1", SD, "oom_at_startup", "no_kv_cache")
+    sdbed.set_fault("pve1", SD, "oom_exit_code", 0)
+    try:
+        sh(sdbed, SD, f"kill -9 {show(sdbed, 'MainPID')}")
+        wait_for(lambda: show(sdbed, "ActiveState") == "failed", 90, "the start limit to stop the exit-0 restarts")
+        p, row = status_row(deploy)
+        ex = row["supervision"]["last_exit"]
+        assert ex and ex["code"] == "exited" and ex["status"] == 0 and ex["at"] >= launched - 2, ex
+        err = row["last_error"] or ""
+        assert "No available memory for the cache blocks" in err and "CUDA out of memory" not in err, err
+        assert "last exit: code 0" in deploy("status", "sd-dflash").stdout
+    finally:
+        sdbed.clear_faults()
+
+
 def test_container_reboot_brings_vllm_back_without_deploy(sdbed, deploy):
     p = deploy("up", "sd-dflash", "-y")
     assert p.returncode == 0, p.stderr
@@ -232,7 +253,7 @@ def test_container_reboot_brings_vllm_back_without_deploy(sdbed, deploy):
 def test_restart_clean_gpus_frees_a_holder_outside_the_units_cgroup(sdbed, deploy):
     sdbed.set_fault("pve1", SD, "sigterm_ignoring_holder_mib", 3000)  # in the container, not in the unit
     try:
-        p = deploy("restart", "sd-dflash", "--clean-gpus")
+        p = deploy("restart", "sd-dflash", "--clean-gpus", "-y")
         assert p.returncode == 0, p.out
         assert "fuser -k freed the devices" in p.out, p.out
     finally:

@@ -59,7 +59,10 @@ def test_wheel_ships_playbooks_drafters_and_schemas(wheel):
               "orchestrator/examples/hosts.example.yaml",
               "orchestrator/examples/drafters/qwen36-27b-dflash.config.json",
               "orchestrator/examples/schemas/playbook.schema.json",
-              "orchestrator/examples/schemas/inventory.schema.json"):
+              "orchestrator/examples/schemas/inventory.schema.json",
+              # the docs, for `deploy docs` (pip users have no clone; issue 26)
+              "orchestrator/docs/quickstart.md", "orchestrator/docs/cli.md", "orchestrator/docs/troubleshooting.md",
+              "orchestrator/docs/domain/field-report.md"):
         assert f in names, f
 
 
@@ -96,6 +99,8 @@ def test_installed_tool_from_an_empty_directory(wheel, testbed_wheel, tmp_path):
     assert r.returncode == 2 and "no inventory found; looked in:" in r.stderr, r.stderr
     r = deploy("init")
     assert r.returncode == 0, r.stderr
+    r = deploy("docs", "playbooks#requires")  # the shipped pages, offline
+    assert r.returncode == 0 and r.stdout.startswith("### `requires`"), r.stdout[:300] + r.stderr
     assert (work / "hosts.yaml").is_file() and (work / "playbooks" / "qwen36-dflash.yaml").is_file()
     # the copies are the ones used: not the repo (not on sys.path) and not the shipped examples
     probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import orchestrator; print(orchestrator.__file__)"],

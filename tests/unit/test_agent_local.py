@@ -274,3 +274,10 @@ def test_unit_file_quoting_keeps_the_argv_exact_and_secrets_out():
                  "KillMode=control-group", "TimeoutStopSec=12s", "Restart=on-failure", "RestartSec=2s",
                  "StartLimitBurst=4", "StartLimitIntervalSec=90s", "WantedBy=multi-user.target"):
         assert line in text.splitlines(), line
+
+
+def test_layer_types_values_row_shows_what_is_on_disk_when_ok(models):
+    """Issue 26: an ok `layer_types values` row showed `[]` on disk (the list of bad values)."""
+    _, checks = verify(models, open(PUBLISHED, "rb").read())
+    c = checks["layer_types values"]
+    assert c["ok"] and c["on_disk"] == "full_attention|sliding_attention", c

@@ -127,7 +127,7 @@ def run_up(world, script, *, restart=False, **opts):
     fleet.session = lambda name: sess
     out = ops.up(fleet, pb, Progress(quiet=True), ops.Options(**opts), restart=restart)
     planned = P.plan_up(pb, write_config=opts.get("write_config", True), clean_gpus=opts.get("clean_gpus"),
-                        restart=restart)
+                        restart=restart, ask=ops.Options(**opts).ask_before_kill(pb))
     check_plan_is_program(planned, sess)
     return out, [a for a, args in sess.calls if not args.get("renew")], sess
 
@@ -209,8 +209,8 @@ def test_vllm_processes_deploy_did_not_start_make_stop_run_without_fuser(world):
 
 
 def test_restart_always_stops_and_clean_gpus_reaches_only_the_playbooks_gpus(world):
-    out, actions, sess = run_up(world, healthy_script(world[1]), restart=True, clean_gpus=True)
-    assert out.ok and "stop" in actions
+    out, actions, sess = run_up(world, healthy_script(world[1]), restart=True, clean_gpus=True, yes_kill=True)
+    assert out.ok and "stop" in actions and "gpu_read" not in actions  # -y: nothing to ask
     stop_args = next(a for n, a in sess.calls if n == "stop")
     assert stop_args["clean_gpus"] is True and stop_args["gpus"] == [0, 1, 2, 3]
 
@@ -304,9 +304,68 @@ def test_down_clean_gpus_asks_first_and_a_no_kills_nothing(world):
         assert [a for a, args in sess.calls if not args.get("renew")] == want
         assert out.ok is answer
         if not answer:
-            assert "not confirmed; nothing was killed" in out.error.message and out.error.fix == "pass -y in scripts"
+            assert "not confirmed; nothing was killed" in out.error.message and "pass -y (scripts)" in out.error.fix
         check_plan_is_program(P.plan_down(pb, clean_gpus=True, ask=True), sess)
     assert "PID 5 python: python train.py" in asked[0] and "PID 6" not in asked[0]  # only its own GPUs
+
+
+def test_one_rule_for_killing_gpu_holders_up_restart_and_down(world):
+    """Issue 26 item 18: up/restart --clean-gpus ask like down does (no TTY and no -y: nothing is killed), and
+    deploy's own processes (marked `ours` by the agent) are never listed as holders to kill."""
+    inv, pb = world
+    own = {"pid": 4242, "comm": "vllm", "cmdline": "vllm serve", "devices": ["/dev/nvidia0"], "ours": True}
+    other = {"pid": 5, "comm": "python", "cmdline": "python train.py", "devices": ["/dev/nvidia1"]}
+    for kw in ({"restart": True}, {"restart": False}):
+        out, actions, _ = run_up(world, healthy_script(pb, gpu_read={"holders": [own, other]}), clean_gpus=True,
+                                 confirm=lambda q: False, **kw)
+        if kw["restart"]:  # an up with nothing running has nothing to stop: no question either
+            assert not out.ok and "not confirmed; nothing was killed" in out.error.message
+            assert "PID 5 python" in out.error.message and "4242" not in out.error.message
+            assert "stop" not in actions and "launch" not in actions
+    asked = []
+    out, actions, _ = run_up(world, healthy_script(pb, gpu_read={"holders": [own]}), restart=True, clean_gpus=True,
+                             confirm=lambda q: asked.append(q) or False)
+    assert out.ok and not asked and "stop" in actions  # only deploy's own holder: nothing to ask
+    out, actions, _ = run_up(world, healthy_script(pb, gpu_read={"holders": [own, other]}), restart=True,
+                             clean_gpus=True, yes_kill=True)
+    assert out.ok and "gpu_read" not in actions
+    down = ops.Options(clean_gpus=True)
+    assert down.ask_before_kill(pb) and not ops.Options(clean_gpus=True, yes=True).ask_before_kill(pb)
+    assert not ops.Options(clean_gpus=False).ask_before_kill(pb)
+
+
+def test_ctrl_c_before_launch_after_the_config_was_replaced_says_so_and_exits_130(world):
+    """Issue 26 item 17: Ctrl-C is exit 130, and `state left:` names the drafter config already replaced."""
+    from orchestrator.errors import EXIT_INTERRUPTED, Interrupted
+
+    inv, pb = world
+
+    def ctrl_c(args):
+        raise KeyboardInterrupt
+
+    out, actions, _ = run_up(world, healthy_script(pb, gpus_free=ctrl_c))
+    assert not out.ok and out.status == "interrupted" and isinstance(out.error, Interrupted)
+    assert out.error.exit_code == EXIT_INTERRUPTED == 130
+    assert "interrupted before launch: nothing was started" in out.error.message
+    assert "the drafter config " + P.drafter_config_path(pb) + " was replaced with the pinned bytes" in \
+        out.error.state_left and ".bak-1" in out.error.state_left
+    assert actions[-1] == "unlock"  # the lock is released
+    assert "state left:" in out.error.render()
+
+
+def test_a_failed_up_never_stops_another_playbooks_deployment_that_took_over(world):
+    """Issue 26 item 4: the lock was broken and another playbook replaced ours; our failure clean-up must not stop
+    it, and says so in `state left:`."""
+    inv, pb = world
+    refused = {"refused": "this container runs qwen36-mtp (pid 77), not qwen36-dflash", "running": "qwen36-mtp"}
+    out, actions, sess = run_up(world, healthy_script(pb, wait_ready={"ready": False, "reason": "exited",
+                                                                       "exit_code": None, "seconds": 1.0},
+                                                      stop=refused))
+    assert not out.ok and out.error.step == "wait-ready"
+    assert "exited during startup (its exit status was not recorded" in out.error.message
+    stop_args = [a for n, a in sess.calls if n == "stop"]
+    assert stop_args and stop_args[-1]["only_playbook"] == "qwen36-dflash"
+    assert "the failed server was not stopped: this container runs qwen36-mtp" in out.error.state_left
 
 
 def test_the_audit_log_never_changes_the_mode_of_a_device(tmp_path):

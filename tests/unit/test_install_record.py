@@ -62,6 +62,10 @@ def test_switch_runtime_moves_the_original_once(tmp_path):
     (root / "bin").mkdir(parents=True)
     (tmp_path / "ml-env.versions" / "a").mkdir(parents=True)
     (tmp_path / "ml-env.versions" / "b").mkdir()
+    with pytest.raises(A.NotAVenv, match="no pyvenv.cfg"):  # issue 22: only a real venv is moved aside
+        switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "a"))
+    assert root.is_dir() and not root.is_symlink()
+    (root / "pyvenv.cfg").write_text("home = /usr/bin\n")
     prev, new = switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "a"))
     assert prev.startswith("ml-env.versions/original-") and new == "ml-env.versions/a"
     assert os.readlink(root) == "ml-env.versions/a" and (tmp_path / prev / "bin").is_dir()
@@ -69,6 +73,39 @@ def test_switch_runtime_moves_the_original_once(tmp_path):
     assert prev2 == "ml-env.versions/a" and os.readlink(root) == "ml-env.versions/b"
     with pytest.raises(ValueError):
         switch_runtime(str(root), str(tmp_path / "elsewhere"))
+
+
+def test_install_vllm_refuses_what_is_not_a_venv(tmp_path):
+    """issue 22: runtime.python /usr/bin/python3 made /usr the venv root to move aside."""
+    for py in ("/usr/bin/python3", "/usr/local/bin/python3", "/root/bin/python"):
+        r = A.act_install_vllm({"op": "probe", "python": py, "state_dir": str(tmp_path / "s")})
+        assert not r["ok"] and "system prefix" in r["message"] and "python3 -m venv" in r["fix"], r
+    conda = tmp_path / "conda"
+    (conda / "bin").mkdir(parents=True)
+    (conda / "conda-meta").mkdir()
+    r = A.act_install_vllm({"op": "probe", "python": str(conda / "bin" / "python"), "state_dir": str(tmp_path / "s")})
+    assert not r["ok"] and "conda installation" in r["message"]
+    assert not (tmp_path / "conda.versions").exists() and not (tmp_path / "s").exists()
+
+
+def test_install_vllm_refuses_sources_another_user_owns(tmp_path):
+    """issue 22: a wheel, git+file repository or find_links directory another user owns or may write."""
+    os.chmod(tmp_path, 0o755)
+    whl = tmp_path / "vllm-0.34.0-py3-none-any.whl"
+    whl.write_bytes(b"x")
+    os.chown(whl, 65534, 65534)
+    assert "owned by uid 65534" in A._install_source_problem({"req": str(whl)})
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    os.chmod(repo, 0o777)
+    assert "writable by others" in A._install_source_problem({"req": "git+file://%s@main" % repo})
+    assert "writable by others" in A._install_source_problem({"req": "vllm==0.34.0", "find_links": [str(repo)]})
+    os.chmod(repo, 0o755)
+    assert A._install_source_problem({"req": "git+file://%s@main" % repo, "find_links": [str(repo)]}) is None
+    r = A._install_start({"req": str(whl), "state_dir": str(tmp_path / "s"), "python": "/x/bin/python",
+                          "base_python": sys.executable},
+                         {"kind": "missing", "venv_root": str(tmp_path / "env"), "store": str(tmp_path / "env.versions")})
+    assert not r["ok"] and "refusing to install from" in r["message"] and not (tmp_path / "env.versions").exists()
 
 
 @pytest.mark.parametrize("spec, req, version", [

@@ -513,7 +513,7 @@ def test_the_heartbeat_renews_the_lock_until_stopped_and_reports_a_loss():
         def __init__(self, answers):
             self.answers = answers
 
-        def call(self, step, fresh=False):  # as Context.call: the typed result
+        def call(self, step, fresh=False, **kw):  # as Context.call: the typed result
             from orchestrator.agent.protocol import LockResult
 
             calls.append(step.args)
@@ -532,3 +532,31 @@ def test_the_heartbeat_renews_the_lock_until_stopped_and_reports_a_loss():
     assert wait_for(lambda: beat.lost is not None, 5)
     beat.stop()
     assert beat.lost["holder"] == "bob" and "lock was lost" in said[0] and len(calls) == 1
+
+
+def test_a_renewal_waits_for_the_break_mutex_and_rereads_the_lock_there(tmp_path):
+    """issue 22: a renewal rewrote the lock by rename outside lock.break, racing a breaker at expiry."""
+    import threading
+
+    sd = tmp_path / "state"
+    assert lock(sd, "A", term_s=30)["locked"]
+    (sd / "lock.break").write_text("{}")  # a breaker holds the mutex
+    os.chmod(sd / "lock.break", 0o600)
+    before = (sd / "lock").read_text()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", lock(sd, "A", term_s=30, renew=True)))
+    t.start()
+    time.sleep(1.0)
+    assert (sd / "lock").read_text() == before  # not rewritten while the mutex is held
+    os.rename(sd / "lock", sd / ".lock.stale-x")  # the breaker moves it aside, then lets go
+    os.unlink(sd / "lock.break")
+    t.join(15)
+    assert out["r"]["locked"] is False and out["r"]["lost"] is True  # renewal saw it was gone: no resurrection
+    assert not (sd / "lock").exists()
+
+
+def test_break_token_travels_on_stdin(tmp_path):
+    sd = tmp_path / "state"
+    assert lock(sd, "A")["locked"]
+    r = run_agent("unlock", {"state_dir": str(sd)}, secrets={"break_token": "A"})
+    assert r["unlocked"] is True and not (sd / "lock").exists()

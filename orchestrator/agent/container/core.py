@@ -26,7 +26,16 @@ def clean(text):
     return ANSI.sub("", text)
 
 
+# the workstation refuses event lines over 256 KiB (issue 22): ours stay below, even written as \u escapes
+EVENT_TEXT_MAX = 16000
+
+
 def emit(**kw):
+    if "event" in kw:
+        for k in ("line", "message", "last"):
+            v = kw.get(k)
+            if isinstance(v, str) and len(v) > EVENT_TEXT_MAX:
+                kw[k] = v[:EVENT_TEXT_MAX] + " ... (%d characters cut)" % (len(v) - EVENT_TEXT_MAX)
     sys.stdout.write(json.dumps(kw) + "\n")
     sys.stdout.flush()
 
@@ -63,11 +72,3 @@ def sha256_file(path):
         for chunk in iter(lambda: fh.read(1 << 16), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _read_json(path):
-    try:
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None

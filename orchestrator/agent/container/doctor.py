@@ -1,9 +1,12 @@
 """`doctor`: everything `deploy doctor` needs, read-only: vLLM processes (argv, group, GPUs held, start time), the
 drafter and target configs each server read, the vLLM build, GPU memory and holders, /health and /metrics."""
 
+import stat as _stat
+import errno
 import hashlib
 import json
 import os
+import signal
 
 from .core import now
 from .gpus import gpu_holders, read_gpu_memory
@@ -50,15 +53,20 @@ def _serve_args(argv):
 
 
 def _read_config(path, limit=1 << 20):
+    """A config.json at a path taken from another process's argv (untrusted): a regular file only, opened
+    O_NONBLOCK|O_NOFOLLOW (a FIFO or a device would block or be read forever), at most `limit` bytes."""
     info = {"path": path}
     try:
-        st = os.stat(path)
-        with open(path, "rb") as fh:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not _stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or directory is not read)")
             raw = fh.read(limit)
         info.update(realpath=os.path.realpath(path), mtime=st.st_mtime, size=st.st_size,
                     sha256=hashlib.sha256(raw).hexdigest(), text=raw.decode("utf-8", "replace"))
     except OSError as e:
-        info["error"] = e.strerror or str(e)
+        info["error"] = (e.strerror or str(e)) if e.errno != errno.ELOOP else "a symlink (not followed)"
     return info
 
 
@@ -66,6 +74,9 @@ def act_doctor(a):
     """Everything `deploy doctor` needs, read-only: vLLM processes (argv, tree, GPUs held, start time), the
     drafter and target configs each server read, the vLLM build, GPU memory and holders, /health and /metrics."""
     end = now() + float(a.get("budget_s", 12))
+    # the tool gives up at budget_s + 10 s: by then this process is gone too, whatever it was reading (a path
+    # from another user's argv may name a FIFO or a hung mount; issue 22)
+    signal.alarm(int(float(a.get("budget_s", 12))) + 8)
     btime, tck = _boot_time(), os.sysconf("SC_CLK_TCK")
     holders = gpu_holders()
     held = {h["pid"]: h["devices"] for h in holders}

@@ -35,6 +35,8 @@ def open_dir(path, create_mode=None):
         if st.st_uid not in (0, me):
             raise UnsafeDirectory("%s is owned by uid %d, not root: that user could swap the files written there "
                                   "(fix: chown root:root %s, or use a root-owned directory)" % (path, st.st_uid, path))
+        if create_mode is not None and not create_mode & 0o077:
+            _check_private_dir(path, st)  # the state dir: deploy's own, before anything touches it (issue 22)
         if st.st_mode & 0o022 and not st.st_mode & 0o1000:
             raise UnsafeDirectory("%s is writable by %s (mode %o) without the sticky bit: other users could plant "
                                   "files under the names written there (fix: chmod go-w %s)"
@@ -47,6 +49,54 @@ def open_dir(path, create_mode=None):
     except BaseException:
         os.close(fd)
         raise
+
+
+STATE_DIR_FIX = "set runtime.state_dir to a directory of deploy's own that only root can write, e.g. " \
+                "/var/lib/vllm-pve-deploy (the default)"
+
+
+def _check_private_dir(path, st=None):
+    st = st or os.lstat(path)
+    if not _stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory("state directory %s is not a directory (fix: %s)" % (path, STATE_DIR_FIX))
+    if st.st_uid != 0 or st.st_mode & 0o022:
+        who = ("owned by uid %d" % st.st_uid) if st.st_uid != 0 else \
+            ("writable by %s" % ("others" if st.st_mode & 0o002 else "its group"))
+        shared = st.st_mode & 0o1000  # a sticky directory (/tmp) is everyone's: never offer to chmod it
+        raise UnsafeDirectory(
+            "state directory %s is %s (mode %o): another user could plant the state files that decide what deploy "
+            "stops as root; nothing in it was read or changed (fix: %s%s)"
+            % (path, who, st.st_mode & 0o7777, STATE_DIR_FIX, "" if shared else
+               "; or, if %s is deploy's own: chown root:root %s && chmod 700 %s" % (path, path, path)))
+
+
+def open_state_dir(state_dir):
+    """An fd of the state directory (not created), checked as deploy's own; FileNotFoundError when absent."""
+    fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _check_private_dir(state_dir, os.fstat(fd))
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_state_file(path, limit=1 << 20):
+    """The bytes of a state file: the directory checked (open_state_dir), the file opened O_NOFOLLOW|O_NONBLOCK,
+    a regular file, root-owned and not writable by group/others, at most `limit` bytes. Raises FileNotFoundError,
+    UnsafeDirectory (with the path and the fix) or OSError."""
+    dfd = open_state_dir(os.path.dirname(path))
+    try:
+        fd = open_regular(dfd, os.path.basename(path))
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            raise UnsafeDirectory("state file %s is owned by uid %d with mode %o: not written by deploy, not used "
+                                  "(fix: remove it; deploy writes its state files root-owned, mode 600)"
+                                  % (path, st.st_uid, st.st_mode & 0o7777))
+        return fh.read(limit + 1)[:limit]
 
 
 STATE_FILES = re.compile(r"(vllm-.*\.env|state\.json|state\.stopped\.json|last_failure\.json|vllm\.log(\.1)?|exit_code|lock"
@@ -213,3 +263,42 @@ def remove_owned(d, name):
         return False
     finally:
         os.close(dfd)
+
+
+def create_excl_path(d, name):
+    """A new file d/name (O_EXCL|O_NOFOLLOW, 0600) in a directory checked by open_dir. -> (fd, path)"""
+    dfd = open_dir(d)
+    try:
+        return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                       dir_fd=dfd), os.path.join(d, name)
+    finally:
+        os.close(dfd)
+
+
+def why_untrusted(path):
+    """None if path and every directory above it (links resolved) are root-owned and not writable by group or
+    others; else which one is not (issue 22: a file root installs or runs)."""
+    for q in {path, os.path.realpath(path)}:
+        while True:
+            try:
+                st = os.lstat(q)
+            except OSError as e:
+                return "%s (%s)" % (q, e.strerror)
+            if not _stat.S_ISLNK(st.st_mode):
+                if st.st_uid != 0:
+                    return "%s, owned by uid %d" % (q, st.st_uid)
+                if st.st_mode & 0o022 and not (_stat.S_ISDIR(st.st_mode) and st.st_mode & 0o1000 and q != path):
+                    return "%s, writable by %s" % (q, "others" if st.st_mode & 0o002 else "its group")
+            if q == "/":
+                break
+            q = os.path.dirname(q)
+    return None
+
+
+def _read_json(path):
+    """A state file's JSON (read_state_file's checks), None if absent, unsafe or unreadable."""
+    try:
+        return json.loads(read_state_file(path).decode("utf-8", "replace"))
+    except (OSError, ValueError, UnsafeDirectory):
+        return None
+

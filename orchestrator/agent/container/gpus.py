@@ -9,6 +9,8 @@ import time
 
 from .core import emit, in_container, now
 from .procs import pids, proc_cmdline, proc_comm
+from .state import proven_members, read_state
+from .systemd import systemd_running, unit_cgroup_members
 
 
 def nvidia_smi(args, timeout):
@@ -62,13 +64,20 @@ def gpu_holders():
         except OSError:
             continue
         if devs:
-            out.append({"pid": pid, "comm": proc_comm(pid), "cmdline": proc_cmdline(pid)[:300],
+            out.append({"pid": pid, "comm": proc_comm(pid), "cmdline": proc_cmdline(pid)[:4000],  # whole: named
                         "devices": sorted(devs)})
     return out
 
 
 def act_gpu_read(a):
-    return {"memory": read_gpu_memory(a.get("nvidia_smi_timeout_s", 10)), "holders": gpu_holders(),
+    holders = gpu_holders()
+    st = read_state(a["state_dir"]) if a.get("state_dir") else None
+    if st and not st.get("corrupt"):  # deploy's own processes (the stop step ends them) are not foreign holders
+        own = set(unit_cgroup_members(st["unit"])) if st.get("unit") and systemd_running() else \
+            set(proven_members(st))
+        for h in holders:
+            h["ours"] = h["pid"] in own
+    return {"memory": read_gpu_memory(a.get("nvidia_smi_timeout_s", 10)), "holders": holders,
             "in_container": in_container()}
 
 
@@ -113,10 +122,12 @@ def act_gpus_free(a):
     timeout = float(a.get("timeout_s", 60))
     smi_timeout = float(a.get("nvidia_smi_timeout_s", 10))
     poll = float(a.get("poll_s", 0.25))
+    outside_after = a.get("outside_after_s")  # busy with no holder in here this long: held outside, say so now
     t0 = now()
     first = None
     last = None
     last_emit = 0
+    outside_since, last_look = None, 0
     while True:
         mem = read_gpu_memory(smi_timeout)
         if "error" in mem:
@@ -137,6 +148,14 @@ def act_gpus_free(a):
                     "threshold_mib": threshold}
         if now() - t0 >= timeout:
             break
+        if outside_after is not None and now() - last_look >= 1.0:
+            last_look = now()
+            if gpu_holders():
+                outside_since = None
+            elif outside_since is None:
+                outside_since = now()
+            elif now() - outside_since >= float(outside_after):
+                break  # nothing in this container holds them: waiting the rest of the timeout would not help
         if now() - last_emit > 1.0:
             emit(event="gpu", readings=readings, busy=busy, elapsed=round(now() - t0, 1))
             last_emit = now()

@@ -13,8 +13,8 @@ import sys
 import time
 
 from . import core
-from .core import _read_json, clean, emit, now
-from .files import UnsafeDirectory, _tail_lines, open_dir, tail_file, unique_name, write_json_atomic
+from .core import clean, emit, now
+from .files import UnsafeDirectory, _read_json, _tail_lines, open_dir, tail_file, unique_name, why_untrusted, write_json_atomic
 from .state import read_state
 
 
@@ -71,6 +71,47 @@ def runtime_paths(a):
     return root, root + ".versions"
 
 
+# Prefixes install-vllm never moves aside, whatever they hold (issue 22: with runtime.python /usr/bin/python3 the
+# "venv root" was /usr).
+SYSTEM_PREFIXES = ("/", "/usr", "/usr/local", "/opt", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/var", "/root",
+                   "/home", "/srv", "/tmp", "/snap")
+
+
+NOT_A_VENV_FIX = ("make a venv for vLLM and point the runtime at it: python3 -m venv /opt/vllm-venv, then set "
+                  "runtime.python: /opt/vllm-venv/bin/python and runtime.vllm: /opt/vllm-venv/bin/vllm (inventory or "
+                  "playbook) and run deploy install-vllm again")
+
+
+class NotAVenv(ValueError):
+    fix = NOT_A_VENV_FIX
+
+
+def venv_problem(path):
+    """None if PATH is a real venv deploy may move aside: pyvenv.cfg (a root-owned regular file), the directory
+    root-owned and not writable by group/others, not a system prefix or a conda installation; else why not."""
+    real = os.path.realpath(path)
+    if real.rstrip("/") in SYSTEM_PREFIXES or path.rstrip("/") in SYSTEM_PREFIXES:
+        return "%s is a system prefix, not a venv" % path
+    if os.path.isdir(os.path.join(real, "conda-meta")):
+        return "%s is a conda installation (conda-meta/), not a venv" % path
+    try:
+        dst = os.lstat(real)
+    except OSError as e:
+        return "%s: %s" % (path, e.strerror)
+    if not _stat.S_ISDIR(dst.st_mode):
+        return "%s is not a directory" % path
+    if dst.st_uid != 0 or dst.st_mode & 0o022:
+        return "%s is owned by uid %d with mode %o: a runtime deploy runs as root must be root-owned and not " \
+               "writable by group or others" % (path, dst.st_uid, dst.st_mode & 0o7777)
+    try:
+        cst = os.lstat(os.path.join(real, "pyvenv.cfg"))
+    except OSError:
+        return "%s has no pyvenv.cfg: it is not a venv" % path
+    if not _stat.S_ISREG(cst.st_mode) or cst.st_uid != 0:
+        return "%s/pyvenv.cfg is not a root-owned regular file" % path
+    return None
+
+
 def runtime_info(a):
     root, store = runtime_paths(a)
     info = {"venv_root": root, "store": store, "python": a["python"], "python_exists": os.path.exists(a["python"])}
@@ -78,6 +119,9 @@ def runtime_info(a):
         st = os.lstat(root)
     except OSError:
         info["kind"] = "missing"
+        if root.rstrip("/") in SYSTEM_PREFIXES:
+            raise NotAVenv("runtime.python %s: %s is a system prefix, not a venv; install-vllm refuses it "
+                           "(nothing was changed)" % (a["python"], root))
         return info
     if _stat.S_ISLNK(st.st_mode):
         info.update(kind="symlink", target=os.readlink(root), real=os.path.realpath(root))
@@ -85,6 +129,11 @@ def runtime_info(a):
         info.update(kind="dir", real=root)
     else:
         info["kind"] = "other"
+        return info
+    why = venv_problem(root)
+    if why:
+        raise NotAVenv("runtime.python %s: %s; install-vllm manages only a venv and refuses to move it aside "
+                       "(nothing was changed)" % (a["python"], why))
     return info
 
 
@@ -199,8 +248,8 @@ def act_install_vllm(a):
     try:
         info = runtime_info(a)
     except ValueError as e:
-        return {"ok": False, "message": str(e),
-                "fix": "set runtime.python and runtime.vllm to ROOT/bin/python and ROOT/bin/vllm of one venv"}
+        return {"ok": False, "message": str(e), "fix": getattr(e, "fix", None)
+                or "set runtime.python and runtime.vllm to ROOT/bin/python and ROOT/bin/vllm of one venv"}
     if op == "probe":
         return {"ok": True, "runtime": info, "install": install_status(state_dir), "serving": serving_now(state_dir),
                 "pointer": _pointer(state_dir), "agent_python": sys.executable}
@@ -233,6 +282,12 @@ def _install_start(a, info):
         return {"ok": False, "message": "requires.install.installer is uv, but no uv on PATH, ~/.local/bin or "
                                         "~/.cargo/bin in the container",
                 "fix": "install uv in the container (pip install uv), or set requires.install.installer: pip"}
+    why = _install_source_problem(a)
+    if why:
+        return {"ok": False, "message": "refusing to install from %s: deploy installs it as root and then runs it; "
+                                        "nothing was changed" % why,
+                "fix": "keep wheels, git repositories and find_links directories in root-owned directories that "
+                       "others cannot write (e.g. chown -R root:root DIR && chmod -R go-w DIR), then retry"}
     try:
         parent = open_dir(os.path.dirname(info["venv_root"]))
         os.close(parent)
@@ -273,7 +328,8 @@ def _install_start(a, info):
           "previous_real": info.get("real")}
     _save_install(state_dir, st)
     args = {"state_dir": state_dir, "id": iid, "lock_fd": lock_fd, "python": a["python"],
-            "index_url": a.get("index_url"), "find_links": a.get("find_links") or [], "no_index": a.get("no_index")}
+            "index_url": a.get("index_url"), "find_links": a.get("find_links") or [], "no_index": a.get("no_index"),
+            "hashes": a.get("hashes") or []}
     env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
            "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", INSTALL_VAR: iid}
     try:
@@ -294,6 +350,12 @@ def _install_start(a, info):
             "installer": st["installer"], "base_python": base}
 
 
+def _protocol_line(ln):
+    """The runner's own result line ({"result": ..., "protocol": N}) at the end of the install log: internal, not
+    something to show a person (issue 26)."""
+    return ln.startswith('{"result"') and '"protocol"' in ln
+
+
 def _install_follow(a):
     """Follow an install (events: phase changes, log lines, heartbeats) until it ends or follow_s passes."""
     state_dir = a["state_dir"]
@@ -309,6 +371,8 @@ def _install_follow(a):
             return {"ok": False, "message": "install %s was replaced by %s" % (a["id"], st.get("id"))}
         pos, lines = _tail_lines(st.get("log") or "", pos)
         for ln in lines:  # phases come from the runner's own lines in the log: in order, none missed
+            if _protocol_line(ln):
+                continue
             lines_n += 1
             last_line = clean(ln)
             m = PHASE_LINE.match(last_line)
@@ -322,7 +386,8 @@ def _install_follow(a):
             if not st.get("reported"):
                 st["reported"] = True
                 _save_install(state_dir, st)
-            tail = tail_file(st["log"], 30) if st.get("status") != "ok" and st.get("log") else []
+            tail = [ln for ln in tail_file(st["log"], 31) if not _protocol_line(ln)][-30:] \
+                if st.get("status") != "ok" and st.get("log") else []
             return {"ok": True, "done": True, "install": st, "log_pos": pos, "log_tail": tail,
                     "pointer": _pointer(state_dir)}
         if now() >= deadline:
@@ -332,6 +397,30 @@ def _install_follow(a):
             emit(event="install", kind="heartbeat", phase=phase, elapsed=round(now() - st.get("t0", now()), 1),
                  lines=lines_n, last=last_line)
         time.sleep(0.2)
+
+
+def _install_source_problem(a):
+    """A local source (wheel file, git+file repository, find_links directory, file:// index) that another user
+    owns or may write: deploy would install as root what they chose."""
+    from urllib.parse import urlsplit
+
+    paths = []
+    req = a.get("req") or ""
+    if req.startswith("/"):
+        paths.append(req)
+    elif req.startswith("git+file://"):
+        p = urlsplit(req[4:]).path
+        paths.append(p.rsplit("@", 1)[0] if "@" in os.path.basename(p) else p)
+    for v in list(a.get("find_links") or []) + [a.get("index_url") or ""]:
+        if v.startswith("/"):
+            paths.append(v)
+        elif v.startswith("file://"):
+            paths.append(urlsplit(v).path)
+    for p in paths:
+        why = why_untrusted(p)
+        if why:
+            return why
+    return None
 
 
 def _record_switch(state_dir, venv_root, prev, new, st=None):

@@ -8,6 +8,7 @@ import time
 
 from .core import emit, now
 from .files import UnsafeDirectory, create_excl, open_dir, open_regular, unique_name, write_at
+from . import core
 
 
 def _read_lock(dfd, name="lock"):
@@ -49,6 +50,12 @@ def _remove_lock_if(dfd, pred):
     """Move the lock aside (to a unique name) if pred(holder) holds, atomically with respect to every other remover:
     removers take the short `lock.break` mutex first, and takers can only add a lock where none is, so the file
     read under the mutex is the file moved. -> True (removed), False (pred false or no lock), None (mutex busy)."""
+    return _under_break_mutex(dfd, lambda: _remove_locked(dfd, pred))
+
+
+def _under_break_mutex(dfd, fn):
+    """fn() while holding the short `lock.break` mutex (every removal and every renewal of the lock takes it, so
+    a renewal cannot rewrite a lock a breaker is moving aside); None when the mutex is busy."""
     if not _place_new(dfd, "lock.break", json.dumps({"pid": os.getpid(), "since": now()}).encode()):
         try:
             if now() - os.stat("lock.break", dir_fd=dfd, follow_symlinks=False).st_mtime > 10:
@@ -58,23 +65,27 @@ def _remove_lock_if(dfd, pred):
             pass
         return None
     try:
-        cur, _ = _read_lock(dfd)
-        if cur is None or not pred(cur):
-            return False
-        os.rename("lock", unique_name(".lock.stale-"), src_dir_fd=dfd, dst_dir_fd=dfd)
-        for n in os.listdir(dfd):  # keep only the newest few stale copies (for the curious)
-            if n.startswith((".lock.stale-", "lock.break.stale-")):
-                try:
-                    if now() - os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime > 86400:
-                        os.unlink(n, dir_fd=dfd)
-                except OSError:
-                    pass
-        return True
+        return fn()
     finally:
         try:
             os.unlink("lock.break", dir_fd=dfd)
         except OSError:
             pass
+
+
+def _remove_locked(dfd, pred):
+    cur, _ = _read_lock(dfd)
+    if cur is None or not pred(cur):
+        return False
+    os.rename("lock", unique_name(".lock.stale-"), src_dir_fd=dfd, dst_dir_fd=dfd)
+    for n in os.listdir(dfd):  # keep only the newest few stale copies (for the curious)
+        if n.startswith((".lock.stale-", "lock.break.stale-")):
+            try:
+                if now() - os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime > 86400:
+                    os.unlink(n, dir_fd=dfd)
+            except OSError:
+                pass
+    return True
 
 
 def act_lock(a):
@@ -109,20 +120,31 @@ def _lock_in(dfd, a):
                 return {"locked": False, "lost": True, "holder": None}
             continue
         if cur.get("token") == a["token"]:
-            if float(cur.get("expires", 0)) < now():
-                return {"locked": False, "lost": True, "holder": cur}
-            # renew: the same identity, a later expiry (never past `until`); replaced atomically by rename
-            cur["expires"] = min(now() + term, float(cur.get("until", now() + term)))
-            write_at(dfd, "lock", json.dumps(cur).encode(), 0o600)
-            return {"locked": True, "expires": cur["expires"]}
+            # renew: the same identity, a later expiry (never past `until`); replaced atomically by rename, under
+            # the lock.break mutex, re-read there: a breaker that saw it expired has moved it aside, or waits
+            def renew():
+                c, _ = _read_lock(dfd)
+                if c is None or c.get("token") != a["token"] or float(c.get("expires", 0)) < now():
+                    return {"locked": False, "lost": True, "holder": c}
+                c["expires"] = min(now() + term, float(c.get("until", now() + term)))
+                write_at(dfd, "lock", json.dumps(c).encode(), 0o600)
+                return {"locked": True, "expires": c["expires"]}
+            for _ in range(200):  # the mutex is held for milliseconds; a dead holder's is cleared after 10 s
+                r = _under_break_mutex(dfd, renew)
+                if r is not None:
+                    return r
+                time.sleep(0.05)
+            return {"locked": False, "lost": True, "holder": cur,
+                    "error": "the lock.break mutex stayed busy; the lock was not renewed"}
         if a.get("renew"):
             return {"locked": False, "lost": True, "holder": cur}
         stale = float(cur.get("expires", 0)) < now()
-        named = a.get("break_token") and cur.get("token") == a["break_token"]
+        brk = _break_token(a)
+        named = brk and cur.get("token") == brk
         if stale or named:
             tok = cur.get("token")
             gone = _remove_lock_if(dfd, lambda c: c.get("token") == tok and (
-                float(c.get("expires", 0)) < now() or (named and c.get("token") == a["break_token"])))
+                float(c.get("expires", 0)) < now() or (named and c.get("token") == brk)))
             if gone:
                 emit(event="lock", message="broke the lock held by %s (%s)"
                      % (cur.get("holder"), "its holder is a dead process on this workstation" if named
@@ -131,6 +153,11 @@ def _lock_in(dfd, a):
         if now() >= deadline:
             return {"locked": False, "holder": cur}
         time.sleep(min(0.5, max(0.01, deadline - now())))
+
+
+def _break_token(a):
+    """Another holder's token, to break its lock: sent on stdin (core.SECRETS), never in argv or the audit log."""
+    return core.SECRETS.get("break_token") or a.get("break_token")
 
 
 def act_unlock(a):
@@ -144,7 +171,7 @@ def act_unlock(a):
         cur, _ = _read_lock(dfd)
         if cur is None:
             return {"unlocked": False, "holder": None}
-        want = a.get("token") or a.get("break_token")
+        want = a.get("token") or _break_token(a)
         if not want or cur.get("token") != want:
             return {"unlocked": False, "holder": cur}
         deadline = now() + 5

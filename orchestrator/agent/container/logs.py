@@ -6,8 +6,8 @@ import re
 import subprocess
 import time
 
-from .core import ANSI, _read_json, emit, now
-from .files import _tail_lines, tail_file
+from .core import ANSI, emit, now
+from .files import _read_json, _tail_lines, tail_file
 from .systemd import systemd_running, unit_log_tail
 
 

@@ -24,8 +24,11 @@ REQUIRED = {
     "wait_ready": ("ready",),
     "file_sha": (),
     "acceptance": ("ok",),
-    "hub_drafter": (),
+    "hub_drafter": ("ok",),
     "note_failure": (),
+    "logs": (),
+    "doctor": ("processes", "servers"),
+    "install_vllm": ("ok",),
 }
 
 

@@ -10,7 +10,7 @@ from .files import _tail_lines
 from .net import http, listener_check, serving_host
 from .procs import alive
 from .state import read_exit_code, read_state
-from .systemd import journal, last_exit
+from .systemd import journal, last_exit, unit_show
 from . import core
 
 
@@ -78,7 +78,7 @@ def act_wait_ready(a):
             res = {"ready": False, "reason": "exited", "log_tail": last_lines[-15:],
                    "seconds": round(now() - t0, 1), "phases": seen_phases}
             if log.unit:
-                ex = last_exit(log.unit)
+                ex = last_exit(log.unit, unit_show(log.unit), st.get("started_at"))
                 res["last_exit"] = ex
                 res["exit_code"] = (ex or {}).get("status") if (ex or {}).get("code") == "exited" else None
                 res["unit"] = log.unit

@@ -12,8 +12,8 @@ import sys
 import time
 
 from .core import ANSI, now
-from .files import UnsafeDirectory, open_dir, unique_name
-from .install import _install_state, _record_switch, _save_install, install_phase, stack_check_in
+from .files import UnsafeDirectory, create_excl_path, open_dir, unique_name
+from .install import NotAVenv, _install_state, _record_switch, _save_install, install_phase, stack_check_in, venv_problem
 from .procs import proc_starttime
 
 
@@ -67,11 +67,17 @@ def act_install_run(a):
         opts += ["--find-links", fl]
     if a.get("no_index"):
         opts += ["--no-index"]
+    what = [st["req"]]
+    if a.get("hashes"):  # requires.install.hashes: a requirements file with the pinned hashes, --require-hashes
+        rfd, _ = create_excl_path(stage, "deploy-requirements.txt")
+        with os.fdopen(rfd, "w") as fh:
+            fh.write("%s %s\n" % (st["req"], " ".join("--hash=%s" % h for h in a["hashes"])))
+        what = ["--require-hashes", "-r", os.path.join(stage, "deploy-requirements.txt")]
     if uv:
-        cmd = [uv, "pip", "install", "--python", spy] + opts + [st["req"]]
+        cmd = [uv, "pip", "install", "--python", spy] + opts + what
     elif _pip_ok(base):
         cmd = [base, "-m", "pip", "--python", spy, "install", "--no-input", "--disable-pip-version-check",
-               "--progress-bar", "off"] + opts + [st["req"]]
+               "--progress-bar", "off"] + opts + what
     else:
         rc, why = _run_logged([spy, "-m", "ensurepip", "--default-pip"], deadline, None)
         if rc != 0:
@@ -80,7 +86,7 @@ def act_install_run(a):
                           fix="install uv in the container, or python3-venv (ensurepip), or set "
                               "requires.install.python to a Python with pip >= 22.3")
         cmd = [spy, "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "--progress-bar",
-               "off"] + opts + [st["req"]]
+               "off"] + opts + what
     st["phase"] = None
     rc, why = _run_logged(cmd, deadline, lambda p: p != st["phase"] and phase(p),
                           on_start=lambda pid: phase("download", child=pid))  # child: its own session
@@ -200,6 +206,9 @@ def switch_runtime(venv_root, target_dir):
         if st is not None and _stat.S_ISLNK(st.st_mode):
             prev = os.readlink(name, dir_fd=pfd)
         elif st is not None and _stat.S_ISDIR(st.st_mode):
+            why = venv_problem(venv_root)
+            if why:
+                raise NotAVenv(why)
             sfd = open_dir(os.path.join(parent, store))
             try:
                 orig = "original-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

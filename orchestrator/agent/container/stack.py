@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+from .files import why_untrusted
 
 def _vllm_stack(python_timeout):
     import importlib.util
@@ -52,6 +53,12 @@ def _vllm_stack(python_timeout):
     want += ["vllm_flash_attn/_vllm_fa2_C.abi3.so", "cumem_allocator.abi3.so"]
     info["extensions_missing"] = [w for w in want if not os.path.exists(os.path.join(root, w))]
     info["record"] = record_check(root)
+    untrusted = why_untrusted(root)
+    if untrusted:  # importing runs its code as root: only a package nobody else could have changed (issue 22)
+        info["import_ok"] = False
+        info["import_error"] = "not imported: %s (a package root imports must be root-owned and not writable by " \
+                               "others)" % untrusted
+        return info
     try:
         p = subprocess.run([sys.executable, "-c", "import vllm, vllm.platforms; from vllm.platforms import "
                             "current_platform; print(vllm.__version__)"], stdout=subprocess.PIPE,

@@ -8,7 +8,7 @@ import signal
 import time
 
 from .core import LAUNCH_ID_VAR, now
-from .files import UnsafeDirectory, open_dir, write_json_atomic
+from .files import UnsafeDirectory, open_dir, read_state_file, write_json_atomic
 from .procs import alive, pids, proc_env_has, proc_pgid, proc_starttime
 from .systemd import systemd_running, unit_show
 
@@ -16,10 +16,13 @@ from .systemd import systemd_running, unit_show
 def read_state(state_dir):
     path = os.path.join(state_dir, "state.json")
     try:
-        with open(path) as fh:
-            st = json.load(fh)
+        st = json.loads(read_state_file(path).decode("utf-8", "replace"))
+        if not isinstance(st, dict):
+            raise ValueError("not a JSON object")
     except FileNotFoundError:
         return None
+    except UnsafeDirectory as e:
+        return {"corrupt": str(e), "path": path, "unsafe": True}
     except (OSError, ValueError) as e:
         return {"corrupt": str(e), "path": path}
     if st.get("unit") and systemd_running():

@@ -6,15 +6,35 @@ import json
 import os
 import re
 
-from .core import _read_json, sha256_file
-from .files import tail_file
+from .core import sha256_file
+from .files import _read_json, tail_file
 from .gpus import read_gpu_memory
 from .lock import _read_lock
 from .net import http, listener_check, serving_host
 from .procs import vllm_processes
 from .state import read_exit_code, read_state
-from .systemd import journal, supervision, systemd_running
+from .systemd import supervision, systemd_running, unit_error_entries
 from . import core
+
+
+ERROR_LINE = re.compile(r"Error|error:|Traceback|died|failed")
+
+
+def pick_last_error(entries, fatal=()):
+    """The last error of THIS launch: entries are (invocation id, line), oldest first, of the launch only. The
+    newest invocation (systemd start) that logged an error-looking line wins; in it, the line that names the cause
+    (vLLM's known startup failures, `fatal`: specific first) over the wrapper's last words, else its newest error
+    line. An older crash's cause never wins over a newer crash."""
+    errs = [(inv, ln) for inv, ln in entries if ERROR_LINE.search(ln)]
+    if not errs:
+        return None
+    last_inv = errs[-1][0]
+    mine = [ln for inv, ln in errs if inv == last_inv]
+    for rx in map(re.compile, fatal or []):
+        named = [ln for ln in mine if rx.search(ln)]
+        if named:
+            return named[-1][-4000:]
+    return mine[-1][-4000:]
 
 
 def act_status(a):
@@ -96,16 +116,13 @@ def _status_rest(res, state_dir):
             else:
                 res["exit_code"] = read_exit_code(state_dir, 0)
         if not st.get("alive") or res.get("health") != 200 or (sup.get("restarts") or 0) > 0:
-            if st.get("unit"):  # the server's own lines (not systemd's about it)
-                lines = journal(["_SYSTEMD_UNIT=" + st["unit"], "-o", "cat", "-n", "400"])
-            else:
-                lines = tail_file(st.get("log_path") or "", 400)
-            errs = [ln for ln in lines if re.search(r"Error|error:|Traceback|died|failed", ln)]
+            if st.get("unit"):  # this launch's lines only, by systemd invocation (issue 26)
+                entries = unit_error_entries(st["unit"], st.get("started_at"))
+            else:  # the log file is this launch's (launch rotates it)
+                entries = [(None, ln) for ln in tail_file(st.get("log_path") or "", 400)]
             # the line that names the cause (vLLM's known startup failures) over the wrapper's last words
             # (the table is ordered specific first: "CUDA out of memory" before "Engine core initialization failed")
-            named = next(([ln for ln in errs if rx.search(ln)] for rx in map(re.compile, res.get("_fatal") or [])
-                          if any(rx.search(ln) for ln in errs)), None)
-            res["last_error"] = (named or errs)[-1][-4000:] if errs else None
+            res["last_error"] = pick_last_error(entries, res.get("_fatal"))
     else:
         res["vllm_processes"] = vllm_processes()
         res["supervision"] = {"supervisor": "none", "systemd_running": systemd_running()}

@@ -59,8 +59,11 @@ def act_stop(a):
             emit(event="stop", message=report["not_ours"])
         elif members:
             report["terminated"] = [{"pid": p, "comm": proc_name(p)} for p in members]
-            sent = signal_proven(st, signal.SIGTERM)
-            emit(event="stop", message="SIGTERM sent to process group %d (%d processes)" % (st["pgid"], len(sent)))
+            sent = report["sigterm"] = signal_proven(st, signal.SIGTERM)
+            gone = len(members) - len(sent)  # issue 26: one count, the same in the event and the summary
+            emit(event="stop", message="SIGTERM sent to process group %d: %d of the %d process(es) deploy started "
+                                       "there%s" % (st["pgid"], len(sent), len(members),
+                                                    " (the other %d were already exiting)" % gone if gone else ""))
             deadline = now() + grace
             while proven_members(st) and now() < deadline:
                 time.sleep(0.1)
@@ -81,12 +84,14 @@ def act_stop(a):
         report["state_error"] = st["corrupt"]
     # vLLM processes outside our recorded group were not started by deploy: never signalled here. They are
     # reported; if they hold the GPUs, gpus-free names them and --clean-gpus (an explicit opt-in) frees the devices.
-    report["foreign"] = [p for p in vllm_processes() if p["pid"] != os.getpid()]
     report["leftovers"] = gpu_holders()
     if a.get("clean_gpus") and report["leftovers"]:
         report["fuser"] = fuser_kill(a.get("gpus"), float(a.get("fuser_grace_s", 5)))
         report["leftovers"] = gpu_holders()
-    if st is not None:
+    # after fuser: what it killed is not "left alone" (issue 26)
+    killed = set((report["fuser"] or {}).get("term") or []) | set((report["fuser"] or {}).get("kill") or [])
+    report["foreign"] = [p for p in vllm_processes() if p["pid"] != os.getpid() and p["pid"] not in killed]
+    if st is not None and not st.get("unsafe"):
         try:
             dfd = open_dir(state_dir)
             try:

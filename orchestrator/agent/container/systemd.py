@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 
 from .core import ANSI, clean
 from .procs import _boot_time, init_starttime, pids, proc_starttime
@@ -21,7 +22,8 @@ EXIT_MESSAGE_ID = "98e322203f7a4ed290d09fe03c09fe15"  # systemd: "UNIT: Main pro
 
 
 UNIT_PROPS = ("MainPID", "NRestarts", "ActiveState", "SubState", "Result", "ExecMainStatus", "ExecMainCode",
-              "ActiveEnterTimestamp", "UnitFileState", "InvocationID", "LoadState")
+              "ExecMainExitTimestampMonotonic", "ActiveEnterTimestamp", "UnitFileState", "InvocationID", "LoadState",
+              "Id")
 
 
 def systemd_running():
@@ -58,29 +60,85 @@ def journal(args, timeout=20, limit=8 << 20):
     return [ANSI.sub("", ln) for ln in p.stdout[-limit:].decode("utf-8", "replace").splitlines()]
 
 
-def last_exit(unit):
-    """The unit's last main-process exit from the journal: {"code": exited|killed|dumped, "status": N or signal
-    name, "at": epoch seconds, "message": ...} or None. (systemctl show forgets it once systemd restarted it.)"""
-    for ln in reversed(journal(["-o", "json", "-n", "1", "MESSAGE_ID=" + EXIT_MESSAGE_ID, "UNIT=" + unit])):
+SUCCESS_MESSAGE_ID = "7ad2d189f7e94e70a38c781354912448"  # systemd: "UNIT: Deactivated successfully."
+
+
+FAILURE_MESSAGE_ID = "d9b373ed55a64feb8242e02dbe79a49c"  # systemd: "UNIT: Failed with result 'RESULT'."
+
+
+_CLD = {"1": "exited", "2": "killed", "3": "dumped"}  # ExecMainCode (siginfo CLD_*)
+
+
+def _exit_status(code, status):
+    if code in ("killed", "dumped") and status and str(status).isdigit():
         try:
-            d = json.loads(ln)
+            return signal.Signals(int(status)).name
         except ValueError:
-            continue
-        status = d.get("EXIT_STATUS")
-        code = d.get("EXIT_CODE")
-        if code in ("killed", "dumped") and status and status.isdigit():
-            try:
-                status = signal.Signals(int(status)).name
-            except ValueError:
-                pass
-        elif status and status.isdigit():
-            status = int(status)
+            return status
+    return int(status) if status is not None and str(status).isdigit() else status
+
+
+def pick_last_exit(entries, unit_state=None, since=None):
+    """The last main-process exit of THIS launch (issue 26): systemd's own journal entries about the unit since
+    the launch (oldest first, dicts of journalctl -o json), and `systemctl show`'s ExecMain* (which describe the
+    current main process: an exit there is newer than any journal line). systemd logs no "Main process exited"
+    for an exit it counts as clean (status 0: how vLLM exits when its engine dies), only "Deactivated
+    successfully"; a plain failure is "Main process exited" followed by "Failed with result". -> {"code", "status",
+    "at", "message"} or None (no exit since the launch)."""
+    u = unit_state or {}
+    mono = u.get("ExecMainExitTimestampMonotonic") or "0"
+    if mono.isdigit() and int(mono) > 0 and _CLD.get(u.get("ExecMainCode") or ""):
+        at = time.time() - (time.monotonic() - int(mono) / 1e6)
+        if since is None or at >= since - 1:
+            code = _CLD[u["ExecMainCode"]]
+            return {"code": code, "status": _exit_status(code, u.get("ExecMainStatus")), "at": round(at, 3),
+                    "message": "systemctl show %s: ExecMainCode=%s ExecMainStatus=%s"
+                               % (u.get("Id") or "UNIT", code, u.get("ExecMainStatus"))}
+    for d in reversed(entries):
+        mid, msg = d.get("MESSAGE_ID"), d.get("MESSAGE")
+        msg = clean(msg) if isinstance(msg, str) else ""
         try:
             at = int(d.get("__REALTIME_TIMESTAMP")) / 1e6
         except (TypeError, ValueError):
             at = None
-        return {"code": code, "status": status, "at": at, "message": clean(str(d.get("MESSAGE", "")))}
+        if mid == EXIT_MESSAGE_ID:
+            code = d.get("EXIT_CODE")
+            return {"code": code, "status": _exit_status(code, d.get("EXIT_STATUS")), "at": at, "message": msg}
+        if mid == SUCCESS_MESSAGE_ID or msg.endswith("Deactivated successfully."):
+            return {"code": "exited", "status": 0, "at": at, "message": msg}
+        if mid == FAILURE_MESSAGE_ID or "Failed with result" in msg:
+            continue  # its "Main process exited" comes just before it; a result with none is not an exit
     return None
+
+
+def last_exit(unit, unit_state=None, since=None):
+    """The unit's last main-process exit since `since` (the launch, epoch seconds): see pick_last_exit."""
+    args = ["-o", "json", "-n", "200", "UNIT=" + unit, "_PID=1"]
+    if since:
+        args += ["--since", "@%d" % int(since)]
+    entries = []
+    for ln in journal(args):
+        try:
+            entries.append(json.loads(ln))
+        except ValueError:
+            continue
+    return pick_last_exit(entries, unit_state, since)
+
+
+def unit_error_entries(unit, since):
+    """The server's own lines (not systemd's about it) since the launch -> [(invocation id, line)]."""
+    args = ["_SYSTEMD_UNIT=" + unit, "-o", "json", "-n", "400", "--output-fields=MESSAGE,_SYSTEMD_INVOCATION_ID"]
+    if since:
+        args += ["--since", "@%d" % int(since)]
+    out = []
+    for ln in journal(args):
+        try:
+            d = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(d.get("MESSAGE"), str):
+            out.append((d.get("_SYSTEMD_INVOCATION_ID"), clean(d["MESSAGE"])))
+    return out
 
 
 def unit_quote(arg):
@@ -168,7 +226,7 @@ def supervision(st):
     out = {"supervisor": "systemd", "unit": st["unit"], "active": u.get("ActiveState"), "sub": u.get("SubState"),
            "result": u.get("Result"), "enabled": u.get("UnitFileState"),
            "restarts": int(u["NRestarts"]) if (u.get("NRestarts") or "").isdigit() else None,
-           "last_exit": last_exit(st["unit"]), "main_pid": int(u.get("MainPID") or 0) or None,
+           "last_exit": last_exit(st["unit"], u, st.get("started_at")), "main_pid": int(u.get("MainPID") or 0) or None,
            "container_restarted": (st.get("init_starttime") is not None
                                    and init_starttime() != st.get("init_starttime")),
            "systemd_running": systemd_running()}

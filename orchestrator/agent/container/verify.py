@@ -2,6 +2,8 @@
 cross-checks against the target model and the launch, the config as transformers loads it (no remote code unless
 trusted), the serving stack (stack.py) and the weights header."""
 
+import stat as _stat
+import errno
 import hashlib
 import json
 import os
@@ -43,11 +45,19 @@ def resolve_drafter_path(a):
     org, name = a["hub_id"].split("/", 1)
     base = os.path.join(a.get("hf_home") or "/root/.cache/huggingface", "hub", "models--%s--%s" % (org, name))
     rev = None
+    want = a.get("revision") or "main"  # from the playbook
     try:
-        with open(os.path.join(base, "refs", a.get("revision") or "main")) as fh:
-            rev = fh.read().strip()
+        fd = os.open(os.path.join(base, "refs", want), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            if not _stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            rev = fh.read(256).decode("utf-8", "replace").strip()
+        if not safe_rev(rev):
+            return {"kind": "hub", "path": None, "error": "%s/refs/%s holds %r, not a snapshot name (40 hex digits)"
+                                                          % (base, want, rev[:80])}
     except OSError:
         snaps = sorted(os.listdir(os.path.join(base, "snapshots"))) if os.path.isdir(os.path.join(base, "snapshots")) else []
+        snaps = [n for n in snaps if safe_rev(n)]
         rev = snaps[-1] if snaps else None
     if not rev:
         return {"kind": "hub", "path": None, "error": "no snapshot of %s in %s" % (a["hub_id"], base)}
@@ -174,7 +184,8 @@ def cross(disk, target, a, check):
         check("layer_types length", len(lt) == n_layers, expected=n_layers, on_disk=len(lt),
               reason="len(layer_types) must equal num_hidden_layers")
         bad = [x for x in lt if x not in ("sliding_attention", "full_attention")]
-        check("layer_types values", not bad, expected="sliding_attention|full_attention", on_disk=bad,
+        check("layer_types values", not bad, expected="sliding_attention|full_attention",
+              on_disk=(("unknown: %s" % bad) if bad else "|".join(sorted(set(lt)))),
               reason="unknown layer types")
     sliding = isinstance(lt, list) and "sliding_attention" in lt
     win = disk.get("sliding_window")
@@ -300,3 +311,11 @@ def safetensors_check(path, disk, check):
         want = [disk["hidden_size"], disk["hidden_size"] * len(ids)]
         check("weights fc shape", fc.get("shape") == want, expected=want, on_disk=fc.get("shape"),
               reason="fc.weight width must be hidden_size x number of target layers", severity="warning")
+
+
+SAFE_REV = re.compile(r"[0-9a-f]{40}|[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def safe_rev(rev):
+    """A hub snapshot name read from refs/<rev> (untrusted): 40 hex digits or a plain name, never a path."""
+    return isinstance(rev, str) and bool(SAFE_REV.fullmatch(rev)) and ".." not in rev
