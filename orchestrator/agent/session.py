@@ -18,8 +18,12 @@ from .protocol import PROTOCOL
 
 def session_for(host: HostSession, vmid: int, python: str, state_dir: str | None = None) -> "AgentSession":
     """The agent process kept for this container and Python during this invocation (started on first use),
-    kept by the host session, which closes it with the connection."""
-    return host.keep(("agent", vmid, python), lambda: AgentSession(host, vmid, python, state_dir))
+    kept by the host session, which closes it with the connection. A transport double without `keep` (the
+    decision tests' fake host session) brings its own: its agent_session(vmid, python)."""
+    keep = getattr(host, "keep", None)
+    if keep is None:
+        return host.agent_session(vmid, python)
+    return keep(("agent", vmid, python), lambda: AgentSession(host, vmid, python, state_dir))
 
 
 # The session bootstrap, in argv: read the agent's bootstrap (archive.py; its length is argv[1]) from stdin and run

@@ -64,7 +64,7 @@ class Context:
             if fresh:
                 return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, **kw)
             return agent.session_for(self.session, step.vmid, self.pb.runtime["python"],
-                                     self.pb.runtime["state_dir"]).call(step.action, args, **kw)
+                                     self.pb.runtime.get("state_dir")).call(step.action, args, **kw)
 
     def record(self, name: str, ok: bool | None, summary: str, t0: float, **details) -> StepResult:
         r = StepResult(name, ok, summary, time.monotonic() - t0, details)

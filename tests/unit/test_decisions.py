@@ -49,13 +49,11 @@ class FakeSession:
         out = {"pct status": "status: running\n", "pct list": "VMID       Status     Lock         Name\n"}
         return Result(self.host.name, kw.get("vmid"), list(argv), 0, out.get(" ".join(argv[:2]), "").encode(), b"", 0)
 
-    def keep(self, key, make):
-        """The executor's agent session (agent.session_for keeps it here): here, each request goes through the
-        one-process path (ct below)."""
+    def agent_session(self, vmid, python):
+        """The executor's agent session: here, each request goes through the one-process path (ct below)."""
         from orchestrator import agent
 
         sess = self
-        _, vmid, python = key
 
         class Shim:
             def call(self, action, args, **kw):

@@ -47,11 +47,14 @@ def test_a_forged_state_file_does_not_choose_which_local_secret_is_sent(monkeypa
     monkeypatch.setenv("VPD_WORKSTATION_SECRET", "ws-secret-5551234")
     sent = []
 
-    def call(session, vmid, python, action, args, **kw):
+    def call(session, vmid, python, action, args, **kw):  # as agent.call: the typed result
+        from orchestrator.agent.protocol import CurrentResult
+
         sent.append(kw.get("secrets"))
-        return {"state": {"playbook": "evil", "api_key_env": "VPD_WORKSTATION_SECRET", "alive": True, "pid": 7,
-                          "port": 8000, "served_model_name": "x"}, "models_status": 401, "health": 200,
-                "memory": {"gpus": {}}}
+        return CurrentResult.parse("status", {
+            "state": {"playbook": "evil", "api_key_env": "VPD_WORKSTATION_SECRET", "alive": True, "pid": 7,
+                      "port": 8000, "served_model_name": "x"}, "models_status": 401, "health": 200,
+            "memory": {"gpus": {}}})
 
     monkeypatch.setattr(status.agent, "call", call)
     row = status.container_row(_Fleet(inv), "pve1", 129, {"python": "/root/ml-env/bin/python"},

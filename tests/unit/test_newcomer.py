@@ -148,13 +148,15 @@ def test_a_lock_broken_during_the_run_is_warned_at_release():
 
     from orchestrator import ops
 
+    from orchestrator.agent.protocol import UnlockResult
+
     said = []
-    ctx = NS(where="pve1/129", call=lambda step: {"unlocked": False, "holder": None},
+    ctx = NS(where="pve1/129", call=lambda step: UnlockResult.parse("unlock", {"unlocked": False, "holder": None}),
              progress=NS(say=lambda where, msg: said.append(msg)))
     ops.release_lock(ctx, NS(), None)
     assert said and "WARNING: the container lock was lost before this run ended" in said[0]
     said.clear()
-    ctx.call = lambda step: {"unlocked": True}
+    ctx.call = lambda step: UnlockResult.parse("unlock", {"unlocked": True})
     ops.release_lock(ctx, NS(), None)
     assert not said
 
