@@ -71,6 +71,7 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
                          stdin=agent_stdin(payload, secrets, bulk, cache_dir=cache_dir, inline=inline),
                          timeout=max(1.0, deadline - time.monotonic()), label=f"agent:{action}", on_line=on_line)
         result = proto = need = None
+        cached = True
         for line in res.out.splitlines():
             try:
                 msg = json.loads(line)
@@ -80,12 +81,14 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
                 result, proto = msg["result"], msg.get("protocol")
             elif isinstance(msg, dict) and "need" in msg:
                 need = msg["need"]
+            elif isinstance(msg, dict) and msg.get("cache") is False:
+                cached = False  # it could not keep the archive (a state directory that is not deploy's own)
         if result is None and need == archive.sha256() and res.exited == archive.NEED_EXIT and not inline:
             archive.remember(key, False)  # it lost its copy; nothing ran: send the exec again with the archive
             inline = True
             continue
         if result is not None:
-            archive.remember(key, True)
+            archive.remember(key, cached)
         break
     return interpret(result, proto, action, python, where=f"{session.host.name}/{vmid}", vmid=vmid,
                      exited=res.exited, err=res.err.strip() or res.out.strip())

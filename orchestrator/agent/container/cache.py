@@ -8,6 +8,7 @@ calls `store` (exec'd from the archive itself, so BOOT stays small). See orchest
 """
 
 import os
+import stat as _stat
 import sys
 import time
 
@@ -76,11 +77,18 @@ def store(sha, cache_dir, data):
     """Keep the verified archive as CACHE/SHA.zip (temp file O_EXCL|O_NOFOLLOW, fsync, rename, fsync the
     directory), prune all but the newest KEEP, and return its path. Where no cache can be kept (no directory
     given, not root, a read-only file system, a directory that is not root's and 0700): a private temp file,
-    removed at exit."""
+    removed at exit. Not in a state directory that others may write, nor where it does not exist."""
     if cache_dir:
         try:
+            parent = os.path.dirname(cache_dir)
             try:
-                os.makedirs(cache_dir, 0o700)
+                os.mkdir(parent, 0o700)  # the state directory, as `lock` would create it
+            except FileExistsError:
+                p = os.lstat(parent)  # not in a state directory others may write (deploy refuses to use it)
+                if not _stat.S_ISDIR(p.st_mode) or p.st_uid not in (0, os.geteuid()) or p.st_mode & 0o022:
+                    raise OSError("the state directory %s is not deploy's own: no cache there" % parent)
+            try:
+                os.mkdir(cache_dir, 0o700)
             except FileExistsError:
                 pass
             if not safe_dir(cache_dir):

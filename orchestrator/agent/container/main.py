@@ -108,6 +108,8 @@ def run(argv, sha, cache_dir, path):
     core.SECRETS = g.get("SECRETS") or {}
     core.PAYLOAD = g.get("PAYLOAD")
     core.ARCHIVE = {"sha256": sha, "cache_dir": cache_dir, "path": path}
+    if cache_dir and os.path.dirname(path) != cache_dir and argv[1:2] != ["session"]:
+        emit(cache=False)  # ran from a temp file: the tool should not count on a cached copy here
     if cache_dir and path == os.path.join(cache_dir, sha + ".zip"):  # no compiled copy for this Python yet
         from .cache import compile_in_background
 
