@@ -67,6 +67,9 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
     inline = not archive.known(key)
     deadline = time.monotonic() + timeout
     while True:
+        if inline:
+            session.audit.write(host=session.host.name, vmid=vmid, event="agent archive sent", sha256=archive.sha256(),
+                                bytes=len(archive.archive()), cache_dir=cache_dir)
         res = session.ct(vmid, agent_argv(python, action, args),
                          stdin=agent_stdin(payload, secrets, bulk, cache_dir=cache_dir, inline=inline),
                          timeout=max(1.0, deadline - time.monotonic()), label=f"agent:{action}", on_line=on_line)
