@@ -240,9 +240,12 @@ def _confirm(prompt):
 @click.option("--install-vllm", "install_first", is_flag=True,
               help="First install the vLLM the playbook requires (requires.vllm), as deploy install-vllm does "
                    "(nothing to do when it is already the verified runtime).")
+@click.option("--no-fetch", is_flag=True,
+              help="A playbook with a hub or directory source: refuse (exit 1) when the weights are not in place and "
+                   "verified, instead of fetching them first.")
 @json_option
 @click.pass_obj
-def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, parallel, install_first):
+def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, parallel, install_first, no_fetch):
     """Bring PLAYBOOK up, verified end to end: config, stack, GPUs, launch, readiness, acceptance.
 
     Already up with the same argv and drafter config and healthy: nothing changes (exit 0). A different
@@ -282,7 +285,10 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
                              where=pb.path, fix=f"deploy install-vllm {pb.name} (each target in turn), then "
                                                 f"deploy up {pb.name}")
         opts = ops.Options(yes=yes, write_config=not skip_config_write, clean_gpus=clean_gpus, wait_lock_s=wait_lock,
-                           confirm=_confirm)
+                           confirm=_confirm, fetch=not no_fetch)
+        from .fetch import items as fetch_items, tokens as fetch_tokens
+
+        fetch_tokens(pb, fetch_items(pb))  # an unset token variable stops here, before any connection
         if pb.is_fleet:
             from . import fleet as F
 
@@ -315,6 +321,12 @@ def _fleet_exit(obj, res):
                 render_outcome(o)
                 _echo_wrapped(f"  this target alone: deploy logs {o.where}; deploy down {res['playbook']} {o.where}; "
                               f"deploy status {o.where}", err=True)
+        rr = res.get("router") or {}
+        err = rr.get("error")
+        if isinstance(err, DeployError):
+            _echo_wrapped(f"FAILED: {err.where}: router: {err.message}", err=True)
+            if err.fix:
+                _echo_wrapped(f"  fix: {err.fix}", err=True)
         for line in F.render(res):
             _echo_wrapped(line)
     sys.exit(F.exit_code(res))
@@ -518,6 +530,8 @@ def verify(obj, playbook):
             doc = {"ok": out.ok, "playbook": m.name, "where": out.where,
                    "error": out.error.as_dict() if out.error else None,
                    **r.as_dict()}
+            if "revisions" in out.info:
+                doc["revisions"] = out.info["revisions"]
             docs.append(doc)
             if obj.json:
                 continue
@@ -603,6 +617,119 @@ def install_vllm(obj, playbook, yes, rollback, force):
     run_guarded(go, obj)
 
 
+# ------------------------------------------------------------------ fetch, manifest
+
+
+@main.command("fetch", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("playbook", shell_complete=complete_playbooks)
+@click.option("--verify", "rehash", is_flag=True,
+              help="Also re-hash every file already in place (sha256 / git blob id) instead of trusting the record.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=6 * 3600.0, show_default=True,
+              metavar="SECONDS", help="The fetch's time limit (a partial download is kept: the next run resumes).")
+@click.option("--manifest", "manifest_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="After the fetch, write the verified record of each item as a manifest (FILE, or FILE.ROLE.json "
+                   "for several): copy it beside the files for source: {path: HOST_DIR}.")
+@json_option
+@click.pass_obj
+def fetch(obj, playbook, rehash, timeout_s, manifest_out):
+    """Fetch the playbook's model and drafter weights into its container, at the pinned revision, verified.
+
+    The download runs in the container, detached from the SSH session: a dropped connection does not stop
+    it, and running the command again re-attaches and reports. It resumes partial files (HTTP Range), checks
+    the space before it starts, prints bytes, rate and ETA per file and in total, and verifies every file
+    against the hub's record (sha256 for LFS files, the git blob id for the others) before moving anything
+    into place. Already fetched and verified: nothing to do. A `source: {path: HOST_DIR}` is copied from the
+    Proxmox host instead and verified against its deploy-manifest.json.
+
+    \b
+    Examples:
+      deploy fetch qwen36-dflash
+      deploy fetch qwen36-dflash --timeout 7200    # the token: export the variable named in token_env first
+      deploy fetch qwen36-dflash --verify
+      deploy fetch qwen36-dflash --manifest /tmp/qwen36.manifest.json
+      deploy --json fetch qwen36-dflash
+    """
+    def go():
+        from .fetch import fetch as do_fetch
+        from .remote import Fleet
+
+        inv, pb = load(obj, playbook)
+        outs = []
+        with Fleet(inv) as fleet:
+            for m in pb.members:
+                outs.append(do_fetch(fleet, m, obj.progress(), rehash=rehash, timeout_s=timeout_s))
+                if manifest_out and outs[-1].ok:
+                    _write_fetch_manifests(fleet, m, manifest_out)
+        if len(outs) == 1:
+            _outcome_exit(obj, outs[0])
+        from .errors import Unreachable
+        from .report import dump_json
+
+        if obj.json:
+            dump_json([o.as_dict() for o in outs])
+        else:
+            for o in outs:
+                render_outcome(o)
+        sys.exit(EXIT_OK if all(o.ok for o in outs) else
+                 EXIT_UNREACHABLE if all(isinstance(o.error, Unreachable) for o in outs if not o.ok) else EXIT_FAILED)
+    run_guarded(go, obj)
+
+
+def _write_fetch_manifests(fleet, pb, out_path):
+    import json as _json
+
+    from . import agent
+    from .fetch import dest_of, items, manifest_from_record
+
+    its = items(pb)
+    res = agent.call(fleet.session(pb.host), pb.vmid, pb.runtime["python"], "fetch",
+                     {"op": "records", "state_dir": pb.runtime["state_dir"], "dests": [dest_of(it) for it in its]},
+                     timeout=30)
+    for it in its:
+        rec = (res.get("records") or {}).get(dest_of(it))
+        if not rec:
+            continue
+        path = out_path if len(its) == 1 else f"{os.path.splitext(out_path)[0]}.{it['role']}.json"
+        with open(path, "w") as fh:
+            _json.dump(manifest_from_record(rec), fh, indent=1)
+            fh.write("\n")
+        click.echo(f"wrote {path}: the manifest of {it['role']} ({len(rec.get('files') or [])} files)", err=True)
+
+
+@main.command("manifest", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--hub", default=None, metavar="ORG/NAME", help="Record the repository the files come from.")
+@click.option("--revision", default=None, metavar="REV", help="Record the revision (a 40-hex commit names the "
+                                                              "snapshot in a hub cache destination).")
+@json_option
+@click.pass_obj
+def manifest(obj, directory, hub, revision):
+    """Write DIRECTORY/deploy-manifest.json: every file with its size and sha256.
+
+    For air-gapped sites: put the weights in a directory on the Proxmox host with this manifest, and name it in
+    the playbook as `source: {path: DIRECTORY}` (model or speculative.drafter); deploy fetch copies it into the
+    container and verifies every file against the manifest. Runs on this machine; nothing is sent anywhere.
+
+    \b
+    Example:
+      deploy manifest /srv/models/Qwen3.6-27B --hub Qwen/Qwen3.6-27B --revision 0123456789abcdef0123456789abcdef01234567
+    """
+    def go():
+        from .fetch import write_manifest
+        from .report import dump_json
+
+        if not os.path.isdir(directory):
+            raise UsageError(f"{directory} is not a directory; nothing was written",
+                             fix="give the directory that holds the model's files")
+        res = write_manifest(directory, hub, revision)
+        if obj.json:
+            dump_json(res)
+        else:
+            click.echo(f"wrote {res['path']}: {res['files']} files, {res['bytes']} bytes")
+        sys.exit(EXIT_OK)
+    run_guarded(go, obj)
+
+
 @main.command("apply-config", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("playbook", shell_complete=complete_playbooks)
 @json_option
@@ -645,6 +772,207 @@ def apply_config(obj, playbook):
 
 
 # ------------------------------------------------------------------ status / logs
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy endpoint qwen36-dflash                 # the URL and a curl line that asks for a completion
+  deploy endpoint qwen36-dflash --tunnel        # not routable from here: forward 127.0.0.1:8000 through pve1""")
+@click.argument("playbook", shell_complete=complete_playbooks)
+@click.option("--tunnel", is_flag=True, help="Forward a local port to the endpoint through the Proxmox host's SSH "
+                                               "connection, in the foreground, until Ctrl-C.")
+@click.option("--local-port", type=click.IntRange(0, 65535), default=None, metavar="N",
+              help="Local port of the tunnel (default: the served port when free, else any free port; 0: any).")
+@click.option("--target", "where", default=None, metavar="HOST/VMID",
+              help="With --tunnel, for a playbook with several targets: which one.")
+@json_option
+@click.pass_obj
+def endpoint(obj, playbook, tunnel, local_port, where):
+    """Where a deployment answers: its URL (the container's address from the inventory), a curl line that works,
+    and, where that address is not routable from this machine, an SSH tunnel through the Proxmox host. A playbook
+    with router: answers at its router (the one URL clients use), not at each replica.
+
+    Nothing is sent without --tunnel. With --tunnel: one SSH connection to the host; the host's sshd connects to
+    the container (as `ssh -L` does); the local URL and a curl line for it are printed, then it runs until Ctrl-C
+    (exit 0) or until the connection drops (exit 3).
+
+    Exit: 0 every URL known (or the tunnel ran), 1 an address unknown or the host cannot reach the endpoint,
+    2 bad usage, 3 the host is unreachable.
+    """
+    def go():
+        from .endpoint import playbook_endpoints
+
+        inv, pb = load(obj, playbook)
+        if where is not None and not pb.is_fleet and where != pb.where:
+            raise UsageError(f"{pb.name} runs on {pb.where}, not {where}", fix=f"deploy endpoint {pb.name}")
+        if where is not None and pb.is_fleet:
+            pb.member(where)  # a UsageError naming the targets when it is not one
+        if tunnel and pb.is_fleet and where is None:
+            raise UsageError(f"{pb.name} has {len(pb.targets)} targets ({pb.where}): --tunnel needs one",
+                             fix=f"deploy endpoint {pb.name} --tunnel --target {pb.targets[0]['host']}/"
+                                 f"{pb.targets[0]['vmid']}")
+        rows = playbook_endpoints(inv, pb)
+        if where is not None:
+            rows = [r for r in rows if r["where"] == where]
+        if tunnel:
+            sys.exit(_run_tunnel(obj, inv, pb, rows[0], local_port))
+        if obj.json:
+            from .report import dump_json
+            dump_json({"ok": all(r["url"] for r in rows), "playbook": pb.name, "endpoints": rows})
+        else:
+            for r in rows:
+                if not r["url"]:
+                    click.echo(f"{pb.name} on {r['where']}: address unknown ({r['note']})")
+                    continue
+                click.echo(f"{pb.name} on {r['where']}: {r['url']}  (model {r['model']})")
+                if r["tunnel"]:
+                    how = "not routable from here" if r["routable"] is False else "may not be routable from here"
+                    click.echo(f"  {how}: deploy endpoint {pb.name} --tunnel"
+                               + (f" --target {r['where']}" if pb.is_fleet else "")
+                               + f"   (or: {r['tunnel']})")
+                click.echo(f"  {r['curl']}")
+        sys.exit(EXIT_OK if all(r["url"] for r in rows) else EXIT_FAILED)
+    run_guarded(go, obj)
+
+
+def _run_tunnel(obj, inv, pb, row, local_port) -> int:
+    """deploy endpoint --tunnel: forward until Ctrl-C / SIGTERM (0) or the connection drops (3)."""
+    import signal
+    import socket
+    import threading
+
+    from .endpoint import Tunnel, curl_line
+    from .errors import CheckFailed
+    from .remote import AuditLog, HostSession
+
+    if not row["url"]:
+        raise CheckFailed(f"the address of {row['where']} is unknown, so there is nothing to tunnel to",
+                          where=row["where"], fix=row.get("note") or f"deploy discover {row['host']} --write")
+    host = inv.host(row["host"])
+    if local_port is None:  # the served port when it is free here, else any
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", row["port"]))
+                local_port = row["port"]
+            except OSError:
+                local_port = 0
+    session = HostSession(host, AuditLog())
+    conn = session.connect()
+    transport = conn.transport
+    remote = (row["address"], row["port"])
+    try:  # can the host reach it at all? (one TCP connection from the host, closed at once)
+        transport.open_channel("direct-tcpip", remote, ("127.0.0.1", 0), timeout=15).close()
+    except Exception as e:  # noqa: BLE001 - paramiko's ChannelException and friends: said with the fix
+        session.close()
+        raise CheckFailed(f"{host.name} cannot connect to {remote[0]}:{remote[1]} ({e})", where=row["where"],
+                          fix=f"is it serving? deploy status {pb.name}; is {remote[0]} the container's address? "
+                              f"deploy discover {host.name}") from None
+    tun = Tunnel(transport, remote, local_port,
+                 on_event=lambda kind, what: click.echo(f"tunnel: {what}", err=True) if kind == "error" else None)
+    try:
+        port = tun.start()
+    except OSError as e:
+        session.close()
+        raise UsageError(f"cannot listen on 127.0.0.1:{local_port}: {e.strerror or e}",
+                         fix="pick another --local-port (0: any free one)") from None
+    local = f"http://127.0.0.1:{port}/v1"
+    via = f"{host.user}@{host.ssh_config_alias or host.address}:{host.port}"
+    if obj.json:
+        import json as _json
+        click.echo(_json.dumps({"ok": True, "playbook": pb.name, "where": row["where"], "local_url": local,
+                                "url": row["url"], "via": via, "curl": curl_line(local, row["model"],
+                                                                                   row["api_key_env"])}), nl=True)
+    else:
+        click.echo(f"tunnel: {local} -> {remote[0]}:{remote[1]} ({pb.name} on {row['where']}) through {host.name} "
+                   f"({via}); Ctrl-C closes it")
+        click.echo(f"  {curl_line(local, row['model'], row['api_key_env'])}")
+    sys.stdout.flush()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    code = EXIT_OK
+    while not stop.wait(0.5):
+        if not transport.is_active():
+            click.echo(f"tunnel: the SSH connection to {host.name} ({via}) was lost; deploy endpoint {pb.name} "
+                       "--tunnel opens a new one", err=True)
+            code = EXIT_UNREACHABLE
+            break
+    tun.close()
+    session.close()
+    if code == EXIT_OK:
+        click.echo(f"tunnel closed ({tun.connections} connection(s) carried)", err=True)
+    return code
+
+
+@main.group(context_settings=CONTEXT)
+def monitor():
+    """Watch the deployments with Prometheus and Grafana (see docs/monitoring.md)."""
+
+
+def _duration(_ctx, param, value):
+    from .monitor import duration
+
+    try:
+        return duration(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param=param) from None
+
+
+@monitor.command("export", context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy monitor export ./monitoring
+  promtool check config ./monitoring/prometheus.yml && promtool test rules ./monitoring/rules.test.yml
+  deploy monitor export ./monitoring qwen36-mtp --for 5m""")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("playbooks", nargs=-1, shell_complete=complete_playbooks)
+@click.option("--for", "for_", default="10m", show_default=True, callback=_duration, metavar="DURATION",
+              help="How long acceptance must stay under the gate before an alert fires.")
+@click.option("--rate-window", default="5m", show_default=True, callback=_duration, metavar="DURATION",
+              help="The window acceptance rates are computed over.")
+@click.option("--down-for", default="2m", show_default=True, callback=_duration, metavar="DURATION",
+              help="How long a target must fail its scrape before VllmEndpointDown fires.")
+@click.option("--scrape-interval", default="15s", show_default=True, callback=_duration, metavar="DURATION")
+@click.option("--evaluation-interval", default="15s", show_default=True, callback=_duration, metavar="DURATION")
+@json_option
+@click.pass_obj
+def monitor_export(obj, directory, playbooks, for_, rate_window, down_for, scrape_interval, evaluation_interval):
+    """Write Prometheus and Grafana files for the deployments into DIRECTORY, from the inventory and the
+    playbooks (every playbook found, or those named; nothing is read from the hosts): targets.json (file_sd:
+    every serving container with labels host, vmid, playbook, method, model), rules.yml (acceptance length under
+    the playbook's gate, position-0 acceptance, a per-position cliff, restarts, start limit, not gated, GPU
+    memory held outside the deployment, endpoint down), rules.test.yml (promtool unit tests, one per alert),
+    prometheus.yml (uses both) and dashboard.json (Grafana)."""
+    def go():
+        from .locate import list_playbooks
+        from .monitor import export
+        from .spec import load_playbook
+
+        inv = obj.inventory()
+        names = list(playbooks) or list_playbooks()
+        pbs = [load_playbook(n, inv) for n in names]
+        res = export(inv, pbs, directory, window=rate_window, for_=for_, down_for=down_for,
+                     scrape_interval=scrape_interval, evaluation_interval=evaluation_interval)
+        if obj.json:
+            from .report import dump_json
+            dump_json({"ok": True, **res})
+            return
+        click.echo(f"wrote {', '.join(res['files'])} to {res['directory']}")
+        for g in res["targets"]:
+            lb = g["labels"]
+            th = res["thresholds"][lb["playbook"]]
+            click.echo(f"  {lb['host']}/{lb['vmid']}  {g['targets'][0]}  {lb['playbook']} ({lb['method']}): alert under "
+                       f"acceptance length {th['min_al']:g} for {for_}")
+        for m in res["left_out"]:
+            click.echo(f"  {m}: left out, its address is unknown (deploy discover {m.split('/')[0]} --write)")
+        for n in res["notes"]:
+            click.echo(f"  note: {n}")
+        click.echo(f"next: promtool check config {os.path.join(directory, 'prometheus.yml')}; promtool test rules "
+                   f"{os.path.join(directory, 'rules.test.yml')}; import dashboard.json into Grafana")
+    run_guarded(go, obj)
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -735,7 +1063,8 @@ def logs(obj, target, lines, follow, grep, show_all):
 Examples:
   deploy compare qwen36-dflash qwen36-mtp -y
   deploy compare qwen36-dflash qwen36-mtp --rounds 5 --prompts my-prompts.txt -y
-  deploy --json compare qwen36-dflash qwen36-mtp --keep qwen36-mtp -y""")
+  deploy --json compare qwen36-dflash qwen36-mtp --keep qwen36-mtp -y
+  deploy compare qwen36-dflash qwen36-mtp --concurrency 1,8,32 --plot sweep.png -y""")
 @click.argument("playbook_a", shell_complete=complete_playbooks)
 @click.argument("playbook_b", shell_complete=complete_playbooks)
 @click.option("--prompts", "prompts_file", default=None, metavar="FILE",
@@ -745,19 +1074,25 @@ Examples:
 @click.option("--max-tokens", type=click.IntRange(1, 1_000_000), default=None,
               help="Output tokens per request (default: PLAYBOOK_A's acceptance.probe.max_tokens).")
 @click.option("--keep", default=None, metavar="PLAYBOOK", help="Leave this one running (default: the winner).")
+@click.option("--concurrency", "levels", default="1,4,16", show_default=True, metavar="N,N,...",
+              callback=lambda _c, p, v: _levels(p, v), help="Concurrent requests per level of the sweep.")
+@click.option("--plot", "plot_file", default=None, metavar="FILE",
+              help="Also write the sweep as a chart (.png, .svg or .pdf; needs matplotlib: the [plot] extra).")
 @click.option("-y", "--yes", is_flag=True, help="Replace what runs on the container without asking.")
 @click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
               help="Wait this long for another deploy's lock instead of failing at once.")
 @json_option
 @click.pass_obj
-def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep, yes, wait_lock):
+def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep, levels, plot_file, yes, wait_lock):
     """Which of two playbooks serves faster on one container: bring each up, time the same prompts, compare.
 
     Both playbooks must target the same host and container. Each is brought up with its own gates (its
-    fallback is not used: the playbook itself is measured, or it failed), then the prompts are sent and timed:
-    output tokens per second from each completion's usage and wall time, draft acceptance, mean acceptance
-    length and per-position acceptance from /metrics deltas. Prints both side by side and the winner, and
-    leaves the winner (or --keep) running. Exit 0 when a winner was measured and left running.
+    fallback is not used: the playbook itself is measured, or it failed), then a concurrency sweep runs (each
+    level: that many clients streaming the prompts, every request timed): output tokens/s, TTFT and inter-token
+    latency p50/p99 and the acceptance length per level, the winner per level, a terminal chart (and --plot a
+    chart file). Draft acceptance and per-position acceptance over the whole sweep from /metrics deltas. The
+    overall winner is the faster at the first level (`--keep` picks another); it is left running. Exit 0 when a
+    winner was measured and left running.
     """
     def go():
         from . import compare as C
@@ -769,6 +1104,8 @@ def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep,
         from .spec import load_playbook
         a, b = load_playbook(playbook_a, inv), load_playbook(playbook_b, inv)
         C.check_pair(a, b)
+        if plot_file:
+            C.check_plot(plot_file)
         if keep and keep not in (a.name, b.name):
             raise UsageError(f"--keep {keep} is neither {a.name} nor {b.name}", fix=f"--keep {a.name}")
         probe = a.data["acceptance"]["probe"]
@@ -781,15 +1118,30 @@ def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep,
         with Fleet(inv) as fleet:
             res = C.compare(fleet, a, b, obj.progress(), ops.Options(yes=True, wait_lock_s=wait_lock),
                             prompts=prompts, rounds=rounds_, max_tokens=max_tokens or probe["max_tokens"],
-                            timeout_s=probe["timeout_s"] * 2, keep=keep)
+                            timeout_s=probe["timeout_s"] * 2, keep=keep, levels=levels)
+        if plot_file and any(r.get("levels") for r in res["results"]):
+            res["plot"] = C.plot(res, plot_file)
         if obj.json:
             from .report import dump_json
             dump_json(res)
         else:
             for line in C.render(res):
                 click.echo(line)
+            if res.get("plot"):
+                click.echo(f"chart: {res['plot']}")
         sys.exit(EXIT_OK if res["ok"] else EXIT_FAILED)
     run_guarded(go, obj)
+
+
+def _levels(param, value):
+    try:
+        levels = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(not 1 <= n <= 1024 for n in levels) or len(set(levels)) != len(levels):
+        raise click.BadParameter(f"{value!r}: comma-separated distinct numbers of concurrent requests, 1..1024 "
+                                 "(e.g. 1,4,16)", param=param)
+    return sorted(levels)
 
 
 # ------------------------------------------------------------------ discover

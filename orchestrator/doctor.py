@@ -10,7 +10,7 @@ Classes (docs/domain/field-report.md, "What happened"):
   missing-fix        vLLM lacks the +1 layer-id offset (PR #40727) or DFlash sliding windows (#40898) FR 4
   incomplete-build   compiled extensions missing, or `import vllm` fails                             FR 4
   leftover-holder    a process holds the GPUs that belongs to no running vLLM server               FR 7
-  low-acceptance     the server's own /metrics show draft acceptance below the bar                   FR 1
+  low-acceptance     the server's own /metrics fail the acceptance gate (AL, position 0, cliff)       FR 1
 """
 
 from __future__ import annotations
@@ -23,7 +23,29 @@ from . import vllm_facts as vf
 
 CRITICAL = ("dflash_config.target_layer_ids", "dflash_config.mask_token_id", "layer_types", "sliding_window",
             "use_sliding_window", "bos_token_id", "block_size", "num_target_layers")
-MIN_ACCEPTANCE = 0.30  # without a playbook's own acceptance.min_draft_acceptance
+MIN_DRAFTS = 20  # fewer lifetime drafts say nothing either way
+
+
+def low_acceptance_verdict(life, p: dict | None):
+    """The acceptance gate (orchestrator/gate.py) on a server's lifetime counters, with the playbook's thresholds
+    (its `acceptance` section; `min_acceptance` is its old rate threshold): the failed verdict, or None."""
+    from . import gate as G
+
+    if life is None or not life.draft_tokens:
+        return None
+    k = len(life.per_position) or (round(life.draft_tokens / life.drafts) if life.drafts else 1)
+    cfg = dict((p or {}).get("acceptance") or {})
+    if (p or {}).get("min_acceptance") is not None and cfg.get("min_draft_acceptance") is None:
+        cfg["min_draft_acceptance"] = p["min_acceptance"]
+    cfg["min_drafts"] = min(int(cfg.get("min_drafts") or MIN_DRAFTS), MIN_DRAFTS)
+    v = G.judge(life, G.thresholds(cfg, max(1, k)))
+    if v.passed or v.too_few:
+        return None
+    if not life.per_position:  # counters without positions: judge AL and the rate only
+        v.reasons = [r for r in v.reasons if not r.startswith("no position-0")]
+        if not v.reasons:
+            return None
+    return v
 SCHEMA = "vllm-pve-deploy/doctor/v1"
 CLASSES = ("guessed-config", "stale-write", "missing-fix", "incomplete-build", "leftover-holder", "low-acceptance")
 
@@ -236,18 +258,15 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
         # acceptance, from the server's own counters
         if srv.get("metrics"):
             life = vf.lifetime_acceptance(srv["metrics"])
-            rate = life.draft_acceptance if life else None
-            bar = (p or {}).get("min_acceptance") or MIN_ACCEPTANCE
             srv["acceptance"] = life.as_dict() if life else None
-            if rate is not None and rate < bar:
+            v = low_acceptance_verdict(life, p)
+            if v is not None:
                 why = "the guessed drafter config above" if srv["pid"] in guessed_in else \
                     "missing vLLM fixes above" if any(f["class"] == "missing-fix" for f in findings) else \
                     "not a config or build problem found here"
-                add("low-acceptance", f"server pid {srv['pid']}: draft acceptance {rate:.1%} (mean acceptance "
-                                      f"length {life.mean_acceptance_length or 0:.2f}) over {life.drafts:g} drafts, "
-                                      f"below {bar:.0%}; likely cause: {why}",
+                add("low-acceptance", f"server pid {srv['pid']}: {v.figures_text()}: {v.reason}; likely cause: {why}",
                     f"deploy up {pb if srv['pid'] in guessed_in else fallback or 'qwen36-mtp'} --clean-gpus",
-                    pid=srv["pid"], acceptance=life.as_dict())
+                    pid=srv["pid"], acceptance=life.as_dict(), verdict=v.as_dict())
     if stack.get("installed") and (stack.get("extensions_missing") or stack.get("import_ok") is False):
         what = []
         if stack.get("extensions_missing"):
@@ -353,7 +372,9 @@ def pinned_configs(inv) -> tuple[list[dict], dict]:
             continue
         acc = pb.data["acceptance"]
         info = {"playbook": pb.name, "fallback": acc.get("fallback"), "target": pb.where,
-                "min_acceptance": acc.get("min_draft_acceptance")}
+                "min_acceptance": acc.get("min_draft_acceptance"),
+                "acceptance": {k: acc.get(k) for k in ("min_mean_acceptance_length", "min_first_position",
+                                                       "cliff_check", "min_drafts", "min_draft_acceptance")}}
         for m in pb.members:  # every target of a playbook with targets: (replicas)
             targets.setdefault((m.host, m.vmid), {**info, "target": f"{m.host}/{m.vmid}"})
         if pb.drafter and pb.drafter_config is not None:

@@ -87,3 +87,125 @@ def describe(ep: dict) -> str:
         how = "not routable from here" if ep["routable"] is False else "may not be routable from here"
         return f"{ep['url']} ({how}: {ep['tunnel']}, then {ep['local_url']})"
     return ep["url"]
+
+
+def curl_line(url: str, model: str, api_key_env: str | None = None) -> str:
+    """A `curl` that asks the endpoint for a short completion (the API key, when the playbook has one, from the
+    same local environment variable the playbook names: it never appears in the line)."""
+    import json
+    import shlex
+
+    body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 16})
+    auth = f' -H "Authorization: Bearer ${api_key_env}"' if api_key_env else ""
+    return f"curl -s {url}/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}"
+
+
+def playbook_endpoints(inv, pb) -> list[dict]:
+    """One row per target of the playbook: where, the endpoint (see endpoint()), the served model and a curl line;
+    for a playbook with router: one row, the router's (role "router"; clients use the replicas' key through it)."""
+    rows = []
+    if pb.data.get("router"):
+        from . import router as R
+
+        r = R.spec(pb)
+        host = inv.hosts.get(r["host"])
+        ep = R.url(inv, pb)
+        first = pb.member(f"{pb.targets[0]['host']}/{pb.targets[0]['vmid']}") if pb.is_fleet else pb
+        model, key = first.serve["served_model_name"], first.serve.get("api_key_env")
+        return [{"where": R.where(pb), "host": r["host"], "vmid": r["vmid"], "role": "router", **ep,
+                 "model": model, "api_key_env": key,
+                 "curl": curl_line(ep["url"], model, key) if ep.get("url") else None}] if host is not None or ep else []
+    for t in pb.targets:
+        member = pb.member(f"{t['host']}/{t['vmid']}") if pb.is_fleet else pb
+        host = inv.hosts.get(t["host"])
+        ep = endpoint(host, host.container(t["vmid"]), member.serve["port"]) if host is not None else \
+            {"url": None, "port": member.serve["port"], "tunnel": None, "routable": None, "local_url": None,
+             "note": f"host {t['host']} is not in the inventory"}
+        model = member.serve["served_model_name"]
+        key = member.serve.get("api_key_env")
+        rows.append({"where": f"{t['host']}/{t['vmid']}", "host": t["host"], "vmid": t["vmid"], "role": "replica", **ep,
+                     "model": model, "api_key_env": key,
+                     "curl": curl_line(ep["url"], model, key) if ep.get("url") else None})
+    return rows
+
+
+class Tunnel:
+    """Local port forwarding over an open paramiko transport (the host's one SSH connection): every connection
+    to 127.0.0.1:local_port becomes a `direct-tcpip` channel to remote=(address, port), opened by the host's sshd
+    (what `ssh -L` does). start() binds (port 0: any free one) and serves in a thread; close() stops it."""
+
+    def __init__(self, transport, remote: tuple[str, int], local_port: int = 0, bind: str = "127.0.0.1",
+                 on_event=None):
+        self.transport, self.remote, self.bind = transport, remote, bind
+        self.local_port = local_port
+        self.on_event = on_event or (lambda *_: None)
+        self.connections = 0
+        self.errors: list[str] = []
+        self._sock = None
+        self._stop = False
+
+    def start(self) -> int:
+        import socket
+        import threading
+
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self.bind, self.local_port))
+        s.listen(64)
+        s.settimeout(0.5)  # the accept loop notices close() within that
+        self._sock = s
+        self.local_port = s.getsockname()[1]
+        threading.Thread(target=self._accept_loop, name="tunnel-accept", daemon=True).start()
+        return self.local_port
+
+    def _accept_loop(self):
+        import socket
+        import threading
+
+        while not self._stop:
+            try:
+                client, peer = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client, peer), name="tunnel-conn", daemon=True).start()
+
+    def _serve(self, client, peer):
+        import select
+
+        try:
+            chan = self.transport.open_channel("direct-tcpip", self.remote, peer, timeout=15)
+        except Exception as e:  # noqa: BLE001 - said, and the client sees its connection closed
+            msg = f"the host could not connect to {self.remote[0]}:{self.remote[1]}: {e}"
+            self.errors.append(msg)
+            self.on_event("error", msg)
+            client.close()
+            return
+        self.connections += 1
+        self.on_event("open", peer)
+        try:
+            while not self._stop:
+                r, _, _ = select.select([client, chan], [], [], 1.0)
+                if client in r:
+                    data = client.recv(65536)
+                    if not data:
+                        break
+                    chan.sendall(data)
+                if chan in r:
+                    data = chan.recv(65536)
+                    if not data:
+                        break
+                    client.sendall(data)
+                if not self.transport.is_active():
+                    break
+        except OSError:
+            pass
+        finally:
+            chan.close()
+            client.close()
+
+    def close(self):
+        self._stop = True
+        if self._sock is not None:
+            self._sock.close()

@@ -12,6 +12,7 @@ import threading
 import time
 
 from . import ops
+from . import router as R
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, Unreachable
 from .remote import Fleet
 from .report import Progress
@@ -107,7 +108,22 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, par
     t0 = time.monotonic()
     opts = ops.Options(**{**opts.__dict__, "confirm": None})  # no prompt from several threads: -y replaces
     outs = run_each(pb.members, lambda m: ops.up(fleet, m, progress, opts, restart=restart), parallel)
-    return result(pb, "restart" if restart else "up", outs, t0, parallel=parallel)
+    res = result(pb, "restart" if restart else "up", outs, t0, parallel=parallel)
+    if R.spec(pb):
+        _router_up(fleet, pb, progress, res)
+    return res
+
+
+def _router_up(fleet: Fleet, pb: Playbook, progress: Progress, res: dict) -> None:
+    """The router in front of the replicas that passed; its failure fails the whole (the replicas keep serving)."""
+    passed = [m for m, o in zip(pb.members, res["_outcomes"]) if o is not None and o.ok]
+    rr = R.up(fleet, pb, progress, passed)
+    if rr.get("ok"):
+        ep = R.url(fleet.inventory, pb)
+        rr["url"] = ep.get("url")
+        rr["endpoint"] = ep
+    res["router"] = rr
+    res["ok"] = res["ok"] and rr["ok"]
 
 
 def rolling_restart(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, *,
@@ -120,6 +136,14 @@ def rolling_restart(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Op
     opts = ops.Options(**{**opts.__dict__, "yes": True, "confirm": None})
     members = pb.members
     outs: list = [None] * len(members)
+    drains = None
+    if R.spec(pb):
+        rv = R.view(fleet, pb)
+        if rv.get("running"):
+            drains = {}
+        else:
+            progress.say(R.where(pb), f"router: {rv.get('state')}: the replicas restart without a drain "
+                                      f"(deploy up {pb.name} starts the router)")
     for start in range(0, len(members), max_unavailable):
         batch = members[start:start + max_unavailable]
         if start:
@@ -128,26 +152,71 @@ def rolling_restart(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Op
         else:
             progress.say(pb.name, f"rolling restart of {len(members)} target(s), {max_unavailable} at a time: "
                                   f"first {', '.join(where_of(m) for m in batch)}")
-        for i, o in enumerate(run_each(batch, lambda m: ops.up(fleet, m, progress, opts, restart=True),
+        for i, o in enumerate(run_each(batch, lambda m: _rolled(fleet, pb, progress, opts, m, drains),
                                        len(batch)), start):
             outs[i] = o
         if not all(o.ok for o in outs[start:start + len(batch)]):
             break
     res = result(pb, "rolling restart", outs, t0, max_unavailable=max_unavailable)
+    if drains is not None:
+        res["router"] = {"where": R.where(pb), "ok": all(d.get("ok") for d in drains.values()),
+                         "mechanism": "vllm-router POST /remove_worker, then /add_worker after the gates",
+                         "drains": drains}
+        res["ok"] = res["ok"] and res["router"]["ok"]
     res["rollout"] = {"new": [where_of(m) for m, o in zip(members, outs) if o is not None and o.ok],
                       "failed": [where_of(m) for m, o in zip(members, outs) if o is not None and not o.ok],
                       "old": [where_of(m) for m, o in zip(members, outs) if o is None]}
     return res
 
 
+def _rolled(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, m: Playbook, drains) -> ops.Outcome:
+    """One target of a rolling restart; with a running router: drained from it first, added back once it passed
+    its gates (a target that failed stays out of the router)."""
+    w = where_of(m)
+    if drains is None:
+        return ops.up(fleet, m, progress, opts, restart=True)
+    try:
+        d = R.drain(fleet, pb, progress, m)
+    except DeployError as e:
+        d = {"ok": False, "message": e.message}
+    drains[w] = d
+    if not d.get("ok"):
+        progress.say(R.where(pb), f"router: could not remove {w} ({d.get('message')}): restarting it anyway")
+    o = ops.up(fleet, m, progress, opts, restart=True)
+    if o.ok:
+        try:
+            a = R.add_back(fleet, pb, progress, m)
+        except DeployError as e:
+            a = {"ok": False, "message": e.message}
+        d["added_back"] = a.get("ok")
+        if not a.get("ok"):
+            d["ok"] = False
+            d["message"] = a.get("message")
+            progress.say(R.where(pb), f"router: could not add {w} back: {a.get('message')}")
+    return o
+
+
 def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, only: str | None = None,
          parallel: int | None = None) -> dict:
     """Every target down (or only HOST/VMID), in parallel (parallel=1: one at a time, e.g. when each asks before
-    killing GPU holders)."""
+    killing GPU holders). With a router: all targets -> the router is stopped first; one target -> it is removed
+    from the router first."""
     t0 = time.monotonic()
     members = [pb.member(only)] if only else pb.members
+    rr = None
+    if R.spec(pb):
+        if only:
+            try:
+                rr = R.drain(fleet, pb, progress, members[0])
+            except DeployError as e:
+                rr = {"ok": False, "message": e.message}
+        else:
+            rr = R.down(fleet, pb, progress)
     outs = run_each(members, lambda m: ops.down(fleet, m, progress, opts), parallel)
-    return result(pb, "down", outs, t0, members=members)
+    res = result(pb, "down", outs, t0, members=members)
+    if rr is not None:
+        res["router"] = rr
+    return res
 
 
 def result(pb: Playbook, action: str, outs: list, t0: float, members: list | None = None, **extra) -> dict:
@@ -181,7 +250,37 @@ def exit_code(res: dict) -> int:
 
 
 def as_json(res: dict) -> dict:
-    return {k: v for k, v in res.items() if not k.startswith("_")}
+    out = {k: v for k, v in res.items() if not k.startswith("_")}
+    if isinstance(out.get("router"), dict):
+        out["router"] = {k: (v.message if isinstance(v, DeployError) else v) for k, v in out["router"].items()}
+    return out
+
+
+def router_lines(res: dict) -> list[str]:
+    rr = res.get("router")
+    if not rr:
+        return []
+    w = rr.get("where", "router")
+    if res["action"] == "down":
+        return [f"router {w}: " + ("stopped" if rr.get("stopped") else "removed from it first" if rr.get("url") else
+                                   "nothing was running" if rr.get("ok") else f"NOT stopped: {rr.get('message')}")]
+    if res["action"] == "rolling restart":
+        d = rr.get("drains") or {}
+        if not rr.get("ok"):
+            bad = [f"{k}: {v.get('message')}" for k, v in d.items() if not v.get("ok")]
+            return [f"router {w}: drained each target first; FAILED for " + "; ".join(bad)]
+        return [f"router {w}: each target was removed from the router before its restart and added back after its "
+                f"gates ({len(d)} drained)"]
+    if rr.get("ok"):
+        g = rr.get("gate") or {}
+        per = g.get("per_replica") or {}
+        spread = "/".join(str((per.get(u) or {}).get("requests")) for u in rr.get("workers") or [])
+        return [f"router {w}: {'already up' if rr.get('status') == 'already up' else 'up'} at "
+                f"{rr.get('url') or 'port %s (address unknown)' % rr.get('port')}, policy {rr.get('policy')}, "
+                f"{len(rr.get('workers') or [])} replica(s); gate: {g.get('succeeded')} completions through it, "
+                f"spread {spread}"]
+    return [f"router {w}: FAILED: {rr.get('message')}",
+            "  the replicas that passed keep serving on their own addresses (deploy status shows them)"]
 
 
 def summary_line(row: dict, outcome) -> str:
@@ -222,6 +321,7 @@ def render(res: dict) -> list[str]:
     if res["failed"]:
         total += f"; FAILED: {', '.join(res['failed'])}"
     lines.append(total + f" ({res['seconds']}s)")
+    lines += router_lines(res)
     ro = res.get("rollout")
     if ro is not None and not res["ok"]:
         lines.append("rolling restart stopped at " + ", ".join(ro["failed"]) + ":")

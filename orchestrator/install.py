@@ -53,6 +53,26 @@ def requirement(spec: str) -> dict:
     return {"req": spec, "label": label, "version": None, "kind": "wheel-file"}
 
 
+STALE_BRANCHES = {"40898": ("PR #40898 (DFlash sliding-window support) was never merged: its goals landed in "
+                             "releases through other PRs (#43445 causal DFlash, #46104 SWA + DFlash, #47914 hybrid "
+                             "sliding/full drafters on Model Runner V2), so its branch is stale; vLLM 0.34.0 serves "
+                             "this drafter: set requires.vllm: \"0.34.0\"")}
+
+
+def stale_source_warning(spec: str) -> str | None:
+    """A requires.vllm that builds a stale PR branch (the drafter's model card still names #40898): why, and the
+    release to use instead. None for anything else."""
+    import re as _re
+
+    if not spec.startswith("git+"):
+        return None
+    ref = spec.rsplit("@", 1)[-1] if "@" in spec.split("://", 1)[-1] else ""
+    for pr, why in STALE_BRANCHES.items():
+        if _re.search(rf"(^|[/_-])(pull/)?{pr}($|[/_-]|/head)", ref) or f"pull/{pr}" in spec:
+            return f"{spec}: {why}"
+    return None
+
+
 def check_args(pb: Playbook, version: str | None) -> dict:
     req = pb.data["requires"]
     return {"version": version, "method": pb.spec["method"], "vllm_min_version": req.get("vllm_min_version"),
@@ -130,6 +150,9 @@ def install(fleet: Fleet, pb: Playbook, progress: Progress, *, yes: bool = False
         if rollback:
             return _rollback(ctx, run, pb, out, serving, yes, confirm)
         want = requirement(pb.data["requires"]["vllm"])
+        stale = stale_source_warning(pb.data["requires"]["vllm"])
+        if stale:
+            ctx.record("requires", None, "warning: " + stale, time.monotonic())
         final = ist.get("status") in ("ok", "failed", "timeout", "killed")
         if ist.get("status") == "running":
             progress.say(ctx.where, f"an install is in progress (started {_ago(ist)} ago, pid {ist.get('pid')}, "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from . import plan as P
 from .errors import (DeployError, Interrupted, LockHeld, StepFailed, Unreachable,  # noqa: F401 (LockHeld: re-exported)
                      UsageError)
+from .gate import gate_figures
 from .agent.protocol import CurrentResult, GpusFreeResult, ReadyResult, StopResult, VerifyResult, WriteFileResult
 from .facts import parse_pct_status
 from .remote import Fleet
@@ -34,6 +35,7 @@ class Options:
     interactive: bool = False
     confirm: object = None  # callable(prompt) -> bool, for the diff-before-restart question
     yes_kill: bool | None = None  # kill GPU holders deploy did not start without asking (-y); None: as `yes`
+    fetch: bool = True  # step fetch may download what is missing (up --no-fetch: refuse instead)
 
     @property
     def kill_confirmed(self) -> bool:
@@ -280,7 +282,11 @@ def execute(run: Run, steps: list[P.Step]) -> Outcome:
     st.can_fall_back = bool(phase("on-low-acceptance"))
     try:
         try:
-            for step in phase("main") + (phase("on-low-acceptance")):
+            for step in phase("main"):
+                if st.finished or st.ungated:
+                    break
+                _run_step(run, step)
+            for step in phase("gate-running") + phase("on-low-acceptance"):
                 if st.finished:
                     break
                 _run_step(run, step)
@@ -368,10 +374,24 @@ def r_current(run: Run, step: P.Step) -> None:
     diffs = diff_running(cur, pb) if running else []
     healthy = running and cur.health == 200 and pb.serve["served_model_name"] in (cur.models or [])
     if running and not diffs and healthy and not st.restart:
-        ctx.record("current", True, f"already up: pid {s.get('pid')}, same argv and drafter sha256, healthy", t0)
-        run.out.ok, run.out.status = True, "already up"
-        run.out.info = {**_ep(url(pb, run.fleet.inventory)), "pid": s.get("pid")}
-        st.finished = "already up"
+        g = cur.gate or {}
+        v = g.get("verdict") or {}
+        if g.get("for_current_launch") and v.get("passed"):
+            ctx.record("current", True, f"already up: pid {s.get('pid')}, same argv and drafter sha256, healthy; "
+                                        f"passed the acceptance gate at {_when(g.get('at'))} "
+                                        f"({gate_figures(v)})", t0, gate=g)
+            run.out.ok, run.out.status = True, "already up"
+            run.out.info = {**_ep(url(pb, run.fleet.inventory)), "pid": s.get("pid"), "gate": g}
+            st.finished = "already up"
+            return
+        # the same deployment serves, but its launch never passed the gate (an up interrupted before the gate, a
+        # killed deploy, an older deploy): it is not "already up" until it is measured; this run owns it now
+        why = (f"it failed the gate at {_when(g.get('at'))}: {v.get('reason')}" if g.get("for_current_launch")
+               else f"no gate verdict for this launch (started {_when(s.get('started_at'))}): an up interrupted "
+                    "before the gate?")
+        ctx.record("current", True, f"runs healthy with the same argv and drafter sha256 (pid {s.get('pid')}), but "
+                                    f"{why}; measuring and gating it now", t0, gate=g or None)
+        st.ungated = st.launched = True
         return
     if running and diffs and not st.restart:
         ctx.record("current", True, f"running {s.get('playbook')} (pid {s.get('pid')}) differs:", t0, diffs=diffs)
@@ -389,6 +409,12 @@ def r_current(run: Run, step: P.Step) -> None:
                    (f" ({len(cur.vllm_processes)} vLLM process(es) not started by deploy seen: "
                     "left alone; if they hold the GPUs, --clean-gpus frees them)"
                     if cur.vllm_processes else ""), t0)
+
+
+def r_fetch(run: Run, step: P.Step) -> None:
+    from . import fetch as F
+
+    F.run(run.ctx, run.ctx.pb, allow_start=run.opts.fetch)
 
 
 def r_write_config(run: Run, step: P.Step) -> None:
@@ -440,8 +466,10 @@ def r_drift(run: Run, step: P.Step) -> None:
 def r_acceptance(run: Run, step: P.Step) -> None:
     ctx, pb = run.ctx, run.ctx.pb
     m, low = V.acceptance(ctx, step)
+    run.st.verdict = m["verdict"].as_dict()
     run.out.info = {**_ep(url(pb, run.fleet.inventory)), "model": pb.serve["served_model_name"],
-                    "method": pb.spec["method"], "acceptance": m["acceptance"].as_dict(),
+                    "method": pb.spec["method"], "acceptance": m["acceptance"].as_dict(), "gate": run.st.verdict,
+                    **({"gated_running": True} if run.st.ungated else {}),
                     "supervisor": (run.launch_result.supervisor if run.launch_result else None) or "none",
                     "unit": run.launch_result.unit if run.launch_result else None,
                     "phases_s": {r.step: round(r.seconds, 2) for r in ctx.results},
@@ -453,8 +481,54 @@ def r_acceptance(run: Run, step: P.Step) -> None:
         run.st.low = low  # the on-low-acceptance phase runs next
         return
     raise StepFailed("acceptance", low + ". A deployment with bad acceptance is a failed deployment.",
-                     where=ctx.where, fix="likeliest causes: " + "; ".join(V.LOW_ACCEPTANCE_CAUSES) +
+                     where=ctx.where, fix=low_fix(m["verdict"], pb.name) +
                      ("; or set acceptance.on_low_acceptance: fallback" if not pb.fallback else ""))
+
+
+def low_fix(verdict, playbook: str) -> str:
+    """What to do about a failed gate: the cause its shape names first, then the usual suspects."""
+    if verdict.too_few and len(verdict.reasons) == 1:
+        return (f"let the probe produce more output: raise acceptance.probe.max_tokens or max_rounds (or lower "
+                "acceptance.min_drafts); deploy logs {playbook} shows whether the requests produced tokens")
+    first = []
+    if verdict.cliff_at is not None:
+        first.append("a cliff: check use_sliding_window/sliding_window with deploy verify, and the vLLM version (>= "
+                     "0.26, V2 model runner)")
+    return "likeliest causes: " + "; ".join(first + V.LOW_ACCEPTANCE_CAUSES)
+
+
+def r_gate_record(run: Run, step: P.Step) -> None:
+    """Record the verdict with its launch (gate.json; rejected.json when a fallback follows). A failure to record
+    is a warning: without a record the next up measures and gates again, which is safe."""
+    ctx, pb, st = run.ctx, run.ctx.pb, run.st
+    t0 = time.monotonic()
+    verdict = dict(st.verdict or {}, rejected_fallback=pb.fallback.name if st.low and pb.fallback else None)
+    try:
+        r = ctx.call(dataclasses.replace(step, args=dict(step.args, verdict=verdict)))
+    except DeployError as e:
+        ctx.record(step.name, None, f"warning: could not record the gate's verdict ({e.message}); the next deploy up "
+                                    "measures and gates again", t0)
+        return
+    if not r.ok:
+        ctx.record(step.name, None, f"warning: could not record the gate's verdict ({r.message}); the next "
+                                    "deploy up measures and gates again", t0)
+        return
+    what = "passed" if verdict.get("passed") else "failed"
+    ctx.record(step.name, True, f"verdict recorded ({what}) for this launch in {step.args['state_dir']}/gate.json"
+               + (f"; the rejection of {pb.name} is kept for deploy status beside {verdict['rejected_fallback']}"
+                  if verdict.get("rejected_fallback") else ""), t0)
+
+
+def low_fix_of(verdict: dict | None, playbook: str) -> str:
+    from .gate import Verdict
+
+    v = verdict or {}
+    return low_fix(Verdict(False, reasons=v.get("reasons") or [], cliff_at=v.get("cliff_at"),
+                           too_few=bool(v.get("too_few_drafts"))), playbook)
+
+
+def _when(t) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "an unknown time"
 
 
 def r_stop_low(run: Run, step: P.Step) -> None:
@@ -463,8 +537,7 @@ def r_stop_low(run: Run, step: P.Step) -> None:
     G.stop(ctx, step)
     run.st.launched = False
     run.out.status = "fell back"
-    run.out.error = StepFailed("acceptance", run.st.low, where=ctx.where, fix="likeliest causes: " +
-                               "; ".join(V.LOW_ACCEPTANCE_CAUSES))
+    run.out.error = StepFailed("acceptance", run.st.low, where=ctx.where, fix=low_fix_of(run.st.verdict, pb.name))
 
 
 def r_fallback(run: Run, step: P.Step) -> None:
@@ -533,10 +606,11 @@ def r_clear_failure(run: Run, step: P.Step) -> None:
         pass
 
 
-RUNNERS = {"container": r_container, "lock": r_lock, "current": r_current, "drafter-config": r_write_config,
+RUNNERS = {"container": r_container, "lock": r_lock, "current": r_current, "fetch": r_fetch,
+           "drafter-config": r_write_config,
            "verify": r_verify, "stop": r_stop, "gpus-free": r_gpus_free, "port-free": r_port, "launch": r_launch,
            "wait-ready": r_wait, "aux-layers": r_aux_layers, "drift": r_drift, "acceptance": r_acceptance,
-           "stop-low": r_stop_low, "fallback": r_fallback, "stop-failed": r_stop_failed,
+           "gate-record": r_gate_record, "stop-low": r_stop_low, "fallback": r_fallback, "stop-failed": r_stop_failed,
            "drift-check": r_drift_check, "read-back": r_read_back, "note-failure": r_note_failure,
            "clear-failure": r_clear_failure, "holders": r_holders, "unlock": r_unlock}
 
@@ -652,6 +726,12 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
     step = P.step_verify(pb)
     try:
         r = D.verify(ctx, step, record=False)
+        from .spec import fetch_items
+
+        if fetch_items(pb):  # weights fetched by deploy fetch: the revision in place (from its record)
+            from . import fetch as F
+
+            out.info["revisions"] = F.records(ctx, pb)
         out.ok = not r.failed
         out.status = "verified" if out.ok else "failed"
         if not out.ok:

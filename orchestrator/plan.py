@@ -43,6 +43,8 @@ class RunState:
     can_fall_back: bool = False  # the plan has an on-low-acceptance phase
     changed: list = field(default_factory=list)
     finished: str | None = None  # set by a runner that ends the main phase early ("already up")
+    ungated: bool = False  # the same deployment runs healthy without a passed verdict: gate it (gate-running phase)
+    verdict: dict | None = None  # the gate's verdict (gate.Verdict.as_dict()), for the gate-record step
 
 
 def something_to_stop(st: RunState) -> bool:
@@ -77,6 +79,11 @@ def low_acceptance(st: RunState) -> bool:
     return st.low is not None
 
 
+def ungated(st: RunState) -> bool:
+    """the same deployment runs healthy, but its launch has no passed gate verdict"""
+    return st.ungated
+
+
 def lock_held(st: RunState) -> bool:
     """this run holds the container lock"""
     return st.locked
@@ -86,8 +93,10 @@ def describe_when(fn) -> str | None:
     return (fn.__doc__ or fn.__name__).strip().splitlines()[0] if fn else None
 
 
-PHASES = ("main", "on-low-acceptance", "on-failure", "finally")
-PHASE_TITLES = {"on-low-acceptance": "On low acceptance (acceptance.on_low_acceptance: fallback)",
+PHASES = ("main", "gate-running", "on-low-acceptance", "on-failure", "finally")
+PHASE_TITLES = {"gate-running": "If the same deployment already runs healthy but its launch never passed the gate "
+                                "(measure and gate it now)",
+                "on-low-acceptance": "On low acceptance (acceptance.on_low_acceptance: fallback)",
                 "on-failure": "If a step above fails", "finally": "At the end, whatever happened"}
 
 
@@ -224,11 +233,12 @@ def state_record(pb: Playbook) -> dict:
 def verify_args(pb: Playbook) -> dict:
     d = pb.drafter
     return {"path": d.get("path") or hub_drafter_dir(pb), "hub_id": d.get("hub_id"), "hf_home": d.get("hf_home"),
+            **({"revision": d["revision"]} if d.get("revision") else {}),
             "sha256": d["sha256"], "target_path": pb.data["model"]["path"],
             "num_speculative_tokens": pb.spec["num_speculative_tokens"], "method": pb.spec["method"],
             "vllm_min_version": pb.data["requires"].get("vllm_min_version"),
             "fixes": pb.data["requires"].get("fixes") or [],
-            "trust_remote_code": bool(pb.serve.get("trust_remote_code"))}
+            "trust_remote_code": bool(pb.serve.get("trust_remote_code")), **launch_check_args(pb)}
 
 
 def _common(pb: Playbook):
@@ -272,8 +282,9 @@ def lease_for(steps: list[Step]) -> float:
 
 def step_current(pb):
     port = pb.serve["port"]
-    return Step("current", "read what runs there now (state file, health); if this same playbook already runs "
-                           "healthy, stop here: already up", action="status",
+    return Step("current", "read what runs there now (state file, health, gate verdict); if this same playbook "
+                           "already runs healthy and its launch passed the gate, stop here: already up (without a "
+                           "passed verdict: gate it now)", action="status",
                 args={"state_dir": pb.runtime["state_dir"],
                       "nvidia_smi_timeout_s": pb.data["gpu"]["nvidia_smi_timeout_s"]},
                 timeout=pb.data["gpu"]["nvidia_smi_timeout_s"] + 20,
@@ -293,7 +304,8 @@ def step_write_config(pb):
                                       f"+ links to the other files of the hub snapshot of {d['hub_id']} "
                                       f"(the hub cache is only read)", action="hub_drafter",
                     args={"path": path, "dir": hub_drafter_dir(pb), "hub_id": d["hub_id"], "hf_home": d["hf_home"],
-                          "sha256": d["sha256"]}, timeout=30,
+                          "sha256": d["sha256"], **({"revision": d["revision"]} if d.get("revision") else {})},
+                    timeout=30,
                     payload=f"{os.path.basename(d['pinned_config'])} ({len(pb.drafter_bytes)} bytes, "
                             f"sha256 {d['sha256'][:12]}...)",
                     runs=[f"mkdir -m 0700 {hub_drafter_dir(pb)}.NEW; write config.json (the pinned bytes, sha256 "
@@ -317,7 +329,8 @@ def step_verify(pb):
     if not pb.drafter:
         return Step("verify", "verify the serving stack (vLLM version, complete build, import)", action="verify",
                     args={"stack_only": True, "method": pb.spec["method"],
-                          "vllm_min_version": pb.data["requires"].get("vllm_min_version")}, timeout=180,
+                          "vllm_min_version": pb.data["requires"].get("vllm_min_version"), **launch_check_args(pb)},
+                    timeout=180,
                     runs=_stack_runs(pb), **_common(pb))
     path = drafter_config_path(pb)
     return Step("verify", "verify the drafter config vLLM will read: bytes, fields, as loaded, serving stack",
@@ -333,7 +346,20 @@ def step_verify(pb):
 def _stack_runs(pb) -> list[str]:
     py = pb.runtime["python"]
     return [f"{py} -c 'import vllm; print(vllm.__version__)'; grep the fix markers in vllm's sources",
-            f"{py} -c 'import vllm._C'   # compiled extensions, in a subprocess"]
+            f"{py} -c 'import vllm._C'   # compiled extensions, in a subprocess",
+            "parse vllm/config/speculative.py (Python's ast, vllm not imported): the fields of SpeculativeConfig; "
+            f"every key of --speculative-config ({', '.join(spec_config(pb))}) must be one of them"]
+
+
+SPEC_SHORTCUT_FLAGS = ("--spec-method", "--spec-model", "--spec-tokens")
+
+
+def launch_check_args(pb) -> dict:
+    """What the verify step checks the launch against, in the container's own vLLM: the keys of the
+    --speculative-config JSON, the shortcut flags in serve.extra_args that clash with it, the model runner."""
+    flags = [a.split("=", 1)[0] for a in pb.serve["extra_args"] if a.split("=", 1)[0] in SPEC_SHORTCUT_FLAGS]
+    return {"spec_keys": sorted(spec_config(pb)), "spec_flags": flags,
+            "v2_runner_off": pb.serve["env"].get("VLLM_USE_V2_MODEL_RUNNER") == "0"}
 
 
 def step_stop(pb, clean_gpus, when=something_to_stop, only_this_playbook=False, name="stop", phase="main"):
@@ -454,21 +480,39 @@ def step_drift(pb, name="drift", title="re-read the drafter config's sha256 now 
                 runs=[f"sha256sum {drafter_config_path(pb)}"], when=when, phase=phase, **_common(pb))
 
 
-def step_acceptance(pb):
+def step_acceptance(pb, when=None, phase="main"):
+    from .gate import thresholds
+
     acc = pb.data["acceptance"]
     p = acc["probe"]
-    return Step("acceptance", f"measure draft acceptance: scrape /metrics, {len(p['prompts']) * p['rounds']} probe "
-                              f"requests, scrape again; gate at {acc['min_draft_acceptance']:.0%}",
+    th = thresholds(acc, pb.spec["num_speculative_tokens"])
+    n = len(p["prompts"]) * p["rounds"]
+    return Step("acceptance", f"measure acceptance: scrape /metrics, {n} probe requests ({p.get('prompts_source') or 'playbook'}"
+                              f"), scrape again; gate: {th.describe()}",
                 action="acceptance", args={"port": pb.serve["port"], "prompts": p["prompts"], "rounds": p["rounds"],
-                                      "max_tokens": p["max_tokens"], "timeout_s": p["timeout_s"],
-                                      "model": pb.serve["served_model_name"], "log_path": state_paths(pb)["log_path"],
-                                      "state_dir": pb.runtime["state_dir"]},
-                timeout=p["timeout_s"] + 30,
+                                           "max_rounds": p["max_rounds"], "min_drafts": th.min_drafts,
+                                           "max_tokens": p["max_tokens"], "timeout_s": p["timeout_s"],
+                                           "model": pb.serve["served_model_name"],
+                                           "log_path": state_paths(pb)["log_path"],
+                                           "state_dir": pb.runtime["state_dir"]},
+                timeout=p["timeout_s"] + 30, when=when, phase=phase,
                 runs=[f"curl http://127.0.0.1:{pb.serve['port']}/metrics   # spec-decode counters before",
-                      f"{len(p['prompts']) * p['rounds']} x POST /v1/completions (max_tokens {p['max_tokens']})",
-                      "curl /metrics again; acceptance = delta(accepted) / delta(draft) tokens (else the "
-                      "SpecDecoding log line)"],
+                      f"{n} x POST /v1/completions (max_tokens {p['max_tokens']}); more rounds (up to "
+                      f"{p['max_rounds']}) while fewer than {th.min_drafts} drafts, within {p['timeout_s']:g} s",
+                      "curl /metrics again; AL = 1 + delta(accepted) / delta(drafts), rate = delta(accepted) / "
+                      "delta(draft tokens), per position = delta(per_pos[p]) / delta(drafts) (else the SpecDecoding "
+                      "log line)"],
                 **_common(pb))
+
+
+def step_gate_record(pb, when=None, phase="main"):
+    """The verdict itself is known only at run time: ops fills in args["verdict"]."""
+    return Step("gate-record", "record the gate's verdict and figures with the launch it belongs to (deploy up "
+                               "never says `already up` for a launch without a passed verdict; deploy status shows it)",
+                action="gate_record", args={"state_dir": pb.runtime["state_dir"], "playbook": pb.name, "verdict": {}},
+                timeout=20, when=when, phase=phase,
+                runs=[f"write {_state(pb, 'gate.json')} (verdict, figures, the launch id of state.json); on a "
+                      f"rejection with a fallback also {_state(pb, 'rejected.json')}"], **_common(pb))
 
 
 def step_note_failure(pb):
@@ -488,6 +532,12 @@ def step_unlock(pb):
 def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, restart: bool = False) -> list[Step]:
     """current .. acceptance: what brings one playbook up once the container is known and locked."""
     steps = [step_current(pb)]
+    from .spec import fetch_items
+
+    if fetch_items(pb):  # weights from the hub or a host directory: fetched (verified) before anything else
+        from .fetch import step_fetch
+
+        steps.append(step_fetch(pb))
     if pb.drafter and write_config and drafter_config_path(pb):
         steps.append(step_write_config(pb))
     steps.append(step_verify(pb))
@@ -497,8 +547,15 @@ def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, 
         steps.append(step_aux_layers(pb))
     if drafter_config_path(pb):
         steps.append(step_drift(pb))
-    steps.append(step_acceptance(pb))
+    steps += [step_acceptance(pb), step_gate_record(pb)]
     return steps
+
+
+def gate_running_steps(pb: Playbook) -> list[Step]:
+    """The same deployment already runs healthy but has no passed verdict for its launch (an up interrupted before
+    the gate, a crash of deploy, an older deploy): measure and gate it now, and act on the verdict."""
+    return [step_acceptance(pb, when=ungated, phase="gate-running"),
+            step_gate_record(pb, when=ungated, phase="gate-running")]
 
 
 def failure_steps(pb: Playbook) -> list[Step]:
@@ -530,14 +587,14 @@ def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None 
     low = []
     if fb is not None:
         # never fuser here: the operator asked for a deployment, not for killing GPU holders
-        sub = main_steps(fb, write_config=write_config, clean=False) + failure_steps(fb)
+        sub = main_steps(fb, write_config=write_config, clean=False) + gate_running_steps(fb) + failure_steps(fb)
         low = [step_stop(pb, False, when=low_acceptance, name="stop-low", phase="on-low-acceptance"),
                Step("fallback", f"bring up {fb.name} under the same lock (its steps below; its own failure steps "
                                 f"run if one fails)", host=pb.host, vmid=pb.vmid, playbook=pb.name, local=True,
                     when=low_acceptance, phase="on-low-acceptance", sub=sub, timeout=lease_for(sub),
                     runs=[f"the steps of {fb.name}, listed below"])]
     # everything between lock and unlock runs under the lock: the fallback's own steps and the clean-up included
-    guarded = steps + low + failure_steps(pb)
+    guarded = steps + gate_running_steps(pb) + low + failure_steps(pb)
     return ([step_container(pb), step_lock(pb, "restart" if restart else "up", lease_for(guarded))] + guarded
             + [step_unlock(pb)])
 

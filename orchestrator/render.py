@@ -14,15 +14,47 @@ def render_plans(as_json, inv, pb, plan_of):
 
     if not pb.is_fleet:
         return render_plan(as_json, inv, pb, plan_of(pb))
+    rplan = _router_plan(inv, pb)
     if as_json:
         dump_json({"playbook": pb.name, "targets": [render_plan(as_json, inv, m, plan_of(m), emit=False)
-                                                    for m in pb.members]})
+                                                    for m in pb.members], **({"router": rplan} if rplan else {})})
         return
     click.echo(f"{pb.name} has {len(pb.members)} targets; deploy up brings them up in parallel, each with the steps "
                "below (one SSH connection per host, shared by its targets).")
     for m in pb.members:
         click.echo("")
         render_plan(as_json, inv, m, plan_of(m))
+    if rplan:
+        click.echo(f"\nThen the router in {rplan['where']} (agent action `router`, {rplan['python']}), with the targets "
+                   "that passed their gates:")
+        for i, st in enumerate(rplan["steps"], 1):
+            click.echo(f"  {i}. {st}")
+
+
+def _router_plan(inv, pb):
+    """What up does for `router:` after the targets (docs/cli.md#the-router), with the router's exact arguments."""
+    from . import router as R
+    from .errors import DeployError as _DE
+    from .remote import shell_join
+
+    r = R.spec(pb)
+    if not r:
+        return None
+    try:
+        workers = [R.replica_url(inv, pb, m) for m in pb.members]
+    except _DE as e:
+        workers = [f"<{e.message}>"]
+    base = R._base(pb)
+    args = R.router_argv_args(pb, workers)
+    return {"where": R.where(pb), "python": r["python"], "venv": base["venv"], "argv_args": args, "steps": [
+        f"install: {r['python']} -m venv {base['venv']}; pip install vllm-router=={r['version']} (skipped when "
+        "installed and intact); check every file against its RECORD, the version, import vllm_router_rs",
+        f"start (unit vllm-router-{pb.name}.service where systemd runs, else detached): {base['venv']}/bin/python "
+        f"-c LAUNCHER {shell_join(args)}" + (" (env VPD_ROUTER_KEY_CHECK_URLS: each replica's /v1/models)"
+                                             if pb.serve.get("api_key_env") else ""),
+        "wait (60 s) until GET /workers shows every replica healthy",
+        f"gate: {r['gate_requests_per_replica'] * len(pb.members)} completions through it; each replica's "
+        "vllm:request_success_total must grow"]}
 
 
 def render_plan(as_json, inv, pb, steps, emit=True):
@@ -115,7 +147,12 @@ def render_outcome(out, indent=""):
         elif out.status == "up":
             a = i["acceptance"]
             e(f"{indent}{out.playbook} is up on {out.where}: {_where_it_answers(i)}  model {i['model']}  method {i['method']}")
-            e(f"{indent}  draft acceptance {a['draft_acceptance_rate']:.1%}, mean acceptance length "
+            g = i.get("gate") or {}
+            e(f"{indent}  acceptance gate passed: AL {a['mean_acceptance_length']:.2f}, draft acceptance "
+              f"{a['draft_acceptance_rate']:.1%} over {a['drafts']:g} drafts ({a['source']})"
+              + (" on the server that was already running" if i.get("gated_running") else "")
+              + f"; total {i['total_s']}s" if g.get("passed") else
+              f"{indent}  draft acceptance {a['draft_acceptance_rate']:.1%}, mean acceptance length "
               f"{a['mean_acceptance_length']:.2f} ({a['source']}); total {i['total_s']}s")
             e(f"{indent}  phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in i["phases_s"].items()))
             e(f"{indent}  supervised by systemd: {i['unit']} (enabled; restarts on failure, starts at boot)"
@@ -141,6 +178,14 @@ def render_outcome(out, indent=""):
                                                     f"{out.playbook} --rollback returns to it)" if sw.get("from") else ""))
             e(f"{indent}  a vLLM serving now keeps running from its own files; the next `deploy up`/`restart` "
               f"starts this build")
+        elif out.status in ("fetched", "already fetched"):
+            for r in i.get("records") or []:
+                rev = r.get("revision")
+                shown = r["commit"] if not rev or rev == r["commit"] else f"{rev} = {r['commit']}"
+                e(f"{indent}{r.get('role')}: {r.get('hub') or r.get('source') or 'files'} at {shown} is in place at "
+                  f"{r.get('dest')} on {out.where}, every file verified ({r.get('files_n')} files)")
+            if out.status == "already fetched":
+                e(f"{indent}  nothing was downloaded (deploy fetch {out.playbook} --verify re-hashes every file)")
         elif out.status == "rolled back":
             e(f"{indent}{i.get('venv_root')} -> {i.get('to')} again on {out.where} (vLLM {i.get('version')}); "
               f"the next `deploy up`/`restart` starts it")
@@ -155,7 +200,7 @@ def _where_it_answers(info) -> str:
 def render_verify(pb, out, r):
     from .report import check_rows, table, term_width
 
-    checks = (r.checks or []) + [c for c in r.failed or [] if c not in (r.checks or [])]
+    checks = (r.checks or []) + [c for c in (r.failed or []) if c not in (r.checks or [])]
     rows = check_rows(checks)
     if rows:
         click.echo(table(rows, ["check", "expected", "on disk", "as loaded", "verdict", "reason"], term_width()))
@@ -171,6 +216,11 @@ def render_verify(pb, out, r):
                    + (f" at {st['path']}" if st.get("path") else "")
                    + (f"; transformers {r.transformers_version}" if r.transformers_version else "")
                    + (f"; python {r.python}" if r.python else ""))
+    for role, rec in (out.info.get("revisions") or {}).items():
+        from .fetch import _rev, _when
+
+        click.echo(f"{role}: {_rev(rec)} at {rec['dest']}, fetched and verified {_when(rec.get('verified_at'))}"
+                   if rec else f"{role}: not fetched by deploy (no record; deploy fetch {pb.name})")
     if out.error:
         click.echo("FAILED: " + out.error.render(), err=True)
     else:

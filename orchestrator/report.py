@@ -169,10 +169,14 @@ class Progress:
     def _c(self, code: str, text: str) -> str:
         return own(f"\x1b[{code}m") + text + own("\x1b[0m") if self.color else text
 
+    def _raw(self, text: str) -> str:
+        """A stream that is not the guarded stdout/stderr (tests, a file) gets the output boundary here."""
+        return text if isinstance(self.stream, SafeStream) else to_terminal(text)
+
     def _write(self, text: str) -> None:
         self.last_out = time.monotonic()
         try:
-            print(text, file=self.stream, flush=True)
+            print(self._raw(text), file=self.stream, flush=True)
         except (BrokenPipeError, ValueError, OSError):
             self.quiet = True  # the reader went away; the operation goes on, the audit log keeps the record
 
@@ -206,7 +210,7 @@ class Progress:
             # it was printed whole when it last changed)
             if self.INPLACE and self.color and not self.quiet and len(line) < (term_width(self.stream) or 0):
                 try:
-                    self.stream.write(own("\r\x1b[2K") + line)
+                    self.stream.write(self._raw(own("\r\x1b[2K") + line))
                     self.stream.flush()
                     self._inplace = True
                 except (BrokenPipeError, ValueError, OSError):

@@ -187,18 +187,85 @@ INVENTORY = Map({"hosts": Field(List(HOST, max_len=1000), required=True)}, cross
 
 # ---------------------------------------------------------------- playbook
 
+def _endpoint(value: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    u = urlsplit(value)
+    if u.scheme not in ("https", "http") or not u.netloc:
+        return f"{value!r} is not an http(s):// URL"
+    if u.username or u.password:
+        return "credentials in the URL would be in argv and the audit log; name the token in token_env instead"
+    return None
+
+
+def _revision(value: str) -> str | None:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}", value) or ".." in value or value.endswith((".", "/")):
+        return f"{value!r} is not a revision: give a commit (40 hex digits), a branch or a tag"
+    return None
+
+
+# where the weights come from (issue 27): the same keys on `model` and `speculative.drafter`
+FETCH_FIELDS = {
+    "hub": Field(Str(**HUB_ID), doc="fetch from this hub repository (deploy fetch; deploy up fetches what is missing)"),
+    "revision": Field(Str(validate=_revision), doc="the revision to fetch: a commit (40 hex digits), or a branch/tag "
+                                                    "resolved once at fetch time, shown and recorded"),
+    "token_env": Field(Str(pattern=ENV_KEY, pattern_hint="a LOCAL environment variable name"),
+                       doc="name of a LOCAL environment variable holding the hub token (sent on stdin, never in argv)"),
+    "endpoint": Field(Str(validate=_endpoint), doc="the hub or a mirror (default: $HF_ENDPOINT, else "
+                                                    "https://huggingface.co)"),
+    "source": Field(Map({"path": Field(Str(**ABS_PATH), required=True,
+                                       doc="a directory on the Proxmox host with the files and deploy-manifest.json")}),
+                    doc="instead of the hub: copy from a directory on the Proxmox host, verified against its manifest"),
+}
+
 DRAFTER = Map({
     "path": Field(Str(**ABS_PATH), doc="absolute path of the drafter directory in the container (what vLLM reads)"),
     "hub_id": Field(Str(**HUB_ID), doc="instead of path: a hub id; vLLM then reads the hub cache snapshot"),
     "hf_home": Field(Str(**ABS_PATH), default="/root/.cache/huggingface", doc="HF_HOME in the container"),
     "pinned_config": Field(Str(), required=True, doc="the config.json to install, relative to the playbook"),
     "sha256": Field(Str(**SHA256), required=True, doc="sha256 of the pinned config bytes"),
+    **FETCH_FIELDS,
 })
 
 TARGET = Map({
     "host": Field(Str(**NAME), required=True),
     "vmid": Field(Int(100, 999_999_999), required=True),
     "gpus": Field(List(Int(0, 63), min_len=1, max_len=64, unique=True), required=True),
+})
+
+ROUTER_POLICIES = ("round_robin", "random", "cache_aware", "power_of_two", "consistent_hash")
+ROUTER_INSTALL_DEFAULTS = {"index_url": None, "find_links": [], "no_index": False, "timeout_s": 900.0}
+ROUTER = Map({
+    "host": Field(Str(**NAME), required=True, doc="the Proxmox host of the router's container"),
+    "vmid": Field(Int(100, 999_999_999), doc="the container the router runs in (required: nothing of ours runs "
+                                             "on a Proxmox host itself)"),
+    "listen": Field(Str(**HOSTNAME), default="0.0.0.0", doc="the address the router binds in its container"),
+    "port": Field(Int(1, 65534), default=30000, doc="the router's port (clients use this one); its Prometheus "
+                                                    "metrics are on 127.0.0.1:port+1 in the container"),
+    "policy": Field(Str(choices=ROUTER_POLICIES), default="round_robin",
+                    doc="vllm-router --policy: how a request picks its replica"),
+    "version": Field(Str(pattern=VERSION_RE, pattern_hint="a version like 0.1.17"), default="0.1.17",
+                     doc="the vllm-router release, pinned; installed in a venv in the container, checked against "
+                         "its RECORD"),
+    "python": Field(Str(**ABS_PATH), default="/usr/bin/python3",
+                    doc="the Python the router's venv is made from (and that runs deploy's agent there)"),
+    "install": Field(Map({
+        "index_url": Field(Str(validate=_index_url), doc="the package index (pip --index-url)"),
+        "find_links": Field(List(Str(validate=_find_links), max_len=20), default=list,
+                            doc="directories or URLs with wheels (--find-links)"),
+        "no_index": Field(Bool(), default=False, doc="only find_links, no index (--no-index)"),
+        "timeout_s": Field(Float(1, 7200), default=900.0, doc="the install's limit"),
+    }), default=lambda: dict(ROUTER_INSTALL_DEFAULTS)),
+    "health_check_interval_s": Field(Int(1, 3600), default=2,
+                                     doc="the router checks each replica's /health this often"),
+    "health_failure_threshold": Field(Int(1, 100), default=2,
+                                      doc="failed checks in a row before a replica is taken out"),
+    "drain_timeout_s": Field(Float(0, 3600), default=120.0,
+                             doc="restart --rolling: how long to wait for a removed replica's running requests"),
+    "gate_requests_per_replica": Field(Int(1, 100), default=2,
+                                       doc="deploy up's gate: completions sent through the router per replica"),
 })
 
 PLAYBOOK = Map({
@@ -210,6 +277,7 @@ PLAYBOOK = Map({
                          "deploy restart --rolling one at a time)"),
     "model": Field(Map({
         "path": Field(Str(**ABS_PATH), required=True, doc="target model directory in the container"),
+        **FETCH_FIELDS,
     }), required=True),
     "runtime": Field(Map({
         "python": Field(Str(**ABS_PATH), default="/root/ml-env/bin/python", doc="the Python that runs vLLM"),
@@ -289,17 +357,33 @@ PLAYBOOK = Map({
     }), default=lambda: {"restart_sec": 5.0, "start_limit_burst": 3, "start_limit_interval_s": 600.0},
         doc="where the container runs systemd: how vllm-PLAYBOOK.service restarts a crashed server"),
     "acceptance": Field(Map({
-        "min_draft_acceptance": Field(Float(0, 1), required=True),
-        "min_mean_acceptance_length": Field(Float(1, 100)),
+        "min_mean_acceptance_length": Field(Float(1, 100), doc="the gate's mean acceptance length (AL) threshold; "
+                                            "default 1 + 0.4 * min(k, 3): 1.4 for k=1, 1.8 for k=2, 2.2 for k>=3"),
+        "min_first_position": Field(Float(0, 1), doc="acceptance at draft position 0 (default 0.5)"),
+        "cliff_check": Field(Bool(), default=True, doc="fail when the per-position curve falls off a cliff (positions "
+                             "from some p on all ~0): sliding layers run as full attention, or a missing window"),
+        "min_drafts": Field(Int(0, 10_000_000), doc="drafts the probe must produce for a verdict (default 100); "
+                            "fewer: the probe runs more rounds, up to probe.max_rounds"),
+        "min_draft_acceptance": Field(Float(0, 1), doc="optional: ALSO require this draft acceptance rate (the old gate; "
+                                      "the rate falls as k grows: healthy DFlash at k=15 shows 15-19 %)"),
         "probe": Field(Map({
-            "prompts": Field(List(Str(), min_len=1, max_len=64), required=True),
+            "prompts": Field(List(Str(), min_len=1, max_len=64), doc="the probe's prompts (default: the shipped "
+                             "natural-text set: chat, code, math)"),
+            "prompts_file": Field(Str(), doc="a file of prompts, one per line (# comments and blank lines skipped), "
+                                  "relative to the playbook"),
             "max_tokens": Field(Int(1, 8192), default=128),
-            "rounds": Field(Int(1, 100), default=2),
+            "rounds": Field(Int(1, 100), default=1),
+            "max_rounds": Field(Int(1, 100), doc="more rounds while the drafts are fewer than min_drafts (default "
+                                "4 x rounds), within timeout_s"),
             "timeout_s": Field(Float(1, 3600), default=120.0),
-        }), required=True),
+        }), default=lambda: {"max_tokens": 128, "rounds": 1, "timeout_s": 120.0}),
         "on_low_acceptance": Field(Str(choices=("fail", "fallback")), default="fail"),
         "fallback": Field(Str(**NAME), doc="playbook to bring up instead when acceptance is too low"),
-    }), required=True),
+    }), default=lambda: {"cliff_check": True, "probe": {"max_tokens": 128, "rounds": 1, "timeout_s": 120.0},
+                         "on_low_acceptance": "fail"}),
+    "router": Field(ROUTER, doc="with targets: vLLM Router (vllm-router) in front of the replicas, in one "
+                                "container: one URL for the fleet (deploy endpoint); drained replicas during "
+                                "restart --rolling. See docs/router.md"),
 }, one_of=(("target", "targets"),))
 
 
@@ -568,6 +652,48 @@ def _check_playbook(pb: Playbook, inv: Inventory | None, problems: Problems) -> 
     elif d.get("target"):
         _check_target(d["target"], "target", inv, serve, problems)
     _check_serving(pb, serve, spec, acc, problems)
+    if d.get("router"):
+        _check_router(d, inv, problems)
+
+
+def _check_router(d: dict, inv: Inventory | None, problems: Problems) -> None:
+    """router: only in front of `targets:`; in a container of the inventory (never a Proxmox host); every replica
+    reachable by address from there; no port clash with a replica in the same container."""
+    r = d["router"]
+    if d.get("targets") is None:
+        problems.add(r["__node__"], "router", "a router goes in front of replicas: use targets: (or remove router:)")
+    if r.get("vmid") is None:
+        problems.add(r["__node__"], "router.vmid", f"required: the router runs in a container of host "
+                     f"{r['host']!r}, never on the Proxmox host itself (nothing of deploy's runs there); name one "
+                     "with router.vmid")
+        return
+    serve = d["serve"]
+    if inv is not None:
+        host = inv.hosts.get(r["host"])
+        if host is None:
+            problems.add(node_of(r, "host"), "router.host", f"unknown host {r['host']!r} in inventory {inv.path}; "
+                         f"known: {', '.join(inv.hosts) or 'none'}")
+        elif host.container(r["vmid"]) is None:
+            problems.add(node_of(r, "vmid"), "router.vmid", f"host {host.name!r} has no container {r['vmid']} in "
+                         f"{inv.path}; known: {', '.join(str(c.vmid) for c in host.containers) or 'none'}")
+        for i, t in enumerate(d.get("targets") or []):
+            if not t or (t["host"], t["vmid"]) == (r["host"], r["vmid"]):
+                continue
+            h = inv.hosts.get(t["host"])
+            ct = h.container(t["vmid"]) if h is not None else None
+            if ct is not None and not ct.address:
+                problems.add(t["__node__"], f"targets[{i}]", f"the router (in {r['host']}/{r['vmid']}) reaches "
+                             f"this replica by address, and {t['host']}/{t['vmid']} has none in {inv.path}; run "
+                             f"deploy discover {t['host']} --write (or set its address)")
+    if serve["host"] in ("127.0.0.1", "localhost", "::1") and any(
+            t and (t["host"], t["vmid"]) != (r["host"], r["vmid"]) for t in d.get("targets") or []):
+        problems.add(node_of(serve, "host"), "serve.host", f"{serve['host']} listens only inside each container: the "
+                     "router in another container cannot reach the replicas; use 0.0.0.0 or the container's address")
+    if any(t and (t["host"], t["vmid"]) == (r["host"], r["vmid"]) for t in d.get("targets") or []) \
+            and serve["port"] in (r["port"], r["port"] + 1):
+        problems.add(node_of(r, "port"), "router.port", f"{r['port']} (and {r['port'] + 1}, its metrics) must not "
+                     f"be serve.port {serve['port']} of the replica in the same container ({r['host']}/{r['vmid']}); "
+                     "pick another port")
 
 
 def _check_target(t: dict, key: str, inv: Inventory | None, serve: dict, problems: Problems) -> None:
@@ -638,6 +764,7 @@ def _check_serving(pb: Playbook, serve: dict, spec: dict, acc: dict, problems: P
         problems.add(node_of(spec, "extra"), "speculative.extra", "method/model/num_speculative_tokens have keys of their own")
     if drafter is not None:
         _check_drafter(pb, drafter, spec, problems)
+    _check_fetch(pb.data["model"], "model", problems)
     req = pb.data["requires"]
     if req.get("vllm") and req.get("vllm_min_version"):
         from .vllm_facts import vtuple
@@ -650,6 +777,55 @@ def _check_serving(pb: Playbook, serve: dict, spec: dict, acc: dict, problems: P
     if acc["on_low_acceptance"] == "fallback" and not acc.get("fallback"):
         problems.add(node_of(acc, "on_low_acceptance"), "acceptance.fallback",
                      "on_low_acceptance is 'fallback' but no fallback playbook is named")
+    _resolve_probe(pb, acc, problems)
+
+
+SHIPPED_PROMPTS = "probes/natural.txt"  # in the shipped examples (the repo's playbooks/ folder)
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """One prompt per line; blank lines and lines starting with # are skipped; `\\n` in a line is a newline."""
+    with open(path, encoding="utf-8") as fh:
+        return [ln.rstrip("\n").replace("\\n", "\n") for ln in fh
+                if ln.strip() and not ln.lstrip().startswith("#")][:64]
+
+
+def _resolve_probe(pb: Playbook, acc: dict, problems: Problems) -> None:
+    """acceptance.probe.prompts: the playbook's own list, its prompts_file, or the shipped natural-text set (chat,
+    code, math). Read here, at load time, so the plan carries the prompts themselves."""
+    from .locate import shipped_dir
+
+    probe = acc["probe"]
+    if probe.get("prompts") and probe.get("prompts_file"):
+        problems.add(node_of(probe, "prompts_file"), "acceptance.probe.prompts_file",
+                     "give prompts or prompts_file, not both")
+        return
+    if probe.get("prompts"):
+        probe["prompts_source"] = "playbook"
+    else:
+        own = probe.get("prompts_file")
+        if own:
+            path = own if os.path.isabs(own) else os.path.join(os.path.dirname(pb.path) or ".", own)
+        else:
+            base = shipped_dir()
+            path = str(base / SHIPPED_PROMPTS) if base is not None else SHIPPED_PROMPTS
+        try:
+            prompts = read_prompt_file(path)
+        except (OSError, UnicodeDecodeError) as e:
+            problems.add(node_of(probe, "prompts_file"), "acceptance.probe.prompts_file",
+                         f"cannot read the probe prompts {path}: {getattr(e, 'strerror', None) or e}")
+            return
+        if not prompts:
+            problems.add(node_of(probe, "prompts_file"), "acceptance.probe.prompts_file",
+                         f"{path} has no prompts (one per line)")
+            return
+        probe["prompts"] = prompts
+        probe["prompts_source"] = path if own else "shipped natural-text set (chat, code, math)"
+    if probe.get("max_rounds") is None:
+        probe["max_rounds"] = min(100, probe["rounds"] * 4)
+    elif probe["max_rounds"] < probe["rounds"]:
+        problems.add(node_of(probe, "max_rounds"), "acceptance.probe.max_rounds",
+                     f"{probe['max_rounds']} is fewer than rounds {probe['rounds']}")
 
 
 def _check_install_sources(req: dict, problems: Problems) -> None:
@@ -671,10 +847,54 @@ def _check_install_sources(req: dict, problems: Problems) -> None:
                      "a git source cannot be hash-pinned (pip hashes archives); pin a release or a wheel")
 
 
+def _check_fetch(m: dict, key: str, problems: Problems, hub_id: str | None = None) -> None:
+    """The fetch keys of `model` or `speculative.drafter`: a source names what it fetches, pinned."""
+    hub, src = m.get("hub") or hub_id, m.get("source")
+    if hub_id and m.get("hub") and m["hub"] != hub_id:
+        problems.add(node_of(m, "hub"), f"{key}.hub", f"{m['hub']!r} differs from hub_id {hub_id!r}: the snapshot "
+                                                      "goes into the hub cache under hub_id; give one of them")
+    for k in ("revision", "token_env", "endpoint"):
+        if m.get(k) and not hub:
+            problems.add(node_of(m, k), f"{key}.{k}", f"needs {key}.hub (the repository it applies to)")
+    if m.get("hub") and not m.get("revision") and not src:
+        problems.add(node_of(m, "hub"), f"{key}.revision",
+                     "a hub source needs a pinned revision: a commit (40 hex digits), or a branch or tag that deploy "
+                     "fetch resolves once and records")
+    if src and (m.get("token_env") or m.get("endpoint")):
+        problems.add(node_of(m, "source"), f"{key}.source",
+                     "a directory source is not fetched from the hub: remove token_env/endpoint (hub and revision "
+                     "may stay: they are checked against the manifest)")
+
+
+def fetch_items(pb: Playbook) -> list[dict]:
+    """What deploy fetch (and up's fetch step) brings into the container: one item per fetched model/drafter.
+    dest_kind dir: the files go into the directory (model.path, drafter.path); cache: into the hub cache under
+    drafter.hf_home (a drafter with hub_id), laid out as huggingface_hub does."""
+    out = []
+    m = pb.data["model"]
+    if m.get("hub") or m.get("source"):
+        out.append(_item("model", "model", m, m["path"], "dir", None))
+    d = pb.drafter
+    if d and (d.get("hub") or d.get("source") or (d.get("hub_id") and d.get("revision"))):
+        if d.get("path"):
+            out.append(_item("drafter", "speculative.drafter", d, d["path"], "dir", None))
+        else:
+            out.append(_item("drafter", "speculative.drafter", d, None, "cache", d["hf_home"], hub=d["hub_id"]))
+    return out
+
+
+def _item(role, key, m, dest, kind, hf_home, hub=None) -> dict:
+    src = m.get("source") or {}
+    return {"role": role, "key": key, "hub": m.get("hub") or hub, "revision": m.get("revision"),
+            "token_env": m.get("token_env"), "endpoint": m.get("endpoint"), "dest": dest, "dest_kind": kind,
+            "hf_home": hf_home, "source_path": src.get("path")}
+
+
 def _check_drafter(pb: Playbook, drafter: dict, spec: dict, problems: Problems) -> None:
     dn = drafter["__nodes__"]
     if bool(drafter.get("path")) == bool(drafter.get("hub_id")):
         problems.add(drafter["__node__"], "speculative.drafter", "give exactly one of 'path' or 'hub_id'")
+    _check_fetch(drafter, "speculative.drafter", problems, hub_id=drafter.get("hub_id"))
     pinned = drafter["pinned_config"]
     pinned_path = pinned if os.path.isabs(pinned) else os.path.join(os.path.dirname(pb.path) or ".", pinned)
     try:

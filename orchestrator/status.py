@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -101,6 +102,19 @@ def local_key_env(inv, playbook, host: str, vmid: int) -> str | None:
     return None
 
 
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+GEN_TOKENS_LINE = re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+def generation_tokens(text: str) -> float | None:
+    """vllm:generation_tokens_total summed over its series (every engine), None when absent."""
+    vals = [float(v) for v in GEN_TOKENS_LINE.findall(text or "")]
+    return sum(vals) if vals else None
+
+
 class Sampler:
     """Keeps the previous counters per container so a refresh can show recent acceptance."""
 
@@ -115,20 +129,40 @@ class Sampler:
                 self.prev = {}
         self._lock = threading.Lock()
 
-    def recent(self, key: str, counters: dict | None, pid) -> dict | None:
+    HISTORY = 24  # refreshes kept per container for the --watch sparklines
+
+    def recent(self, key: str, counters: dict | None, pid, gen_tokens: float | None = None) -> dict | None:
+        """Acceptance (and generated tokens/s) since the previous sample of this container, with the window it
+        covers; each result is also appended to the container's history (same server process only)."""
         with self._lock:
             prev = self.prev.get(key)
-            cur = {"t": time.time(), "pid": pid, "c": counters}
+            cur = {"t": time.time(), "pid": pid, "c": counters, "g": gen_tokens,
+                   "h": (prev or {}).get("h", []) if (prev or {}).get("pid") == pid else []}
             self.prev[key] = cur
         if not prev or not counters or prev.get("pid") != pid or not prev.get("c"):
             return None
         p, c = prev["c"], counters
         dd, dt, da = c["drafts"] - p["drafts"], c["draft_tokens"] - p["draft_tokens"], c["accepted"] - p["accepted"]
+        span = cur["t"] - prev["t"]
+        window = {"from": _iso(prev["t"]), "to": _iso(cur["t"]), "seconds": round(span, 1)}
+        tps = None
+        if gen_tokens is not None and prev.get("g") is not None and span > 0 and gen_tokens >= prev["g"]:
+            tps = round((gen_tokens - prev["g"]) / span, 2)
         if dd <= 0 or dt <= 0:
-            return {"since_s": round(cur["t"] - prev["t"], 1), "draft_acceptance_rate": None,
-                    "mean_acceptance_length": None, "drafts": 0}
-        return {"since_s": round(cur["t"] - prev["t"], 1), "draft_acceptance_rate": round(da / dt, 4),
-                "mean_acceptance_length": round(1 + da / dd, 3), "drafts": dd}
+            out = {"since_s": round(span, 1), "draft_acceptance_rate": None, "mean_acceptance_length": None,
+                   "drafts": 0, "tokens_per_s": tps, "window": window}
+        else:
+            out = {"since_s": round(span, 1), "draft_acceptance_rate": round(da / dt, 4),
+                   "mean_acceptance_length": round(1 + da / dd, 3), "drafts": dd, "tokens_per_s": tps,
+                   "window": window}
+        with self._lock:
+            cur["h"] = (cur["h"] + [{"t": round(cur["t"], 1), "al": out["mean_acceptance_length"],
+                                     "tps": tps}])[-self.HISTORY:]
+        return out
+
+    def history(self, key: str) -> list:
+        with self._lock:
+            return list((self.prev.get(key) or {}).get("h", []))
 
     def save(self):
         if self.path:
@@ -207,6 +241,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         row["healthy"] = False
         return row
     if not st:
+        gate_row(row, r, None)
         fail = r.last_failure
         if fail and fail.get("at", 0) >= (r.stopped_at or 0):
             pb = fail.get("playbook")
@@ -282,6 +317,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             + (f": systemd restarted it {sup['restarts']} time(s)" if sup.get("restarts") else "")
             + (" and the container rebooted since" if sup.get("container_restarted") else "")
             + f"; last exit: {exit_text(sup.get('last_exit'))}; its acceptance since that restart is shown as recent")
+    gate_row(row, r, st)
     if r.last_error:
         row["last_error"] = r.last_error
     if st.get("drafter_path"):
@@ -294,17 +330,62 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
                                    f"{disk or 'none (unreadable)'}, "
                                    f"launched with {pinned}; deploy apply-config {st.get('playbook')} reinstalls "
                                    f"the pinned bytes, then deploy restart {st.get('playbook')}")
+    if r.weights:  # fetched by deploy fetch: the revision serving
+        row["weights"] = list(r.weights)
     if r.metrics:
         counters = vf.parse_spec_counters(r.metrics)
         life = vf.lifetime_acceptance(r.metrics) if counters else None
         row["acceptance"] = {"lifetime": life.as_dict() if life else None,
-                             "recent": sampler.recent(f"{host}/{vmid}", counters, st.get("pid"))}
+                             "recent": sampler.recent(f"{host}/{vmid}", counters, st.get("pid"),
+                                                      generation_tokens(r.metrics))}
+        if row["acceptance"]["lifetime"] is not None and row.get("uptime_s") is not None:
+            # vLLM's counters start with its process: the lifetime figures cover its uptime
+            now_t = time.time()
+            row["acceptance"]["lifetime"]["window"] = {"from": _iso(now_t - row["uptime_s"]), "to": _iso(now_t),
+                                                       "seconds": row["uptime_s"]}
+        row["history"] = sampler.history(f"{host}/{vmid}")
         if sup.get("supervisor") == "systemd" and st.get("alive") and not sup.get("serving_passed_gate") \
                 and row["acceptance"]["recent"] is None and life:
             # vLLM's counters start at its own start: for a restarted server, its lifetime is "since that restart"
             row["acceptance"]["recent"] = {**life.as_dict(), "since": "restart",
                                            "since_s": row.get("uptime_s")}
     return row
+
+
+def _at(t) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "an unknown time"
+
+
+def gate_row(row: dict, r: dict, st: dict | None) -> None:
+    """The acceptance gate in a status row (status/v1 `gate` and `rejected`): a running launch without a passed
+    verdict is a problem (`not gated`, since its launch); a rejection a fallback followed is shown beside it."""
+    from .gate import gate_figures
+
+    g, rej = r.gate or None, r.rejected or None
+    if rej and isinstance(rej, dict):
+        v = rej.get("verdict") or {}
+        row["rejected"] = {"playbook": rej.get("playbook"), "at": rej.get("at"), "figures": v.get("figures"),
+                           "reason": v.get("reason"), "fallback": v.get("rejected_fallback")}
+        row["notes"].append(f"{rej.get('playbook')} was rejected by the acceptance gate at {_at(rej.get('at'))} "
+                            f"({gate_figures(v)}): {v.get('reason')}"
+                            + (f"; {v.get('rejected_fallback')} was brought up instead" if v.get("rejected_fallback")
+                               else "") + f". deploy up {rej.get('playbook')} tries it again")
+    if not st or not st.get("alive"):
+        return
+    if g and g.get("for_current_launch"):
+        v = g.get("verdict") or {}
+        row["gate"] = {"verdict": "passed" if v.get("passed") else "failed", "at": g.get("at"),
+                       "since": st.get("started_at"), "figures": v.get("figures"), "reason": v.get("reason")}
+        if not v.get("passed"):
+            row["healthy"] = False
+            row["problems"].append(f"failed the acceptance gate at {_at(g.get('at'))} ({gate_figures(v)}): "
+                                   f"{v.get('reason')}; deploy up {st.get('playbook')} measures it again")
+        return
+    row["gate"] = {"verdict": "not gated", "at": None, "since": st.get("started_at"), "figures": None, "reason": None}
+    row["healthy"] = False
+    row["problems"].append(f"not gated since {_at(st.get('started_at'))}: this launch (pid {st.get('pid')}) never "
+                           "passed the acceptance gate (an up interrupted before the gate, or launched by a deploy "
+                           f"without gate records); deploy up {st.get('playbook')} measures and gates it")
 
 
 def supervision_of(raw: dict | None, st: dict) -> dict:
@@ -446,8 +527,9 @@ def _row(host, vmid, **values) -> dict:
     row = {"host": host, "vmid": vmid, "reachable": True, "container": "unknown", "playbook": None, "pid": None,
            "process": "unknown", "health": None, "served_model": None, "method": None, "gpus": [],
            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
-           "url": None, "tunnel": None, "supervision": None, "healthy": False, "timed_out": False, "problems": [],
-           "notes": []}
+           "url": None, "tunnel": None, "supervision": None, "gate": None, "rejected": None, "healthy": False,
+           "timed_out": False, "problems": [], "history": [],
+           "notes": [], "weights": None}
     row.update(values)
     return row
 
@@ -497,6 +579,10 @@ def render_table(rows, color: bool, width: int | None = None) -> str:
     notes = [f"  {r['host']}/{r['vmid']}: {n}" for r in rows for n in r.get("notes") or []]
     if notes:
         text += "\n\nSupervision:\n" + "\n".join(wrap(n, width, indent=4) for n in notes)
+    weights = [f"  {r['host']}/{r['vmid']}: {weights_text(r['weights'])}" for r in rows if r.get("weights")]
+    if weights:
+        text += "\n\nWeights (fetched and verified by deploy fetch):\n" + "\n".join(wrap(w, width, indent=4)
+                                                                                  for w in weights)
     if probs:
         text += "\n\nProblems:\n" + "\n".join(wrap(p, width, indent=4) for p in probs)
     if color:
@@ -504,6 +590,14 @@ def render_table(rows, color: bool, width: int | None = None) -> str:
             "UNREACHABLE", own("\x1b[31;1mUNREACHABLE\x1b[0m")).replace(
             "TIMEOUT", own("\x1b[31;1mTIMEOUT\x1b[0m")).replace("DRIFT", own("\x1b[33mDRIFT\x1b[0m"))
     return text
+
+
+def weights_text(ws: list) -> str:
+    """`model acme/X@main (f1b5dbdd0103) at /root/models/X; drafter ...`: the revisions serving."""
+    return "; ".join(f"{w.get('role')} {w.get('hub') or w.get('source') or 'files'}@"
+                     + ((w.get("commit") or "")[:12] if not w.get("revision") or w["revision"] == w.get("commit")
+                        else f"{w['revision']} ({(w.get('commit') or '')[:12]})") + f" at {w.get('dest')}"
+                     for w in ws)
 
 
 def state_word(r: dict) -> str:
@@ -576,6 +670,99 @@ def render_totals(t: dict) -> str:
     return s
 
 
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list, lo: float | None = None, hi: float | None = None) -> str:
+    """One block character per value, scaled between lo and hi (default: the values' own range); `·` for none."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "·" * len(values)
+    lo = min(vals) if lo is None else min(lo, min(vals))
+    hi = max(vals) if hi is None else max(hi, max(vals))
+    span = hi - lo
+    return "".join("·" if v is None else SPARKS[min(len(SPARKS) - 1, int((v - lo) / span * len(SPARKS)))
+                                                if span > 0 else len(SPARKS) // 2] for v in values)
+
+
+def gate_of(inv, name: str | None, cache: dict) -> dict | None:
+    """The gate's thresholds of the playbook a row says runs there (None when it cannot be loaded)."""
+    if not name:
+        return None
+    if name not in cache:
+        try:
+            from .monitor import gate_thresholds
+            from .spec import load_playbook
+
+            cache[name] = gate_thresholds(load_playbook(name, inv))
+        except Exception:  # noqa: BLE001 - a playbook renamed or gone: no threshold shown, nothing fails
+            cache[name] = None
+    return cache[name]
+
+
+def render_history(rows, inv, cache: dict) -> str:
+    """Per deployment: recent acceptance length and tokens/s as sparklines (oldest left), the latest values and
+    the gate's threshold; what `deploy status --watch` shows under the table."""
+    lines = []
+    for r in rows:
+        h = r.get("history") or []
+        if not r.get("playbook") or not r.get("acceptance"):
+            continue
+        g = gate_of(inv, r.get("playbook"), cache)
+        als, tps = [x.get("al") for x in h], [x.get("tps") for x in h]
+        last_al = next((v for v in reversed(als) if v is not None), None)
+        last_tps = next((v for v in reversed(tps) if v is not None), None)
+        where = f"{r['host']}/{r['vmid']}"
+        if not h:
+            lines.append(f"  {where} {r['playbook']}: history starts at the next refresh")
+            continue
+        gate = ""
+        if g:
+            verdict = "" if last_al is None else (" ok" if last_al >= g["min_al"] else " UNDER THE GATE")
+            gate = f" (gate >= {g['min_al']:g}{verdict})"
+        lines.append(f"  {where} {r['playbook']}: AL {sparkline(als, lo=1.0)} "
+                     f"{'-' if last_al is None else f'{last_al:.2f}'}{gate}   tok/s {sparkline(tps, lo=0.0)} "
+                     f"{'-' if last_tps is None else f'{last_tps:g}'}")
+    if not lines:
+        return ""
+    span = ""
+    ts = [x["t"] for r in rows for x in (r.get("history") or [])]
+    if ts:
+        span = f", {len(max((r.get('history') or [] for r in rows), key=len))} refreshes over " \
+               f"{max(ts) - min(ts):.0f}s"
+    return "\nRecent (per refresh, oldest left" + span + "):\n" + "\n".join(lines)
+
+
+def router_status(fleet, inv, pb, rows) -> dict:
+    """The router row of a playbook with router: (its own view of the replicas) and the flags against the rows."""
+    from . import router as R
+
+    rv = R.view(fleet, pb)
+    t = totals(pb, rows)
+    rv["playbook"] = pb.name
+    rv["flags"] = R.compare(pb, inv, rv, set(t["serving_targets"]))
+    rv["ok"] = bool(rv.get("ok")) and not rv["flags"]
+    if rv.get("running"):
+        rv["url"] = R.url(inv, pb).get("url")
+    return rv
+
+
+def render_router(rv: dict) -> str:
+    head = f"router {rv['where']} ({rv['playbook']}): "
+    if not rv.get("running"):
+        return head + f"{rv.get('state')}" + (f": {rv['message']}" if rv.get("message") else "") + \
+            f" (deploy up {rv['playbook']} starts it)"
+    ws = rv.get("workers") or []
+    lines = [head + f"{rv.get('state')}, policy {rv.get('policy')}, port {rv.get('port')}, "
+                    f"{sum(1 for w in ws if w.get('healthy'))} of {len(ws)} replica(s) healthy in its view"
+             + (f", {rv['url']}" if rv.get("url") else "") + (f"; {rv['error']}" if rv.get("error") else "")]
+    for w in ws:
+        lines.append(f"  {w['url']:<32} {'healthy' if w.get('healthy') else 'UNHEALTHY (sent nothing)'}")
+    for f in rv.get("flags") or []:
+        lines.append(f"  ! {f}")
+    return "\n".join(lines)
+
+
 def run_status(obj, targets, watch, deadline) -> int:
     from .report import dump_json, term_width
 
@@ -585,6 +772,7 @@ def run_status(obj, targets, watch, deadline) -> int:
     sampler = Sampler(persist=True)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     code = None
+    gates: dict = {}
     try:
         with Fleet(inv) as fleet:
             while True:
@@ -592,17 +780,29 @@ def run_status(obj, targets, watch, deadline) -> int:
                 with obj.progress().heartbeat("status", "the slowest host(s) to answer", deadline):
                     rows = gather(inv, targets, fleet, deadline=deadline, sampler=sampler)
                 code = exit_code(rows)
+                routers = {pb.name: router_status(fleet, inv, pb, rows) for pb in fleets if pb.data.get("router")}
+                if any(not r["ok"] for r in routers.values()) and code == 0:
+                    code = 1
                 if obj.json:
                     dump_json({"schema": SCHEMA, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "seconds": round(time.monotonic() - t0, 3), "exit_code": code,
                                "rows": [{k: v for k, v in r.items() if k != "_endpoint"} for r in rows],
-                               **({"totals": [totals(pb, rows) for pb in fleets]} if fleets else {})})
+                               **({"totals": [totals(pb, rows) for pb in fleets]} if fleets else {}),
+                               **({"routers": list(routers.values())} if routers else {})})
                 else:
                     if watch and color:
                         click.echo(own("\x1b[H\x1b[2J"), nl=False)
+                    if watch:
+                        click.echo(f"deploy status  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}")
                     click.echo(render_table(rows, color, term_width()) + render_endpoints(rows))
+                    if watch:
+                        hist = render_history(rows, inv, gates)
+                        if hist:
+                            click.echo(hist)
                     for pb in fleets:
                         click.echo("\n" + render_totals(totals(pb, rows)))
+                        if pb.name in routers:
+                            click.echo(render_router(routers[pb.name]))
                     if watch:
                         click.echo(f"\n(refreshed in {time.monotonic() - t0:.2f}s; every {watch:g}s; Ctrl-C to stop)")
                 if not watch or reader_gone():  # `--watch | head`: nobody reads any more, stop watching

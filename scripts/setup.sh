@@ -16,6 +16,9 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 # root file system (built once, into /var/cache/vpd-testbed)
 command -v lxc-start >/dev/null 2>&1 || need+=(lxc)
 command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
+# `deploy monitor export`'s tests: the real promtool (check config/rules, test rules) and a real Prometheus that
+# scrapes the test bed (Debian's prometheus; its service is not used: the tests run their own on a free port)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
@@ -32,4 +35,7 @@ echo "setup: pip: installing the tool, the test bed and the test tools into .ven
   ".venv/pip-install.log)" >&2
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e ./testbed -e '.[test]' > .venv/pip-install.log 2>&1 || { cat .venv/pip-install.log >&2; exit 1; }
+# the real vLLM Router (issue 29) for the test bed's containers, which have no route to PyPI: its wheels, once
+# per machine, into /var/cache/vpd-testbed/wheels (about 30 MB); the router tests skip without them
+.venv/bin/python -m vpd_testbed.router_wheels >/dev/null || echo "setup: vllm-router wheels not downloaded (the router tests will skip)" >&2
 echo "setup: done ($(.venv/bin/deploy --version))" >&2

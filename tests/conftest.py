@@ -106,3 +106,10 @@ def tb(testbed):
 @pytest.fixture
 def inventory(tb):
     return tb.inventory_path
+
+
+def pytest_collection_modifyitems(config, items):
+    """The real-vLLM tier (tests/e2e/test_real_vllm.py) is the longest file: first, so that one pytest-xdist worker
+    (--dist loadfile: the whole file on one worker, its servers one at a time) starts on it at once."""
+    items.sort(key=lambda it: 0 if "test_real_vllm.py" in it.nodeid else 1)  # stable: the rest keep their order
+

@@ -92,6 +92,9 @@ class CurrentResult(AgentResult):
     exit_code: object = None  # the server's recorded exit (int, or a signal name under systemd)
     last_error: str = None  # the log line that names the cause
     argv0_real_now: str = None  # where the recorded argv[0] resolves now (install-vllm switches the runtime link)
+    gate: dict = None  # gate.json: the verdict, and whether it is for the launch running now (for_current_launch)
+    rejected: dict = None  # rejected.json: the last rejection a fallback followed
+    weights: list = None  # deploy fetch's records of the model/drafter this server reads (issue 27)
 
 
 @dataclass
@@ -241,6 +244,7 @@ class AcceptanceResult(AgentResult):
     errors: list = field(default_factory=list)
     log_tail: list = None
     message: str = None
+    rounds: int = None  # the rounds the probe ran (more than planned while the drafts were too few)
 
 
 @dataclass
@@ -310,10 +314,36 @@ class InstallResult(AgentResult):
     log_tail: list = None
 
 
+@dataclass
+class GateRecordResult(AgentResult):
+    REQUIRED = WIRE["gate_record"]
+    ok: bool = False
+    launch_known: bool = False
+    rejected: bool = False
+    cleared: bool = False
+    message: str = None
+
+
+@dataclass
+class RouterResult(AgentResult):
+    """`router` (op: install, start, wait, view, gate, remove, add, drain_wait, stop; issue 29): the fields every op
+    that has them gives the same type; the rest (per op) are in .extra."""
+    ok: bool = None
+    message: str = None
+    ready: bool = None
+    installed: bool = None
+    drained: bool = None
+    sent: int = None
+    succeeded: int = None
+    workers: list = None
+    state: dict = None
+
+
 RESULT_TYPES = {
     "lock": LockResult, "unlock": UnlockResult, "status": CurrentResult, "write_file": WriteFileResult,
     "verify": VerifyResult, "stop": StopResult, "gpus_free": GpusFreeResult, "port_check": PortResult,
     "launch": LaunchResult, "wait_ready": ReadyResult, "file_sha": FileShaResult, "acceptance": AcceptanceResult,
     "note_failure": NoteFailureResult, "logs": LogsResult, "doctor": DoctorResult, "hub_drafter": HubDrafterResult,
     "install_vllm": InstallResult,
+    "gate_record": GateRecordResult, "router": RouterResult,
 }

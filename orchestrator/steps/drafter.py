@@ -83,16 +83,9 @@ def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = Tr
 
 
 def extra_key_problems(ctx: Context, stack: dict) -> list[dict]:
-    """Spec-config keys the installed vLLM would reject at startup (unknown keys are a startup error)."""
-    v = vf.vtuple(stack.get("version"))
-    out = []
-    for key in ctx.pb.spec["extra"]:
-        since = vf.SPEC_KEYS_SINCE.get(key)
-        if since and v is not None and v < since:
-            out.append({"check": f"spec key {key}", "ok": False, "expected": ">= " + ".".join(map(str, since)),
-                        "on_disk": stack.get("version"), "as_loaded": None, "severity": "error",
-                        "reason": f"vLLM {stack.get('version')} does not accept speculative-config key {key!r}"})
-    return out
+    """Spec-config keys the installed vLLM would reject: checked in the container against its own SpeculativeConfig
+    (agent launch_checks: `speculative-config keys`); nothing to add here any more."""
+    return []
 
 
 def render_failures(bad: list[dict]) -> str:
@@ -115,7 +108,7 @@ def verify_fix(bad: list[dict], pb, stack: dict | None = None) -> str:
     stale = any(c["check"] == "sha256" for c in bad)  # the file is not the pinned one: its content is no news
     for c in bad:
         n = c["check"]
-        if stale and not n.startswith(("vllm", "fix: ", "spec key ", "path", "weights")):
+        if stale and not n.startswith(("vllm", "fix: ", "spec key ", "speculative", "path", "weights")):
             n = "sha256"
         if n == "vllm installed":
             add(f"install vLLM into the container's Python: {py} -m pip install 'vllm>={minv or '0.26.0'}' "
@@ -134,6 +127,20 @@ def verify_fix(bad: list[dict], pb, stack: dict | None = None) -> str:
         elif n.startswith("fix: "):
             add(f"install a vLLM that has this fix: {py} -m pip install 'vllm>=0.26.0' (or the PR #40898 build), "
                 f"then deploy verify {name}")
+        elif n == "speculative-config keys":
+            keys = [k for k in (c.get("on_disk") or []) if isinstance(k, str)] if isinstance(c.get("on_disk"), list) else []
+            gone = [f"{k} was removed in vLLM {vf.SPEC_KEYS_REMOVED[k]}" for k in keys if k in vf.SPEC_KEYS_REMOVED]
+            add(f"remove {', '.join(keys) or 'the key(s)'} from speculative.extra in {pb.path}"
+                + (f" ({'; '.join(gone)})" if gone else "") + f", or install a vLLM whose SpeculativeConfig has "
+                "them; then deploy verify " + name)
+        elif n.startswith("speculative shortcut "):
+            add(f"remove {n[len('speculative shortcut '):]} from serve.extra_args in {pb.path}: the playbook's "
+                "speculative keys already set it through --speculative-config")
+        elif n == "fix: DFlash sliding window" and "Model Runner V1" in (c.get("reason") or ""):
+            add("serve this drafter on a GPU vLLM >= 0.26.0 (Model Runner V2), or use a drafter without mixed "
+                "sliding/full layers (e.g. the MTP fallback) on this platform")
+        elif n == "fix: DFlash sliding window" and "VLLM_USE_V2_MODEL_RUNNER" in (c.get("reason") or ""):
+            add(f"remove VLLM_USE_V2_MODEL_RUNNER from serve.env in {pb.path}")
         elif n.startswith("spec key "):
             add(f"upgrade vLLM ({py} -m pip install 'vllm{c.get('expected', '').replace(' ', '')}'), or remove "
                 f"{n[len('spec key '):]} from speculative.extra in {pb.path}")

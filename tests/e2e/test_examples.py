@@ -44,7 +44,7 @@ from e2e_helpers import REPO
 DOC_FILES = sorted([os.path.join(REPO, "README.md")] + glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
                                                                  recursive=True))
 # Read-only commands that answer in about a second: run for real. (First words after `deploy`.)
-CHEAP = {"plan", "status", "verify", "logs", "schema", "completion", "docs", ("testbed", "status")}
+CHEAP = {"plan", "status", "verify", "logs", "schema", "completion", "docs", "endpoint", ("testbed", "status")}
 # Commands that only write where they are told or where they run: run for real in a scratch directory that is also
 # HOME (a leading ~ expanded to it, as a shell would), its path shown as /root (the docs' HOME) when compared.
 SANDBOXED = {"init"}
@@ -56,6 +56,8 @@ NOT_RUN = {
     "compare": "brings up each playbook in turn and leaves the winner running (tests/e2e/test_compare.py runs it)",
     "install-vllm": "installs vLLM into the container and switches its runtime (tests/e2e/test_install_vllm.py runs "
                     "it)",
+    "fetch": "downloads weights into the container (tests/e2e/test_fetch.py runs it on the test bed's hub)",
+    "manifest": "writes DIR/deploy-manifest.json (tests/e2e/test_fetch.py runs it)",
     # commands of branches not merged yet, classified ahead so that merging them needs no edit here
     "discover": "connects to the address it is given, which may be outside the test bed (its own tests run it)",
     "doctor": "diagnoses a vLLM started by hand, with a time budget per container (its own tests run it)",
@@ -65,6 +67,9 @@ NOT_RUN = {
     ("testbed", "down"): "would tear down the suite's test bed (tests/testbed/ runs it)",
     ("testbed", "fault"): "changes the test bed (tests/testbed/ runs every fault)",
     "--watch": "runs until Ctrl-C",
+    "--tunnel": "runs until Ctrl-C",
+    ("monitor", "export"): "writes files into the directory it is given (tests/e2e/test_monitor.py runs it and "
+                           "checks them with promtool)",
     "-f": "follows until Ctrl-C",
     "--follow": "follows until Ctrl-C",
 }

@@ -15,10 +15,8 @@ def _fleet(tb, playbooks):
     text = text.replace("name: qwen36-mtp", "name: qwen36-replicas").replace(
         "target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]",
         "targets:\n" + "".join(f"  - {{host: {t.split('/')[0]}, vmid: 129, gpus: [0, 1, 2, 3]}}\n" for t in TARGETS))
-    head, rest = text.split("    prompts:\n", 1)
-    rest = rest.split("    max_tokens:", 1)[1]
-    text = head + '    prompts: ["Explain in three sentences why the sky is blue."]\n    max_tokens:' + rest
-    text = text.replace("rounds: 2", "rounds: 1")
+    text = text.replace("  probe:\n", '  min_drafts: 20\n  probe:\n    prompts: ["Explain in three sentences why the sky is '
+                                      'blue."]\n', 1)
     (playbooks.dir / "qwen36-replicas.yaml").write_text(text)
     for t in TARGETS:
         tb.set_fault(t.split("/")[0], 129, "load_s", 0.3)

@@ -42,7 +42,8 @@ def test_install_vllm_refuses_a_runtime_that_is_not_a_venv(tb, deploy, playbooks
                                     "ln -s $(readlink -f /root/ml-env/bin/python) /root/standin/bin/python && "
                                     "echo keep > /root/standin/share/precious"], check=True)
     pb = playbooks.dir / "qwen36-dflash.yaml"
-    pb.write_text(pb.read_text().replace("\nrequires:\n", "\nrequires:\n  vllm: \"0.34.0\"\n", 1) + "\nruntime:\n  python: /root/standin/bin/python\n  vllm: /root/standin/bin/vllm\n")
+    assert '\n  vllm: "0.34.0"' in pb.read_text()  # the shipped DFlash playbook names the release
+    pb.write_text(pb.read_text() + "\nruntime:\n  python: /root/standin/bin/python\n  vllm: /root/standin/bin/vllm\n")
     p = deploy("install-vllm", "qwen36-dflash", "-y", env=playbooks.env)
     assert p.returncode != 0, p.stdout + p.stderr
     assert "has no pyvenv.cfg: it is not a venv" in p.stderr and "python3 -m venv" in p.stderr, p.stderr

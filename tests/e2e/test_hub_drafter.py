@@ -38,7 +38,7 @@ def test_hub_drafter_with_a_stale_snapshot_serves_the_pinned_config(tb, deploy, 
         assert p.returncode == 0, p.stdout + p.stderr
         steps = {s["step"]: s for s in p.json["steps"]}
         assert f"built {OWN}: config.json {PINNED_SHA[:12]} (pinned) + 1 link(s)" in steps["drafter-config"]["summary"]
-        assert steps["verify"]["ok"] and p.json["info"]["acceptance"]["draft_acceptance_rate"] >= 0.40
+        assert steps["verify"]["ok"] and p.json["info"]["acceptance"]["draft_acceptance_rate"] >= 0.15  # healthy DFlash at k = 15 (issue 24)
         # what vLLM reads: the pinned config and the snapshot's weights; the hub cache untouched
         assert sha(tb, "pve1", 129, f"{OWN}/config.json") == PINNED_SHA
         assert tb.container_exec("pve1", 129, ["readlink", f"{OWN}/model.safetensors"]).stdout.strip() == \

@@ -2,6 +2,7 @@
 --no-index) and from a local git repository with a branch; no network."""
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -42,7 +43,8 @@ def iv(tb, sources, playbooks, deploy):
         inst = {"no_index": True, "find_links": ["/root/wheelhouse"], "timeout_s": 120, "heartbeat_s": 1, **install}
         lines = "".join(f"    {k}: {json.dumps(v)}\n" for k, v in inst.items())
         assert "\nrequires:\n" in original
-        pb.write_text(original.replace("\nrequires:\n", f"\nrequires:\n  vllm: {json.dumps(spec)}\n  install:\n{lines}", 1))
+        base = re.sub(r"(?m)^  vllm: .*\n(?:^ +#.*\n)*", "", original, count=1)  # the shipped requires.vllm
+        pb.write_text(base.replace("\nrequires:\n", f"\nrequires:\n  vllm: {json.dumps(spec)}\n  install:\n{lines}", 1))
 
     def run(*args, **kw):
         return deploy(*args, env=playbooks.env, **kw)

@@ -48,7 +48,7 @@ def test_logs_without_own_probes_and_a_closed_pipe_does_not_abort_down(tb, deplo
     assert row["process"] == "none" and row["lock"] is None, row  # stopped, and the lock released
     assert deploy("up", "qwen36-mtp").returncode == 0  # not refused by a dead holder's lock
     audit = (deploy.state_dir / "audit.jsonl").read_text()
-    assert '"event": "progress"' in audit and "stopped 7 process(es)" in audit  # the record was kept
+    assert '"event": "progress"' in audit and "stopped the 7 process(es)" in audit  # the record was kept
 
 
 def test_deadline_bounds_the_answer_and_names_a_slow_host_timeout(tb, deploy):

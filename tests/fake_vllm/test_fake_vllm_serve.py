@@ -86,12 +86,12 @@ def test_published_dflash_end_to_end(bed):
         code, body = srv.post("/v1/completions", {"model": "qwen36", "prompt": f"probe {i}", "max_tokens": 256},
                               headers=auth)
         assert code == 200 and body["usage"]["completion_tokens"] == 256
-    assert (time.time() - t0) / 16 < 0.05
+    assert (time.time() - t0) / 16 < 0.2  # ~73 steps of 1.25 ms each (AL ~3.5), plus HTTP
     b = srv.spec_totals()
     rate = (b["accepted"] - a["accepted"]) / (b["draft_tokens"] - a["draft_tokens"])
     mal = 1 + (b["accepted"] - a["accepted"]) / (b["drafts"] - a["drafts"])
-    assert 0.40 <= rate <= 0.50, rate
-    assert 6 <= mal <= 9, mal
+    assert 0.15 <= rate <= 0.20, rate  # healthy DFlash at k=15 (the published figures): 15-19 %, AL ~3.5
+    assert 3.2 <= mal <= 3.9, mal
     per_pos = [b["per_pos"][p] - a["per_pos"].get(p, 0) for p in range(15)]
     assert per_pos == sorted(per_pos, reverse=True)
     # periodic SpecDecoding line
@@ -102,7 +102,7 @@ def test_published_dflash_end_to_end(bed):
                   r"Drafted throughput: .* tokens/s, Accepted: (\d+) tokens, Drafted: (\d+) tokens, "
                   r"Per-position acceptance rate: (.*?), Avg Draft acceptance rate: ([0-9.]+|nan)%", srv.log())
     assert m, srv.log()[-2000:]
-    assert 40 <= float(m.group(5)) <= 50
+    assert 15 <= float(m.group(5)) <= 20
     # process tree and GPU holds: workers at ~0.9 * 81559 MiB on their own GPU
     pids = pids_in_group(srv.proc.pid)
     names = {p: comm(p) for p in pids}
@@ -134,7 +134,7 @@ def test_published_dflash_end_to_end(bed):
 
 @pytest.mark.parametrize("name,mutate,lo,hi,taps", [
     ("stale", None, 0.0, 0.025, "(2, 18, 34, 50, 64)"),
-    ("published", lambda c: c.update(use_sliding_window=False), 0.22, 0.34, "(2, 17, 32, 47, 62)"),
+    ("published", lambda c: c.update(use_sliding_window=False), 0.08, 0.12, "(2, 17, 32, 47, 62)"),
 ])
 def test_acceptance_follows_loaded_config(bed, name, mutate, lo, hi, taps):
     bed.faults({"load_s": 0.1})
@@ -146,12 +146,14 @@ def test_acceptance_follows_loaded_config(bed, name, mutate, lo, hi, taps):
     assert lo <= rate <= hi, rate
     if name == "stale":
         assert mal < 1.3
+    else:  # the window dropped: a cliff (positions 0-3 plausible, from 4 on zero), AL ~30 % shorter than healthy
+        assert per_pos[0] > 0.5 and per_pos[3] > 0.1 and max(per_pos[4:]) == 0 and 2.2 < mal < 2.8, per_pos
 
 
 @pytest.mark.parametrize("version,build_,line,lo,hi", [
-    ("0.23.0", "release", "Using auxiliary layers from speculative config: (2, 17, 32, 47, 62)", 0.22, 0.34),
-    ("0.28.0", "release", "Using Eagle3 auxiliary layers from config: (2, 17, 32, 47, 62)", 0.40, 0.50),
-    ("0.21.0", "pr40898", "Using auxiliary layers from speculative config: (2, 17, 32, 47, 62)", 0.40, 0.50),
+    ("0.23.0", "release", "Using auxiliary layers from speculative config: (2, 17, 32, 47, 62)", 0.08, 0.12),
+    ("0.28.0", "release", "Using Eagle3 auxiliary layers from config: (2, 17, 32, 47, 62)", 0.15, 0.20),
+    ("0.21.0", "pr40898", "Using auxiliary layers from speculative config: (2, 17, 32, 47, 62)", 0.15, 0.20),
 ])
 def test_published_config_per_vllm_version(bed, version, build_, line, lo, hi):
     bed.faults({"load_s": 0.1})
@@ -220,7 +222,7 @@ def test_old_vllm_without_plus1_fix(bed):
     srv.wait_ready()
     assert "Using auxiliary layers from speculative config: (1, 16, 31, 46, 61)" in srv.log()
     rate, _, _ = srv.measure(n=8)
-    assert 0.02 <= rate <= 0.09, rate
+    assert 0.02 <= rate <= 0.09, rate  # the missing +1 fix: lower everywhere, not zero
 
 
 def test_vllm_025_rejects_mixed_drafter(bed):
@@ -277,6 +279,8 @@ def test_mtp_rate_alias_and_sigkill_leaves_workers(bed):
     ("0.21.0", {"method": "mtp", "num_speculative_tokens": 1, "attention_backend": "flash_attn"}, True),
     ("0.29.0", {"method": "mtp", "num_speculative_tokens": 1, "disable_eagle_block_drop": True}, False),
     ("0.30.0", {"method": "mtp", "num_speculative_tokens": 1, "disable_eagle_block_drop": True}, True),
+    ("0.33.0", {"method": "mtp", "num_speculative_tokens": 1, "disable_padded_drafter_batch": True}, True),
+    ("0.34.0", {"method": "mtp", "num_speculative_tokens": 1, "disable_padded_drafter_batch": True}, False),
 ])
 def test_spec_keys_strict_per_version(bed, version, spec, ok):
     # a valid spec proceeds to the engine, which then fails on the (faked) free memory check

@@ -68,7 +68,8 @@ def test_wheel_ships_playbooks_drafters_and_schemas(wheel):
 
 def test_product_wheel_holds_no_test_bed_and_no_fake_vllm(wheel, testbed_wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    assert not [n for n in names if "testbed" in n or "/vllm/" in n or n.startswith("vllm/")], names
+    assert not [n for n in names if ("testbed" in n and not n.startswith("orchestrator/docs/")) or "/vllm/" in n
+                or n.startswith("vllm/")], names  # the shipped docs may describe the test bed (deploy docs testbed)
     tb = set(zipfile.ZipFile(testbed_wheel).namelist())
     for f in ("vpd_testbed/core.py", "vpd_testbed/scripts/pct.py", "vpd_testbed/fake_vllm/vllm/__init__.py",
               "vpd_testbed/fake_vllm/vllm/_fake/server.py", "vpd_testbed/data/qwen36-27b-target.trimmed.config.json"):

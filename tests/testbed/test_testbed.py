@@ -375,6 +375,7 @@ def test_up_refuses_taken_port_and_down_leaves_nothing(tb, tmp_path):
     for port in (2222, 2301):
         with socket.socket() as s:
             assert s.connect_ex((bed.address("pve1"), port)) != 0
+    assert subprocess.run(["ip", "link", "show", "dev", bed.ws_if], capture_output=True).returncode != 0
 
 
 def test_load_reattaches(tb):
@@ -429,3 +430,96 @@ def test_failed_start_quotes_the_log_and_keeps_it(tb, monkeypatch):
 def test_hostinit_creates_sshd_privsep_dir(tb):
     """/run is empty after a boot: the host's init makes sshd's privilege separation directory itself."""
     assert "mkdir -p -m 0755 /run/sshd" in (tb.root / "pve1" / "hostinit.sh").read_text()
+
+
+# ---- networking ------------------------------------------------------------------------------------
+def _serve_http(tb, host, vmid, port=8000):
+    """A tiny HTTP server in the container on 0.0.0.0:port (answers GET / with a directory listing)."""
+    r = tb.container_exec(host, vmid, ["sh", "-c", "setsid -f python3 -m http.server %d --bind 0.0.0.0 "
+                                       "</dev/null >/dev/null 2>&1" % port])
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: tb.container_exec(host, vmid, ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/%d" % port]).returncode
+             == 0, 20, "http.server in %s/%d" % (host, vmid))
+
+
+def _get(url, timeout=5):
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status
+
+
+def test_containers_have_addresses_this_machine_and_a_tunnel_reach(tb):
+    import yaml
+    inv = yaml.safe_load(open(tb.inventory_path))
+    recorded = {(h["name"], c["vmid"]): c["address"] for h in inv["hosts"] for c in h["containers"]}
+    want = {(h, v): tb.container_address(h, v) for h in tb.hosts for v in tb.spec[h]}
+    assert recorded == want and len(set(want.values())) == len(want)
+    assert all(a.startswith(tb.subnet) for a in want.values()) and tb.workstation_address == tb.subnet + "254"
+    # eth0 inside, with the address and the pct config's MAC
+    r = tb.container_exec("pve1", 130, ["ip", "-o", "addr", "show", "dev", "eth0"])
+    assert tb.container_address("pve1", 130) + "/24" in r.stdout, r.stdout
+    mac = [ln for ln in tb.host_exec("pve1", ["pct", "config", "130"]).stdout.splitlines() if ln.startswith("net0")]
+    out = tb.container_exec("pve1", 130, ["ip", "-o", "link", "show", "dev", "eth0"]).stdout.split()
+    link = out[out.index("link/ether") + 1]
+    assert "hwaddr=%s," % link.upper() in mac[0]
+    # reached from here (the root namespace) on two hosts; a container reaches another one too
+    _serve_http(tb, "pve1", 130)
+    _serve_http(tb, "pve2", 129)
+    assert _get("http://%s:8000/" % tb.container_address("pve1", 130)) == 200
+    assert _get("http://%s:8000/" % tb.container_address("pve2", 129)) == 200
+    r = tb.container_exec("pve1", 129, ["python3", "-c", "import urllib.request as u; print(u.urlopen('http://%s:8000/',"
+                                        " timeout=5).status)" % tb.container_address("pve2", 129)])
+    assert r.stdout.strip() == "200", r.stderr
+    # through an SSH tunnel via the simulated Proxmox host (sshd forwards from the host's side)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        lport = s.getsockname()[1]
+    argv = tb.ssh_argv("pve1")
+    argv[-1:-1] = ["-N", "-o", "ExitOnForwardFailure=yes", "-L",
+                   "127.0.0.1:%d:%s:8000" % (lport, tb.container_address("pve1", 130))]
+    tun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        def through():
+            try:
+                return _get("http://127.0.0.1:%d/" % lport, timeout=2) == 200
+            except OSError:
+                assert tun.poll() is None, tun.stderr.read()
+                return False
+        wait_for(through, 15, "the tunnel")
+    finally:
+        tun.terminate()
+        tun.wait(timeout=10)
+    # a restarted container comes back on the same address (same MAC: no stale neighbour entry here)
+    tb.stop_container("pve1", 130)
+    tb.start_container("pve1", 130)
+    _serve_http(tb, "pve1", 130)
+    assert _get("http://%s:8000/" % tb.container_address("pve1", 130)) == 200
+    st = tb.status()
+    assert st["network"] == {"subnet": tb.subnet + "0/24", "workstation": tb.workstation_address,
+                             "link": tb.ws_if, "up": True}
+    assert st["hosts"][0]["containers"][0]["address"] == tb.container_address("pve1", 129)
+
+
+def test_reset_rebuilds_a_killed_network(tb):
+    lan = tb.lan()
+    os.kill(lan["pid"], 9)
+    wait_for(lambda: tb.lan() is None, 5, "the holder to go")
+    tb.reset()
+    assert tb.lan()["pid"] != lan["pid"]
+    _serve_http(tb, "pve1", 129)
+    assert _get("http://%s:8000/" % tb.container_address("pve1", 129)) == 200
+
+
+def test_a_static_ip_option_is_the_container_address(tb, tmp_path):
+    bed = Testbed(root=str(tb.root) + "-ip", hosts=1, containers=[129, 131], gpus=1,
+                  net="127.77.%d." % (150 + os.getpid() % 40), options={"pve1": {131: {"ip": "10.99.0.31/24"}}})
+    bed.up()
+    try:
+        assert bed.container_address("pve1", 131) == "10.99.0.31"
+        assert "address: 10.99.0.31" in open(bed.inventory_path).read()
+        r = bed.container_exec("pve1", 131, ["ip", "-o", "addr", "show", "dev", "eth0"])
+        assert "10.99.0.31/24" in r.stdout
+    finally:
+        bed.down()
+    r = subprocess.run(["ip", "link", "show", "dev", bed.ws_if], capture_output=True)
+    assert r.returncode != 0  # its link went with it

@@ -24,12 +24,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 AUDIT = os.path.join(os.environ.get("TMPDIR", "/tmp"), "vpd-decisions-audit-%d.jsonl" % os.getpid())
 
 
-def metrics(drafts: int, draft_tokens: int, accepted: int, k: int = 15) -> str:
-    per = [max(0, accepted // drafts - i) if drafts else 0 for i in range(k)]
+HEALTHY_K15 = [0.62, 0.41, 0.29, 0.21, 0.16, 0.135, 0.12, 0.105, 0.095, 0.085, 0.075, 0.07, 0.065, 0.06,
+               0.055]  # healthy DFlash at k=15: AL 3.55, rate 17.0 %
+GUESSED_K15 = [0.10, 0.03, 0.009] + [0.0] * 12  # the field report's guessed config: rate ~1 %, AL ~1.14
+CLIFF_K15 = [0.62, 0.40, 0.28, 0.12] + [0.0] * 11  # sliding layers run as full attention: AL 2.42, yet a cliff
+
+
+def metrics(drafts: int, draft_tokens: int = 0, accepted: int = 0, k: int = 15, curve: list | None = None) -> str:
+    """/metrics text with the four spec-decode counters. With a curve (acceptance by position), the counts follow
+    it exactly: accepted = drafts * sum(curve), draft tokens = drafts * k."""
+    if curve is not None:
+        k = len(curve)
+        per = [round(drafts * c) for c in curve]
+        draft_tokens, accepted = drafts * k, sum(per)
+    else:
+        per = [max(0, accepted // drafts - i) if drafts else 0 for i in range(k)]
     lines = [f"vllm:spec_decode_num_drafts_total {drafts}", f"vllm:spec_decode_num_draft_tokens_total {draft_tokens}",
              f"vllm:spec_decode_num_accepted_tokens_total {accepted}"]
     lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {v}' for i, v in enumerate(per)]
     return "\n".join(lines) + "\n"
+
+
+def probe(after: str, sent: int = 8, rounds: int = 1) -> dict:
+    return {"ok": True, "before": metrics(0, curve=[0.0] * 15), "after": after, "sent": sent, "succeeded": sent,
+            "errors": [], "rounds": rounds}
 
 
 class FakeSession:
@@ -98,7 +116,7 @@ def world(tmp_path, monkeypatch):
 
 def healthy_script(pb, **over) -> dict:
     sha = pb.drafter["sha256"]
-    good = metrics(10, 150, 90)
+    good = metrics(220, curve=HEALTHY_K15)  # healthy DFlash at k=15: rate 17.0 %, AL 3.55
     s = {
         "lock": {"locked": True}, "unlock": {"unlocked": True},
         "status": {"state": None, "health": None, "models": [], "vllm_processes": []},
@@ -111,7 +129,8 @@ def healthy_script(pb, **over) -> dict:
         "launch": {"ok": True, "pid": 4242, "log_path": "/var/lib/vllm-pve-deploy/vllm.log"},
         "wait_ready": {"ready": True, "seconds": 3.0, "aux_layers": [2, 17, 32, 47, 62]},
         "file_sha": {"sha256": sha},
-        "acceptance": {"ok": True, "before": metrics(0, 0, 0), "after": good, "sent": 6, "succeeded": 6, "errors": []},
+        "acceptance": probe(good),
+        "gate_record": {"ok": True, "launch_known": True},
         "note_failure": {"ok": True},
     }
     s.update(over)
@@ -143,7 +162,8 @@ def check_plan_is_program(planned, sess):
             known.setdefault(s.action, []).append(s.args)
         elif s.host_argv:
             known.setdefault(" ".join(s.host_argv[:2]), []).append({})
-    volatile = {"token", "holder", "workstation", "pid", "pid_start", "wait_s", "renew", "failure", "break_token"}
+    volatile = {"token", "holder", "workstation", "pid", "pid_start", "wait_s", "renew", "failure", "break_token",
+                "verdict"}
     for action, args in sess.calls:
         if action == "pct list":
             continue  # named in gpus-free's `runs` (who else is given a busy GPU)
@@ -154,7 +174,7 @@ def check_plan_is_program(planned, sess):
 
 
 FULL_UP = ["pct status", "lock", "status", "write_file", "verify", "gpus_free", "port_check", "launch", "wait_ready",
-           "file_sha", "acceptance", "unlock"]
+           "file_sha", "acceptance", "gate_record", "unlock"]
 
 
 def test_up_on_an_empty_container_runs_the_plan_in_order_and_skips_stop(world):
@@ -162,18 +182,9 @@ def test_up_on_an_empty_container_runs_the_plan_in_order_and_skips_stop(world):
     assert out.ok and out.status == "up", out.error and out.error.render()
     assert actions == FULL_UP  # `stop` skipped: nothing to stop
     assert [r.step for r in out.results] == ["container", "lock", "current", "drafter-config", "verify", "gpus-free",
-                                             "port-free", "launch", "wait-ready", "aux-layers", "drift", "acceptance"]
-    assert out.info["acceptance"]["draft_acceptance_rate"] == pytest.approx(0.6)
-
-
-def test_already_up_stops_after_reading_the_current_state(world):
-    inv, pb = world
-    cur = {"state": {"alive": True, "pid": 7, "argv": P.serve_argv(pb), "playbook": pb.name,
-                     "playbook_sha256": pb.sha256}, "drafter_sha256": pb.drafter["sha256"], "health": 200,
-           "models": [pb.serve["served_model_name"]], "vllm_processes": []}
-    out, actions, _ = run_up(world, healthy_script(pb, status=cur))
-    assert out.ok and out.status == "already up"
-    assert actions == ["pct status", "lock", "status", "unlock"]
+                                             "port-free", "launch", "wait-ready", "aux-layers", "drift", "acceptance",
+                                             "gate-record"]
+    assert out.info["acceptance"]["draft_acceptance_rate"] == pytest.approx(0.17, abs=0.002)
 
 
 def test_identical_but_unhealthy_deployment_is_restarted(world):
@@ -213,23 +224,142 @@ def test_restart_always_stops_and_clean_gpus_reaches_only_the_playbooks_gpus(wor
     assert stop_args["clean_gpus"] is True and stop_args["gpus"] == [0, 1, 2, 3]
 
 
-def test_low_acceptance_falls_back_under_the_same_lock_without_fuser(world):
+def test_healthy_dflash_at_k15_with_a_17_percent_rate_passes(world):
+    """The old gate (30 %) failed this deployment; the rate falls as k grows, AL and the curve do not."""
+    out, actions, sess = run_up(world, healthy_script(world[1]))
+    assert out.ok and out.status == "up"
+    v = out.info["gate"]
+    assert v["passed"] and v["figures"]["draft_acceptance_rate"] == pytest.approx(0.17, abs=0.002)
+    assert v["figures"]["mean_acceptance_length"] == pytest.approx(3.545, abs=0.01)
+    assert v["thresholds"]["min_mean_acceptance_length"] == 2.2 and v["thresholds"]["min_draft_acceptance"] is None
+    acc = next(r for r in out.results if r.step == "acceptance")
+    # every message: AL, rate (with its interval and counts), the whole curve, the verdict in words
+    for text in ("AL 3.55 of 16", "rate 17.0% (95% interval 15.7%-18.3%)", "220 drafts (3300 drafted tokens)",
+                 "per position [0.62, 0.41, 0.29", ", 0.05]", "passes (AL 3.55 >= 2.2", "position 0 0.62 >= 0.5",
+                 "no cliff", "220 drafts >= 100"):
+        assert text in acc.summary, acc.summary
+    rec = next(a for n, a in sess.calls if n == "gate_record")
+    assert rec["verdict"]["passed"] and rec["verdict"]["rejected_fallback"] is None
+
+
+def test_the_old_rate_threshold_is_honoured_when_the_playbook_asks_for_it(world):
     inv, pb = world
-    low = metrics(10, 150, 2)  # 1.3 %: the guessed config of the field report
-    mtp = metrics(10, 20, 14)  # 70 %
-    script = healthy_script(pb, acceptance=[{"ok": True, "before": metrics(0, 0, 0), "after": low, "sent": 6,
-                                        "succeeded": 6, "errors": []},
-                                       {"ok": True, "before": metrics(0, 0, 0), "after": mtp, "sent": 4,
-                                        "succeeded": 4, "errors": []}],
+    pb.data["acceptance"]["min_draft_acceptance"] = 0.30
+    try:
+        out, _, _ = run_up(world, healthy_script(pb, acceptance=probe(metrics(220, curve=HEALTHY_K15)),
+                                                 status=[{"state": None, "vllm_processes": []}] * 2))
+    finally:
+        pb.data["acceptance"]["min_draft_acceptance"] = None
+    assert out.status == "fell back" and "min_draft_acceptance 30%" in out.error.message
+    assert "the rate falls as k grows" in out.error.message
+
+
+def test_guessed_config_fails_the_gate_falls_back_under_the_same_lock_and_is_recorded(world):
+    inv, pb = world
+    low = metrics(700, curve=GUESSED_K15)  # rate ~0.9 %, AL ~1.14: the guessed config of the field report
+    mtp = metrics(350, curve=[0.78, 0.58])  # MTP k=2: AL 2.36
+    script = healthy_script(pb, acceptance=[probe(low), probe(mtp)],
                             status=[{"state": None, "vllm_processes": []},
                                     {"state": None, "vllm_processes": []}])
     out, actions, sess = run_up(world, script)
     assert not out.ok and out.status == "fell back" and out.error.step == "acceptance"
     assert out.fallback is not None and out.fallback.ok and out.fallback.playbook == "qwen36-mtp"
-    # one lock for both; the low-acceptance stop, then the fallback's own steps; no second container check
+    msg = out.error.message
+    assert "AL 1.14 of 16" in msg and "rate 0.9%" in msg and "position-0 acceptance 0.10 < 0.5" in msg
+    assert "mean acceptance length 1.14 < 2.2" in msg and "guessed or stale config" in msg
+    # one lock for both; the verdict recorded, the low-acceptance stop, the fallback's own steps (gated, recorded)
     assert actions == FULL_UP[:-1] + ["stop", "status", "verify", "gpus_free", "port_check", "launch",
-                                      "wait_ready", "acceptance", "unlock"]
+                                      "wait_ready", "acceptance", "gate_record", "unlock"]
     assert all(a["clean_gpus"] is False for n, a in sess.calls if n == "stop")
+    recs = [a for n, a in sess.calls if n == "gate_record"]
+    assert recs[0]["playbook"] == "qwen36-dflash" and not recs[0]["verdict"]["passed"]
+    assert recs[0]["verdict"]["rejected_fallback"] == "qwen36-mtp"  # kept for deploy status after the fallback
+    assert recs[0]["verdict"]["figures"]["mean_acceptance_length"] == pytest.approx(1.14, abs=0.01)
+    assert recs[1]["playbook"] == "qwen36-mtp" and recs[1]["verdict"]["passed"]
+
+
+def test_a_cliff_fails_the_gate_even_with_a_passing_mean_acceptance_length_and_is_named(world):
+    inv, pb = world
+    cliff = metrics(300, curve=CLIFF_K15)  # AL 2.42 >= 2.2 and position 0 0.62: only the shape shows it
+    script = healthy_script(pb, acceptance=[probe(cliff), probe(metrics(350, curve=[0.78, 0.58]))],
+                            status=[{"state": None, "vllm_processes": []}] * 2)
+    out, _, _ = run_up(world, script)
+    assert out.status == "fell back"
+    msg = out.error.message
+    assert "a cliff: positions 4-14 are all ~0" in msg and "position 3 is 0.12" in msg
+    assert "sliding layers run as full attention, or a missing sliding window" in msg
+    assert "AL 2.42" in msg and "mean acceptance length" not in msg.split("FAILS")[-1]  # AL itself passed
+    assert out.error.fix.startswith("a cliff: check use_sliding_window") or "a cliff" in out.error.fix
+
+
+def test_too_few_drafts_make_the_probe_longer_and_still_too_few_fail(world):
+    inv, pb = world
+    step = P.step_acceptance(pb)
+    assert step.args["min_drafts"] == 100 and step.args["max_rounds"] == 4 and step.args["rounds"] == 1
+    # the agent probed 3 rounds instead of 1 (it stops as soon as the drafts suffice): reported, and judged
+    out, _, _ = run_up(world, healthy_script(pb, acceptance=probe(metrics(150, curve=HEALTHY_K15), sent=24,
+                                                                  rounds=3)))
+    assert out.ok
+    acc = next(r for r in out.results if r.step == "acceptance")
+    assert "probing 3 rounds instead of 1 (24 requests)" in acc.summary
+    # still too few after max_rounds: no verdict on 40 drafts, said so, with what to change
+    out, _, _ = run_up(world, healthy_script(pb, acceptance=[probe(metrics(40, curve=HEALTHY_K15), rounds=4),
+                                                             probe(metrics(350, curve=[0.78, 0.58]))],
+                                             status=[{"state": None, "vllm_processes": []}] * 2))
+    assert out.status == "fell back"
+    assert "too few drafts to judge: 40 < 100 (acceptance.min_drafts) even after probing 4 rounds" in out.error.message
+
+
+def test_an_interrupted_up_then_up_gates_the_running_server_instead_of_already_up(world):
+    """Ctrl-C or an SSH drop during wait-ready leaves vLLM running with no verdict: the next up measures it."""
+    inv, pb = world
+    running = {"state": {"alive": True, "pid": 7, "argv": P.serve_argv(pb), "playbook": pb.name,
+                         "playbook_sha256": pb.sha256, "started_at": 1.0e9}, "drafter_sha256": pb.drafter["sha256"],
+               "health": 200, "models": [pb.serve["served_model_name"]], "vllm_processes": [], "gate": None}
+    out, actions, _ = run_up(world, healthy_script(pb, status=running))
+    assert out.ok and out.status == "up" and out.info.get("gated_running")
+    assert actions == ["pct status", "lock", "status", "acceptance", "gate_record", "unlock"]  # nothing relaunched
+    cur = next(r for r in out.results if r.step == "current")
+    assert "no gate verdict for this launch" in cur.summary and "measuring and gating it now" in cur.summary
+    # a verdict for an earlier launch does not count either; and a failed gate now acts: stop it, fall back
+    old = dict(running, gate={"for_current_launch": False, "at": 1.0e9, "verdict": {"passed": True}})
+    script = healthy_script(pb, status=[old, {"state": None, "vllm_processes": []}],
+                            acceptance=[probe(metrics(700, curve=GUESSED_K15)), probe(metrics(350, curve=[0.78, 0.58]))])
+    out, actions, _ = run_up(world, script)
+    assert out.status == "fell back" and out.fallback.ok
+    assert actions[:6] == ["pct status", "lock", "status", "acceptance", "gate_record", "stop"]
+
+
+def test_a_failed_gate_on_an_ungated_server_without_fallback_stops_it_and_records_the_failure(world):
+    inv, pb = world
+    mtp = pb.fallback
+    running = {"state": {"alive": True, "pid": 7, "argv": P.serve_argv(mtp), "playbook": mtp.name,
+                         "playbook_sha256": mtp.sha256}, "drafter_sha256": None,
+               "health": 200, "models": [mtp.serve["served_model_name"]], "vllm_processes": [], "gate": None}
+    fleet = Fleet(inv, audit=AuditLog(path=AUDIT))
+    sess = FakeSession(healthy_script(pb, status=running, acceptance=probe(metrics(300, curve=[0.2, 0.05]))),
+                       inv.host("pve1"))
+    fleet.session = lambda name: sess
+    out = ops.up(fleet, mtp, Progress(quiet=True), ops.Options())
+    actions = [a for a, args in sess.calls if not args.get("renew")]
+    assert not out.ok and out.error.step == "acceptance" and "position-0 acceptance 0.20 < 0.5" in out.error.message
+    assert actions == ["pct status", "lock", "status", "acceptance", "stop", "note_failure", "unlock"]
+    check_plan_is_program(P.plan_up(mtp), sess)
+
+
+def test_already_up_needs_a_passed_verdict_for_the_launch_running_now(world):
+    inv, pb = world
+    cur = {"state": {"alive": True, "pid": 7, "argv": P.serve_argv(pb), "playbook": pb.name,
+                     "playbook_sha256": pb.sha256}, "drafter_sha256": pb.drafter["sha256"], "health": 200,
+           "models": [pb.serve["served_model_name"]], "vllm_processes": [],
+           "gate": {"for_current_launch": True, "at": 1.0e9, "verdict": {"passed": True, "figures": {
+               "mean_acceptance_length": 3.5, "k": 15, "draft_acceptance_rate": 0.17, "first_position": 0.62,
+               "drafts": 220}}}}
+    out, actions, _ = run_up(world, healthy_script(pb, status=cur))
+    assert out.ok and out.status == "already up"
+    assert actions == ["pct status", "lock", "status", "unlock"]
+    cur_step = next(r for r in out.results if r.step == "current")
+    assert "passed the acceptance gate at" in cur_step.summary and "AL 3.50 of 16, rate 17.0%" in cur_step.summary
 
 
 def test_failure_after_launch_stops_the_server_checks_drift_and_leaves_a_record(world):
@@ -238,7 +368,7 @@ def test_failure_after_launch_stops_the_server_checks_drift_and_leaves_a_record(
              "fix": "lower serve.gpu_memory_utilization in PLAYBOOK"}
     out, actions, sess = run_up(world, healthy_script(pb, wait_ready=fatal))
     assert not out.ok and out.error.step == "wait-ready"
-    assert actions == FULL_UP[:-3] + ["stop", "file_sha", "file_sha", "note_failure", "unlock"]
+    assert actions == FULL_UP[:-4] + ["stop", "file_sha", "file_sha", "note_failure", "unlock"]
     # stop-failed, drift-check (unchanged: the failure stays wait-ready's), read-back, the record
     assert "the failed server had already exited" in out.error.state_left
     assert "read now: sha256 " + pb.drafter["sha256"] + ", the pinned bytes" in out.error.state_left

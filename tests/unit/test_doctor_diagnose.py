@@ -81,7 +81,8 @@ def test_low_acceptance_from_metrics():
     fx = facts()
     fx["servers"][0]["metrics"] = m
     f = diagnose(fx, PINNED, host="pve1", vmid=129)
-    assert classes(f) == ["low-acceptance"] and "1.0%" in f[0]["cause"] and "below 40%" in f[0]["cause"]
+    assert classes(f) == ["low-acceptance"] and "rate 1.0%" in f[0]["cause"] and "AL 1.15" in f[0]["cause"]
+    assert "min_draft_acceptance 40%" in f[0]["cause"] and "mean acceptance length 1.15 < 2.2" in f[0]["cause"]
     assert "deploy up qwen36-mtp --clean-gpus" == f[0]["fix"]
 
 

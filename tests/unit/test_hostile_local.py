@@ -213,3 +213,41 @@ def test_the_agent_cuts_its_own_event_texts_below_the_cap(capsys):
     A.emit(event="line", line="\U0001F600" * 100000)
     out = capsys.readouterr().out
     assert len(out.encode()) < MAX_EVENT_LINE and "characters cut" in json.loads(out)["line"]
+
+
+def test_hub_refs_content_is_a_snapshot_name_never_a_path(tmp_path):
+    import os
+
+    from orchestrator.agent.container import verify as A
+
+    base = tmp_path / "hub" / "models--org--drafter"
+    (base / "refs").mkdir(parents=True)
+    (base / "snapshots" / ("a" * 40)).mkdir(parents=True)
+    (base / "refs" / "main").write_text("../../../../etc\n")
+    r = A.resolve_drafter_path({"hub_id": "org/drafter", "hf_home": str(tmp_path)})
+    assert r["path"] is None and "not a snapshot name" in r["error"]
+    (base / "refs" / "main").write_text("a" * 40 + "\n")
+    r = A.resolve_drafter_path({"hub_id": "org/drafter", "hf_home": str(tmp_path)})
+    assert r["path"] == str(base / "snapshots" / ("a" * 40) / "config.json")
+    os.unlink(base / "refs" / "main")
+    os.mkfifo(base / "refs" / "main")  # a FIFO: not read (it would block), the newest snapshot is used
+    r = A.resolve_drafter_path({"hub_id": "org/drafter", "hf_home": str(tmp_path)})
+    assert r["revision"] == "a" * 40
+
+
+def test_doctor_reads_a_config_only_as_a_regular_file(tmp_path):
+    import os
+
+    from orchestrator.agent.container import doctor as A
+
+    os.mkfifo(tmp_path / "config.json")
+    assert "not a regular file" in A._read_config(str(tmp_path / "config.json"))["error"]
+    (tmp_path / "real.json").write_text("{}")
+    os.symlink(tmp_path / "real.json", tmp_path / "link.json")
+    assert A._read_config(str(tmp_path / "link.json"))["text"] == "{}"  # a root-owned directory: followed
+    other = tmp_path / "other"
+    other.mkdir()
+    os.symlink(tmp_path / "real.json", other / "config.json")
+    os.chown(other, 65534, 65534)  # another user's directory: their symlink is not followed
+    assert "symlink" in A._read_config(str(other / "config.json"))["error"]
+    assert A._read_config(str(tmp_path / "real.json"))["text"] == "{}"

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from orchestrator.errors import DeployError, SpecError
-from orchestrator.report import Progress, SafeStream, check_rows, table, to_terminal, wrap
+from orchestrator.report import Progress, SafeStream, check_rows, table, wrap
 from orchestrator.status import _row, render_table
 from orchestrator.steps import StepFailed
 
@@ -339,6 +339,6 @@ def test_a_wait_on_a_tty_is_one_line_updated_in_place(monkeypatch):
     for i in range(5):
         p.waiting("pve1/129", "GPU0 30000 MiB", f"waiting for GPU memory: GPU0 30000 MiB ({i}s)")
     p.say("pve1/129", "ok   gpus-free")
-    text = to_terminal(tty.getvalue())  # what the output boundary writes (own() sequences restored)
+    text = tty.getvalue()  # Progress applies the output boundary itself on a plain stream (own() restored)
     assert text.count("\r\x1b[2K") == 4 and text.count("\n") == 3  # first line, in-place updates, end, next line
     assert "(4s)" in text and "gpus-free" in text

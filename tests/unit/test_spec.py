@@ -291,8 +291,8 @@ def test_supervise_defaults_and_a_start_limit_that_can_never_be_reached(work):
 
 def test_plain_http_install_sources_need_allow_insecure(work):
     """issue 22: http:// for requires.vllm, index_url, find_links is refused unless allow_insecure: true."""
-    src = "\nrequires:\n"
-    new = ("\nrequires:\n  vllm: http://mirror.invalid/vllm-0.34.0-cp38-abi3-manylinux1_x86_64.whl\n  install:\n"
+    src = '  vllm: "0.34.0"'  # the shipped playbook names a release (issue 24): replace it
+    new = ("  vllm: http://mirror.invalid/vllm-0.34.0-cp38-abi3-manylinux1_x86_64.whl\n  install:\n"
            "    index_url: http://mirror.invalid/simple\n    find_links: [/root/wheels, http://mirror.invalid/w]\n")
     path = edit(work, "qwen36-dflash", src, new)
     probs = "\n".join(problems(lambda: load_playbook(path, inv(work))))
@@ -305,8 +305,7 @@ def test_plain_http_install_sources_need_allow_insecure(work):
 
 def test_hashes_pin_a_release_not_a_git_source(work):
     h = "sha256:" + "a" * 64
-    path = edit(work, "qwen36-dflash", "\nrequires:\n",
-                f"\nrequires:\n  vllm: \"0.34.0\"\n  install:\n    hashes: [{h}]\n")
+    path = edit(work, "qwen36-dflash", '  vllm: "0.34.0"', f'  vllm: "0.34.0"\n  install:\n    hashes: [{h}]\n')
     assert load_playbook(path, inv(work)).data["requires"]["install"]["hashes"] == [h]
     edit(work, "qwen36-dflash", 'vllm: "0.34.0"', "vllm: git+https://github.com/ORG/vllm@main")
     assert any("cannot be hash-pinned" in p for p in problems(lambda: load_playbook(path, inv(work))))

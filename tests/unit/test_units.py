@@ -45,17 +45,20 @@ def test_plan_up_order_and_commands(pbs):
     plan = P.plan_up(dflash)
     names = [s.name for s in plan]
     assert names == ["container", "lock", "current", "drafter-config", "verify", "stop", "gpus-free", "port-free",
-                     "launch", "wait-ready", "aux-layers", "drift", "acceptance",  # main
+                     "launch", "wait-ready", "aux-layers", "drift", "acceptance", "gate-record",  # main
+                     "acceptance", "gate-record",  # the same deployment runs, never gated: gate it now
                      "stop-low", "fallback",  # on low acceptance (the playbook falls back to qwen36-mtp)
                      "stop-failed", "drift-check", "read-back", "note-failure",  # on failure
                      "unlock"]  # finally
-    assert [s.phase for s in plan][-7:] == ["on-low-acceptance"] * 2 + ["on-failure"] * 4 + ["finally"]
+    assert [s.phase for s in plan][-9:] == ["gate-running"] * 2 + ["on-low-acceptance"] * 2 + ["on-failure"] * 4 + \
+        ["finally"]
     fb = next(s for s in plan if s.name == "fallback")
     assert [s.name for s in fb.sub] == ["current", "verify", "stop", "gpus-free", "port-free", "launch",
-                                        "wait-ready", "acceptance", "stop-failed", "note-failure"]
+                                        "wait-ready", "acceptance", "gate-record", "acceptance", "gate-record",
+                                        "stop-failed", "note-failure"]
     assert all(s.playbook == "qwen36-mtp" for s in fb.sub)
     assert [s.name for s in P.plan_up(mtp) if s.phase == "main"] == \
-        [n for n in names[:13] if n not in ("drafter-config", "drift", "aux-layers")]
+        [n for n in names[:14] if n not in ("drafter-config", "drift", "aux-layers")]
     assert P.plan_up(dflash) == P.plan_up(dflash)  # pure: same input, same plan
     rows = [s.as_dict(inv, "/root/ml-env/bin/python") for s in plan]
     assert rows[0]["command"] == "pct status 129" and rows[0]["ssh"] == "ssh -p 22 root@127.77.0.1"

@@ -72,3 +72,8 @@ def sha256_file(path):
         for chunk in iter(lambda: fh.read(1 << 16), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _some(items, n=5):
+    return ", ".join(items[:n]) + (", and %d more (--json lists all)" % (len(items) - n) if len(items) > n else "")
+

@@ -9,6 +9,7 @@ import os
 import signal
 
 from .core import now
+from .files import why_untrusted
 from .gpus import gpu_holders, read_gpu_memory
 from .net import http
 from .procs import _argv, _boot_time, _environ, pids, proc_cmdline, proc_name, proc_stat, vllm_processes
@@ -54,10 +55,13 @@ def _serve_args(argv):
 
 def _read_config(path, limit=1 << 20):
     """A config.json at a path taken from another process's argv (untrusted): a regular file only, opened
-    O_NONBLOCK|O_NOFOLLOW (a FIFO or a device would block or be read forever), at most `limit` bytes."""
+    O_NONBLOCK (a FIFO or a device would block or be read forever), at most `limit` bytes."""
     info = {"path": path}
+    # a symlink is followed only in a directory nobody but root controls (the hub cache's snapshot links);
+    # in another user's directory it could point root's read anywhere
+    nofollow = 0 if why_untrusted(os.path.dirname(path) or "/") is None else os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow | os.O_NOCTTY | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as fh:
             st = os.fstat(fh.fileno())
             if not _stat.S_ISREG(st.st_mode):

@@ -19,7 +19,7 @@ def act_hub_drafter(a):
     data = core.PAYLOAD
     if data is None or hashlib.sha256(data).hexdigest() != want:
         return {"ok": False, "stage": "payload", "message": "payload does not match the pinned sha256 (transfer error)"}
-    loc = resolve_drafter_path({"hub_id": a["hub_id"], "hf_home": a.get("hf_home")})
+    loc = resolve_drafter_path({"hub_id": a["hub_id"], "hf_home": a.get("hf_home"), "revision": a.get("revision")})
     res = {"path": os.path.join(d, "config.json"), "dir": d, "hub_id": a["hub_id"], "changed": False,
            "backup": None, "snapshot": None, "revision": loc.get("revision")}
     if not loc.get("path"):

@@ -29,6 +29,8 @@ REQUIRED = {
     "logs": (),
     "doctor": ("processes", "servers"),
     "install_vllm": ("ok",),
+    "gate_record": ("ok",),
+    "router": (),
 }
 
 

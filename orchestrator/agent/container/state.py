@@ -117,9 +117,11 @@ def act_note_failure(a):
         except (OSError, UnsafeDirectory):
             return {"ok": True}
         try:
-            os.unlink("last_failure.json", dir_fd=dfd)
-        except OSError:
-            pass
+            for name in ("last_failure.json", "rejected.json"):  # a deliberate down ends both stories
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                except OSError:
+                    pass
         finally:
             os.close(dfd)
         return {"ok": True}

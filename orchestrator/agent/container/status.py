@@ -8,12 +8,14 @@ import re
 
 from .core import sha256_file
 from .files import _read_json, tail_file
+from .gate import gate_status
 from .gpus import read_gpu_memory
 from .lock import _read_lock
 from .net import http, listener_check, serving_host
 from .procs import vllm_processes
 from .state import read_exit_code, read_state
 from .systemd import supervision, systemd_running, unit_error_entries
+from .weights import serving_weights
 from . import core
 
 
@@ -109,6 +111,7 @@ def _status_rest(res, state_dir):
                 res["drafter_sha256"] = None
                 res["drafter_error"] = e.strerror
         res["supervision"] = sup = supervision(st)
+        res["weights"] = serving_weights(st, state_dir)
         if not st.get("alive"):
             if st.get("unit"):
                 ex = sup.get("last_exit") or {}
@@ -126,6 +129,7 @@ def _status_rest(res, state_dir):
     else:
         res["vllm_processes"] = vllm_processes()
         res["supervision"] = {"supervisor": "none", "systemd_running": systemd_running()}
+    res.update(gate_status(state_dir, st))
     failure = _read_json(os.path.join(state_dir, "last_failure.json"))
     if failure:
         res["last_failure"] = failure

@@ -11,7 +11,7 @@ import re
 import sys
 
 from .core import sha256_file
-from .stack import _vllm_stack, serving_checks
+from .stack import _vllm_stack, _vtuple, serving_checks
 
 
 ABSENT = "<absent>"
@@ -47,14 +47,17 @@ def resolve_drafter_path(a):
     rev = None
     want = a.get("revision") or "main"  # from the playbook
     try:
-        fd = os.open(os.path.join(base, "refs", want), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as fh:
-            if not _stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
-            rev = fh.read(256).decode("utf-8", "replace").strip()
-        if not safe_rev(rev):
-            return {"kind": "hub", "path": None, "error": "%s/refs/%s holds %r, not a snapshot name (40 hex digits)"
-                                                          % (base, want, rev[:80])}
+        if re.match(r"^[0-9a-f]{40}$", want) and os.path.isdir(os.path.join(base, "snapshots", want)):
+            rev = want  # a pinned commit (deploy fetch put it there)
+        else:
+            fd = os.open(os.path.join(base, "refs", want), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as fh:
+                if not _stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file")
+                rev = fh.read(256).decode("utf-8", "replace").strip()
+            if not safe_rev(rev):
+                return {"kind": "hub", "path": None, "error": "%s/refs/%s holds %r, not a snapshot name (40 hex "
+                                                              "digits)" % (base, want, rev[:80])}
     except OSError:
         snaps = sorted(os.listdir(os.path.join(base, "snapshots"))) if os.path.isdir(os.path.join(base, "snapshots")) else []
         snaps = [n for n in snaps if safe_rev(n)]
@@ -169,6 +172,8 @@ def act_verify(a):
     stack = _vllm_stack(float(a.get("import_timeout_s", 120)))
     out["stack"] = stack
     serving_checks(stack, disk, a, check)
+    if a.get("method") == "dflash":
+        dflash_semantics(disk, stack, check)
 
     # 6. safetensors header
     st_path = os.path.join(os.path.dirname(path), "model.safetensors")
@@ -207,12 +212,7 @@ def cross(disk, target, a, check):
     if "rope_theta" not in disk and "rope_parameters" not in disk:
         check("rope_theta", False, expected="present", on_disk=ABSENT,
               reason="absent: vLLM falls back to 1e6 silently")
-    for key in ("eagle_aux_hidden_state_layer_ids", "is_causal"):
-        if key in disk:
-            exp = [i + 1 for i in ids] if key.startswith("eagle") and isinstance(ids, list) else ABSENT
-            check("override " + key, key.startswith("eagle") and disk[key] == exp, expected=exp, on_disk=disk[key],
-                  reason="this key overrides vLLM's behaviour")
-    for key in ("use_swa", "causal", "swa_window_size"):
+    for key in ("use_swa", "causal"):
         if key in dc:
             check("override dflash_config." + key, False, expected=ABSENT, on_disk=dc[key],
                   reason="this key overrides vLLM's behaviour")
@@ -225,8 +225,11 @@ def cross(disk, target, a, check):
     if target is None:
         return
     N = target.get("num_hidden_layers")
-    check("num_target_layers", disk.get("num_target_layers") == N, expected=N,
-          on_disk=disk.get("num_target_layers", ABSENT), reason="must equal the target's text_config.num_hidden_layers")
+    dflash = a.get("method") in (None, "dflash")  # EAGLE3 drafters have no num_target_layers or mask token
+    if dflash:
+        check("num_target_layers", disk.get("num_target_layers") == N, expected=N,
+              on_disk=disk.get("num_target_layers", ABSENT),
+              reason="must equal the target's text_config.num_hidden_layers")
     if isinstance(ids, list) and isinstance(N, int):
         bad = [i for i in ids if not isinstance(i, int) or i < 0 or i + 1 > N - 1]
         inc = all(isinstance(x, int) and isinstance(y, int) and x < y for x, y in zip(ids, ids[1:]))
@@ -237,9 +240,9 @@ def cross(disk, target, a, check):
     for key in ("hidden_size", "vocab_size"):
         check(key + " matches target", disk.get(key) == target.get(key), expected=target.get(key),
               on_disk=disk.get(key, ABSENT), reason="the drafter shares the target's embeddings and LM head")
-    mt = dc.get("mask_token_id")
+    mt = dc.get("mask_token_id", disk.get("mask_token_id"))  # vLLM reads dflash_config's, else the top-level key
     vs = target.get("vocab_size")
-    if isinstance(vs, int):
+    if isinstance(vs, int) and dflash:
         check("mask_token_id range", isinstance(mt, int) and 0 <= mt < vs, expected="< %d" % vs, on_disk=mt,
               reason="mask_token_id must be a token of the target's vocabulary")
 
@@ -282,6 +285,56 @@ def load_as_vllm(dirpath, out, check, disk, trust_remote_code=False):
         d["rope_theta"] = rp["rope_theta"]
     check("as loaded", True, expected="loads", as_loaded=type(cfg).__name__)
     return json.loads(json.dumps(d, default=str))
+
+
+def dflash_semantics(disk, stack, check):
+    """How the installed vLLM reads this drafter config (0.34.0): a stray eagle_aux_hidden_state_layer_ids wins
+    over target_layer_ids, dflash_config.swa_window_size over sliding_window, a top-level is_causal over every
+    layer, use_sliding_window: true makes every layer sliding, mask_token_id falls back to the top-level key."""
+    ver = "vLLM %s" % (stack.get("version") or "(unknown version)")
+    dc = disk.get("dflash_config") if isinstance(disk.get("dflash_config"), dict) else {}
+    ids = dc.get("target_layer_ids")
+    aux = disk.get("eagle_aux_hidden_state_layer_ids", ABSENT)
+    if aux is not ABSENT:
+        want = [i + 1 for i in ids] if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
+        check("semantics eagle_aux_hidden_state_layer_ids", aux == want, expected=ABSENT if want is None else
+              "absent, or %s" % want, on_disk=aux,
+              reason="%s taps the target layers given by eagle_aux_hidden_state_layer_ids %s as they are (no +1), "
+                     "silently instead of dflash_config.target_layer_ids %s (taps %s): the drafter would read the "
+                     "wrong target layers; remove the key" % (ver, aux, ids, want))
+    lt = disk.get("layer_types") if isinstance(disk.get("layer_types"), list) else []
+    sliding = "sliding_attention" in lt
+    swa, win = dc.get("swa_window_size", ABSENT), disk.get("sliding_window")
+    if swa is not ABSENT:
+        check("semantics dflash_config.swa_window_size", swa == win, expected="absent, or equal to sliding_window "
+              "%s" % win, on_disk=swa,
+              reason="%s takes the window from dflash_config.swa_window_size (%s) before sliding_window (%s)"
+                     % (ver, swa, win))
+    eff = swa if swa is not ABSENT and swa else win
+    if sliding:
+        check("semantics sliding window", isinstance(eff, int) and eff > 0, expected="a positive window",
+              on_disk=eff, reason="%s needs a window for sliding layers (dflash_config.swa_window_size, else "
+                                  "sliding_window): without one it stops at startup with a ValueError" % ver)
+    if "is_causal" in disk:
+        check("semantics is_causal", False, expected=ABSENT, on_disk=disk["is_causal"],
+              reason="%s applies a top-level is_causal (%s) to every layer, before dflash_config.causal and "
+                     "layer_types; DFlash drafts with non-causal attention: remove the key" % (ver, disk["is_causal"]))
+    v = _vtuple(stack.get("version"))
+    if disk.get("use_sliding_window") is True and "full_attention" in lt and v is not None and v >= (0, 34):
+        full = [i for i, t in enumerate(lt) if t == "full_attention"]
+        check("semantics use_sliding_window", False, expected="layer_types as given", on_disk="every layer sliding",
+              reason="%s runs every layer with sliding attention because use_sliding_window is true, layer(s) %s "
+                     "too, which layer_types marks full_attention (window %s): no difference for contexts up to "
+                     "the window; transformers needs the key to keep the window" % (ver, full, eff),
+              severity="warning")
+    top, inner = disk.get("mask_token_id", ABSENT), dc.get("mask_token_id", ABSENT)
+    if inner is ABSENT and top is ABSENT:
+        check("semantics mask_token_id", False, expected="dflash_config.mask_token_id", on_disk=ABSENT,
+              reason="%s reads mask_token_id from dflash_config, else the top-level key: neither is set" % ver)
+    elif inner is not ABSENT and top is not ABSENT and inner != top:
+        check("semantics mask_token_id", False, expected=inner, on_disk=top,
+              reason="%s uses dflash_config.mask_token_id %s; the top-level mask_token_id %s is ignored: remove "
+                     "one" % (ver, inner, top), severity="warning")
 
 
 def safetensors_check(path, disk, check):

@@ -70,8 +70,69 @@ def init_pid(hostdir, vmid):
     return None
 
 
+# ---- the test bed's network (see docs/testbed.md, "Networking") ----------------------------------------------
+# One network namespace per test bed (held by lan.py, its pid in $ROOT/lan.json) with a bridge br0: every
+# container's eth0 is one end of a veth pair whose other end is a port of br0, and the workstation (the root
+# network namespace, where the simulated hosts' sshd run too) has one more veth into it with the subnet's .254.
+# Deleting the namespace (its holder killed) deletes every veth pair: nothing outlives the test bed's processes.
+
+def _ip(argv, ns_pid=None, batch=None, check=True):
+    cmd = ([NSENTER, "-t", str(ns_pid), "-n", "--"] if ns_pid else []) + ["ip"] + (["-batch", "-"] if batch else argv)
+    r = subprocess.run(cmd, input=(batch or "").encode(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       timeout=10)
+    if check and r.returncode:
+        raise RuntimeError("%s failed (exit %d): %s%s" % (" ".join(cmd), r.returncode,
+                                                          r.stdout.decode(errors="replace").strip(),
+                                                          ("; input: " + batch.strip()) if batch else ""))
+    return r
+
+
+def lan_info(hostdir):
+    """$ROOT/lan.json with the pid of a live holder, or None (no network, or its holder is gone)."""
+    root = os.path.dirname(os.path.abspath(hostdir))
+    try:
+        with open(os.path.join(root, "lan.json")) as f:
+            lan = json.load(f)
+    except (OSError, ValueError):
+        return None
+    cmd = _cmdline(int(lan.get("pid") or 0))
+    return lan if b"lan.py" in cmd and root.encode() in cmd else None
+
+
+def net_attach(hostdir, vmid, pid):
+    """Give the container (init `pid`) its eth0 on the test bed's bridge with its address (ct.json "net")."""
+    with open(os.path.join(ctdir(hostdir, vmid), "ct.json")) as f:
+        net = json.load(f).get("net")
+    if not net:
+        return None
+    lan = lan_info(hostdir)
+    if not lan:
+        raise RuntimeError("container %d: the test bed's network namespace is gone (its lan.py holder is not "
+                           "running); `deploy testbed down` and up again" % int(vmid))
+    port = net["port"]
+    _ip(["link", "del", "dev", port], ns_pid=lan["pid"], check=False)  # a stale port of a previous start
+    _ip(None, ns_pid=lan["pid"], batch="link add name %s type veth peer name eth0 address %s netns %d\n"
+                                         "link set %s master %s up\n" % (port, net["mac"], pid, port, lan["bridge"]))
+    _ip(None, ns_pid=pid, batch="addr add %s dev eth0\nlink set eth0 up\n" % net["cidr"])
+    return net["cidr"]
+
+
 def start(hostdir, vmid, python, root_ns_pid=None, timeout=20.0):
-    """Start a container and wait until its file system view is ready. Returns the init PID."""
+    """Start a container, wait until its file system view is ready, plug it into the test bed's network.
+    Returns the init PID."""
+    pid = _start(hostdir, vmid, python, root_ns_pid, timeout)
+    try:
+        net_attach(hostdir, vmid, pid)
+    except BaseException:
+        try:
+            stop(hostdir, vmid)
+        except Exception:
+            pass
+        raise
+    return pid
+
+
+def _start(hostdir, vmid, python, root_ns_pid=None, timeout=20.0):
     d = ctdir(hostdir, vmid)
     if init_pid(hostdir, vmid):
         raise RuntimeError("CT %d already running" % int(vmid))

@@ -38,7 +38,110 @@ ALL_EXTENSIONS = (
     "vllm_flash_attn/_vllm_fa3_C.abi3.so",
     "cumem_allocator.abi3.so",
 )
-MANAGED_SOURCES = (GPU_MODEL_RUNNER, EAGLE3_UTILS, QWEN3_DFLASH)
+SPECULATIVE_CONFIG = "config/speculative.py"
+MANAGED_SOURCES = (GPU_MODEL_RUNNER, EAGLE3_UTILS, QWEN3_DFLASH, SPECULATIVE_CONFIG)
+
+# SpeculativeConfig's init fields (what `--speculative-config` accepts), as in the release wheels; keys differ by
+# version (docs/domain/vllm.md): attention_backend from 0.21.0, disable_eagle_block_drop from 0.30.0, and
+# disable_padded_drafter_batch removed in 0.34.0.
+SPEC_FIELDS = (
+    ("enforce_eager", "bool | None = None"),
+    ("num_speculative_tokens", "int = Field(default=None, gt=0)"),
+    ("model", "str | None = None"),
+    ("method", "SpeculativeMethod | None = None"),
+    ("draft_tensor_parallel_size", "int | None = Field(default=None, ge=1)"),
+    ("quantization", "me_quant.QuantizationMethods | None = None"),
+    ("max_model_len", "int | None = Field(default=None, ge=1)"),
+    ("revision", "str | None = None"),
+    ("code_revision", "str | None = None"),
+    ("disable_by_batch_size", "int | None = Field(default=None, ge=2)"),
+    ("disable_padded_drafter_batch", "bool = False"),
+    ("attention_backend", "AttentionBackendEnum | None = None"),
+    ("disable_eagle_block_drop", "bool = False"),
+    ("prompt_lookup_max", "int | None = Field(default=None, ge=1)"),
+    ("prompt_lookup_min", "int | None = Field(default=None, ge=1)"),
+    ("speculative_token_tree", "str | None = None"),
+    ("target_model_config", "SkipValidation[ModelConfig] = None  # type: ignore"),
+    ("target_parallel_config", "SkipValidation[ParallelConfig] = None  # type: ignore"),
+    ("enable_chunked_prefill", "SkipValidation[bool] = None  # type: ignore"),
+    ("disable_log_stats", "SkipValidation[bool] = None  # type: ignore"),
+    ("draft_model_config", "SkipValidation[ModelConfig] = None  # type: ignore"),
+    ("draft_parallel_config", "SkipValidation[ParallelConfig] = None  # type: ignore"),
+    ("suffix_decoding_max_tree_depth", "int = 24"),
+    ("suffix_decoding_max_cached_requests", "int = 10000"),
+    ("suffix_decoding_max_spec_factor", "float = 1.0"),
+    ("suffix_decoding_min_token_prob", "float = 0.1"),
+)
+
+
+def spec_fields(version: str) -> list:
+    """The keys SpeculativeConfig(**dict) accepts in this version."""
+    v = vtuple(version)
+    out = []
+    for name, _ in SPEC_FIELDS:
+        if name == "attention_backend" and v < (0, 21, 0):
+            continue
+        if name == "disable_eagle_block_drop" and v < (0, 30, 0):
+            continue
+        if name == "disable_padded_drafter_batch" and v >= (0, 34, 0):
+            continue
+        out.append(name)
+    return out
+
+
+def _speculative_source(version: str) -> str:
+    """vllm/config/speculative.py as the release lays it out: a pydantic dataclass, its init fields annotated in the
+    class body, ClassVar constants and a field(init=False) that are not init fields (what `deploy verify` parses)."""
+    keep = set(spec_fields(version))
+    body = [
+        '# SPDX-License-Identifier: Apache-2.0',
+        '# SPDX-FileCopyrightText: Copyright contributors to the vLLM project',
+        '"""Speculative decoding configuration (fake vLLM of the vllm-pve-deploy test bed: the layout of the real',
+        'file, for tools that read its fields; the fake validates with vllm._fake.specconfig)."""',
+        '',
+        'import hashlib',
+        'from dataclasses import field',
+        'from typing import TYPE_CHECKING, Any, ClassVar, Literal',
+        '',
+        'from pydantic import Field, SkipValidation',
+        'from pydantic.dataclasses import dataclass',
+        '',
+        'from vllm.config.utils import config',
+        '',
+        'if TYPE_CHECKING:',
+        '    from vllm.config import ModelConfig, ParallelConfig',
+        '',
+        'MTPModelTypes = Literal["deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "ernie_mtp", "qwen3_next_mtp",',
+        '                        "qwen3_5_mtp", "longcat_flash_mtp", "pangu_ultra_moe_mtp"]',
+        'EagleModelTypes = Literal["eagle", "eagle3", "dflash", MTPModelTypes]',
+        'SpeculativeMethod = Literal["ngram", "medusa", "mlp_speculator", "draft_model", "suffix", EagleModelTypes]',
+        '',
+        '',
+        '@config',
+        '@dataclass',
+        'class SpeculativeConfig:',
+        '    """Configuration for speculative decoding."""',
+        '',
+        '    _MTP_ALIASES: ClassVar[tuple[str, ...]] = ("deepseek_mtp", "mimo_mtp", "qwen3_next_mtp", "qwen3_5_mtp")',
+        '',
+    ]
+    for name, ann in SPEC_FIELDS:
+        if name in keep:
+            body += [f'    {name}: {ann}', '']
+    body += [
+        '    # computed in __post_init__, not a constructor argument',
+        '    _num_lookahead_slots: int = field(default=0, init=False)',
+        '',
+        '    def compute_hash(self) -> str:',
+        '        factors: list[Any] = [self.num_speculative_tokens, self.method]',
+        '        return hashlib.sha256(str(factors).encode()).hexdigest()',
+        '',
+        '    def __repr__(self) -> str:',
+        '        return (f"SpeculativeConfig(method={self.method!r}, model={self.model!r}, "',
+        '                f"num_spec_tokens={self.num_speculative_tokens!r})")',
+        '',
+    ]
+    return "\n".join(body)
 
 
 def vtuple(version: str) -> tuple:
@@ -241,6 +344,8 @@ def apply_layout(pkg_dir: str, base: dict, eff: dict) -> None:
             pass
     _touch_init_files(pkg_dir, QWEN3_DFLASH)
     _write(os.path.join(pkg_dir, QWEN3_DFLASH), _qwen3_dflash_source(feat))
+    _touch_init_files(pkg_dir, SPECULATIVE_CONFIG)
+    _write(os.path.join(pkg_dir, SPECULATIVE_CONFIG), _speculative_source(version))
     # compiled extensions
     want = set(expected_extensions(version))
     missing = eff.get("missing_extension")

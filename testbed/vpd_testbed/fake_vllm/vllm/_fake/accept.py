@@ -14,8 +14,27 @@ PUBLISHED_MASK_TOKEN_ID = 248070
 PUBLISHED_LAYER_TYPES = ("sliding_attention",) * 4 + ("full_attention",)
 PUBLISHED_WINDOW = 2048
 
-# overall draft acceptance rate (accepted / drafted) by verdict
-RATES = {"ok": 0.45, "window_mismatch": 0.38, "all_full": 0.28, "off_by_one": 0.05, "garbage": 0.01}
+# Per-position acceptance by verdict, calibrated to the published figures (docs/domain/qwen36-dflash.md, "What
+# acceptance to expect"): the drafter's first token is accepted with probability `first`; a draft that survived
+# position p-1 survives position p with probability 1 - b * g**(p-1) (survivors are the easy continuations).
+# Healthy DFlash: k=15 rate 17.0 %, AL 3.55; k=5 rate 33.0 %, AL 2.65.
+CURVES = {
+    "ok": {"first": 0.70, "b": 0.46, "g": 0.76},
+    "window_mismatch": {"first": 0.66, "b": 0.48, "g": 0.76},  # a window of another size: a little lower
+    # sliding layers run as full attention, or the window missing: positions 0-3 plausible, from 4 on zero (a
+    # cliff; AL about 30 % shorter than healthy, the rest of the curve gone)
+    "all_full": {"first": 0.70, "b": 0.46, "g": 0.76, "cliff_at": 4},
+    "off_by_one": {"first": 0.35, "b": 0.60, "g": 0.80},  # the missing +1 layer-id fix: lower everywhere, not zero
+    "garbage": {"first": 0.10, "b": 0.70, "g": 1.0},  # the guessed config: rate ~1 %, AL ~1.14, position 0 ~0.1
+}
+
+
+def dflash_cond(k, first, b, g, cliff_at=None):
+    """Conditional acceptance by position: cond[0] = first, cond[p] = 1 - b * g**(p-1); 0 from cliff_at on."""
+    cond = [first] + [max(0.0, 1 - b * g ** (p - 1)) for p in range(1, k)]
+    if cliff_at is not None:
+        cond = [c if p < cliff_at else 0.0 for p, c in enumerate(cond)]
+    return cond[:k]
 
 
 def _get(cfg, name, default=None):
@@ -95,14 +114,19 @@ def solve_first(rate: float, k: int, decay: float) -> float:
 
 
 class Acceptance:
-    def __init__(self, method, k, rate=None, first=None, decay=0.99, seed=0, verdict="", reasons=()):
+    def __init__(self, method, k, rate=None, first=None, decay=0.99, seed=0, verdict="", reasons=(), cond=None):
         self.method, self.k = method, int(k)
         self.verdict, self.reasons = verdict, list(reasons)
-        if rate is not None:
-            # small deterministic per-deployment noise (+-3 %)
-            rate *= 1 + (random.Random(seed).random() - 0.5) * 0.06
-            first = solve_first(rate, self.k, decay)
-        self.cond = [min(0.999, first * decay ** p) for p in range(self.k)]
+        if cond is not None:
+            # small deterministic per-deployment noise (+-3 %) on the first position
+            noise = 1 + (random.Random(seed).random() - 0.5) * 0.06
+            self.cond = [min(0.999, c * (noise if p == 0 else 1.0)) for p, c in enumerate(cond)]
+        else:
+            if rate is not None:
+                # small deterministic per-deployment noise (+-3 %)
+                rate *= 1 + (random.Random(seed).random() - 0.5) * 0.06
+                first = solve_first(rate, self.k, decay)
+            self.cond = [min(0.999, first * decay ** p) for p in range(self.k)]
         pos, prod = [], 1.0
         for c in self.cond:
             prod *= c
@@ -137,13 +161,13 @@ class Acceptance:
 
 def for_dflash(k, draft_cfg, target_text_cfg, taps, sliding_supported):
     verdict, reasons = dflash_verdict(draft_cfg, target_text_cfg, taps, sliding_supported)
-    rate = RATES[verdict]
+    c = dict(CURVES[verdict])
     rt = rope_theta_of(draft_cfg)
     if verdict in ("ok", "window_mismatch", "all_full") and rt is not None and float(rt) != 1e7:
-        rate *= 0.6
+        c.update(first=c["first"] * 0.75, b=min(1.0, c["b"] * 1.3))  # the wrong positions: lower everywhere
         reasons.append(f"rope_theta {rt} != 1e7")
     seed = zlib.crc32(repr((verdict, tuple(taps), k)).encode())
-    return Acceptance("dflash", k, rate=rate, decay=0.99, seed=seed, verdict=verdict, reasons=reasons)
+    return Acceptance("dflash", k, seed=seed, verdict=verdict, reasons=reasons, cond=dflash_cond(k, **c))
 
 
 def for_mtp(k):

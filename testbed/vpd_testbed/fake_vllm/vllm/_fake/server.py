@@ -200,6 +200,19 @@ def serve_main(args, non_default) -> int:
             if k is None:
                 return _fatal_api(post, "ValueError: num_speculative_tokens must be provided with speculative "
                                         "model unless the draft model config contains an n_predict parameter.")
+            if resolve_model_dir(dmodel) is None or not os.path.isfile(os.path.join(resolve_model_dir(dmodel),
+                                                                                     "config.json")):
+                # as vLLM 0.32.0 (real, issue 25): the hub lookup logs its retries, then SpeculativeConfig's
+                # pydantic validation fails with the reason on the line after the exception's
+                logs.error("repo_utils.py:124", f"Error retrieving file list: Repo id must be in the form "
+                                                f"'repo_name' or 'namespace/repo_name': '{dmodel}'. Use `repo_type` "
+                                                f"argument if needed.")
+                text = _invalid_model(dmodel).replace("ValueError: ", "  Value error, ", 1)
+                return _fatal_api(spec_frames, "pydantic_core._pydantic_core.ValidationError: 1 validation error for "
+                                               "SpeculativeConfig\n" + text + " [type=value_error, input_value=ArgsKwargs(("
+                                               "), {'model': ...config_format': 'auto'}), input_type=ArgsKwargs]\n"
+                                               "    For further information visit "
+                                               "https://errors.pydantic.dev/2.14/v/value_error")
             try:
                 draft_cfg = load_draft_config(dmodel)
             except Exception as e:  # the real vLLM dies with transformers' own error

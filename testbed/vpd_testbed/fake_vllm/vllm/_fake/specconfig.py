@@ -1,16 +1,6 @@
 """``SpeculativeConfig(**dict)`` as strict as the real pydantic dataclass, per vLLM version."""
 
-from vllm._layout import vtuple
-
-BASE_KEYS = (
-    "enforce_eager", "num_speculative_tokens", "model", "method", "draft_tensor_parallel_size",
-    "quantization", "max_model_len", "revision", "code_revision", "disable_by_batch_size",
-    "disable_padded_drafter_batch", "prompt_lookup_max", "prompt_lookup_min", "speculative_token_tree",
-    "target_model_config", "target_parallel_config", "enable_chunked_prefill", "disable_log_stats",
-    "draft_model_config", "draft_parallel_config", "suffix_decoding_max_tree_depth",
-    "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
-    "suffix_decoding_min_token_prob",
-)
+from vllm._layout import spec_fields
 
 METHODS = ("ngram", "eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "mtp", "suffix", "dflash")
 MTP_ALIASES = ("deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "ernie_mtp", "qwen3_next_mtp", "qwen3_5_mtp",
@@ -29,13 +19,9 @@ class SpecConfigError(Exception):
 
 
 def allowed_keys(version: str) -> set:
-    keys = set(BASE_KEYS)
-    v = vtuple(version)
-    if v >= (0, 21, 0):
-        keys.add("attention_backend")
-    if v >= (0, 30, 0):
-        keys.add("disable_eagle_block_drop")
-    return keys
+    """The init fields of this version's SpeculativeConfig: the same table vllm/config/speculative.py is laid out
+    from (vllm._layout.SPEC_FIELDS)."""
+    return set(spec_fields(version))
 
 
 def _input_type(v):

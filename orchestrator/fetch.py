@@ -1,0 +1,411 @@
+"""`deploy fetch`: the target model and the drafter at a pinned revision, fetched into the container and verified.
+
+The download runs in the container, detached from the SSH session (a runner in its own session, started by the
+agent's `fetch` action; progress in `<state_dir>/fetch.json`, its log in `<state_dir>/fetch-<id>.log`): a dropped
+connection does not stop it, and the next `deploy fetch` (or `up`) re-attaches. Every file is verified against the
+hub's record (sha256 for LFS files, the git blob id for the others) before anything is moved into place, and a
+record of what was verified is kept in `<state_dir>/fetched/` (what `status`, `verify` and a re-run read).
+
+This side: one `probe` (what is in place, what runs), then start or re-attach, then bounded `attach` calls that
+print progress (bytes, rate, ETA per file and in total), then the report. `up` runs the same as its step `fetch`
+when something is missing (`--no-fetch`: refuse instead).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import time
+
+from . import agent
+from . import plan as P
+from .errors import DeployError, StepFailed, Unreachable, UsageError
+from .ops import Outcome, check_container, new_context
+from .remote import Fleet
+from .report import Progress
+from .spec import Playbook, fetch_items
+
+FOLLOW_S = 60.0  # one attach call follows the runner this long; the next continues where it stopped
+DEFAULT_TIMEOUT_S = 6 * 3600.0  # the whole fetch; a 55 GB model at 30 MB/s takes about 30 min
+STALL_S = 60.0  # no byte for this long on a connection: it is retried (three times), then the fetch fails
+DEFAULT_ENDPOINT = "https://huggingface.co"
+MANIFEST_NAME = "deploy-manifest.json"
+MANIFEST_FORMAT = "vllm-pve-deploy-manifest/1"
+
+
+class FetchFailed(StepFailed):
+    pass
+
+
+class ConnectionLost(Unreachable):
+    pass
+
+
+def items(pb: Playbook) -> list[dict]:
+    """The playbook's fetch items, as the agent takes them (endpoint defaulted, the incoming directory of a
+    directory source)."""
+    out = []
+    for it in fetch_items(pb):
+        it = dict(it)
+        if it["hub"] and not it["source_path"]:
+            it["endpoint"] = (it["endpoint"] or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+        if it["source_path"]:
+            it["incoming"] = incoming_dir(it)
+        out.append(it)
+    return out
+
+
+def incoming_dir(it: dict) -> str:
+    """Where a directory source is copied into the container: beside its destination (one file system, so the
+    verified files are moved into place by rename)."""
+    if it["dest_kind"] == "cache":
+        return os.path.join(it["hf_home"], "hub", "models--" + it["hub"].replace("/", "--"), ".deploy-incoming")
+    d = it["dest"].rstrip("/")
+    return os.path.join(os.path.dirname(d), f".{os.path.basename(d)}.deploy-fetch", "incoming")
+
+
+def dest_of(it: dict) -> str:
+    if it["dest_kind"] == "dir":
+        return it["dest"]
+    return os.path.join(it["hf_home"], "hub", "models--" + it["hub"].replace("/", "--"))
+
+
+def tokens(pb: Playbook, its: list[dict]) -> dict:
+    """{"token:ROLE": value} from the LOCAL variables the playbook names; an unset one stops before any connection."""
+    out = {}
+    for it in its:
+        var = it.get("token_env")
+        if not var:
+            continue
+        val = os.environ.get(var)
+        if not val:
+            raise UsageError(f"{it['key']}.token_env names {var}, but it is not set in this shell; nothing was run",
+                             where=pb.path,
+                              fix=f"export {var}=hf_... (a read token of an account with access to {it['hub']}) "
+                                  "before running deploy")
+        out["token:" + it["role"]] = val
+    return out
+
+
+def describe(it: dict) -> str:
+    src = f"{it['hub']}@{it['revision']}" if it.get("hub") and not it.get("source_path") else \
+        f"{it['source_path']} (host)" + (f" = {it['hub']}@{it['revision']}" if it.get("hub") and it.get("revision") else "")
+    where = it["dest"] if it["dest_kind"] == "dir" else f"the hub cache in {it['hf_home']}"
+    return f"{it['role']} {src} -> {where}"
+
+
+def step_fetch(pb: Playbook, *, allow: bool = True) -> P.Step:
+    """The planned step of `up` (and what `deploy plan` shows)."""
+    its = items(pb)
+    runs = []
+    for it in its:
+        if it.get("source_path"):
+            runs.append(f"tar -C {shlex.quote(it['source_path'])} -cf - . | pct exec {pb.vmid} -- tar -C "
+                        f"{shlex.quote(it['incoming'])} -xf -   # on the host, only when something is missing")
+        else:
+            runs.append(f"GET {it['endpoint']}/api/models/{it['hub']}/revision/{it['revision']}?blobs=true   # the "
+                        "commit and every file's size and hash" + (f" (token from ${it['token_env']}, on stdin)"
+                                                                   if it.get("token_env") else ""))
+            runs.append(f"GET {it['endpoint']}/{it['hub']}/resolve/COMMIT/FILE (Range: bytes=N- to resume) -> "
+                        f"{'*.incomplete' if it['dest_kind'] == 'cache' else '.' + os.path.basename(it['dest']) + '.deploy-fetch/'}"
+                        "; verify sha256 / git blob id; move into place")
+    return P.Step("fetch", ("fetch what is missing, detached, verified against the hub's record: " if allow else
+                            "check that the weights are in place and verified (--no-fetch: refuse when not): ")
+                  + "; ".join(describe(it) for it in its), action="fetch",
+                  args={"op": "probe", "state_dir": pb.runtime["state_dir"], "items": its},
+                  timeout=DEFAULT_TIMEOUT_S + 600 if allow else 60, runs=runs, host=pb.host, vmid=pb.vmid,
+                  playbook=pb.name)
+
+
+class _Runner:
+    """Agent calls for a fetch, each in a process of its own (the runner outlives them)."""
+
+    def __init__(self, ctx, pb: Playbook):
+        self.ctx, self.pb = ctx, pb
+        self.python = pb.runtime["python"]
+
+    def call(self, args: dict, timeout: float, on_event=None, secrets=None) -> dict:
+        ctx = self.ctx
+        ctx.progress.detail(ctx.where, f"$ pct exec {self.pb.vmid} -- {self.python} - fetch {args.get('op')}")
+        return agent.call(ctx.session, self.pb.vmid, self.python, "fetch", args, timeout=timeout, on_event=on_event,
+                          secrets=secrets)
+
+
+def run(ctx, pb: Playbook, *, allow_start: bool = True, rehash: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+        step_name: str = "fetch") -> dict:
+    """Probe; re-attach, report, start or do nothing; follow to the end. Returns {status, records, items}; raises
+    FetchFailed / ConnectionLost with what to do."""
+    its = items(pb)
+    secrets = tokens(pb, its)
+    red = getattr(ctx.session.audit, "redact", None)
+    for v in secrets.values():
+        if red is not None:
+            red.add(v)
+    r = _Runner(ctx, pb)
+    sd = pb.runtime["state_dir"]
+    t0 = time.monotonic()
+    probe = r.call({"op": "probe", "state_dir": sd, "items": its, "rehash": rehash}, timeout=3600 if rehash else 60)
+    if not probe.get("ok"):
+        ctx.fail(step_name, t0, probe.get("message", "probe failed"))
+    fst = probe.get("fetch") or {}
+    places = probe.get("items") or []
+    if fst.get("status") == "running":
+        ctx.progress.say(ctx.where, f"a fetch is in progress (started {fst.get('elapsed', 0):.0f}s ago, pid "
+                                    f"{fst.get('pid')}, phase {fst.get('phase')}): re-attaching")
+        return _report(ctx, pb, _follow(ctx, r, pb, fst, timeout_s, step_name), step_name, t0)
+    if fst.get("status") in ("ok", "failed", "timeout", "killed") and not fst.get("reported") \
+            and _same_items(fst.get("items") or [], its):
+        ctx.progress.say(ctx.where, f"the fetch started {fst.get('elapsed', 0):.0f}s ago ended while nobody was "
+                                    "attached: its result")
+        res = _follow(ctx, r, pb, fst, 60, step_name)
+        if res["fetch"].get("status") != "ok" or not allow_start:
+            return _report(ctx, pb, res, step_name, t0)
+        probe = r.call({"op": "probe", "state_dir": sd, "items": its}, timeout=60)
+        places = probe.get("items") or []
+    missing = [p for p in places if not p.get("in_place")]
+    if not missing:
+        recs = [p["record"] for p in places]
+        ctx.record(step_name, True, "already fetched and verified: " + "; ".join(
+            f"{p['role']} {_rev(p['record'])} at {p['dest']} (verified {_when(p['record'].get('verified_at'))})"
+            for p in places) + ("; every file re-hashed" if rehash else "; nothing to do"), t0, records=recs)
+        return {"status": "already fetched", "records": recs, "items": places}
+    if not allow_start:
+        ctx.fail(step_name, t0, "the weights are not in place: " + "; ".join(p.get("why") or p["dest"] for p in missing)
+                 + " (--no-fetch: nothing was downloaded)",
+                 fix=f"deploy fetch {pb.name} (or deploy up without --no-fetch, which fetches first)")
+    for p in missing:
+        ctx.progress.say(ctx.where, f"to fetch: {p['role']}: {p.get('why')}")
+    want = {p["role"] for p in missing}
+    start_items = [it for it in its if it["role"] in want]
+    for it in start_items:
+        if it.get("source_path"):
+            _copy_from_host(ctx, pb, it)
+    t1 = time.monotonic()
+    try:
+        started = r.call({"op": "start", "state_dir": sd, "items": start_items, "timeout_s": timeout_s,
+                          "stall_s": STALL_S}, timeout=120, secrets=secrets or None)
+    except Unreachable as e:
+        raise ConnectionLost(f"lost the connection while starting the fetch ({e.message}); it may have started in the "
+                             "container", where=ctx.where,
+                             fix=f"deploy fetch {pb.name} re-attaches to it (or starts it) and reports its result") from e
+    if not started.get("ok"):
+        ctx.fail(step_name, t1, started.get("message", "the fetch did not start"), fix=started.get("fix", ""))
+    if not started.get("started"):
+        fst = started.get("fetch") or {}
+        ctx.progress.say(ctx.where, f"another fetch is in progress (pid {fst.get('pid')}): re-attaching to it")
+    else:
+        fst = {"id": started["id"], "pid": started["pid"], "log": started["log"]}
+        ctx.progress.say(ctx.where, f"fetch started (runner pid {started['pid']}, detached; log {started['log']})")
+    return _report(ctx, pb, _follow(ctx, r, pb, fst, timeout_s, step_name), step_name, t0)
+
+
+def _same_items(a: list[dict], b: list[dict]) -> bool:
+    key = lambda it: (it.get("role"), it.get("hub"), it.get("revision"), it.get("dest"), it.get("source_path"))  # noqa: E731
+    return {key(x) for x in a} <= {key(x) for x in b}
+
+
+def _copy_from_host(ctx, pb: Playbook, it: dict) -> None:
+    """A directory on the Proxmox host into the container's incoming directory: one tar stream over the host's
+    own pct exec (never through this workstation). Verified in the container against the manifest."""
+    t0 = time.monotonic()
+    src, inc = it["source_path"], it["incoming"]
+    script = (f"test -d {shlex.quote(src)} || {{ echo 'no such directory on the host: {src}' >&2; exit 3; }}; "
+              f"test -f {shlex.quote(os.path.join(src, MANIFEST_NAME))} || {{ echo 'no {MANIFEST_NAME} in {src}' >&2; "
+              f"exit 4; }}; tar -C {shlex.quote(src)} -cf - . | pct exec {pb.vmid} -- sh -c "
+              + shlex.quote(f"rm -rf {shlex.quote(inc)} && mkdir -p {shlex.quote(inc)} && tar -C {shlex.quote(inc)} "
+                            "--no-same-owner -xf -"))
+    ctx.progress.say(ctx.where, f"copying {src} from {pb.host} into the container ({inc})")
+    with ctx.progress.heartbeat(ctx.where, f"copy {src} into the container", 3600):
+        res = ctx.session.run(["sh", "-c", script], timeout=3600, vmid=pb.vmid)
+    if res.exited != 0:
+        err = (res.err or res.out).strip()
+        fix = (f"put the files and {MANIFEST_NAME} in {src} on {pb.host} (deploy manifest DIR writes the manifest)"
+               if res.exited in (3, 4) else "check the space in the container and the directory on the host")
+        ctx.fail("fetch", t0, f"copying {src} from {pb.host} into container {pb.vmid} failed (exit {res.exited}): {err}",
+                 fix=fix)
+    ctx.progress.detail(ctx.where, f"copied {src} in {time.monotonic() - t0:.1f}s")
+
+
+def _follow(ctx, r: _Runner, pb: Playbook, fst: dict, timeout_s: float, step_name: str) -> dict:
+    t0 = time.monotonic()
+    limit = float(timeout_s) + 300.0
+    pos = 0
+
+    def on_event(ev):
+        if ev.get("event") != "fetch":
+            return
+        if ev.get("kind") == "progress":
+            ctx.progress.say(ctx.where, "     " + progress_line(ev))
+        elif ev.get("kind") == "line":
+            line = ev.get("line") or ""
+            if line.startswith("[deploy]"):
+                ctx.progress.say(ctx.where, "     " + line[len("[deploy] "):])
+            else:
+                ctx.progress.detail(ctx.where, "| " + line)
+
+    while True:
+        left = limit - (time.monotonic() - t0)
+        follow = max(1.0, min(FOLLOW_S, left))
+        try:
+            res = r.call({"op": "attach", "state_dir": pb.runtime["state_dir"], "id": fst.get("id"), "log_pos": pos,
+                          "follow_s": follow, "heartbeat_s": 2.0}, timeout=follow + 60, on_event=on_event)
+        except KeyboardInterrupt:
+            raise FetchFailed(step_name, f"interrupted: deploy stopped following; the fetch goes on in the container "
+                                         f"(runner pid {fst.get('pid')}, log {fst.get('log')})", where=ctx.where,
+                              fix=f"deploy fetch {pb.name} re-attaches to it and reports its result") from None
+        except Unreachable as e:
+            raise ConnectionLost(
+                f"lost the connection while following the fetch ({e.message}); the fetch goes on in the container "
+                f"(runner pid {fst.get('pid')}, log {fst.get('log')})", where=ctx.where,
+                fix=f"deploy fetch {pb.name} re-attaches to it and reports its result") from e
+        if not res.get("ok"):
+            raise FetchFailed(step_name, res.get("message", "attach failed"), where=ctx.where, fix=res.get("fix", ""))
+        pos = res.get("log_pos", pos)
+        fst = res.get("fetch") or fst
+        if res.get("done"):
+            return res
+        if left <= follow:
+            raise FetchFailed(step_name, f"the fetch has not ended {limit:.0f}s after deploy started following it; it "
+                                         "goes on in the container", where=ctx.where,
+                              fix=f"deploy fetch {pb.name} re-attaches to it")
+
+
+def _report(ctx, pb: Playbook, res: dict, step_name: str, t0: float) -> dict:
+    fst = res.get("fetch") or {}
+    status = fst.get("status")
+    if status == "ok":
+        ctx.record(step_name, True, fst.get("message", "fetched"), t0, records=fst.get("records"))
+        return {"status": "fetched", "records": fst.get("records") or [], "items": fst.get("items")}
+    msg = fst.get("message") or f"the fetch ended with status {status}"
+    tail = [ln for ln in res.get("log_tail") or [] if ln.strip()]
+    if tail and status in ("failed", "timeout", "killed") and fst.get("kind") in (None, "os"):
+        msg += f"\n  last lines of {fst.get('log')}:\n" + "\n".join("    " + ln for ln in tail[-10:])
+    details = {k: fst.get(k) for k in ("kind", "file", "expected", "found", "need", "free", "log") if fst.get(k)}
+    ctx.fail(step_name, t0, msg, fix=fst.get("fix") or f"deploy fetch {pb.name}", **details)
+
+
+def progress_line(ev: dict) -> str:
+    f_pct = 100.0 * ev["file_bytes"] / ev["file_total"] if ev.get("file_total") else 100.0
+    t_pct = 100.0 * ev["done"] / ev["total"] if ev.get("total") else 100.0
+    return (f"{ev.get('role')} {ev.get('file')}: {size(ev['file_bytes'])} of {size(ev['file_total'])} ({f_pct:.0f}%), "
+            f"{size(ev.get('file_rate') or 0)}/s, ETA {eta(ev.get('file_eta_s'))} | total {size(ev['done'])} of "
+            f"{size(ev['total'])} ({t_pct:.0f}%), {size(ev.get('rate') or 0)}/s, ETA {eta(ev.get('eta_s'))}")
+
+
+def size(n) -> str:
+    n = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def eta(s) -> str:
+    if s is None:
+        return "?"
+    s = int(s)
+    return f"{s}s" if s < 120 else f"{s // 60}m{s % 60:02d}s" if s < 7200 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _rev(rec: dict | None) -> str:
+    if not rec:
+        return "?"
+    src = rec.get("hub") or rec.get("source") or "files"
+    rev, commit = rec.get("revision"), rec.get("commit") or ""
+    return f"{src}@{commit[:12]}" if not rev or rev == commit else f"{src}@{rev} ({commit[:12]})"
+
+
+def _when(at) -> str:
+    if not at:
+        return "at an unknown time"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(at)))
+
+
+def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = False,
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> Outcome:
+    """deploy fetch PLAYBOOK: one target."""
+    ctx = new_context(fleet, pb, progress)
+    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
+    try:
+        if not items(pb):
+            raise UsageError(f"{pb.name} names no source to fetch: model and speculative.drafter give only paths",
+                             where=pb.path, fix="add model.hub + model.revision (or source: {path: HOST_DIR}) to the "
+                                                "playbook (docs/playbooks.md#fetch)")
+        for v in tokens(pb, items(pb)).values():
+            fleet.redact.add(v)
+        check_container(ctx, P.step_container(pb))
+        res = run(ctx, pb, rehash=rehash, timeout_s=timeout_s)
+        out.ok, out.status = True, res["status"]
+        out.info = {"records": res.get("records") or []}
+        return out
+    except DeployError as e:
+        if isinstance(e, UsageError):
+            raise
+        out.error = e
+        return out
+
+
+def records(ctx, pb: Playbook) -> dict:
+    """{role: record or None} for the playbook's model and drafter destinations (status, verify)."""
+    dests = {"model": pb.data["model"]["path"]}
+    d = pb.drafter
+    if d:
+        dests["drafter"] = d["path"] if d.get("path") else os.path.join(
+            d["hf_home"], "hub", "models--" + d["hub_id"].replace("/", "--"))
+    try:
+        res = agent.call(ctx.session, pb.vmid, pb.runtime["python"], "fetch",
+                         {"op": "records", "state_dir": pb.runtime["state_dir"], "dests": list(dests.values())},
+                         timeout=30)
+    except DeployError:
+        return {}
+    recs = res.get("records") or {}
+    return {role: _short(recs.get(dest)) for role, dest in dests.items()}
+
+
+def _short(rec):
+    if not rec:
+        return None
+    return {k: rec.get(k) for k in ("hub", "revision", "commit", "source", "dest", "verified_at", "files_n",
+                                    "total_bytes")}
+
+
+# ---------------------------------------------------------------- manifests (offline sources)
+
+
+def write_manifest(directory: str, hub: str | None = None, revision: str | None = None) -> dict:
+    """deploy manifest DIR: every file of DIR (but the manifest) with its size and sha256, written as DIR's
+    deploy-manifest.json. Copy DIR to the Proxmox host and name it in source: {path: ...}."""
+    files = []
+    for dp, dns, fns in os.walk(directory):
+        dns[:] = sorted(d for d in dns if not d.startswith(".deploy"))
+        for fn in sorted(fns):
+            p = os.path.join(dp, fn)
+            rel = os.path.relpath(p, directory)
+            if rel == MANIFEST_NAME or os.path.islink(p) or fn.endswith(".incomplete"):
+                continue
+            h = hashlib.sha256()
+            with open(p, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+            files.append({"name": rel, "size": os.path.getsize(p), "sha256": h.hexdigest()})
+    m = {"format": MANIFEST_FORMAT, "hub": hub, "revision": revision, "commit": None, "files": files,
+         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if revision and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision):
+        m["commit"] = revision
+    path = os.path.join(directory, MANIFEST_NAME)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(m, fh, indent=1)
+        fh.write("\n")
+    os.replace(tmp, path)
+    return {"path": path, "files": len(files), "bytes": sum(f["size"] for f in files)}
+
+
+def manifest_from_record(rec: dict) -> dict:
+    """A fetched item's record as a manifest (deploy fetch --manifest FILE): the hub's own hashes."""
+    return {"format": MANIFEST_FORMAT, "hub": rec.get("hub"), "revision": rec.get("revision"),
+            "commit": rec.get("commit"), "files": [{k: f.get(k) for k in ("name", "size", "sha256", "blob")}
+                                                   for f in rec.get("files") or []]}

@@ -1,0 +1,355 @@
+"""A small Hugging Face hub for the test bed: the endpoints huggingface_hub really uses to fetch a snapshot, served
+from local directories, with the faults a fetch must survive.
+
+Layout of ROOT (see make_repo):
+  ROOT/repos/ORG/NAME/repo.json           {"refs": {"main": COMMIT, ...}, "gated": false | "manual",
+                                            "accepted": [TOKEN, ...]}
+  ROOT/repos/ORG/NAME/commits/COMMIT/...  the files of that commit
+  ROOT/tokens.json                        ["hf_...", ...]: the valid tokens (others are refused with 401)
+  ROOT/faults.json                        read on every request:
+      {"rate_bps": N}                     a slow link: every body is paced to N bytes/s
+      {"cut": {"FILE": BYTES}}            the next transfer of FILE stops after BYTES (connection closed), once
+      {"corrupt": ["FILE"]}               FILE is served with one byte flipped (size unchanged)
+      {"down": true}                      every connection is closed without an answer
+
+Endpoints (shapes as huggingface.co answers them; huggingface_hub's snapshot_download works against it):
+  GET /api/models/ORG/NAME[/revision/REV][?blobs=true]  {"id", "sha", "gated", "private", "siblings": [{"rfilename",
+                                                          "size", "blobId", "lfs": {"sha256", "size", "pointerSize"}}]}
+  GET|HEAD /ORG/NAME/resolve/REV/PATH                    LFS files: 302 to /cdn/SHA256 with X-Linked-Etag,
+                                                          X-Linked-Size; others 200 with ETag = the git blob id.
+                                                          Always X-Repo-Commit. Range: bytes=N- -> 206.
+  errors: X-Error-Code RepoNotFound (401), GatedRepo (401 without token, 403 not accepted), RevisionNotFound (404),
+          EntryNotFound (404); a token that is not valid: 401 "Invalid credentials in Authorization header".
+
+Run: python hub.py ROOT PORT [ADDRESS]   (the test bed starts it inside a container's network namespace, so the
+container reaches it at http://127.0.0.1:PORT; nothing listens outside 127.0.0.0/8).
+"""
+
+import hashlib
+import json
+import os
+import re
+import socket
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".h5", ".msgpack", ".onnx")
+
+
+def git_blob_sha1(data):
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def is_lfs(name, size):
+    return name.endswith(LFS_SUFFIXES) or size >= 10 << 20
+
+
+def make_repo(root, hub, files, *, branch="main", gated=False, accepted=(), commit=None):
+    """Write a repository (one commit) under ROOT/repos: files {name: bytes}. Returns the commit id."""
+    org, name = hub.split("/")
+    base = os.path.join(root, "repos", org, name)
+    if commit is None:
+        h = hashlib.sha1()
+        for n in sorted(files):
+            h.update(n.encode() + b"\0" + hashlib.sha256(files[n]).digest())
+        commit = h.hexdigest()
+    cdir = os.path.join(base, "commits", commit)
+    for n, data in files.items():
+        p = os.path.join(cdir, n)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as fh:
+            fh.write(data)
+    meta_path = os.path.join(base, "repo.json")
+    meta = {"refs": {}, "gated": gated, "accepted": list(accepted)}
+    if os.path.exists(meta_path):
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+    meta["refs"][branch] = commit
+    meta["gated"], meta["accepted"] = gated, list(accepted)
+    with open(meta_path, "w") as fh:
+        json.dump(meta, fh)
+    return commit
+
+
+class Hub:
+    def __init__(self, root):
+        self.root = root
+        self._cache = {}
+
+    def faults(self):
+        try:
+            with open(os.path.join(self.root, "faults.json")) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return {}
+
+    def take_cut(self, name):
+        """A cut happens once: the entry is removed when it is used."""
+        path = os.path.join(self.root, "faults.json")
+        f = self.faults()
+        n = (f.get("cut") or {}).pop(name, None)
+        if n is not None:
+            tmp = path + ".tmp"
+            with open(tmp, "w") as fh:
+                json.dump(f, fh)
+            os.replace(tmp, path)
+        return n
+
+    def tokens(self):
+        try:
+            with open(os.path.join(self.root, "tokens.json")) as fh:
+                return set(json.load(fh))
+        except (OSError, ValueError):
+            return set()
+
+    def repo(self, hub):
+        base = os.path.join(self.root, "repos", *hub.split("/"))
+        try:
+            with open(os.path.join(base, "repo.json")) as fh:
+                return base, json.load(fh)
+        except (OSError, ValueError):
+            return None, None
+
+    def files(self, base, commit):
+        key = (base, commit)
+        if key not in self._cache:
+            cdir = os.path.join(base, "commits", commit)
+            out = {}
+            for dp, _, fns in os.walk(cdir):
+                for fn in fns:
+                    p = os.path.join(dp, fn)
+                    with open(p, "rb") as fh:
+                        data = fh.read()
+                    rel = os.path.relpath(p, cdir)
+                    out[rel] = {"path": p, "size": len(data), "blob": git_blob_sha1(data),
+                                "sha256": hashlib.sha256(data).hexdigest() if is_lfs(rel, len(data)) else None}
+            self._cache[key] = out
+        return self._cache[key]
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "vpd-testbed-hub/1"
+    hub = None  # set by serve()
+
+    def log_message(self, fmt, *args):  # one line per request in the server's log
+        sys.stderr.write("%s %s\n" % (time.strftime("%H:%M:%S"), fmt % args))
+
+    def do_HEAD(self):
+        self.handle_any(head=True)
+
+    def do_GET(self):
+        self.handle_any(head=False)
+
+    # ---------------------------------------------------------------- helpers
+
+    def send(self, code, body=b"", headers=None, head=False):
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body).encode()
+            headers = dict(headers or {}, **{"Content-Type": "application/json"})
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def error(self, code, ecode, msg, head=False):
+        h = {"X-Error-Message": msg}
+        if ecode:
+            h["X-Error-Code"] = ecode
+        self.send(code, {"error": msg}, h, head)
+
+    def token(self):
+        auth = self.headers.get("Authorization") or ""
+        return auth[7:] if auth.startswith("Bearer ") else None
+
+    def access(self, hub, meta, for_files, head):
+        """None when the request may go on; else the error was sent."""
+        tok = self.token()
+        if tok is not None and tok not in self.hub.tokens():
+            self.error(401, None, "Invalid credentials in Authorization header", head)
+            return False
+        if meta is None:
+            self.error(401, "RepoNotFound", "Repository Not Found for url: %s." % self.path, head)
+            return False
+        if meta.get("gated") and for_files:
+            if tok is None:
+                self.error(401, "GatedRepo", "Access to model %s is restricted. You must have access to it and be "
+                                             "authenticated to access it. Please log in." % hub, head)
+                return False
+            if tok not in meta.get("accepted", []):
+                self.error(403, "GatedRepo", "Access to model %s is restricted and you are not in the authorized "
+                                             "list. Visit http://%s/%s to ask for access."
+                           % (hub, self.headers.get("Host") or "hub", hub), head)
+                return False
+        return True
+
+    def commit_of(self, meta, rev):
+        if re.fullmatch(r"[0-9a-f]{40}", rev) and rev in meta["refs"].values():
+            return rev
+        return meta["refs"].get(rev)
+
+    # ---------------------------------------------------------------- routing
+
+    def handle_any(self, head):
+        f = self.hub.faults()
+        if f.get("down"):
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
+        u = urlsplit(self.path)
+        path = unquote(u.path)
+        m = re.match(r"^/api/models/([^/]+/[^/]+?)(?:/revision/(.+))?/?$", path)
+        if m:
+            return self.info(m.group(1), m.group(2) or "main", "blobs=true" in (u.query or ""), head)
+        m = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)(?:/(.*))?$", path)
+        if m:
+            return self.tree(m.group(1), unquote(m.group(2)), m.group(3) or "", head)
+        m = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
+        if m:
+            return self.resolve(m.group(1), unquote(m.group(2)), m.group(3), head, f)
+        m = re.match(r"^/cdn/([^/]+/[^/]+)/([0-9a-f]{40})/(.+)$", path)
+        if m:
+            return self.cdn(m.group(1), m.group(2), m.group(3), head, f)
+        self.error(404, None, "not found", head)
+
+    def info(self, hub, rev, blobs, head):
+        base, meta = self.hub.repo(hub)
+        if not self.access(hub, meta, False, head):
+            return
+        commit = self.commit_of(meta, rev)
+        if commit is None:
+            return self.error(404, "RevisionNotFound", "Invalid rev id: %s" % rev, head)
+        sib = []
+        for name, fi in sorted(self.hub.files(base, commit).items()):
+            s = {"rfilename": name}
+            if blobs:
+                s.update(size=fi["size"], blobId=fi["blob"])
+                if fi["sha256"]:
+                    s["lfs"] = {"sha256": fi["sha256"], "size": fi["size"], "pointerSize": 134}
+            sib.append(s)
+        body = {"_id": hashlib.md5(hub.encode()).hexdigest()[:24], "id": hub, "modelId": hub, "sha": commit,
+                "private": False, "gated": meta.get("gated") or False, "disabled": False, "downloads": 0, "likes": 0,
+                "tags": [], "siblings": sib, "lastModified": "2026-12-01T00:00:00.000Z",
+                "usedStorage": sum(fi["size"] for fi in self.hub.files(base, commit).values())}
+        self.send(200, body, head=head)
+
+    def tree(self, hub, rev, prefix, head):
+        """GET /api/models/ORG/NAME/tree/REV?recursive=true (what huggingface_hub 1.x/2.x lists a snapshot with)."""
+        base, meta = self.hub.repo(hub)
+        if not self.access(hub, meta, False, head):
+            return
+        commit = self.commit_of(meta, rev)
+        if commit is None:
+            return self.error(404, "RevisionNotFound", "Invalid rev id: %s" % rev, head)
+        out, dirs = [], set()
+        for name, fi in sorted(self.hub.files(base, commit).items()):
+            if prefix and not name.startswith(prefix.rstrip("/") + "/"):
+                continue
+            parts = name.split("/")
+            for i in range(1, len(parts)):
+                dirs.add("/".join(parts[:i]))
+            e = {"type": "file", "oid": fi["blob"], "size": fi["size"], "path": name}
+            if fi["sha256"]:
+                e["lfs"] = {"oid": fi["sha256"], "size": fi["size"], "pointerSize": 134}
+            out.append(e)
+        out += [{"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
+                for d in sorted(dirs)]
+        self.send(200, out, head=head)
+
+    def resolve(self, hub, rev, name, head, faults):
+        base, meta = self.hub.repo(hub)
+        if not self.access(hub, meta, True, head):
+            return
+        commit = self.commit_of(meta, rev)
+        if commit is None:
+            return self.error(404, "RevisionNotFound", "Invalid rev id: %s" % rev, head)
+        fi = self.hub.files(base, commit).get(name)
+        if fi is None:
+            return self.error(404, "EntryNotFound", "%s does not exist on \"%s\"" % (name, rev), head)
+        common = {"X-Repo-Commit": commit, "Accept-Ranges": "bytes"}
+        if fi["sha256"]:
+            # absolute, like the hub's CDN URLs: clients follow only relative redirects on HEAD
+            # the CDN is another host name for this same server (localhost vs 127.0.0.1): a client must not send
+            # the token there, and follows it only for the download
+            port = self.server.server_address[1]
+            loc = "http://localhost:%d/cdn/%s/%s/%s" % (port, hub, commit, name)
+            return self.send(302, b"", dict(common, **{"Location": loc, "ETag": '"%s"' % fi["blob"],
+                                                        "X-Linked-Etag": '"%s"' % fi["sha256"],
+                                                        "X-Linked-Size": str(fi["size"])}), head)
+        self.body(fi, name, dict(common, ETag='"%s"' % fi["blob"]), head, faults)
+
+    def cdn(self, hub, commit, name, head, faults):
+        base, meta = self.hub.repo(hub)
+        if meta is None:
+            return self.error(404, None, "not found", head)
+        fi = self.hub.files(base, commit).get(name)
+        if fi is None:
+            return self.error(404, None, "not found", head)
+        self.body(fi, name, {"ETag": '"%s"' % fi["sha256"], "Accept-Ranges": "bytes"}, head, faults)
+
+    def body(self, fi, name, headers, head, faults):
+        with open(fi["path"], "rb") as fh:
+            data = fh.read()
+        if name in (faults.get("corrupt") or []) and data:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        start, code = 0, 200
+        rng = self.headers.get("Range")
+        if rng:
+            m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
+            if not m or int(m.group(1)) >= len(data) > 0:
+                return self.send(416, b"", {"Content-Range": "bytes */%d" % len(data)}, head)
+            start, code = int(m.group(1)), 206
+            end = int(m.group(2)) if m.group(2) else len(data) - 1
+            headers = dict(headers, **{"Content-Range": "bytes %d-%d/%d" % (start, end, len(data))})
+            data = data[start:end + 1]
+        self.send_response(code)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Content-Type", "application/octet-stream")
+        self.end_headers()
+        if head:
+            return
+        cut = None if head else self.hub.take_cut(name)
+        rate = float(faults.get("rate_bps") or 0)
+        sent, t0, step = 0, time.monotonic(), 16384
+        while sent < len(data):
+            if cut is not None and sent >= cut:
+                self.close_connection = True
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            n = step if cut is None else max(1, min(step, cut - sent))
+            try:
+                self.wfile.write(data[sent:sent + n])
+            except OSError:
+                return
+            sent += n
+            if rate:
+                ahead = sent / rate - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(min(ahead, 1.0))
+                    rate = float(self.hub.faults().get("rate_bps") or 0)  # the link may get fast again
+
+
+def serve(root, port, address="127.0.0.1"):
+    if not address.startswith("127."):
+        raise SystemExit("the test bed hub listens on 127.0.0.0/8 only")
+    Handler.hub = Hub(root)
+    srv = ThreadingHTTPServer((address, int(port)), Handler)
+    srv.daemon_threads = True
+    with open(os.path.join(root, "hub.ready"), "w") as fh:
+        fh.write("%d\n" % os.getpid())
+    srv.serve_forever()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]), *(sys.argv[3:4] or ["127.0.0.1"]))

@@ -1,0 +1,116 @@
+"""`router:` (issue 29): validation against the inventory (a container, never a Proxmox host; replicas reachable
+by address; no port clash), the router's argv, the status flags, the JSON Schema. Nothing remote runs."""
+
+import os
+import shutil
+
+import pytest
+
+from orchestrator import router as R
+from orchestrator.errors import SpecError
+from orchestrator.spec import json_schema, load_inventory, load_playbook
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+INVENTORY = """\
+hosts:
+  - name: pve1
+    address: 127.77.0.1
+    containers:
+      - {vmid: 129, gpus: [0, 1, 2, 3], address: 10.0.0.11}
+      - {vmid: 130, gpus: [], address: 10.0.0.10}
+  - name: pve2
+    address: 127.77.0.2
+    containers:
+      - {vmid: 129, gpus: [0, 1, 2, 3], address: 10.0.0.12}
+      - {vmid: 131, gpus: [0, 1, 2, 3]}
+"""
+
+ONE = "target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]\n"
+TWO = "targets:\n  - {host: pve1, vmid: 129, gpus: [0, 1, 2, 3]}\n  - {host: pve2, vmid: 129, gpus: [0, 1, 2, 3]}\n"
+
+
+@pytest.fixture
+def work(tmp_path):
+    shutil.copytree(os.path.join(REPO, "playbooks"), tmp_path / "playbooks")
+    (tmp_path / "hosts.yaml").write_text(INVENTORY)
+    return tmp_path
+
+
+def write(work, where_yaml, router_yaml, name="reps"):
+    text = (work / "playbooks" / "qwen36-mtp.yaml").read_text()
+    text = text.replace(ONE, where_yaml).replace("name: qwen36-mtp", f"name: {name}") + router_yaml
+    p = work / "playbooks" / f"{name}.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def load(work, path):
+    return load_playbook(path, load_inventory(str(work / "hosts.yaml")))
+
+
+def problems(work, path):
+    with pytest.raises(SpecError) as e:
+        load(work, path)
+    return "\n".join(e.value.problems)
+
+
+def test_router_defaults_and_urls(work):
+    pb = load(work, write(work, TWO, "router:\n  host: pve1\n  vmid: 130\n"))
+    r = R.spec(pb)
+    assert (r["port"], r["policy"], r["version"], r["listen"]) == (30000, "round_robin", "0.1.17", "0.0.0.0")
+    inv = load_inventory(str(work / "hosts.yaml"))
+    assert [R.replica_url(inv, pb, m) for m in pb.members] == ["http://10.0.0.11:8000", "http://10.0.0.12:8000"]
+    args = R.router_argv_args(pb, ["http://10.0.0.11:8000", "http://10.0.0.12:8000"])
+    assert args[:8] == ["--host", "0.0.0.0", "--port", "30000", "--worker-urls", "http://10.0.0.11:8000",
+                        "http://10.0.0.12:8000", "--policy"]
+    assert "--health-check-interval-secs" in args and "2" in args
+    assert R.url(inv, pb)["url"] == "http://10.0.0.10:30000/v1"
+
+
+def test_router_refused_on_a_proxmox_host_and_without_targets(work):
+    text = problems(work, write(work, TWO, "router:\n  host: pve1\n"))
+    assert "router.vmid: required: the router runs in a container of host 'pve1', never on the Proxmox host" in text
+    text = problems(work, write(work, ONE, "router:\n  host: pve1\n  vmid: 130\n", name="single"))
+    assert "router: a router goes in front of replicas: use targets:" in text
+
+
+def test_router_cross_checks(work):
+    three = TWO + "  - {host: pve2, vmid: 131, gpus: [0, 1, 2, 3]}\n"
+    text = problems(work, write(work, three, "router:\n  host: pve1\n  vmid: 999\n  policy: fastest\n"))
+    assert "router.vmid: host 'pve1' has no container 999" in text
+    assert "router.policy" in text and "fastest" in text
+    # pve2/131 has no address: the router could not reach it
+    assert "targets[2]: the router (in pve1/999) reaches this replica by address, and pve2/131 has none" in text
+    assert "deploy discover pve2 --write" in text
+    # the router in a replica's container, on the replica's port
+    text = problems(work, write(work, TWO, "router:\n  host: pve1\n  vmid: 129\n  port: 8000\n"))
+    assert "router.port: 8000 (and 8001, its metrics) must not be serve.port 8000 of the replica in the same container (pve1/129)" in text
+
+
+def test_router_loopback_replicas_refused(work):
+    path = write(work, TWO, "router:\n  host: pve1\n  vmid: 130\n")
+    text = open(path).read().replace("  host: 0.0.0.0\n", "  host: 127.0.0.1\n", 1)
+    if "  host: 127.0.0.1\n" not in text:
+        text = text.replace("serve:\n", "serve:\n  host: 127.0.0.1\n", 1)
+    open(path, "w").write(text)
+    assert "serve.host: 127.0.0.1 listens only inside each container" in problems(work, path)
+
+
+def test_router_flags_against_what_serves(work):
+    pb = load(work, write(work, TWO, "router:\n  host: pve1\n  vmid: 130\n"))
+    inv = load_inventory(str(work / "hosts.yaml"))
+    view = {"running": True, "workers": [{"url": "http://10.0.0.11:8000", "healthy": True}]}
+    assert R.compare(pb, inv, view, {"pve1/129", "pve2/129"}) == [
+        "pve2/129 serves but is not in the router (deploy up reps adds it)"]
+    view = {"running": True, "workers": [{"url": "http://10.0.0.11:8000", "healthy": False},
+                                         {"url": "http://10.0.0.12:8000", "healthy": True}]}
+    assert R.compare(pb, inv, view, {"pve2/129"}) == [
+        "pve1/129 is in the router but does not serve (the router sees it unhealthy: it sends it nothing)"]
+
+
+def test_router_in_json_schema():
+    s = json_schema("playbook")
+    r = s["properties"]["router"]
+    assert set(r["properties"]) >= {"host", "vmid", "listen", "port", "policy", "version", "install"}
+    assert r["properties"]["policy"]["enum"][0] == "round_robin"
