@@ -22,7 +22,7 @@ def act_file_sha(a):
 
 
 def act_write_file(a):
-    """Write core.PAYLOAD to path only if its sha256 differs: backup (the original's bytes, mode and owner, under a new
+    """Write PAYLOAD (the payload on stdin) to path only if its sha256 differs: backup (the original's bytes, mode and owner, under a new
     unpredictable name), temp file, fsync, rename, read back; all through one checked directory fd, O_EXCL and
     O_NOFOLLOW. On any error the old file is untouched."""
     path, want = a["path"], a["sha256"]

@@ -14,7 +14,10 @@ import time
 from .core import clean, emit, now
 from .files import UnsafeDirectory, _read_json, _tail_lines, open_dir, tail_file, unique_name, write_json_atomic
 from .install import _agent_source
-from .weights import CHUNK, COMMIT_RE, FETCH_FINAL, FETCH_LOCK, FETCH_RECORDS, FETCH_STATE, FETCH_VAR, FetchError, _existing_dir, _final_path, _fmt_bytes, _free, _hash_as, _item_dest, _partial, _record_path, _repo_dir, _staging, fetch_record, in_place, verify_file
+from .weights import (
+    CHUNK, COMMIT_RE, FETCH_FINAL, FETCH_LOCK, FETCH_RECORDS, FETCH_STATE, FETCH_VAR, FetchError,
+    _existing_dir, _final_path, _fmt_bytes, _free, _hash_as, _item_dest, _partial, _record_path, _repo_dir,
+    _staging, fetch_record, in_place, verify_file)
 from . import core
 
 
@@ -414,7 +417,7 @@ def _fetch_start(a):
             env[k] = os.environ[k]
     args = {"state_dir": state_dir, "id": fid}
     # the tokens reach the runner on its stdin, like they reached this agent: never argv, never the environment
-    pre = ("import base64 as _b, json as _j; core.SECRETS = _j.loads(_b.b64decode('%s'))\n"
+    pre = ("import base64 as _b, json as _j; SECRETS = _j.loads(_b.b64decode('%s'))\n"
            % base64.b64encode(json.dumps(core.SECRETS or {}).encode()).decode()).encode()
     try:
         proc = subprocess.Popen([sys.executable, "-", "fetch_run", json.dumps(args)], stdin=subprocess.PIPE,

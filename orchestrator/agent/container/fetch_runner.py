@@ -9,7 +9,9 @@ from .core import now
 from .fetch import download, gated_no_token, hub_info, install_item, plan_item
 from .files import _read_json, write_json_atomic
 from .procs import proc_starttime
-from .weights import COMMIT_RE, FETCH_STATE, FetchError, _existing_dir, _fmt_bytes, _free, _partial, _staging, read_manifest, verify_file
+from .weights import (
+    COMMIT_RE, FETCH_STATE, FetchError, _existing_dir, _fmt_bytes, _free, _partial, _staging, read_manifest,
+    verify_file)
 from . import core
 
 

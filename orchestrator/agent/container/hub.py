@@ -11,7 +11,7 @@ from . import core
 
 def act_hub_drafter(a):
     """Serve the pinned config for a hub drafter without writing the hub cache: DIR (deploy's own, under the
-    state dir) holds config.json = core.PAYLOAD and a symlink to every other file of the snapshot vLLM would read.
+    state dir) holds config.json = PAYLOAD (the payload on stdin) and a symlink to every other file of the snapshot vLLM would read.
     Built in a temp dir and renamed into place; unchanged when it already matches. The hub cache is only read."""
     import shutil
 

@@ -14,7 +14,9 @@ import time
 
 from . import core
 from .core import clean, emit, now
-from .files import UnsafeDirectory, _read_json, _tail_lines, open_dir, tail_file, unique_name, why_untrusted, write_json_atomic
+from .files import (
+    UnsafeDirectory, _read_json, _tail_lines, open_dir, tail_file, unique_name, why_untrusted,
+    write_json_atomic)
 from .state import read_state
 
 

@@ -156,7 +156,7 @@ def _lock_in(dfd, a):
 
 
 def _break_token(a):
-    """Another holder's token, to break its lock: sent on stdin (core.SECRETS), never in argv or the audit log."""
+    """Another holder's token, to break its lock: sent on stdin (SECRETS), never in argv or the audit log."""
     return core.SECRETS.get("break_token") or a.get("break_token")
 
 

@@ -13,7 +13,8 @@ import time
 
 from .core import ANSI, now
 from .files import UnsafeDirectory, create_excl_path, open_dir, unique_name
-from .install import NotAVenv, _install_state, _record_switch, _save_install, install_phase, stack_check_in, venv_problem
+from .install import (
+    NotAVenv, _install_state, _record_switch, _save_install, install_phase, stack_check_in, venv_problem)
 from .procs import proc_starttime
 
 
