@@ -1,6 +1,6 @@
 """`deploy doctor [HOST|HOST/VMID ...]`: read-only diagnosis of a vLLM that `deploy` may not have started.
 
-One agent `doctor` call per container (orchestrator/agent/agent.py: act_doctor) gathers the facts; `diagnose()`
+One agent `doctor` call per container (orchestrator/agent/container/doctor.py: act_doctor) gathers the facts; `diagnose()`
 (pure, tested on dicts) names each field-report failure class it finds, with its cause and the `deploy` command
 that fixes it. Nothing is changed anywhere.
 
@@ -109,7 +109,7 @@ def pick_pinned(drafter: dict, pinned: list[dict], prefer: str | None = None) ->
 
 
 def fixes_present(stack: dict) -> tuple[bool, bool]:
-    """(+1 layer-id offset, DFlash sliding window), by the same rules as verify's serving checks (agent.py)."""
+    """(+1 layer-id offset, DFlash sliding window), by the same rules as verify's serving checks (agent/container/stack.py)."""
     v = vf.vtuple(stack.get("version"))
     m = stack.get("markers") or {}
     plus1 = bool(m.get("plus1_fix") or (v is not None and v >= (0, 22) and m.get("pr40898_sliding_window")))
@@ -323,6 +323,8 @@ def idle_drafter_checks(pinned: list[dict], host: str, vmid: int, file_sha) -> l
     """With no server running (issue 26): the drafter configs the playbooks that target this container name (a
     local directory; a hub id is resolved by `deploy verify`), each compared with its pinned bytes, and what a
     server started now would do with it. file_sha(path) -> the agent's file_sha result."""
+    from .agent.protocol import FileShaResult
+
     out, here = [], f"{host}/{vmid}"
     for p in pinned:
         if not p.get("path") or here not in str(p.get("target") or "").split(", "):
@@ -331,16 +333,17 @@ def idle_drafter_checks(pinned: list[dict], host: str, vmid: int, file_sha) -> l
         try:
             r = file_sha(path)
         except Exception as e:  # noqa: BLE001 - one unreadable file must not hide the rest of the diagnosis
-            r = {"error": str(e)}
-        c = {"playbook": p["playbook"], "path": path, "sha256": r.get("sha256"), "pinned_sha256": p["sha256"]}
-        if r.get("error"):
-            c["verdict"] = f"cannot be read ({r['error']}): deploy up {p['playbook']} installs the pinned config"
-        elif r["sha256"] == p["sha256"]:
+            r = FileShaResult(error=str(e))
+        c = {"playbook": p["playbook"], "path": path, "sha256": r.sha256, "pinned_sha256": p["sha256"]}
+        if r.error or not r.sha256:
+            c["verdict"] = (f"cannot be read ({r.error or 'no sha256'}): deploy up {p['playbook']} installs the pinned "
+                            "config")
+        elif r.sha256 == p["sha256"]:
             c["verdict"] = f"= the published config ({p['playbook']}): a server started now would read it"
         else:
             c["verdict"] = f"differs from the published config ({p['playbook']})"
             c["finding"] = {"class": "guessed-config",
-                            "cause": f"no vLLM server runs, but {path} (sha256 {r['sha256'][:12]}) is not the "
+                            "cause": f"no vLLM server runs, but {path} (sha256 {r.sha256[:12]}) is not the "
                                      f"published config pinned by {p['playbook']} ({p['sha256'][:12]}): a server "
                                      "started from it now would draft with the wrong layers (~1% acceptance)",
                             "fix": f"deploy apply-config {p['playbook']} (installs and verifies the pinned config; "

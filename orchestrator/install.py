@@ -106,7 +106,9 @@ class _Runner:
         self.python = pb.data["requires"]["install"].get("python") or pb.runtime["python"]
 
     def call(self, args: dict, timeout: float, on_event=None) -> dict:
-        res = self._call(args, timeout, on_event)
+        """The install's answer as its wire dict (InstallResult, checked, then as_dict(): the install record and the
+        runtime pointer are nested data this module reads as such)."""
+        res = self._call(args, timeout, on_event).as_dict()
         if args.get("op") == "probe" and res.get("ok") and not isinstance(res.get("runtime"), dict):
             raise agent.AgentError("agent action 'install_vllm' (probe) answered ok without a runtime object: a "
                                    "malformed answer", where=self.ctx.where,

@@ -15,7 +15,7 @@ from . import plan as P
 from .errors import (DeployError, Interrupted, LockHeld, StepFailed, Unreachable,  # noqa: F401 (LockHeld: re-exported)
                      UsageError)
 from .gate import gate_figures
-from .agent.protocol import CurrentResult, GpusFreeResult, StopResult
+from .agent.protocol import CurrentResult, GpusFreeResult, ReadyResult, StopResult, VerifyResult, WriteFileResult
 from .facts import parse_pct_status
 from .remote import Fleet
 from .report import Progress, sha
@@ -170,8 +170,8 @@ class Heartbeat:
                 r = self.ctx.call(renew, fresh=True, beat=False)  # beside the long step the session is busy with
             except Exception:  # noqa: BLE001 - a missed beat is retried; the lease term absorbs a few
                 continue
-            if not r.get("locked"):
-                self.lost = r.get("holder")
+            if not r.locked:
+                self.lost = r.holder
                 self.ctx.progress.say(self.ctx.where, "     WARNING: the container lock was lost" +
                                       (f" to {describe_holder(self.lost)}" if self.lost else ""))
                 return
@@ -187,16 +187,16 @@ def take_lock(ctx: Context, step: P.Step, wait_s: float) -> Heartbeat:
     step.timeout = max(step.timeout, wait_s + 30)
     say = lambda e: ctx.progress.say(ctx.where, "     " + e.get("message", ""))  # noqa: E731
     r = ctx.call(step, on_event=say)
-    h = r.get("holder") or {}
-    if not r.get("locked") and h and holder_dead(h):
+    h = r.holder or {}
+    if not r.locked and h and holder_dead(h):
         ctx.progress.say(ctx.where, f"     the lock's holder ({h.get('holder')}) is a dead process on this "
                                     "workstation: breaking its lock")
         # the other holder's token goes on stdin, not in argv (which the audit log and `ps` show)
         r = ctx.call(step, secrets={"break_token": h.get("token")}, on_event=say)
-        h = r.get("holder") or {}
-    if not r.get("locked"):
-        if r.get("error"):
-            ctx.fail(step.name, t0, r["error"], fix="make the state directory root-owned and not writable by others")
+        h = r.holder or {}
+    if not r.locked:
+        if r.error:
+            ctx.fail(step.name, t0, r.error, fix="make the state directory root-owned and not writable by others")
         ctx.record(step.name, False, f"held by {h.get('holder')}", t0)
         raise LockHeld(f"another deploy holds the lock: {describe_holder(h)}", where=ctx.where,
                        fix=f"wait for it to finish, or pass --wait-lock SECONDS; if that deploy is gone, its lock "
@@ -212,9 +212,9 @@ def release_lock(ctx: Context, step: P.Step, beat: Heartbeat | None = None) -> N
         r = ctx.call(step)
     except DeployError:
         return
-    if not r.get("unlocked") and not r.get("error") and (beat is None or beat.lost is None):
+    if not r.unlocked and not r.error and (beat is None or beat.lost is None):
         # the heartbeat (every 15 s) did not see it: the lock was broken (deploy unlock) or taken meanwhile
-        h = r.get("holder")
+        h = r.holder
         ctx.progress.say(ctx.where, "     WARNING: the container lock was lost before this run ended" +
                          (f" (now held by {describe_holder(h)})" if h else " (broken: deploy unlock?)") +
                          "; another deploy may have acted on this container meanwhile: check deploy status "
@@ -230,9 +230,9 @@ def diff_running(cur: CurrentResult, pb: Playbook) -> list[str]:
         have = st.get("argv")
         diffs.append("argv:\n      running: " + (" ".join(have) if have else "(not recorded in the state file)")
                      + "\n      wanted:  " + " ".join(want_argv))
-    if st.get("argv0_real") and cur.get("argv0_real_now") and st["argv0_real"] != cur["argv0_real_now"]:
+    if st.get("argv0_real") and cur.argv0_real_now and st["argv0_real"] != cur.argv0_real_now:
         diffs.append(f"vLLM runtime: running from {st['argv0_real']}, {st['argv'][0]} is now "
-                     f"{cur['argv0_real_now']} (deploy install-vllm switched it)")
+                     f"{cur.argv0_real_now} (deploy install-vllm switched it)")
     if st.get("playbook") != pb.name:
         diffs.append(f"playbook: running {st.get('playbook') or '(not recorded)'}, wanted {pb.name}")
     elif st.get("playbook_sha256") != pb.sha256:
@@ -263,9 +263,10 @@ class Run:
     t_start: float
     beat: Heartbeat | None = None
     cur: CurrentResult | None = None
-    written: dict = field(default_factory=dict)
+    written: WriteFileResult | None = None  # what drafter-config wrote
+    read_back: dict = field(default_factory=dict)  # the config read again after a failure: now, or now_error
     verified: dict | None = None
-    ready: dict = field(default_factory=dict)
+    ready: ReadyResult | None = None
     launch_result: dict | None = None  # LaunchResult: the supervisor (systemd unit or none)
     stop_report: dict | None = None
     free: dict | None = None
@@ -418,15 +419,15 @@ def r_fetch(run: Run, step: P.Step) -> None:
 
 def r_write_config(run: Run, step: P.Step) -> None:
     run.written = D.write_config(run.ctx, step)
-    if run.written.get("changed"):
+    if run.written.changed:
         run.st.config_replaced = True  # described from a fresh read if this run fails (state_left)
 
 
 def r_verify(run: Run, step: P.Step) -> None:
     pb = run.ctx.pb
     run.verified = D.verify(run.ctx, step, blocking=run.opts.write_config or not pb.drafter,
-                            written_sha=run.written.get("after_sha256"))
-    run.st.verified_sha = (run.verified or {}).get("sha256")
+                            written_sha=run.written.after_sha256 if run.written else None)
+    run.st.verified_sha = run.verified.sha256 if run.verified is not None else None
 
 
 def r_stop(run: Run, step: P.Step) -> None:
@@ -459,7 +460,7 @@ def r_aux_layers(run: Run, step: P.Step) -> None:
 
 
 def r_drift(run: Run, step: P.Step) -> None:
-    D.drift(run.ctx, step, (run.verified or {}).get("sha256"))
+    D.drift(run.ctx, step, run.verified.sha256 if run.verified is not None else None)
 
 
 def r_acceptance(run: Run, step: P.Step) -> None:
@@ -469,8 +470,8 @@ def r_acceptance(run: Run, step: P.Step) -> None:
     run.out.info = {**_ep(url(pb, run.fleet.inventory)), "model": pb.serve["served_model_name"],
                     "method": pb.spec["method"], "acceptance": m["acceptance"].as_dict(), "gate": run.st.verdict,
                     **({"gated_running": True} if run.st.ungated else {}),
-                    "supervisor": (run.launch_result or {}).get("supervisor") or "none",
-                    "unit": (run.launch_result or {}).get("unit"),
+                    "supervisor": (run.launch_result.supervisor if run.launch_result else None) or "none",
+                    "unit": run.launch_result.unit if run.launch_result else None,
                     "phases_s": {r.step: round(r.seconds, 2) for r in ctx.results},
                     "total_s": round(time.monotonic() - run.t_start, 2)}
     if low is None:
@@ -508,8 +509,8 @@ def r_gate_record(run: Run, step: P.Step) -> None:
         ctx.record(step.name, None, f"warning: could not record the gate's verdict ({e.message}); the next deploy up "
                                     "measures and gates again", t0)
         return
-    if not r.get("ok"):
-        ctx.record(step.name, None, f"warning: could not record the gate's verdict ({r.get('message')}); the next "
+    if not r.ok:
+        ctx.record(step.name, None, f"warning: could not record the gate's verdict ({r.message}); the next "
                                     "deploy up measures and gates again", t0)
         return
     what = "passed" if verdict.get("passed") else "failed"
@@ -561,9 +562,9 @@ def r_drift_check(run: Run, step: P.Step) -> None:
 
 def r_read_back(run: Run, step: P.Step) -> None:
     try:
-        run.written["now"] = run.ctx.call(step).get("sha256")
+        run.read_back["now"] = run.ctx.call(step).sha256
     except DeployError as e:
-        run.written["now_error"] = e.message
+        run.read_back["now_error"] = e.message
         raise
 
 
@@ -621,12 +622,12 @@ def drift_instead(ctx: Context, step: P.Step, verified_sha: str, err: StepFailed
         r = ctx.call(step)
     except DeployError:
         return err
-    now = r.get("sha256")
+    now = r.sha256
     if now == verified_sha:
         return err
     pinned = ctx.pb.drafter["sha256"]
     msg = (f"the drafter config changed behind our back while vLLM started: {step.args['path']} now has sha256 "
-           f"{now or r.get('error')}, it had {verified_sha} when verified (pinned {pinned}); "
+           f"{now or r.error}, it had {verified_sha} when verified (pinned {pinned}); "
            f"{err.step} failed as a consequence: {err.message}")
     ctx.record("drift", False, msg.split(";")[0], time.monotonic(), result=r)
     return StepFailed("drift", msg, where=err.where, details=err.details,
@@ -637,11 +638,11 @@ def drift_instead(ctx: Context, step: P.Step, verified_sha: str, err: StepFailed
 def interrupted_state_left(run: Run) -> str:
     """After Ctrl-C: what this run changed (from what its steps returned; nothing is read back, the user asked to
     stop), and that the lock is released by the finally phase."""
-    st, written = run.st, run.written
+    st, written = run.st, run.written or WriteFileResult()
     parts = list(st.changed)
     if st.config_replaced:
-        parts.insert(0, f"the drafter config {written.get('path')} was replaced with the pinned bytes (old file kept "
-                        f"as {written.get('backup')}; not read back after the interruption: deploy verify "
+        parts.insert(0, f"the drafter config {written.path} was replaced with the pinned bytes (old file kept "
+                        f"as {written.backup}; not read back after the interruption: deploy verify "
                         f"{run.ctx.pb.name} checks it)")
     if st.launched:
         parts.append("vLLM was launched and keeps running (deploy status shows it)")
@@ -650,17 +651,17 @@ def interrupted_state_left(run: Run) -> str:
 
 def state_left_text(run: Run) -> str:
     """What the host holds now, from facts read after the failure (the read-back step), not from intentions."""
-    st, written = run.st, run.written
+    st, written, back = run.st, run.written or WriteFileResult(), run.read_back
     parts = list(st.changed)
     if st.config_replaced:
-        path = written.get("path")
-        if "now" not in written:
-            parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.get('backup')}); "
-                            f"it could not be read back now ({written.get('now_error', 'not read')})")
+        path = written.path
+        if "now" not in back:
+            parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.backup}); "
+                            f"it could not be read back now ({back.get('now_error', 'not read')})")
         else:
-            now, pinned = written["now"], run.ctx.pb.drafter["sha256"]
+            now, pinned = back["now"], run.ctx.pb.drafter["sha256"]
             what = "the pinned bytes" if now == pinned else f"NOT the pinned bytes ({pinned}): something rewrote it"
-            parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.get('backup')}); "
+            parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.backup}); "
                             f"read now: sha256 {now}, {what}")
     return "; ".join(parts) if parts else "nothing was changed on the host"
 
@@ -670,13 +671,13 @@ def stop_after_failure(ctx: Context, step: P.Step) -> str:
     pb = ctx.pb
     try:
         rep = ctx.call(step)
-        if rep.get("refused"):  # another playbook's deployment took the container over (a broken lock)
-            return (f"the failed server was not stopped: {rep['refused']} (another deploy took the container over "
+        if rep.refused:  # another playbook's deployment took the container over (a broken lock)
+            return (f"the failed server was not stopped: {rep.refused} (another deploy took the container over "
                     f"meanwhile; deploy status {ctx.where} shows it)")
-        n = len(rep.get("terminated", []) + rep.get("killed", []))
-        left = rep.get("leftovers") or []
+        n = len((rep.terminated or []) + (rep.killed or []))
+        left = rep.leftovers or []
         log = P.state_paths(pb)["log_path"]
-        u = rep.get("unit")
+        u = rep.unit
         s = f"the failed server was stopped ({n} process(es))" if n else "the failed server had already exited"
         if u:  # systemd's unit: stopped and disabled, so it does not come back at the next boot
             s += (f"; unit {u['unit']} is {u.get('active') or 'unknown'} and {u.get('enabled') or 'unknown'}; its log "
@@ -713,13 +714,13 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
     if run.error is None:
         rep, free = run.stop_report or StopResult(), run.free or GpusFreeResult()
         run.out.ok, run.out.status = True, "down"
-        run.out.info = {"stopped": rep.stopped, "fuser": rep.fuser, "unit": rep.get("unit"), "stop_s": rep.seconds,
+        run.out.info = {"stopped": rep.stopped, "fuser": rep.fuser, "unit": rep.unit, "stop_s": rep.seconds,
                         "gpu_mib_before": rep.gpu_before or free.before, "gpu_mib_after": free.after,
                         "free_s": free.seconds}
     return run.out
 
 
-def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome, dict]:
+def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome, VerifyResult]:
     ctx = new_context(fleet, pb, progress)
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
     step = P.step_verify(pb)
@@ -731,15 +732,15 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
             from . import fetch as F
 
             out.info["revisions"] = F.records(ctx, pb)
-        out.ok = not r["failed"]
+        out.ok = not r.failed
         out.status = "verified" if out.ok else "failed"
         if not out.ok:
-            out.error = StepFailed("verify", f"{len(r['failed'])} check(s) failed", where=ctx.where,
-                                   fix=D.verify_fix(r["failed"], pb, r.get("stack")))
+            out.error = StepFailed("verify", f"{len(r.failed)} check(s) failed", where=ctx.where,
+                                   fix=D.verify_fix(r.failed, pb, r.stack))
         return out, r
     except DeployError as e:
         out.error = e
-        return out, {}
+        return out, VerifyResult()
 
 
 def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
@@ -768,9 +769,9 @@ def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress:
     python = runtime.get("python") or DEFAULT_PYTHON
     s = fleet.session(host)
     r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir}, timeout=30)
-    if r.get("error"):
-        raise DeployError(r["error"], where=f"{host}/{vmid}")
-    h = r.get("holder")
+    if r.error:
+        raise DeployError(r.error, where=f"{host}/{vmid}")
+    h = r.holder
     if not h:
         return {"holder": None, "broken": False, "state": "free"}
     view = {k: v for k, v in h.items() if k != "token"}
@@ -779,10 +780,10 @@ def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress:
         return {"holder": view, "broken": False, "state": "kept"}
     r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir}, secrets={"break_token": h.get("token")},
                    timeout=30)
-    if r.get("unlocked"):
+    if r.unlocked:
         return {"holder": view, "broken": True, "state": "broken"}
     return {"holder": view, "broken": False, "state": "changed",
-            "now": {k: v for k, v in (r.get("holder") or {}).items() if k != "token"} or None}
+            "now": {k: v for k, v in (r.holder or {}).items() if k != "token"} or None}
 
 
 __all__ = ["up", "down", "verify_only", "apply_config", "unlock", "Options", "Outcome", "StepResult"]

@@ -149,7 +149,7 @@ class HostSession:
     connects: int = field(default=0, init=False)
     _spare: object = field(default=None, init=False, repr=False)
     _closed: bool = field(default=False, init=False, repr=False)
-    _agents: dict = field(default_factory=dict, init=False, repr=False)
+    _kept: dict = field(default_factory=dict, init=False, repr=False)
     last_connect_error: BaseException | None = field(default=None, init=False, repr=False)
 
     # -------------------------------------------------------------- connection
@@ -307,7 +307,7 @@ class HostSession:
         # A connect still in progress (a slow or dead host past its deadline) holds the lock: do not wait for it.
         # The connecting thread sees `_closed` when it is done and closes what it opened.
         self._closed = True
-        for a in list(getattr(self, "_agents", {}).values()):
+        for a in list(getattr(self, "_kept", {}).values()):
             a.close()
         if not self._lock.acquire(timeout=0.5):
             return
@@ -384,16 +384,14 @@ class HostSession:
         transport = getattr(conn, "transport", None) if conn is not None else None
         return bool(transport is not None and transport.is_active())
 
-    def agent_session(self, vmid: int, python: str):
-        """The agent process kept for this container and Python during this invocation (started on first use)."""
-        from .agent import AgentSession
-
-        key = (vmid, python)
+    def keep(self, key, make):
+        """What a layer above keeps open on this connection for the invocation (an agent session per container):
+        made by make() on first use, closed (its .close()) with the connection."""
         with self._lock:
-            a = self._agents.get(key)
-            if a is None:
-                a = self._agents[key] = AgentSession(self, vmid, python)
-        return a
+            obj = self._kept.get(key)
+            if obj is None:
+                obj = self._kept[key] = make()
+        return obj
 
     def ct(self, vmid: int, argv: list[str], **kw) -> Result:
         """Run argv inside container vmid with `pct exec`; probes once whether this pct knows --keep-env."""

@@ -90,7 +90,7 @@ def call(fleet: Fleet, pb: Playbook, op: str, *, timeout: float = 60.0, on_event
     args = dict(_base(pb), op=op, timeout_s=kw.pop("op_timeout", None) or max(1.0, timeout - 10), **kw)
     res = agent.call(fleet.session(r["host"]), r["vmid"], r["python"], "router", args,
                      secrets={"router_key": key} if key else None, timeout=timeout, on_event=on_event)
-    return res if isinstance(res, dict) else dict(res)
+    return res.as_dict()  # RouterResult, checked; its per-op fields are data this module reads as such
 
 
 def _fail(pb, message, fix, **details):

@@ -205,12 +205,12 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         r = agent.call(fleet.session(host), vmid, python, "status",
                        {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15,
                        secrets={"api_key": key} if key else None, bulk=FATAL_BULK)
-        st = r.get("state") or {}
+        st = r.state or {}
         # The state file is the container's word: it names the playbook, and only a LOCAL playbook of that name
         # that targets this container chooses the local variable (never the state file's api_key_env, which a
         # compromised container could point at any workstation secret; docs/architecture.md, "Threat model").
         local = local_key_env(fleet.inventory, st.get("playbook") if isinstance(st, dict) else None, host, vmid) \
-            if not key and r.get("models_status") in (401, 403) else None
+            if not key and r.models_status in (401, 403) else None
         if local and os.environ.get(local):
             # key-protected, and our own playbook names the local variable holding its key: ask again, with it
             key = os.environ[local]
@@ -227,23 +227,23 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         row.update(container="stopped" if "not running" in e.message else "missing", healthy=False)
         row["problems"].append(e.message)
         return row
-    mem = r.get("memory") or {}
+    mem = r.memory or {}
     if "error" in mem:
         row["problems"].append(f"nvidia-smi: {mem.get('message')}")
         row["healthy"] = False
     else:
         row["gpus"] = [{"index": int(i), "used_mib": g["used"], "total_mib": g["total"]}
                        for i, g in sorted(mem.get("gpus", {}).items(), key=lambda x: int(x[0]))]
-    row["lock"] = r.get("lock")
-    st = r.get("state")
+    row["lock"] = r.lock
+    st = r.state
     if st and st.get("corrupt"):
         row["problems"].append(f"state file unreadable: {st['corrupt']}")
         row["healthy"] = False
         return row
     if not st:
         gate_row(row, r, None)
-        fail = r.get("last_failure")
-        if fail and fail.get("at", 0) >= (r.get("stopped_at") or 0):
+        fail = r.last_failure
+        if fail and fail.get("at", 0) >= (r.stopped_at or 0):
             pb = fail.get("playbook")
             row.update(playbook=pb, process="failed", healthy=False)
             row["problems"].append(
@@ -251,7 +251,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(fail['at']))} ({fail.get('step')}: "
                 f"{fail.get('message')}); nothing of ours runs now. deploy logs {pb} shows the server's log; "
                 f"deploy up {pb} tries again")
-        stray = r.get("vllm_processes") or []
+        stray = r.vllm_processes or []
         if stray:
             row["process"] = "not ours"
             row["problems"].append(f"{len(stray)} vLLM process(es) not started by deploy: "
@@ -263,27 +263,27 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
     row.update(playbook=st.get("playbook"), pid=st.get("pid"), method=st.get("method"),
                served_model=st.get("served_model_name"))
     row["_gpus"] = st.get("gpus") if isinstance(st.get("gpus"), list) else None  # for shared_gpu_problems
-    sup = supervision_of(r.get("supervision"), st)
+    sup = supervision_of(r.supervision, st)
     row["supervision"] = sup
     if st.get("alive"):
         _add_endpoint(row, fleet, host, vmid, st.get("port") or 8000)
     if st.get("alive"):
         row["process"] = "running"
-        started = (r.get("supervision") or {}).get("main_started_at") or st.get("started_at", time.time())
+        started = (r.supervision or {}).get("main_started_at") or st.get("started_at", time.time())
         row["uptime_s"] = round(time.time() - started, 1)  # of the process serving now (systemd may restart it)
-        row["health"] = r.get("health")
-        if r.get("health") != 200:
+        row["health"] = r.health
+        if r.health != 200:
             row["healthy"] = False
-            row["problems"].append(f"/health: {r.get('health') or 'no answer'}")
-        elif r.get("listener_problem"):
+            row["problems"].append(f"/health: {r.health or 'no answer'}")
+        elif r.listener_problem:
             row["healthy"] = False
-            row["problems"].append(r["listener_problem"])
-        elif r.get("models_status") in (401, 403):
+            row["problems"].append(r.listener_problem)
+        elif r.models_status in (401, 403):
             row["healthy"] = False
             local = local_key_env(fleet.inventory, st.get("playbook"), host, vmid)
-            row["problems"].append(f"/v1/models needs the API key ({r.get('models_status')})" +
+            row["problems"].append(f"/v1/models needs the API key ({r.models_status})" +
                                    (f": export {local} (serve.api_key_env) and run status again" if local else ""))
-        elif st.get("served_model_name") not in (r.get("models") or []):
+        elif st.get("served_model_name") not in (r.models or []):
             row["healthy"] = False
             row["problems"].append(f"/v1/models does not list {st.get('served_model_name')}")
     elif sup["supervisor"] == "systemd":
@@ -301,7 +301,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
     else:
         row["process"] = "exited"
         row["healthy"] = False
-        row["problems"].append(f"vLLM (pid {st.get('pid')}) has exited (code {r.get('exit_code')})")
+        row["problems"].append(f"vLLM (pid {st.get('pid')}) has exited (code {r.exit_code})")
     if sup["supervisor"] == "systemd":
         since = "the container booted (it rebooted after deploy up)" if sup.get("container_restarted") else \
             "deploy up"
@@ -318,10 +318,10 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             + (" and the container rebooted since" if sup.get("container_restarted") else "")
             + f"; last exit: {exit_text(sup.get('last_exit'))}; its acceptance since that restart is shown as recent")
     gate_row(row, r, st)
-    if r.get("last_error"):
-        row["last_error"] = r["last_error"]
+    if r.last_error:
+        row["last_error"] = r.last_error
     if st.get("drafter_path"):
-        pinned, disk = st.get("drafter_sha256"), r.get("drafter_sha256")
+        pinned, disk = st.get("drafter_sha256"), r.drafter_sha256
         row["drafter"] = {"path": st["drafter_path"], "pinned_sha256": pinned, "on_disk_sha256": disk,
                           "drift": disk != pinned}
         if disk != pinned:
@@ -330,14 +330,14 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
                                    f"{disk or 'none (unreadable)'}, "
                                    f"launched with {pinned}; deploy apply-config {st.get('playbook')} reinstalls "
                                    f"the pinned bytes, then deploy restart {st.get('playbook')}")
-    if r.get("weights"):  # fetched by deploy fetch: the revision serving
-        row["weights"] = list(r["weights"])
-    if r.get("metrics"):
-        counters = vf.parse_spec_counters(r["metrics"])
-        life = vf.lifetime_acceptance(r["metrics"]) if counters else None
+    if r.weights:  # fetched by deploy fetch: the revision serving
+        row["weights"] = list(r.weights)
+    if r.metrics:
+        counters = vf.parse_spec_counters(r.metrics)
+        life = vf.lifetime_acceptance(r.metrics) if counters else None
         row["acceptance"] = {"lifetime": life.as_dict() if life else None,
                              "recent": sampler.recent(f"{host}/{vmid}", counters, st.get("pid"),
-                                                      generation_tokens(r["metrics"]))}
+                                                      generation_tokens(r.metrics))}
         if row["acceptance"]["lifetime"] is not None and row.get("uptime_s") is not None:
             # vLLM's counters start with its process: the lifetime figures cover its uptime
             now_t = time.time()
@@ -361,7 +361,7 @@ def gate_row(row: dict, r: dict, st: dict | None) -> None:
     verdict is a problem (`not gated`, since its launch); a rejection a fallback followed is shown beside it."""
     from .gate import gate_figures
 
-    g, rej = r.get("gate") or None, r.get("rejected") or None
+    g, rej = r.gate or None, r.rejected or None
     if rej and isinstance(rej, dict):
         v = rej.get("verdict") or {}
         row["rejected"] = {"playbook": rej.get("playbook"), "at": rej.get("at"), "figures": v.get("figures"),
@@ -847,17 +847,17 @@ def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
 
         with Progress().heartbeat(f"{host}/{vmid}", f"read {log_path}", 30):
             r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
-        if grep and not r.get("lines") and (r.get("unit") or r.get("exists")):  # like grep: said, exit 1 (issue 26)
-            click.echo(f"{host}/{vmid}: no line of {r.get('unit') and 'the journal of ' + r['unit'] or log_path} "
+        if grep and not r.lines and (r.unit or r.exists):  # like grep: said, exit 1 (issue 26)
+            click.echo(f"{host}/{vmid}: no line of {r.unit and 'the journal of ' + r.unit or log_path} "
                        f"matched --grep {grep!r}", err=True)
             return EXIT_FAILED
-        if r.get("unit") and not r.get("lines"):  # a systemd unit's journal (agent: the state file names the unit)
-            click.echo(f"{host}/{vmid}: the journal of {r['unit']} is empty ({r.get('source')})", err=True)
+        if r.unit and not r.lines:  # a systemd unit's journal (agent: the state file names the unit)
+            click.echo(f"{host}/{vmid}: the journal of {r.unit} is empty ({r.source})", err=True)
             return EXIT_FAILED
-        if not r.get("exists"):
+        if not r.exists:
             click.echo(f"{host}/{vmid}: no log at {log_path} (nothing was launched there?)", err=True)
             return EXIT_FAILED
-        for ln in r.get("lines") or []:
+        for ln in r.lines or []:
             click.echo(str(ln))
         return EXIT_OK
     def line(e):

@@ -1,11 +1,10 @@
-"""The agent protocol: one dataclass per action result, shared by both sides.
+"""The typed results of the agent's actions: one dataclass per action result, read as attributes.
 
-This file is sent to the container ahead of agent.py (stdlib only, like the agent): the agent checks each result
-it emits against its type before it leaves the container, and the tool parses the same JSON into the same type
-(orchestrator/agent/__init__.py `call`). A result missing a required field is a protocol error on either side,
-named with the action and the field; fields a newer agent adds are kept in `.extra`, not dropped.
-
-PROTOCOL is checked on both sides: the tool refuses a result from another protocol version.
+The wire contract (the protocol version, the fields each result must carry) is container/protocol.py, which travels
+with the agent: the agent checks each result against it before it leaves the container, and `parse` here checks the
+same table (a result missing a required field is a protocol error on either side, named with the action and the
+field). Fields a newer agent adds are kept in `.extra`, not dropped. The tool refuses a result from another protocol
+version (agent/call.py `interpret`).
 
 One name per concept: the step, the agent action and the step function share it (`gpus_free`: step
 `gpus-free`; `acceptance`: step `acceptance`, measured and gated by steps/vllm.py `acceptance`).
@@ -15,11 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-PROTOCOL = 2
-
-
-class ProtocolError(Exception):
-    pass
+from .container.protocol import PROTOCOL, ProtocolError  # noqa: F401 (re-exported)
+from .container.protocol import REQUIRED as WIRE
 
 
 _TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str, "list": list, "dict": dict}
@@ -27,8 +23,8 @@ _TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str, "list": l
 
 @dataclass
 class AgentResult:
-    """Base: typed fields, plus `extra` for fields this side does not know. The mapping methods (`get`, `[]`,
-    `in`) read fields and extra alike, for code that reads results generically (status tables, --json)."""
+    """Base: typed fields, read as attributes, plus `extra` for fields this side does not know (a newer agent's);
+    as_dict() gives the wire form back (for --json and the outcome's details)."""
 
     REQUIRED = ()
     extra: dict = field(default_factory=dict, repr=False)
@@ -57,38 +53,15 @@ class AgentResult:
         out.update(self.extra)
         return out
 
-    # the generic read-only view (and `r["failed"] = ...` annotations the tool adds)
-    def get(self, key, default=None):
-        if key != "extra" and key in self.__dataclass_fields__:
-            v = getattr(self, key)
-            return default if v is None else v
-        return self.extra.get(key, default)
-
-    def __getitem__(self, key):
-        if key != "extra" and key in self.__dataclass_fields__:
-            return getattr(self, key)
-        return self.extra[key]
-
-    def __setitem__(self, key, value):
-        if key != "extra" and key in self.__dataclass_fields__:
-            setattr(self, key, value)
-        else:
-            self.extra[key] = value
-
-    def keys(self):  # so that `{**result}` and dict(result) give the wire form
-        return self.as_dict().keys()
-
-    def __contains__(self, key):
-        return (key != "extra" and key in self.__dataclass_fields__ and getattr(self, key) is not None) or \
-            key in self.extra
-
 
 @dataclass
 class LockResult(AgentResult):
-    REQUIRED = ("locked",)
+    REQUIRED = WIRE["lock"]
     locked: bool = False
     holder: dict = None
     error: str = None
+    lost: bool = None  # a renewal found the lock gone or taken
+    expires: float = None
 
 
 @dataclass
@@ -101,7 +74,7 @@ class UnlockResult(AgentResult):
 @dataclass
 class CurrentResult(AgentResult):
     """`status`: what runs in the container now (read by `current`, and by deploy status)."""
-    REQUIRED = ("state",)
+    REQUIRED = WIRE["status"]
     state: dict = None
     memory: dict = None
     health: int = None
@@ -112,6 +85,13 @@ class CurrentResult(AgentResult):
     drafter_error: str = None
     lock: dict = None
     last_failure: dict = None
+    stopped_at: float = None  # when state.json became state.stopped.json
+    metrics: str = None  # /metrics text
+    supervision: dict = None  # systemd's view (container/systemd.py supervision)
+    listener_problem: str = None  # the port is held by a process not proven ours: the key was not sent
+    exit_code: object = None  # the server's recorded exit (int, or a signal name under systemd)
+    last_error: str = None  # the log line that names the cause
+    argv0_real_now: str = None  # where the recorded argv[0] resolves now (install-vllm switches the runtime link)
     gate: dict = None  # gate.json: the verdict, and whether it is for the launch running now (for_current_launch)
     rejected: dict = None  # rejected.json: the last rejection a fallback followed
     weights: list = None  # deploy fetch's records of the model/drafter this server reads (issue 27)
@@ -128,21 +108,40 @@ class WriteFileResult(AgentResult):
     backup: str = None
     stage: str = None
     message: str = None
+    errno: str = None
+    # hub_drafter: deploy's own drafter directory for a hub id
+    dir: str = None
+    hub_id: str = None
+    snapshot: str = None
+    revision: str = None
+    snapshot_config_sha256: str = None
+    links: list = None
 
 
 @dataclass
 class VerifyResult(AgentResult):
-    REQUIRED = ("checks",)
+    REQUIRED = WIRE["verify"]
     checks: list = field(default_factory=list)
     sha256: str = None
     sha256_after: str = None
     location: dict = None
     stack: dict = None
     transformers_version: str = None
+    python: str = None
+    target: dict = None
+    trust_remote_code: bool = None
+    loader: str = None
+    loaded_error: str = None
+    local_hint: str = None
+    failed: list = None  # the tool's own: the failing checks (steps/drafter.py verify)
 
 
 @dataclass
 class StopResult(AgentResult):
+    unit: dict = None  # systemd's stop + disable report
+    unit_problem: str = None
+    cgroup_left: list = None
+    sigterm: list = None  # the pids SIGTERM reached (the others were already exiting)
     terminated: list = field(default_factory=list)
     killed: list = field(default_factory=list)
     leftovers: list = field(default_factory=list)
@@ -160,7 +159,7 @@ class StopResult(AgentResult):
 
 @dataclass
 class GpusFreeResult(AgentResult):
-    REQUIRED = ("verdict",)
+    REQUIRED = WIRE["gpus_free"]
     verdict: str = None  # free | held_inside | held_outside | gpu_missing | nvidia_smi_*
     before: dict = None
     after: dict = None
@@ -176,25 +175,34 @@ class GpusFreeResult(AgentResult):
 
 @dataclass
 class PortResult(AgentResult):
-    REQUIRED = ("listeners",)
+    REQUIRED = WIRE["port_check"]
     listeners: list = field(default_factory=list)
     port: int = None
 
 
 @dataclass
 class LaunchResult(AgentResult):
-    REQUIRED = ("ok",)
+    REQUIRED = WIRE["launch"]
     ok: bool = False
     pid: int = None
     pgid: int = None
     log_path: str = None
     message: str = None
+    supervisor: str = None  # systemd | none
+    unit: str = None
+    unit_path: str = None
+    unit_changed: bool = None
+    unit_sha256: str = None
+    env_file: str = None
+    unit_state: dict = None
+    invocation: str = None
+    systemd: bool = None
 
 
 @dataclass
 class ReadyResult(AgentResult):
     """`wait_ready`: serving, or why not (reason: fatal, exited, timeout, model_missing, auth, ...)."""
-    REQUIRED = ("ready",)
+    REQUIRED = WIRE["wait_ready"]
     ready: bool = False
     seconds: float = 0.0
     reason: str = None
@@ -208,6 +216,10 @@ class ReadyResult(AgentResult):
     models: list = None
     status: int = None
     message: str = None
+    alive: bool = None
+    body: str = None
+    unit: str = None
+    last_exit: dict = None
 
 
 @dataclass
@@ -223,7 +235,7 @@ class FileShaResult(AgentResult):
 @dataclass
 class AcceptanceResult(AgentResult):
     """`acceptance`: /metrics before and after the probe requests (and the log tail for the fallback line)."""
-    REQUIRED = ("ok",)
+    REQUIRED = WIRE["acceptance"]
     ok: bool = False
     before: str = None
     after: str = None
@@ -253,7 +265,7 @@ class LogsResult(AgentResult):
 @dataclass
 class DoctorResult(AgentResult):
     """`doctor`: read-only facts for diagnose() (doctor.py)."""
-    REQUIRED = ("processes", "servers")
+    REQUIRED = WIRE["doctor"]
     processes: list = field(default_factory=list)
     servers: list = field(default_factory=list)
     holders: list = None
@@ -266,7 +278,7 @@ class DoctorResult(AgentResult):
 
 @dataclass
 class HubDrafterResult(AgentResult):
-    REQUIRED = ("ok",)
+    REQUIRED = WIRE["hub_drafter"]
     ok: bool = False
     path: str = None
     dir: str = None
@@ -279,12 +291,14 @@ class HubDrafterResult(AgentResult):
     before_sha256: str = None
     after_sha256: str = None
     links: list = None
+    revision: str = None
+    backup: str = None  # (none: deploy's own directory is rebuilt, not edited)
 
 
 @dataclass
 class InstallResult(AgentResult):
     """`install_vllm` (probe, start, attach, rollback)."""
-    REQUIRED = ("ok",)
+    REQUIRED = WIRE["install_vllm"]
     ok: bool = False
     message: str = None
     fix: str = None
@@ -302,7 +316,7 @@ class InstallResult(AgentResult):
 
 @dataclass
 class GateRecordResult(AgentResult):
-    REQUIRED = ("ok",)
+    REQUIRED = WIRE["gate_record"]
     ok: bool = False
     launch_known: bool = False
     rejected: bool = False

@@ -63,7 +63,8 @@ class Context:
         with hb:
             if fresh:
                 return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, **kw)
-            return self.session.agent_session(step.vmid, self.pb.runtime["python"]).call(step.action, args, **kw)
+            return agent.session_for(self.session, step.vmid, self.pb.runtime["python"],
+                                     self.pb.runtime.get("state_dir")).call(step.action, args, **kw)
 
     def record(self, name: str, ok: bool | None, summary: str, t0: float, **details) -> StepResult:
         r = StepResult(name, ok, summary, time.monotonic() - t0, details)

@@ -15,10 +15,10 @@ def write_config(ctx: Context, step: Step) -> dict:
     t0 = time.monotonic()
     r = ctx.call(step, payload=ctx.pb.drafter_bytes)
     path = step.args["path"]
-    if not r.get("ok"):
-        ctx.fail(step.name, t0, f"could not install the pinned drafter config at {path} ({r.get('stage')}): "
-                                f"{r.get('message')}; the old file is untouched "
-                                f"(sha256 {r.get('before_sha256') or 'none: no file yet'})",
+    if not r.ok:
+        ctx.fail(step.name, t0, f"could not install the pinned drafter config at {path} ({r.stage}): "
+                                f"{r.message}; the old file is untouched "
+                                f"(sha256 {r.before_sha256 or 'none: no file yet'})",
                  fix={"directory": "create the drafter directory, or fix speculative.drafter.path",
                       "symlink": "use a plain local directory for speculative.drafter.path",
                       "write": "make the directory writable (read-only mount? full disk?) and run again",
@@ -28,19 +28,19 @@ def write_config(ctx: Context, step: Step) -> dict:
                       "snapshot": "download the drafter into the container's hub cache first (HF_HOME="
                                   f"{(ctx.pb.drafter or {}).get('hf_home')} huggingface-cli download "
                                   f"{(ctx.pb.drafter or {}).get('hub_id')}), or use speculative.drafter.path"}.get(
-                     r.get("stage"), "check the container"), result=r)
-    if r.get("snapshot") is not None:
-        what = "built" if r.get("changed") else "already holds the pinned config:"
-        ctx.record(step.name, True, f"{what} {r['dir']}: config.json {r['after_sha256'][:12]} (pinned) + "
-                                    f"{len(r.get('links') or [])} link(s) to {r['snapshot']} (revision "
-                                    f"{str(r.get('revision'))[:12]}; the hub cache is untouched, its config.json is "
-                                    f"{sha(r.get('snapshot_config_sha256'), 'unreadable')})", t0, result=r)
-    elif r.get("changed"):
-        ctx.record(step.name, True, f"wrote {path} (was {sha(r.get('before_sha256'), 'absent')}, now "
-                                    f"{r['after_sha256'][:12]}, read back); backup {r.get('backup') or '-'}",
+                     r.stage, "check the container"), result=r)
+    if r.snapshot is not None:
+        what = "built" if r.changed else "already holds the pinned config:"
+        ctx.record(step.name, True, f"{what} {r.dir}: config.json {r.after_sha256[:12]} (pinned) + "
+                                    f"{len(r.links or [])} link(s) to {r.snapshot} (revision "
+                                    f"{str(r.revision)[:12]}; the hub cache is untouched, its config.json is "
+                                    f"{sha(r.snapshot_config_sha256, 'unreadable')})", t0, result=r)
+    elif r.changed:
+        ctx.record(step.name, True, f"wrote {path} (was {sha(r.before_sha256, 'absent')}, now "
+                                    f"{r.after_sha256[:12]}, read back); backup {r.backup or '-'}",
                    t0, result=r)
     else:
-        ctx.record(step.name, True, f"{path} already has the pinned bytes (sha256 {r['after_sha256'][:12]}); "
+        ctx.record(step.name, True, f"{path} already has the pinned bytes (sha256 {r.after_sha256[:12]}); "
                                     "not rewritten", t0, result=r)
     return r
 
@@ -53,20 +53,20 @@ def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = Tr
            written_sha: str | None = None) -> dict:
     t0 = time.monotonic()
     r = ctx.call(step)
-    now = next((x for x in (r.get("sha256"), r.get("sha256_after")) if x and x != written_sha), None)
+    now = next((x for x in (r.sha256, r.sha256_after) if x and x != written_sha), None)
     if written_sha and now:
         ctx.fail(step.name, t0, f"the drafter config changed behind our back between the write and verify: "
-                                f"{(r.get('location') or {}).get('path')} was read back as {written_sha} and is now "
+                                f"{(r.location or {}).get('path')} was read back as {written_sha} and is now "
                                 f"{now}", fix=f"find what rewrites it (a sync job, a download) and stop it; then "
                                              f"deploy up {ctx.pb.name} again", result=r)
-    bad = failing(r.get("checks", []))
-    bad += extra_key_problems(ctx, r.get("stack") or {})
-    r["failed"] = bad
+    bad = failing((r.checks or []))
+    bad += extra_key_problems(ctx, r.stack or {})
+    r.failed = bad
     if record:
-        stack = r.get("stack") or {}
+        stack = r.stack or {}
         sfx = (f"vLLM {stack.get('version')}"
-               + (f", transformers {r['transformers_version']}" if r.get("transformers_version") else "")
-               + f", {len(r.get('checks', []))} checks")
+               + (f", transformers {r.transformers_version}" if r.transformers_version else "")
+               + f", {len((r.checks or []))} checks")
         if bad and not blocking:
             ctx.record(step.name, None, f"{len(bad)} check(s) failed, NOT blocking (--skip-config-write): "
                                         + ", ".join(c["check"] for c in bad), t0, result=r)
@@ -75,7 +75,7 @@ def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = Tr
             return r
         if bad:
             ctx.fail(step.name, t0, f"{len(bad)} check(s) failed ({sfx}):\n" + render_failures(bad),
-                     fix=verify_fix(bad, ctx.pb, r.get("stack")), result=r)
+                     fix=verify_fix(bad, ctx.pb, r.stack), result=r)
         what = "serving stack can run this method" if step.args.get("stack_only") else \
             "drafter config correct on disk and as loaded"
         ctx.record(step.name, True, f"{what}; {sfx}", t0, result=r)
@@ -162,9 +162,9 @@ def drift(ctx: Context, step: Step, launched_sha: str | None) -> dict:
     t0 = time.monotonic()
     r = ctx.call(step)
     want = launched_sha or ctx.pb.drafter["sha256"]
-    if r.get("sha256") != want:
+    if r.sha256 != want:
         ctx.fail(step.name, t0, f"the drafter config changed behind our back while vLLM started: "
-                                f"{step.args['path']} now has sha256 {r.get('sha256') or r.get('error')}, "
+                                f"{step.args['path']} now has sha256 {r.sha256 or r.error}, "
                                 f"it had {want} when verified (pinned {ctx.pb.drafter['sha256']})",
                  fix=f"find what rewrites {step.args['path']} (a sync job, a download) and stop it; then deploy up "
                      f"{ctx.pb.name} again", result=r)

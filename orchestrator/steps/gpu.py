@@ -24,26 +24,26 @@ def stop(ctx: Context, step: Step) -> StopResult:
                  fix=f"deploy down {rep.running} stops that deployment")
     stopped = rep.terminated + rep.killed
     parts = []
-    u = rep.get("unit")
-    if rep.get("unit_problem"):
-        ctx.fail(step.name, t0, rep["unit_problem"], fix=f"pct exec {ctx.pb.vmid} -- systemctl status "
-                                                        f"{(rep.get('state') or {}).get('unit')}", report=rep)
+    u = rep.unit
+    if rep.unit_problem:
+        ctx.fail(step.name, t0, rep.unit_problem, fix=f"pct exec {ctx.pb.vmid} -- systemctl status "
+                                                        f"{(rep.state or {}).get('unit')}", report=rep)
     if u:
-        parts.append(f"systemctl stop {u['unit']}: {len(rep.get('terminated') or [])} process(es) of its cgroup "
+        parts.append(f"systemctl stop {u['unit']}: {len(rep.terminated or [])} process(es) of its cgroup "
                      f"ended; unit now {u.get('active')}, {u.get('enabled')}")
-        if rep.get("cgroup_left"):
+        if rep.cgroup_left:
             ctx.fail(step.name, t0, f"{u['unit']} stopped but its cgroup still holds "
-                                    + ", ".join(f"{p['pid']} ({p['comm']})" for p in rep["cgroup_left"]),
+                                    + ", ".join(f"{p['pid']} ({p['comm']})" for p in rep.cgroup_left),
                      fix=f"pct exec {ctx.pb.vmid} -- systemctl kill -s KILL {u['unit']}", report=rep)
-    elif rep.get("terminated"):
-        n, sent = len(rep["terminated"]), rep.get("sigterm")
-        pg = (rep.get("state") or {}).get("pgid")
+    elif rep.terminated:
+        n, sent = len(rep.terminated), rep.sigterm
+        pg = (rep.state or {}).get("pgid")
         parts.append(f"stopped the {n} process(es) deploy started in process group {pg}" +
                      (f" (SIGTERM to {len(sent)}; the other {n - len(sent)} were already exiting)"
                       if sent is not None and len(sent) != n else " with SIGTERM"))
-    if rep.get("killed"):
-        parts.append("SIGKILLed " + ", ".join(f"{p['pid']} ({p.get('comm')})" for p in rep["killed"]))
-    fz = rep.get("fuser") or {}
+    if rep.killed:
+        parts.append("SIGKILLed " + ", ".join(f"{p['pid']} ({p.get('comm')})" for p in rep.killed))
+    fz = rep.fuser or {}
     if fz.get("refused"):
         ctx.fail(step.name, t0, fz["refused"], fix="this must never run on the Proxmox host itself")
     if fz.get("term") or fz.get("kill"):

@@ -51,18 +51,18 @@ def port_free(ctx: Context, step: Step) -> None:
 def launch(ctx: Context, step: Step) -> LaunchResult:
     t0 = time.monotonic()
     r: LaunchResult = ctx.call(step, secrets={"env": ctx.secrets} if ctx.secrets else None)
-    if not r.get("ok"):
-        if r.get("supervisor") == "systemd":
-            ctx.fail(step.name, t0, f"{r.get('unit')}: {r.get('message', 'launch failed')}",
+    if not r.ok:
+        if r.supervisor == "systemd":
+            ctx.fail(step.name, t0, f"{r.unit}: {(r.message or 'launch failed')}",
                      fix=f"read the unit's journal in the container: pct exec {ctx.pb.vmid} -- journalctl -u "
-                         f"{r.get('unit')} -n 50 (deploy logs {ctx.pb.name})", result=r)
-        ctx.fail(step.name, t0, r.get("message", "launch failed"), fix="check runtime.vllm in the playbook")
-    if r.get("supervisor") == "systemd":
-        ctx.record(step.name, True, f"vllm serve started as systemd unit {r['unit']} (enabled: restarts on failure, "
-                                    f"starts at boot): pid {r['pid']}, log: journalctl -u {r['unit']}", t0, result=r)
+                         f"{r.unit} -n 50 (deploy logs {ctx.pb.name})", result=r)
+        ctx.fail(step.name, t0, (r.message or "launch failed"), fix="check runtime.vllm in the playbook")
+    if r.supervisor == "systemd":
+        ctx.record(step.name, True, f"vllm serve started as systemd unit {r.unit} (enabled: restarts on failure, "
+                                    f"starts at boot): pid {r.pid}, log: journalctl -u {r.unit}", t0, result=r)
         onboot_check(ctx)
     else:
-        ctx.record(step.name, True, f"vllm serve started: pid {r['pid']}, log {r['log_path']}; not supervised: "
+        ctx.record(step.name, True, f"vllm serve started: pid {r.pid}, log {r.log_path}; not supervised: "
                                     "a crash leaves it down (the container does not run systemd)", t0, result=r)
     return r
 
@@ -118,7 +118,7 @@ def wait_ready(ctx: Context, step: Step) -> ReadyResult:
                    f"more than is free; see deploy status and deploy doctor {ctx.where} (on the test bed: a fault "
                    f"such as oom_at_startup is on; deploy testbed fault {ctx.where} --clear)")
     elif reason == "exited":
-        ex = r.get("last_exit") or {}
+        ex = r.last_exit or {}
         if r.exit_code is not None:
             how = f"with code {r.exit_code}" + (" (exit 0 is not a clean stop: the engine crashed)"
                                                 if r.exit_code == 0 else "")
@@ -165,7 +165,7 @@ def check_aux_layers(ctx: Context, ready: ReadyResult, verified, *, blocking: bo
     if got == want:
         ctx.record("aux-layers", True, f"vLLM taps {tuple(got)} as the drafter expects", t0)
         return
-    disk = next((c.get("on_disk") for c in (verified or {}).get("checks", [])
+    disk = next((c.get("on_disk") for c in (verified.checks if verified is not None else [])
                  if c["check"] == "field dflash_config.target_layer_ids"), None)
     if got == ids:
         msg, fix = (f"vLLM taps target layers {tuple(got)}, expected {tuple(want)}: these are the raw ids, so this "
@@ -213,7 +213,7 @@ def measure(ctx: Context, step: Step) -> dict:
         ctx.fail(step.name, t0, "no acceptance numbers: neither spec-decode counters in /metrics nor a "
                                 "SpecDecoding log line (is speculative decoding on?)",
                  fix="check the SpeculativeConfig line in deploy logs " + ctx.pb.name)
-    rounds, planned = r.get("rounds") or step.args.get("rounds"), step.args.get("rounds")
+    rounds, planned = r.rounds or step.args.get("rounds"), step.args.get("rounds")
     extended = (f"probing {rounds} rounds instead of {planned} ({r.sent} requests)"
                 if rounds and planned and rounds > planned else None)
     return {"acceptance": acc, "note": note, "extended": extended,

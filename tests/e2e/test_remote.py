@@ -245,10 +245,11 @@ def test_proxyjump_gateway_host_keys_are_checked(tb, tmp_path, monkeypatch):
 def test_an_agent_session_carries_many_requests_and_a_missed_deadline_ends_it(tb, fleet, tmp_path):
     """One agent process for many steps: requests in order, secrets and payloads on stdin (never in the audit log),
     a request past its deadline ends the session, and the next request starts a new one."""
+    from orchestrator.agent import session_for
     from orchestrator.agent.protocol import FileShaResult, GpusFreeResult
 
     fleet.redact.add("s3cr3t-value")
-    a = fleet.session("pve1").agent_session(129, "/root/ml-env/bin/python")
+    a = session_for(fleet.session("pve1"), 129, "/root/ml-env/bin/python")
     r = a.call("file_sha", {"path": "/root/models/Qwen3.6-27B/config.json"})
     assert isinstance(r, FileShaResult) and len(r.sha256) == 64
     r = a.call("gpus_free", {"gpus": [0], "threshold_mib": 1024, "timeout_s": 5, "nvidia_smi_timeout_s": 5,

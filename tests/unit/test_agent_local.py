@@ -15,7 +15,6 @@ import pytest
 from orchestrator.agent import agent_stdin
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-AGENT_PY = os.path.join(REPO, "orchestrator", "agent", "agent.py")
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                     "testbed", "vpd_testbed", "data")
 PUBLISHED = os.path.join(DATA, "qwen36-27b-dflash.config.json")
@@ -30,6 +29,15 @@ def run_agent(action, args, payload=None, bulk=None):
     res = [ln["result"] for ln in lines if "result" in ln]
     assert res, p.stderr.decode()
     return res[-1]
+
+
+def agent_code(body):
+    """A program that runs `body` with the agent's modules importable as in a container (the archive, package
+    vpd_agent, on sys.path)."""
+    from orchestrator.agent import archive
+
+    return (archive.inline().decode() + "import json, os, sys, tempfile\n_d = tempfile.mkdtemp()\n"
+            "open(_d + '/a.zip', 'wb').write(_VPD_ARCHIVE)\nsys.path.insert(0, _d + '/a.zip')\n" + body)
 
 
 def sha(path):
@@ -185,8 +193,7 @@ def test_fuser_kill_refuses_outside_a_container():
     """This machine plays the Proxmox host: no container= in PID 1's environment, so nothing is killed."""
     import re
 
-    src = open(AGENT_PY).read()
-    code = src.replace('if __name__ == "__main__":', "if False:") + "\nprint(json.dumps(fuser_kill([0], 0.1)))\n"
+    code = agent_code("from vpd_agent.gpus import fuser_kill\nprint(json.dumps(fuser_kill([0], 0.1)))\n")
     try:
         with open("/proc/1/environ", "rb") as fh:
             if re.search(rb"(^|\0)container=", fh.read()):
@@ -233,8 +240,7 @@ def test_agent_http_client_against_a_real_server(tmp_path):
     srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]
-    agent = open(AGENT_PY).read()
-    code = agent.replace('if __name__ == "__main__":', "if False:") + f"""
+    code = agent_code("from vpd_agent.net import http\n") + f"""
 print(json.dumps([http({port}, "/health"), http({port}, "/x"), http({port}, "/chunked"),
                   http({port}, "/v1/completions", "POST", {{"a": 1}}, api_key="k"),
                   http({port}, "/v1/completions", "POST", {{"a": 1}}), http(1, "/health", timeout=1)]))
@@ -252,11 +258,8 @@ print(json.dumps([http({port}, "/health"), http({port}, "/x"), http({port}, "/ch
 def test_unit_file_quoting_keeps_the_argv_exact_and_secrets_out():
     """ExecStart=/Environment= arguments: double-quoted with systemd's escapes, % and $ doubled (no specifier or
     variable expansion); the environment file single-quotes (systemd expands nothing there)."""
-    import importlib.util
+    from orchestrator.agent.container import systemd as mod
 
-    spec = importlib.util.spec_from_file_location("agent_mod", os.path.join(REPO, "orchestrator", "agent", "agent.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     assert mod.unit_quote('{"a":"b c"}') == '"{\\"a\\":\\"b c\\"}"'
     assert mod.unit_quote("50%$HOME\\x") == '"50%%$$HOME\\\\x"'
     with pytest.raises(ValueError):

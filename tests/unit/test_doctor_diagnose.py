@@ -114,10 +114,7 @@ def test_holders_outside_the_container_are_named_by_where_they_are():
 
 
 def test_serve_args_of_both_entry_points():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("_agent_for_test", os.path.join(REPO, "orchestrator/agent/agent.py"))
-    ag = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ag)
+    from orchestrator.agent.container import doctor as ag
     a = ag._serve_args(["/root/ml-env/bin/python", "/root/ml-env/bin/vllm", "serve", "/m", "--port=8002",
                         "-sc", '{"method":"dflash","model":"/d"}'])
     assert (a["model"], a["port"], a["spec"]) == ("/m", 8002, {"method": "dflash", "model": "/d"})

@@ -47,11 +47,14 @@ def test_a_forged_state_file_does_not_choose_which_local_secret_is_sent(monkeypa
     monkeypatch.setenv("VPD_WORKSTATION_SECRET", "ws-secret-5551234")
     sent = []
 
-    def call(session, vmid, python, action, args, **kw):
+    def call(session, vmid, python, action, args, **kw):  # as agent.call: the typed result
+        from orchestrator.agent.protocol import CurrentResult
+
         sent.append(kw.get("secrets"))
-        return {"state": {"playbook": "evil", "api_key_env": "VPD_WORKSTATION_SECRET", "alive": True, "pid": 7,
-                          "port": 8000, "served_model_name": "x"}, "models_status": 401, "health": 200,
-                "memory": {"gpus": {}}}
+        return CurrentResult.parse("status", {
+            "state": {"playbook": "evil", "api_key_env": "VPD_WORKSTATION_SECRET", "alive": True, "pid": 7,
+                      "port": 8000, "served_model_name": "x"}, "models_status": 401, "health": 200,
+            "memory": {"gpus": {}}})
 
     monkeypatch.setattr(status.agent, "call", call)
     row = status.container_row(_Fleet(inv), "pve1", 129, {"python": "/root/ml-env/bin/python"},
@@ -205,7 +208,7 @@ def test_the_agent_cuts_its_own_event_texts_below_the_cap(capsys):
     import json
 
     from orchestrator.agent import MAX_EVENT_LINE
-    from orchestrator.agent import agent as A
+    from orchestrator.agent.container import core as A
 
     A.emit(event="line", line="\U0001F600" * 100000)
     out = capsys.readouterr().out
@@ -215,7 +218,7 @@ def test_the_agent_cuts_its_own_event_texts_below_the_cap(capsys):
 def test_hub_refs_content_is_a_snapshot_name_never_a_path(tmp_path):
     import os
 
-    from orchestrator.agent import agent as A
+    from orchestrator.agent.container import verify as A
 
     base = tmp_path / "hub" / "models--org--drafter"
     (base / "refs").mkdir(parents=True)
@@ -235,7 +238,7 @@ def test_hub_refs_content_is_a_snapshot_name_never_a_path(tmp_path):
 def test_doctor_reads_a_config_only_as_a_regular_file(tmp_path):
     import os
 
-    from orchestrator.agent import agent as A
+    from orchestrator.agent.container import doctor as A
 
     os.mkfifo(tmp_path / "config.json")
     assert "not a regular file" in A._read_config(str(tmp_path / "config.json"))["error"]

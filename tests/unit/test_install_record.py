@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from orchestrator.agent import agent as A
+from orchestrator.agent.container import install as A
+from orchestrator.agent.container.runner import switch_runtime
+from orchestrator.agent.container.stack import record_check
 from orchestrator.install import requirement
 from orchestrator.spec import _vllm_source
 from vpd_testbed.fake_vllm import wheels
@@ -27,7 +29,7 @@ def installed(tmp_path_factory):
 
 def test_record_ok_then_missing_and_changed(installed):
     pkg = installed / "vllm"
-    r = A.record_check(str(pkg))
+    r = record_check(str(pkg))
     assert r["status"] == "ok" and r["files"] > 30 and not r["missing"] and not r["changed"], r
     victim = pkg / "_fake" / "http.py"
     data = victim.read_bytes()
@@ -36,7 +38,7 @@ def test_record_ok_then_missing_and_changed(installed):
     try:
         victim.unlink()
         other.write_bytes(odata + b"# x\n")
-        r = A.record_check(str(pkg))
+        r = record_check(str(pkg))
         assert r["status"] == "failed"
         assert r["missing"] == ["vllm/_fake/http.py"]
         assert [c["path"] for c in r["changed"]] == ["vllm/platforms/__init__.py"]
@@ -48,10 +50,10 @@ def test_record_ok_then_missing_and_changed(installed):
 
 def test_record_absent(tmp_path):
     (tmp_path / "vllm").mkdir()
-    r = A.record_check(str(tmp_path / "vllm"))
+    r = record_check(str(tmp_path / "vllm"))
     assert r["status"] == "no-record" and "not installed by a package installer" in r["message"]
     (tmp_path / "vllm-0.1.dist-info").mkdir()
-    r = A.record_check(str(tmp_path / "vllm"))
+    r = record_check(str(tmp_path / "vllm"))
     assert r["status"] == "failed" and "RECORD" in r["message"] and "did not finish" in r["message"]
 
 
@@ -61,16 +63,16 @@ def test_switch_runtime_moves_the_original_once(tmp_path):
     (tmp_path / "ml-env.versions" / "a").mkdir(parents=True)
     (tmp_path / "ml-env.versions" / "b").mkdir()
     with pytest.raises(A.NotAVenv, match="no pyvenv.cfg"):  # issue 22: only a real venv is moved aside
-        A.switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "a"))
+        switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "a"))
     assert root.is_dir() and not root.is_symlink()
     (root / "pyvenv.cfg").write_text("home = /usr/bin\n")
-    prev, new = A.switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "a"))
+    prev, new = switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "a"))
     assert prev.startswith("ml-env.versions/original-") and new == "ml-env.versions/a"
     assert os.readlink(root) == "ml-env.versions/a" and (tmp_path / prev / "bin").is_dir()
-    prev2, _ = A.switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "b"))
+    prev2, _ = switch_runtime(str(root), str(tmp_path / "ml-env.versions" / "b"))
     assert prev2 == "ml-env.versions/a" and os.readlink(root) == "ml-env.versions/b"
     with pytest.raises(ValueError):
-        A.switch_runtime(str(root), str(tmp_path / "elsewhere"))
+        switch_runtime(str(root), str(tmp_path / "elsewhere"))
 
 
 def test_install_vllm_refuses_what_is_not_a_venv(tmp_path):

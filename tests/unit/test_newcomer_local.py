@@ -1,6 +1,5 @@
 """Issue 26 (what a new user meets): the pure parts of its items, on real code without a test bed."""
 
-import importlib.util
 import os
 import time
 
@@ -13,11 +12,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def agent():
-    spec = importlib.util.spec_from_file_location("vpd_agent_t26", os.path.join(REPO, "orchestrator", "agent",
-                                                                                  "agent.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The agent's functions these tests use (orchestrator/agent/container/: systemd, status, install)."""
+    from types import SimpleNamespace
+
+    from orchestrator.agent.container import install, status, systemd
+
+    return SimpleNamespace(**{**vars(systemd), **vars(status), **vars(install)})
 
 
 def entry(at, message, mid=None, **kw):
@@ -148,13 +148,15 @@ def test_a_lock_broken_during_the_run_is_warned_at_release():
 
     from orchestrator import ops
 
+    from orchestrator.agent.protocol import UnlockResult
+
     said = []
-    ctx = NS(where="pve1/129", call=lambda step: {"unlocked": False, "holder": None},
+    ctx = NS(where="pve1/129", call=lambda step: UnlockResult.parse("unlock", {"unlocked": False, "holder": None}),
              progress=NS(say=lambda where, msg: said.append(msg)))
     ops.release_lock(ctx, NS(), None)
     assert said and "WARNING: the container lock was lost before this run ended" in said[0]
     said.clear()
-    ctx.call = lambda step: {"unlocked": True}
+    ctx.call = lambda step: UnlockResult.parse("unlock", {"unlocked": True})
     ops.release_lock(ctx, NS(), None)
     assert not said
 
@@ -251,7 +253,7 @@ def test_every_deploy_docs_pointer_in_the_code_resolves():
 
 
 def test_up_summary_and_errors_wrap_between_words_on_a_terminal(monkeypatch, capsys):
-    from orchestrator import cli, report
+    from orchestrator import render as cli, report
     from orchestrator.errors import StepFailed
     from orchestrator.ops import Outcome
 

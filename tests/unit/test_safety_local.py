@@ -17,7 +17,6 @@ import pytest
 from orchestrator.agent import agent_stdin
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-AGENT_PY = os.path.join(REPO, "orchestrator", "agent", "agent.py")
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                     "testbed", "vpd_testbed", "data")
 PUBLISHED = os.path.join(DATA, "qwen36-27b-dflash.config.json")
@@ -34,6 +33,15 @@ def run_agent(action, args, payload=None, bulk=None, secrets=None):
     res = [ln["result"] for ln in lines if "result" in ln]
     assert res, p.stderr.decode()
     return res[-1]
+
+
+def agent_code(body):
+    """A program that runs `body` with the agent's modules importable as in a container (the archive, package
+    vpd_agent, on sys.path)."""
+    from orchestrator.agent import archive
+
+    return (archive.inline().decode() + "import json, os, sys, tempfile\n_d = tempfile.mkdtemp()\n"
+            "open(_d + '/a.zip', 'wb').write(_VPD_ARCHIVE)\nsys.path.insert(0, _d + '/a.zip')\n" + body)
 
 
 def sha(path):
@@ -470,9 +478,9 @@ def test_a_dead_holder_on_this_workstation_is_recognised():
 
 def test_escape_sequences_are_stripped_from_names_and_log_lines(tmp_path, procs):
     p = procs([sys.executable, "-c", "import time; time.sleep(60)", "\x1b]0;pwned\x07\x1bc\x1b[2Jhidden"])
-    code = open(AGENT_PY).read().replace(
-        'if __name__ == "__main__":', "if False:") + "\nprint(json.dumps([proc_cmdline(%d), clean(%r)]))\n" % (
-        p.pid, "a\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\b\x1bc\x9b31m")
+    code = agent_code("from vpd_agent.core import clean\nfrom vpd_agent.procs import proc_cmdline\n"
+                      "print(json.dumps([proc_cmdline(%d), clean(%r)]))\n" % (
+        p.pid, "a\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\b\x1bc\x9b31m"))
     out = json.loads(subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
                                     timeout=60).stdout)  # on stdin: longer than one argv string may be
     assert "\x1b" not in out[0] and "hidden" in out[0]
@@ -505,9 +513,11 @@ def test_the_heartbeat_renews_the_lock_until_stopped_and_reports_a_loss():
         def __init__(self, answers):
             self.answers = answers
 
-        def call(self, step, fresh=False, **kw):
+        def call(self, step, fresh=False, **kw):  # as Context.call: the typed result
+            from orchestrator.agent.protocol import LockResult
+
             calls.append(step.args)
-            return self.answers.pop(0) if self.answers else {"locked": True}
+            return LockResult.parse("lock", self.answers.pop(0) if self.answers else {"locked": True})
 
     step = Step("lock", "t", "pve1", 129, action="lock", args={"token": "T", "term_s": 0.2, "lease_s": 60})
     beat = ops.Heartbeat(Ctx([]), step).start()

@@ -172,5 +172,10 @@ def test_agent_parses_with_old_pythons():
     """The agent runs on the container's own Python, which may be older than ours."""
     import ast
 
-    src = open(os.path.join(REPO, "orchestrator", "agent", "agent.py")).read()
-    ast.parse(src, feature_version=(3, 7))
+    d = os.path.join(REPO, "orchestrator", "agent", "container")
+    for name in sorted(os.listdir(d)):
+        if name.endswith(".py"):
+            ast.parse(open(os.path.join(d, name)).read(), filename=name, feature_version=(3, 7))
+    from orchestrator.agent.container.cache import BOOT
+
+    ast.parse(BOOT, feature_version=(3, 7))

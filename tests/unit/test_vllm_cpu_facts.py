@@ -7,7 +7,7 @@ import hashlib
 import re
 
 from orchestrator import vllm_facts as vf
-from orchestrator.agent import agent as A
+from orchestrator.agent.container import stack as A
 
 
 def causes(line):

@@ -1,0 +1,466 @@
+"""`fetch`: bring a model or drafter into the container from the hub (the token only to the hub's own host),
+pinned to a commit: plan each file, download, verify it against the manifest, install it into place. `start`
+launches the detached runner (fetch_runner.py), `attach` follows it."""
+
+import base64
+import errno
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from .core import clean, emit, now
+from .files import UnsafeDirectory, _read_json, _tail_lines, open_dir, tail_file, unique_name, write_json_atomic
+from .install import _agent_source
+from .weights import (
+    CHUNK, COMMIT_RE, FETCH_FINAL, FETCH_LOCK, FETCH_RECORDS, FETCH_STATE, FETCH_VAR, FetchError,
+    _existing_dir, _final_path, _fmt_bytes, _free, _hash_as, _item_dest, _partial, _record_path, _repo_dir,
+    _staging, fetch_record, in_place, verify_file)
+from . import core
+
+
+def _hub_opener():
+    import urllib.request
+
+    class Redirect(urllib.request.HTTPRedirectHandler):
+        """Follow the hub's redirects (LFS files live on a CDN), never sending the token to another host."""
+
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            from urllib.parse import urlsplit
+
+            new = urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
+            if new is not None and urlsplit(newurl).netloc != urlsplit(req.full_url).netloc:
+                new.headers.pop("Authorization", None)
+                new.unredirected_hdrs.pop("Authorization", None)
+            return new
+
+    return urllib.request.build_opener(Redirect(), urllib.request.ProxyHandler())
+
+
+def _hub_request(item, url, token, timeout, headers=None):
+    import urllib.request
+
+    h = {"User-Agent": "vllm-pve-deploy-fetch/1", "Accept-Encoding": "identity"}
+    h.update(headers or {})
+    req = urllib.request.Request(url, headers=h)
+    if token:
+        req.add_unredirected_header("Authorization", "Bearer " + token)
+    return _hub_opener().open(req, timeout=timeout)
+
+
+def hub_error(item, e, token, what):
+    """An HTTP or network error from the hub -> a FetchError that says what happened and what to do."""
+    import urllib.error
+
+    hub, ep = item["hub"], item["endpoint"].rstrip("/")
+    page = "%s/%s" % (ep, hub)
+    tvar = item.get("token_env") or "a token variable"
+    key = item["role"] if item["role"] == "model" else "speculative.drafter"
+    if isinstance(e, urllib.error.HTTPError):
+        code = e.code
+        ecode = e.headers.get("X-Error-Code") or ""
+        emsg = clean(e.headers.get("X-Error-Message") or "")[:300]
+        if ecode == "GatedRepo" or (code == 403 and "restricted" in emsg):
+            if not token:
+                return gated_no_token(item, what)
+            return FetchError("%s is gated and the token's account has no access: the terms are not accepted (%s: "
+                              "HTTP %d %s)" % (hub, what, code, emsg or "access restricted"),
+                              fix="visit %s with the token's account and accept the terms (or ask for access), "
+                                  "then run deploy fetch again" % page, kind="terms")
+        if code == 401 and token and ecode != "RepoNotFound":
+            return FetchError("the hub refused the token in %s: HTTP 401 %s (%s)" % (tvar, emsg or "unauthorized", what),
+                              fix="the token is wrong or revoked: create a new read token and export it in %s" % tvar,
+                              kind="token")
+        if ecode == "RevisionNotFound" or (code == 404 and "rev" in emsg.lower()):
+            return FetchError("%s has no revision %r: %s" % (hub, item.get("revision"), emsg or "HTTP 404"),
+                              fix="give a commit (40 hex digits), branch or tag that exists: %s/tree/main lists "
+                                  "them" % page, kind="revision")
+        if ecode == "RepoNotFound" or (code in (401, 404) and what == "repository info"):
+            return FetchError("%s: repository not found at %s%s (HTTP %d)" % (
+                hub, ep, "" if token else ", or it is private and no token was given", code),
+                fix="check %s.hub (ORG/NAME)%s" % (key, "" if token else " or set %s.token_env" % key), kind="repo")
+        if code == 404:
+            return FetchError("%s: %s is not in the repository at this revision (HTTP 404 %s)" % (hub, what, emsg),
+                              fix="the repository changed between the listing and the download; run deploy fetch "
+                                  "again", kind="file")
+        if code == 416:
+            return FetchError("%s: the hub refused the resume of %s (HTTP 416)" % (hub, what),
+                              fix="run deploy fetch again (the partial file was removed)", kind="range")
+        return FetchError("%s: HTTP %d from %s (%s)%s" % (hub, code, ep, what, ": " + emsg if emsg else ""),
+                          fix="retry later; if it persists, check %s in a browser" % page, kind="http")
+    reason = getattr(e, "reason", None) or e
+    return FetchError("network: cannot reach the hub at %s from the container (%s: %s)" % (ep, what, reason),
+                      fix="check the container's network and DNS (curl -I %s from inside it), or set %s.endpoint / "
+                          "HF_ENDPOINT to a mirror it can reach, or fetch on another machine and use "
+                          "source: {path: HOST_DIR}" % (ep, key), kind="network")
+
+
+def gated_no_token(item, what):
+    page = "%s/%s" % (item["endpoint"].rstrip("/"), item["hub"])
+    key = item["role"] if item["role"] == "model" else "speculative.drafter"
+    return FetchError("%s is a gated repository: downloading it needs a hub token, and %s.token_env is not set (%s); "
+                      "nothing was downloaded" % (item["hub"], key, what),
+                      fix="accept the terms at %s with your account, create a read token, export it in a local "
+                          "variable and name that variable in %s.token_env" % (page, key), kind="gated")
+
+
+def hub_info(item, token, timeout):
+    """The repository at a revision: commit, files with their sizes and hashes (the hub's own record)."""
+    from urllib.parse import quote
+
+    rev = item.get("revision") or "main"
+    url = "%s/api/models/%s/revision/%s?blobs=true" % (item["endpoint"].rstrip("/"), item["hub"], quote(rev, safe=""))
+    try:
+        with _hub_request(item, url, token, timeout) as r:
+            body = r.read(64 << 20)
+    except Exception as e:  # noqa: BLE001 - HTTP and network errors become messages
+        raise hub_error(item, e, token, "repository info") from None
+    try:
+        info = json.loads(body.decode("utf-8"))
+        commit = info["sha"]
+        files = []
+        for s in info["siblings"]:
+            lfs = s.get("lfs") or None
+            files.append({"name": s["rfilename"], "size": int(lfs["size"] if lfs else s["size"]),
+                          "sha256": lfs["sha256"] if lfs else None, "blob": s.get("blobId")})
+    except (ValueError, KeyError, TypeError) as e:
+        raise FetchError("%s: the hub's answer for revision %s is not a repository listing (%s)" % (item["hub"], rev, e),
+                         fix="is %s a Hugging Face hub (or a compatible mirror)?" % item["endpoint"]) from None
+    if not COMMIT_RE.match(commit or ""):
+        raise FetchError("%s: the hub gave no commit for revision %s" % (item["hub"], rev))
+    for f in files:
+        n = f["name"]
+        if n.startswith("/") or ".." in n.split("/") or "\0" in n or not n:
+            raise FetchError("%s: unsafe file name %r in the listing" % (item["hub"], n))
+        if not f["sha256"] and not f["blob"]:
+            raise FetchError("%s: the hub gave no hash for %s (asked with blobs=true)" % (item["hub"], n),
+                             fix="use a hub or mirror that lists blob ids and LFS sha256")
+    return {"commit": commit, "files": files, "gated": info.get("gated") or False}
+
+
+def plan_item(item, listing, state_dir):
+    """Which files still have to come (not already verified in staging or in place), and how many bytes."""
+    commit = listing["commit"]
+    need, have = [], 0
+    for f in listing["files"]:
+        final = _final_path(item, commit, f["name"])
+        part, done = _partial(item, commit, f)
+        if item["dest_kind"] == "cache" and os.path.isfile(done) and os.path.getsize(done) == f["size"]:
+            have += f["size"]  # a verified blob (renamed from .incomplete only after its hash matched)
+            f["state"] = "verified"
+            continue
+        if item["role"] == "drafter" and f["name"] == "config.json" and item["dest_kind"] == "dir" \
+                and os.path.isfile(final) and not os.path.islink(final):
+            have += f["size"]  # the pinned bytes (or the hub's, to be pinned by up): never replaced by a fetch
+            f["state"] = "in place"
+            continue
+        if item["dest_kind"] == "dir" and os.path.isfile(done) and os.path.getsize(done) == f["size"]:
+            have += f["size"]
+            f["state"] = "verified"
+            continue
+        if item["dest_kind"] == "dir" and os.path.isfile(final) and not os.path.islink(final) \
+                and os.path.getsize(final) == f["size"] and _hash_as(final, f) == (f["sha256"] or f["blob"]):
+            have += f["size"]
+            f["state"] = "in place"
+            continue
+        try:
+            partial = os.path.getsize(part)
+        except OSError:
+            partial = 0
+        f["partial"] = min(partial, f["size"])
+        need.append(f)
+    return need, have
+
+
+def download(item, commit, f, token, deadline, stall_s, progress):
+    """One file into its .incomplete (resumed with Range), then verified, then renamed beside it (still staging)."""
+    from http.client import HTTPException
+    from urllib.parse import quote
+
+    part, done = _partial(item, commit, f)
+    os.makedirs(os.path.dirname(part), mode=0o755, exist_ok=True)
+    url = "%s/%s/resolve/%s/%s" % (item["endpoint"].rstrip("/"), item["hub"], commit, quote(f["name"]))
+    for attempt in range(3):
+        start = os.path.getsize(part) if os.path.exists(part) else 0
+        if start > f["size"]:
+            os.unlink(part)
+            start = 0
+        if start == f["size"]:
+            break
+        if now() >= deadline:
+            raise FetchError("time limit reached while downloading %s (%s of %s); the partial file is kept for "
+                             "the next run" % (f["name"], _fmt_bytes(start), _fmt_bytes(f["size"])), kind="timeout")
+        headers = {"Range": "bytes=%d-" % start} if start else {}
+        try:
+            r = _hub_request(item, url, token, stall_s, headers)
+        except Exception as e:  # noqa: BLE001
+            err = hub_error(item, e, token, f["name"])
+            if err.kind == "range":
+                os.unlink(part)
+            if err.kind == "network" and attempt < 2:
+                progress(f, start, note="network: %s; retrying" % err.message)
+                time.sleep(min(5.0, 1.0 + attempt * 2))
+                continue
+            raise err from None
+        with r:
+            repo_commit = r.headers.get("X-Repo-Commit")
+            if repo_commit and repo_commit != commit:
+                raise FetchError("%s: the hub answered %s for commit %s (X-Repo-Commit %s)" % (
+                    item["hub"], f["name"], commit, repo_commit))
+            if r.status == 206:
+                cr = r.headers.get("Content-Range") or ""
+                m = re.match(r"bytes (\d+)-", cr)
+                if not m or int(m.group(1)) != start:
+                    raise FetchError("%s: %s: asked to resume at byte %d, the server sent %r" % (
+                        item["hub"], f["name"], start, cr))
+                mode = "ab"
+            else:
+                start, mode = 0, "wb"  # the server ignored the Range: from the start
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "ab" else os.O_TRUNC),
+                         0o644)
+            got = start
+            try:
+                with os.fdopen(fd, mode) as out:
+                    while True:
+                        if now() >= deadline:
+                            out.flush()
+                            raise FetchError("time limit reached while downloading %s (%s of %s); the partial file "
+                                             "is kept for the next run" % (f["name"], _fmt_bytes(got),
+                                                                           _fmt_bytes(f["size"])), kind="timeout")
+                        try:
+                            chunk = r.read(CHUNK)
+                        except (OSError, ValueError, HTTPException) as e:  # a cut, a stall (socket timeout)
+                            chunk, cut = b"", e
+                        else:
+                            cut = None
+                        if not chunk:
+                            break
+                        try:
+                            out.write(chunk)
+                        except OSError as e:
+                            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                                raise FetchError(
+                                    "disk full at %s while writing %s (%s of %s written; %s free there now); the "
+                                    "partial file %s is kept for resume and nothing was moved into place" % (
+                                        _existing_dir(os.path.dirname(part)), f["name"], _fmt_bytes(got),
+                                        _fmt_bytes(f["size"]), _fmt_bytes(_free(os.path.dirname(part))), part),
+                                    fix="free space there (or point the playbook elsewhere), then run deploy fetch "
+                                        "again: it resumes", kind="disk") from None
+                            raise
+                        got += len(chunk)
+                        progress(f, got)
+            except OSError as e:  # the buffered file's last flush (on close) can be the write that finds the disk full
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise FetchError("disk full at %s while writing %s; the partial file %s is kept for resume and "
+                                     "nothing was moved into place" % (os.path.dirname(part), f["name"], part),
+                                     fix="free space there, then run deploy fetch again: it resumes",
+                                     kind="disk") from None
+                raise
+        if got < f["size"]:
+            progress(f, got, note="transfer cut at %s of %s%s; resuming" % (
+                _fmt_bytes(got), _fmt_bytes(f["size"]), " (%s)" % cut if cut else ""))
+            continue
+        break
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    if have != f["size"]:
+        raise FetchError("%s: %s is %d bytes after 3 attempts, the hub's record says %d; the partial file is kept "
+                         "for the next run" % (item["hub"], f["name"], have, f["size"]),
+                         fix="run deploy fetch again (it resumes); check the network", kind="network")
+    return verify_file(item, f, part, done)
+
+
+def install_item(item, commit, listing, state_dir, source):
+    """Every file verified: move them into place (the directory), or link the snapshot (the hub cache); then the
+    record that `in_place`, status and verify read."""
+    files = listing["files"]
+    if item["dest_kind"] == "cache":
+        base = _repo_dir(item["hf_home"], item["hub"])
+        snap = os.path.join(base, "snapshots", commit)
+        for f in files:
+            etag = f["sha256"] or f["blob"]
+            link = os.path.join(snap, f["name"])
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            rel = os.path.relpath(os.path.join(base, "blobs", etag), os.path.dirname(link))
+            if os.path.lexists(link):
+                if os.path.islink(link) and os.readlink(link) == rel:
+                    continue
+                os.unlink(link)
+            os.symlink(rel, link)
+        rev = item.get("revision")
+        if rev and not COMMIT_RE.match(rev):
+            os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+            tmp = os.path.join(base, "refs", ".%s.tmp" % unique_name("ref"))
+            with open(tmp, "w") as fh:
+                fh.write(commit)
+            os.rename(tmp, os.path.join(base, "refs", rev))
+    else:
+        st = _staging(item, commit)
+        os.makedirs(item["dest"], mode=0o755, exist_ok=True)
+        for f in files:
+            src = os.path.join(st, f["name"])
+            dst = os.path.join(item["dest"], f["name"])
+            if f.get("state") == "in place" and not os.path.exists(src):
+                continue
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            if os.path.islink(dst) or os.path.isdir(dst):
+                raise FetchError("%s exists and is not a regular file: not replacing it" % dst,
+                                 fix="move it away, then run deploy fetch again")
+            os.rename(src, dst)
+        import shutil
+
+        shutil.rmtree(os.path.dirname(st) if os.path.basename(st) == commit[:12] else st, ignore_errors=True)
+    rec = {"role": item["role"], "hub": item.get("hub") or listing.get("hub"), "revision": item.get("revision")
+           or listing.get("revision") or commit, "commit": commit, "endpoint": item.get("endpoint"), "source": source,
+           "dest": _item_dest(item), "dest_kind": item["dest_kind"], "verified_at": now(),
+           "total_bytes": sum(f["size"] for f in files), "files_n": len(files),
+           "files": [{"name": f["name"], "size": f["size"], "sha256": f["sha256"], "blob": f["blob"]} for f in files]}
+    p = _record_path(state_dir, _item_dest(item))
+    dfd = open_dir(state_dir, 0o700)
+    try:
+        os.close(open_dir(os.path.join(state_dir, FETCH_RECORDS), 0o700))
+    finally:
+        os.close(dfd)
+    write_json_atomic(p, rec)
+    return rec
+
+
+def _fetch_state(state_dir):
+    st = _read_json(os.path.join(state_dir, FETCH_STATE))
+    if st and st.get("status") == "running" and not _fetch_runner_alive(state_dir):
+        st = _read_json(os.path.join(state_dir, FETCH_STATE)) or st
+        if st.get("status") == "running":
+            st.update(status="killed", finished_at=now(),
+                      message="the fetch process ended without a result (killed, or the container restarted) "
+                              "while on %s; partial files are kept and nothing half-done is in place"
+                              % (st.get("file") or "-"),
+                      fix="run deploy fetch again: it resumes")
+            write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)
+    if st and st.get("t0"):
+        st["elapsed"] = round((st.get("finished_at") or now()) - st["t0"], 1)
+    return st
+
+
+def _fetch_runner_alive(state_dir):
+    import fcntl
+
+    try:
+        dfd = open_dir(state_dir, 0o700)
+    except OSError:
+        return False
+    try:
+        fd = os.open(FETCH_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def act_fetch(a):
+    """op probe: what is in place, what runs; start: start the detached runner; attach: follow it (events) for at
+    most follow_s; manifest: the record of a fetched item (a manifest for source: {path})."""
+    op, state_dir = a["op"], a["state_dir"]
+    items = a.get("items") or []
+    if op == "probe":
+        return {"ok": True, "items": [in_place(it, state_dir, rehash=bool(a.get("rehash"))) for it in items],
+                "fetch": _fetch_state(state_dir)}
+    if op == "start":
+        return _fetch_start(a)
+    if op == "attach":
+        return _fetch_follow(a)
+    if op == "records":
+        return {"ok": True, "records": {d: fetch_record(state_dir, d) for d in a.get("dests") or []}}
+    return {"ok": False, "message": "unknown op %r" % op}
+
+
+def _fetch_start(a):
+    import fcntl
+
+    state_dir = a["state_dir"]
+    try:
+        dfd = open_dir(state_dir, 0o700)
+    except (UnsafeDirectory, OSError) as e:
+        return {"ok": False, "message": "state directory %s: %s" % (state_dir, e), "fix": "fix its owner/mode"}
+    try:
+        lock_fd = os.open(FETCH_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(lock_fd)
+            return {"ok": True, "started": False, "fetch": _fetch_state(state_dir)}
+        fid = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + unique_name("")[:6]
+        logname = "fetch-%s.log" % fid
+        logfd = os.open(logname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND, 0o600, dir_fd=dfd)
+        old = sorted(n for n in os.listdir(dfd) if n.startswith("fetch-") and n.endswith(".log"))
+        for n in old[:-5]:
+            try:
+                os.unlink(n, dir_fd=dfd)
+            except OSError:
+                pass
+    finally:
+        os.close(dfd)
+    items = [dict(it) for it in a["items"]]
+    st = {"id": fid, "status": "running", "phase": "starting", "items": items, "log": os.path.join(state_dir, logname),
+          "started_at": now(), "t0": now(), "timeout_s": float(a.get("timeout_s") or 21600),
+          "stall_s": float(a.get("stall_s") or 60), "reported": False, "done_bytes": 0, "total_bytes": None}
+    write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)
+    env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
+           "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", FETCH_VAR: fid}
+    for k in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
+        if os.environ.get(k):
+            env[k] = os.environ[k]
+    args = {"state_dir": state_dir, "id": fid}
+    # the tokens reach the runner on its stdin, like they reached this agent: never argv, never the environment
+    pre = ("import base64 as _b, json as _j; SECRETS = _j.loads(_b.b64decode('%s'))\n"
+           % base64.b64encode(json.dumps(core.SECRETS or {}).encode()).decode()).encode()
+    try:
+        proc = subprocess.Popen([sys.executable, "-", "fetch_run", json.dumps(args)], stdin=subprocess.PIPE,
+                                stdout=logfd, stderr=subprocess.STDOUT, cwd="/", env=env, start_new_session=True,
+                                pass_fds=(lock_fd,), close_fds=True)
+        proc.stdin.write(pre + _agent_source())
+        proc.stdin.close()
+    except OSError as e:
+        st.update(status="failed", message="cannot start the fetch runner: %s" % e.strerror, finished_at=now())
+        write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)
+        return {"ok": False, "message": st["message"]}
+    finally:
+        os.close(logfd)
+        os.close(lock_fd)
+    return {"ok": True, "started": True, "id": fid, "pid": proc.pid, "log": st["log"]}
+
+
+def _fetch_follow(a):
+    """Progress events from fetch.json (bytes, rate, ETA per file and in total) until the runner ends or follow_s
+    passes; log lines (what the runner did) as events too."""
+    state_dir = a["state_dir"]
+    deadline = now() + float(a.get("follow_s") or 0)
+    beat = float(a.get("heartbeat_s") or 2)
+    pos = int(a.get("log_pos") or 0)
+    last = 0.0
+    while True:
+        st = _fetch_state(state_dir)
+        if not st:
+            return {"ok": False, "message": "no fetch recorded in %s" % state_dir}
+        if a.get("id") and st.get("id") != a["id"]:
+            return {"ok": False, "message": "fetch %s was replaced by %s" % (a["id"], st.get("id"))}
+        pos, lines = _tail_lines(st.get("log") or "", pos)
+        for ln in lines:
+            emit(event="fetch", kind="line", line=clean(ln))
+        if st.get("status") in FETCH_FINAL:
+            if not st.get("reported"):
+                st["reported"] = True
+                write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)
+            return {"ok": True, "done": True, "fetch": st, "log_pos": pos,
+                    "log_tail": tail_file(st["log"], 20) if st.get("status") != "ok" else []}
+        if now() - last >= beat and st.get("progress"):
+            last = now()
+            emit(event="fetch", kind="progress", **st["progress"])
+        if now() >= deadline:
+            return {"ok": True, "done": False, "fetch": st, "log_pos": pos}
+        time.sleep(0.2)

@@ -1,0 +1,167 @@
+"""`fetch_run`: the detached fetch runner (its own session; stdout and stderr are the fetch log): every item
+planned, downloaded, verified and installed, its record written, the state updated as it goes."""
+
+import errno
+import os
+import time
+
+from .core import now
+from .fetch import download, gated_no_token, hub_info, install_item, plan_item
+from .files import _read_json, write_json_atomic
+from .procs import proc_starttime
+from .weights import (
+    COMMIT_RE, FETCH_STATE, FetchError, _existing_dir, _fmt_bytes, _free, _partial, _staging, read_manifest,
+    verify_file)
+from . import core
+
+
+def act_fetch_run(a):
+    """The detached runner: resolve every item, check the space, download, verify, move into place, record."""
+    state_dir = a["state_dir"]
+    path = os.path.join(state_dir, FETCH_STATE)
+    st = _read_json(path)
+    if not st or st.get("id") != a["id"]:
+        return {"ok": False, "message": "fetch.json does not describe fetch %s" % a["id"]}
+    st.update(pid=os.getpid(), starttime=proc_starttime(os.getpid()))
+    deadline = st["t0"] + float(st["timeout_s"])
+    stall = float(st.get("stall_s") or 60)
+
+    def save():
+        write_json_atomic(path, st)
+
+    def log(msg):
+        print("[deploy] %s %s" % (time.strftime("%H:%M:%S"), msg), flush=True)
+
+    def finish(status, message, fix=None, **kw):
+        st.update(status=status, message=message, fix=fix, finished_at=now(), progress=None, **kw)
+        save()
+        log("%s: %s" % (status, message))
+        return {"ok": status == "ok"}
+
+    try:
+        listings = []
+        st["phase"] = "resolve"
+        save()
+        for it in st["items"]:
+            token = (core.SECRETS or {}).get("token:" + it["role"])
+            if it.get("source_path"):
+                lst = read_manifest(it)
+                if it.get("hub") and lst.get("hub") and lst["hub"] != it["hub"]:
+                    raise FetchError("the manifest in %s is for %s, the playbook names %s" % (
+                        it["source_path"], lst["hub"], it["hub"]), fix="copy the right directory, or correct the "
+                                                                        "playbook")
+                if it.get("revision") and COMMIT_RE.match(it["revision"]) and lst["commit"] != it["revision"]:
+                    raise FetchError("the manifest in %s is commit %s, the playbook pins %s" % (
+                        it["source_path"], lst["commit"], it["revision"]), fix="copy the files of the pinned "
+                                                                               "revision, or correct the playbook")
+                it["commit"] = lst["commit"]
+                log("%s: %s from %s (manifest: %d files, %s)" % (it["role"], lst.get("hub") or "files",
+                                                                   it["source_path"], len(lst["files"]),
+                                                                   _fmt_bytes(sum(f["size"] for f in lst["files"]))))
+            else:
+                lst = hub_info(it, token, stall)
+                if lst["gated"] and not token:
+                    raise gated_no_token(it, "the listing says gated: %s" % lst["gated"])
+                it["commit"] = lst["commit"]
+                shown = it.get("revision") or "main"
+                log("%s: %s@%s is commit %s (%d files, %s)" % (it["role"], it["hub"], shown, lst["commit"],
+                                                              len(lst["files"]),
+                                                              _fmt_bytes(sum(f["size"] for f in lst["files"]))))
+            need, have = plan_item(it, lst, state_dir)
+            it["need"] = [f["name"] for f in need]
+            listings.append((it, lst, need, have, token))
+        save()
+        # the space: by filesystem, what is still to come (partials count as come) against what is free
+        st["phase"] = "space"
+        by_dev = {}
+        for it, lst, need, have, _ in listings:
+            if not need:
+                continue
+            where = _existing_dir(_staging(it, lst["commit"]))
+            dev = os.stat(where).st_dev
+            e = by_dev.setdefault(dev, {"where": where, "need": 0, "total": 0, "items": []})
+            e["need"] += sum(f["size"] - f.get("partial", 0) for f in need)
+            e["total"] += sum(f["size"] for f in lst["files"])
+            e["items"].append("%s %s" % (it["role"], it.get("hub") or it.get("source_path")))
+        for e in by_dev.values():
+            free = _free(e["where"])
+            if e["need"] > free:
+                return finish("failed", "not enough space at %s for %s: %s still to download (%d bytes; the "
+                                        "repository is %s), %s free (%d bytes); nothing was downloaded"
+                              % (e["where"], ", ".join(e["items"]), _fmt_bytes(e["need"]), e["need"],
+                                 _fmt_bytes(e["total"]), _fmt_bytes(free), free),
+                              fix="free at least %s there, or point the playbook at a larger filesystem"
+                                  % _fmt_bytes(e["need"] - free), kind="space", need=e["need"], free=free)
+        total = sum(sum(f["size"] for f in lst["files"]) for _, lst, _, _, _ in listings)
+        done0 = sum(have + sum(f.get("partial", 0) for f in need) for _, _, need, have, _ in listings)
+        st.update(phase="download", total_bytes=total, done_bytes=done0)
+        save()
+        t_start, bytes_at_start = now(), done0
+        finished_bytes = [sum(have for _, _, _, have, _ in listings)]
+        for it, lst, need, have, token in listings:
+            for f in need:
+                st["file"] = f["name"]
+                f_t0, f_start = now(), f.get("partial", 0)
+                last = [0.0]
+
+                def progress(ff, got, note=None, f_t0=f_t0, f_start=f_start, it=it):
+                    t = now()
+                    if note:
+                        log("%s: %s: %s" % (it["role"], ff["name"], note))
+                    if t - last[0] < 0.5 and got < ff["size"] and not note:
+                        return
+                    last[0] = t
+                    done = finished_bytes[0] + got + sum(x.get("partial", 0) for x in need
+                                                         if x is not ff and x.get("state") != "verified")
+                    rate_f = (got - f_start) / max(t - f_t0, 1e-6)
+                    rate = (done - bytes_at_start) / max(t - t_start, 1e-6)
+                    st["done_bytes"] = done
+                    st["progress"] = {"role": it["role"], "file": ff["name"], "file_bytes": got,
+                                      "file_total": ff["size"], "file_rate": round(rate_f),
+                                      "file_eta_s": round((ff["size"] - got) / rate_f, 1) if rate_f > 0 else None,
+                                      "done": done, "total": total, "rate": round(rate),
+                                      "eta_s": round((total - done) / rate, 1) if rate > 0 else None}
+                    save()
+
+                if it.get("source_path"):
+                    part, dn = _partial(it, lst["commit"], f)
+                    src = os.path.join(it["incoming"], f["name"])
+                    if not os.path.isfile(src) or os.path.islink(src):
+                        raise FetchError("%s: %s is listed in the manifest but not in %s" % (
+                            it["role"], f["name"], it["source_path"]), fix="copy the complete directory, or write "
+                                                                          "the manifest again")
+                    os.makedirs(os.path.dirname(part), exist_ok=True)
+                    os.rename(src, part)
+                    got = verify_file(it, f, part, dn)
+                else:
+                    got = download(it, lst["commit"], f, token, deadline, stall, progress)
+                f["state"] = "verified"
+                f["partial"] = 0
+                finished_bytes[0] += f["size"]
+                log("%s: %s verified (%s, %s %s)" % (it["role"], f["name"], _fmt_bytes(f["size"]),
+                                                     "sha256" if f["sha256"] else "git blob", got[:12]))
+        st["phase"] = "install"
+        save()
+        recs = []
+        for it, lst, need, have, _ in listings:
+            source = "path:" + it["source_path"] if it.get("source_path") else "hub:" + (it.get("endpoint") or "")
+            rec = install_item(it, lst["commit"], lst, state_dir, source)
+            if it.get("incoming"):
+                import shutil
+
+                shutil.rmtree(it["incoming"], ignore_errors=True)
+            recs.append({k: rec[k] for k in ("role", "hub", "revision", "commit", "dest", "total_bytes", "files_n")})
+            log("%s: %s in place at %s (%d files, every one verified)" % (
+                it["role"], rec["commit"][:12], rec["dest"], rec["files_n"]))
+        return finish("ok", "; ".join("%s %s@%s (%s) in place at %s, %d files verified" % (
+            r["role"], r["hub"] or "files", r["revision"] if r["revision"] == r["commit"] else "%s = %s" % (
+                r["revision"], r["commit"]), _fmt_bytes(r["total_bytes"]), r["dest"], r["files_n"]) for r in recs),
+            records=recs)
+    except FetchError as e:
+        return finish("timeout" if e.kind == "timeout" else "failed", e.message, e.fix, kind=e.kind, **e.details)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return finish("failed", "disk full at %s: partial files are kept for resume, nothing half-done is in "
+                                    "place" % (e.filename or "?"), "free space there, then run deploy fetch again",
+                          kind="disk")
+        return finish("failed", "%s: %s" % (e.filename or "fetch", e.strerror or e), kind="os")

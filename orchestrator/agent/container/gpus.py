@@ -1,0 +1,165 @@
+"""GPUs: nvidia-smi with a deadline, the processes holding /dev/nvidia*, `gpus_free` (poll until the playbook's
+GPUs are under the threshold), and fuser -k on the playbook's own /dev/nvidiaN (only with clean_gpus, only inside
+a container, never on a Proxmox host)."""
+
+import os
+import re
+import subprocess
+import time
+
+from .core import emit, in_container, now
+from .procs import pids, proc_cmdline, proc_comm
+from .state import proven_members, read_state
+from .systemd import systemd_running, unit_cgroup_members
+
+
+def nvidia_smi(args, timeout):
+    """Run nvidia-smi with a timeout; returns (rc, stdout, stderr, timed_out)."""
+    try:
+        p = subprocess.run(["nvidia-smi"] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           timeout=timeout, stdin=subprocess.DEVNULL)
+        return p.returncode, p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace"), False
+    except subprocess.TimeoutExpired:
+        return None, "", "", True
+    except OSError as e:
+        return 127, "", str(e), False
+
+
+def read_gpu_memory(timeout):
+    """{index: {"used": MiB, "total": MiB}} or {"error": ...}."""
+    rc, out, err, timed_out = nvidia_smi(
+        ["--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"], timeout)
+    if timed_out:
+        return {"error": "timeout", "message": "nvidia-smi did not answer within %gs" % timeout}
+    if rc != 0:
+        return {"error": "failed", "message": (err or out).strip()[:500] or "exit %s" % rc}
+    gpus = {}
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 3:
+            continue
+        try:
+            gpus[int(parts[0])] = {"used": int(float(parts[1])), "total": int(float(parts[2]))}
+        except ValueError:
+            return {"error": "parse", "message": "unexpected nvidia-smi line: %r" % line}
+    return {"gpus": gpus}
+
+
+def gpu_holders():
+    """Every process in this container holding /dev/nvidia*: [{pid, comm, cmdline, devices}]."""
+    me = os.getpid()
+    out = []
+    for pid in pids():
+        if pid == me:
+            continue
+        devs = set()
+        try:
+            for fd in os.listdir("/proc/%d/fd" % pid):
+                try:
+                    target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+                except OSError:
+                    continue
+                if target.startswith("/dev/nvidia"):
+                    devs.add(target)
+        except OSError:
+            continue
+        if devs:
+            out.append({"pid": pid, "comm": proc_comm(pid), "cmdline": proc_cmdline(pid)[:4000],  # whole: named
+                        "devices": sorted(devs)})
+    return out
+
+
+def act_gpu_read(a):
+    holders = gpu_holders()
+    st = read_state(a["state_dir"]) if a.get("state_dir") else None
+    if st and not st.get("corrupt"):  # deploy's own processes (the stop step ends them) are not foreign holders
+        own = set(unit_cgroup_members(st["unit"])) if st.get("unit") and systemd_running() else \
+            set(proven_members(st))
+        for h in holders:
+            h["ours"] = h["pid"] in own
+    return {"memory": read_gpu_memory(a.get("nvidia_smi_timeout_s", 10)), "holders": holders,
+            "in_container": in_container()}
+
+
+def gpu_devices(gpus):
+    """The playbook's own GPU device files (/dev/nvidiaN for N in target.gpus). Never nvidiactl or nvidia-uvm:
+    every CUDA process holds those, so their holders include users of other GPUs."""
+    return ["/dev/nvidia%d" % int(g) for g in (gpus or []) if os.path.exists("/dev/nvidia%d" % int(g))]
+
+
+def our_gpu_holders(devs):
+    return [h for h in gpu_holders() if set(h["devices"]) & set(devs)]
+
+
+def fuser_kill(gpus, grace):
+    """fuser -k -TERM on the playbook's /dev/nvidiaN, then -KILL after a grace period. Refuses on a PVE host."""
+    if not in_container():
+        return {"refused": "not inside a container (no container= in /proc/1/environ): refusing to run "
+                           "fuser -k here; it would kill every GPU user on the Proxmox host"}
+    devs = gpu_devices(gpus)
+    before = our_gpu_holders(devs)
+    res = {"devices": devs, "holders_before": before, "term": [], "kill": []}
+    if not devs or not before:
+        return res
+    p = subprocess.run(["fuser", "-k", "-TERM"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+    res["term"] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
+    deadline = now() + grace
+    while our_gpu_holders(devs) and now() < deadline:
+        time.sleep(0.1)
+    if our_gpu_holders(devs):
+        p = subprocess.run(["fuser", "-k", "-KILL"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+        res["kill"] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
+        deadline = now() + 10
+        while our_gpu_holders(devs) and now() < deadline:
+            time.sleep(0.05)
+    return res
+
+
+def act_gpus_free(a):
+    """Poll nvidia-smi until every GPU in `gpus` is under the threshold, or the deadline passes."""
+    gpus = [int(g) for g in a["gpus"]]
+    threshold = int(a.get("threshold_mib", 1024))
+    timeout = float(a.get("timeout_s", 60))
+    smi_timeout = float(a.get("nvidia_smi_timeout_s", 10))
+    poll = float(a.get("poll_s", 0.25))
+    outside_after = a.get("outside_after_s")  # busy with no holder in here this long: held outside, say so now
+    t0 = now()
+    first = None
+    last = None
+    last_emit = 0
+    outside_since, last_look = None, 0
+    while True:
+        mem = read_gpu_memory(smi_timeout)
+        if "error" in mem:
+            return {"verdict": "nvidia_smi_" + mem["error"], "message": mem["message"],
+                    "command": "nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits",
+                    "timeout_s": smi_timeout, "before": first, "seconds": round(now() - t0, 3)}
+        readings = {str(g): mem["gpus"].get(g) for g in gpus}
+        missing = [g for g in gpus if mem["gpus"].get(g) is None]
+        if missing:
+            return {"verdict": "gpu_missing", "missing": missing, "seen": sorted(mem["gpus"]),
+                    "before": first, "seconds": round(now() - t0, 3)}
+        if first is None:
+            first = readings
+        last = readings
+        busy = [g for g in gpus if mem["gpus"][g]["used"] > threshold]
+        if not busy:
+            return {"verdict": "free", "before": first, "after": last, "seconds": round(now() - t0, 3),
+                    "threshold_mib": threshold}
+        if now() - t0 >= timeout:
+            break
+        if outside_after is not None and now() - last_look >= 1.0:
+            last_look = now()
+            if gpu_holders():
+                outside_since = None
+            elif outside_since is None:
+                outside_since = now()
+            elif now() - outside_since >= float(outside_after):
+                break  # nothing in this container holds them: waiting the rest of the timeout would not help
+        if now() - last_emit > 1.0:
+            emit(event="gpu", readings=readings, busy=busy, elapsed=round(now() - t0, 1))
+            last_emit = now()
+        time.sleep(poll)
+    holders = gpu_holders()
+    return {"verdict": "held_inside" if holders else "held_outside", "holders": holders, "before": first,
+            "after": last, "busy": busy, "seconds": round(now() - t0, 3), "threshold_mib": threshold}

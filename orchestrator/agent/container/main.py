@@ -1,0 +1,119 @@
+"""The agent's entry: one action per exec (`PYTHON - ACTION ARGS_JSON`), or an agent session that answers one
+request per stdin line. Each action's module is imported when that action runs, so `status` loads only what
+status needs (not the installer, verify or doctor).
+
+Output: zero or more {"event": ...} lines, then exactly one {"result": ..., "protocol": N}; an exception becomes
+{"result": {"error", "traceback"}}. Every result is checked against the wire contract (protocol.py) before it
+leaves.
+"""
+
+import base64
+import json
+import os
+import sys
+
+from . import core
+from .core import emit
+
+# action -> "module:function" (imported on first use)
+ACTIONS = {
+    "gpu_read": "gpus:act_gpu_read", "gpus_free": "gpus:act_gpus_free", "stop": "stop:act_stop",
+    "port_check": "net:act_port_check", "file_sha": "drafter:act_file_sha", "write_file": "drafter:act_write_file",
+    "launch": "launch:act_launch", "wait_ready": "ready:act_wait_ready", "acceptance": "probe:act_acceptance",
+    "speed": "probe:act_speed", "logs": "logs:act_logs", "lock": "lock:act_lock", "unlock": "lock:act_unlock",
+    "status": "status:act_status", "note_failure": "state:act_note_failure", "verify": "verify:act_verify",
+    "doctor": "doctor:act_doctor", "hub_drafter": "hub:act_hub_drafter", "stack_check": "stack:act_stack_check",
+    "install_vllm": "install:act_install_vllm", "install_run": "runner:act_install_run",
+    "gate_record": "gate:act_gate_record", "sweep": "probe:act_sweep", "fetch": "fetch:act_fetch",
+    "fetch_run": "fetch_runner:act_fetch_run", "router": "router:act_router",
+}
+
+
+def handler(action):
+    """The function that runs `action`, its module imported now; None for an unknown action."""
+    target = ACTIONS.get(action)
+    if target is None:
+        return None
+    mod, fn = target.split(":")
+    __import__(__package__ + "." + mod)
+    return getattr(sys.modules[__package__ + "." + mod], fn)
+
+
+def run_action(action, args, rid=None):
+    """Run one action and emit its one result line; 0 on success, 1 when it raised, 2 for an unknown action."""
+    from .protocol import PROTOCOL, check
+
+    extra = {} if rid is None else {"id": rid}
+    fn = handler(action)
+    if fn is None:
+        emit(result={"error": "unknown action %r" % action}, protocol=PROTOCOL, **extra)
+        return 2
+    try:
+        res = fn(args)
+        check(action, res)  # a result that breaks the shared protocol fails here, by name
+        emit(result=res, protocol=PROTOCOL, **extra)
+    except BrokenPipeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported as data, with the traceback's last line
+        import traceback
+
+        emit(result={"error": "%s: %s" % (type(e).__name__, e), "traceback": traceback.format_exc()[-2000:]},
+             **extra)
+        return 1
+    return 0
+
+
+def session():
+    """One agent process for all of an operation's steps (`deploy up` runs ~11 of them): each stdin line is a
+    request {"id", "action", "args", "input", "secrets", "payload"} (base64); its events and its one result line
+    (carrying the id) go to stdout, as for a single action. Ends at end of input. Secrets and payloads arrive on
+    stdin, never in argv."""
+    from .protocol import PROTOCOL
+
+    emit(ready=True, protocol=PROTOCOL, pid=os.getpid())
+    for raw in sys.stdin.buffer:
+        if not raw.strip():
+            continue
+        req = json.loads(raw)
+        core.INPUT = req.get("input") or {}
+        core.SECRETS = req.get("secrets") or {}
+        core.PAYLOAD = base64.b64decode(req["payload"]) if req.get("payload") is not None else None
+        args = dict(req.get("args") or {})
+        args.update(core.INPUT)
+        try:
+            run_action(req.get("action"), args, req.get("id"))
+        finally:
+            core.INPUT, core.SECRETS, core.PAYLOAD = {}, {}, None  # nothing of one request outlives it
+    return 0
+
+
+def main(argv):
+    action = argv[1]
+    if action == "session":
+        return session()
+    args = json.loads(argv[2]) if len(argv) > 2 else {}
+    args.update(core.INPUT)
+    try:
+        return run_action(action, args)
+    except BrokenPipeError:
+        return 1
+
+
+def run(argv, sha, cache_dir, path):
+    """Called by the bootstrap: take the preamble's inputs from __main__ (INPUT, SECRETS, PAYLOAD), note the
+    archive this agent runs from (an install re-sends it to other interpreters), run, exit."""
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    g = sys.modules["__main__"].__dict__
+    core.INPUT = g.get("INPUT") or {}
+    core.SECRETS = g.get("SECRETS") or {}
+    core.PAYLOAD = g.get("PAYLOAD")
+    core.ARCHIVE = {"sha256": sha, "cache_dir": cache_dir, "path": path}
+    if cache_dir and os.path.dirname(path) != cache_dir and argv[1:2] != ["session"]:
+        emit(cache=False)  # ran from a temp file: the tool should not count on a cached copy here
+    if cache_dir and path == os.path.join(cache_dir, sha + ".zip"):  # no compiled copy for this Python yet
+        from .cache import compile_in_background
+
+        compile_in_background(sha, cache_dir, path)
+    sys.exit(main(argv))

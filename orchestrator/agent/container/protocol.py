@@ -1,0 +1,45 @@
+"""The wire contract between the tool and the agent: the protocol version, and for each action with a typed result
+the fields its result must carry. The agent checks each result here before it leaves the container; the tool
+parses the same JSON into its dataclass (orchestrator/agent/protocol.py, whose REQUIRED come from this table) and
+refuses another protocol version. Kept small: the agent imports it for every action."""
+
+PROTOCOL = 2
+
+
+class ProtocolError(Exception):
+    pass
+
+
+# action -> the fields its result must have (a result may carry more: the tool keeps them in `.extra`)
+REQUIRED = {
+    "lock": ("locked",),
+    "unlock": (),
+    "status": ("state",),
+    "write_file": (),
+    "verify": ("checks",),
+    "stop": (),
+    "gpus_free": ("verdict",),
+    "port_check": ("listeners",),
+    "launch": ("ok",),
+    "wait_ready": ("ready",),
+    "file_sha": (),
+    "acceptance": ("ok",),
+    "hub_drafter": ("ok",),
+    "note_failure": (),
+    "logs": (),
+    "doctor": ("processes", "servers"),
+    "install_vllm": ("ok",),
+    "gate_record": ("ok",),
+    "router": (),
+}
+
+
+def check(action, d):
+    """Raise ProtocolError, naming the action and the fields, if result d breaks the contract."""
+    if action not in REQUIRED:
+        return
+    if not isinstance(d, dict):
+        raise ProtocolError("agent action %r returned %s, not an object" % (action, type(d).__name__))
+    missing = [k for k in REQUIRED[action] if k not in d]
+    if missing:
+        raise ProtocolError("agent action %r result lacks %s (protocol %d)" % (action, ", ".join(missing), PROTOCOL))

@@ -1,0 +1,400 @@
+"""`router`: vllm-router in front of the replicas of a playbook with `router:`: its venv installed (as
+install-vllm: without pip, filled by the base Python's pip), started (under systemd where it runs, else setsid),
+its view of the replicas, the gate through it, a drained stop."""
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import time
+
+from .core import clean, emit, now
+from .files import UnsafeDirectory, open_dir, remove_owned, write_json_atomic, write_owned
+from .net import http
+from .procs import alive, proc_starttime
+from .runner import _pip_ok
+from .stack import record_check
+from .systemd import UNIT_DIR, journal, systemctl, systemd_running, unit_quote, unit_show, unit_stop
+from . import core
+
+
+ROUTER_LAUNCHER = (
+    # vllm-router 0.1.17's CLI does not expose api_key_validation_urls, which its Rust router takes: parse the
+    # CLI's own arguments with its own parser and start the same Rust router with the URLs (from the environment).
+    # One line: it goes into the unit's ExecStart=.
+    "import os, sys; from vllm_router.launch_router import parse_router_args; "
+    "from vllm_router.router import policy_from_str; from vllm_router_rs import Router; "
+    "a = dict(vars(parse_router_args(sys.argv[1:]))); a.pop('mini_lb', None); "
+    "a.update({k: policy_from_str(a.get(k)) for k in ('policy', 'prefill_policy', 'decode_policy')}, "
+    "prefill_urls=None, decode_urls=None, "
+    "api_key_validation_urls=os.environ.get('VPD_ROUTER_KEY_CHECK_URLS', '').split()); Router(**a).start()")
+
+
+def _router_dir(a):
+    return os.path.join(a["state_dir"], "router-" + a["playbook"])
+
+
+def _router_state(a):
+    try:
+        with open(os.path.join(_router_dir(a), "router.json")) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def _router_key():
+    return (core.SECRETS or {}).get("router_key") if isinstance(core.SECRETS, dict) else None
+
+
+def _router_http(a, path, method="GET", timeout=5.0, body=None):
+    return http(int(a["port"]), path, method=method, body=body, timeout=timeout, api_key=_router_key(),
+                host=a.get("connect") or "127.0.0.1")
+
+
+def _split_url(url):
+    rest = url.split("://", 1)[-1]
+    hostport = rest.split("/", 1)[0]
+    if hostport.startswith("["):
+        h, _, p = hostport[1:].partition("]:")
+    else:
+        h, _, p = hostport.rpartition(":")
+    return h, int(p)
+
+
+def _replica_metrics(url, timeout=5.0):
+    """{success, running} from a replica's /metrics (vLLM serves it without the API key), or {error}."""
+    h, p = _split_url(url)
+    code, text = http(p, "/metrics", timeout=timeout, host=h)
+    if code != 200:
+        return {"error": "GET %s/metrics: %s" % (url, code or text)}
+    out = {"success": 0.0, "running": 0.0}
+    for ln in text.splitlines():
+        if ln.startswith("vllm:request_success_total"):
+            out["success"] += float(ln.rsplit(" ", 1)[1])
+        elif ln.startswith("vllm:num_requests_running"):
+            out["running"] += float(ln.rsplit(" ", 1)[1])
+    return out
+
+
+def _router_venv_python(a):
+    return os.path.join(a["venv"], "bin", "python")
+
+
+def _router_site(py):
+    p = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+    return p.stdout.decode().strip()
+
+
+def _router_installed(a):
+    """The venv's vllm-router: version, RECORD check, import. -> dict with ok."""
+    py = _router_venv_python(a)
+    if not os.path.exists(py):
+        return {"ok": False, "present": False, "message": "no venv at %s" % a["venv"]}
+    try:
+        site = _router_site(py)
+        rec = record_check(os.path.join(site, "vllm_router"), dist="vllm-router")
+        p = subprocess.run([py, "-c", "import vllm_router_rs, importlib.metadata as m; "
+                                      "print(m.version('vllm-router'))"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"ok": False, "present": True, "message": "cannot run %s: %s" % (py, e)}
+    version = p.stdout.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+    out = {"present": True, "version": version[0] if p.returncode == 0 else None, "record": rec,
+           "import_ok": p.returncode == 0}
+    if p.returncode:
+        out.update(ok=False, message="import vllm_router_rs failed: %s" % clean(p.stdout.decode("utf-8", "replace"))[-600:])
+    elif rec.get("status") != "ok":
+        out.update(ok=False, message="the installed files differ from the wheel's RECORD: %s"
+                   % (rec.get("message") or "%d missing, %d changed" % (len(rec["missing"]), len(rec["changed"]))))
+    elif out["version"] != a["version"]:
+        out.update(ok=False, message="vllm-router %s installed, %s pinned" % (out["version"], a["version"]))
+    else:
+        out.update(ok=True)
+    return out
+
+
+def _router_install(a):
+    have = _router_installed(a)
+    if have.get("ok"):
+        return dict(have, changed=False)
+    t0 = now()
+    deadline = t0 + float(a.get("timeout_s") or 900)
+    venv = a["venv"]
+    parent = os.path.dirname(venv)
+    try:
+        os.close(open_dir(parent, 0o700))
+    except (OSError, UnsafeDirectory) as e:
+        return {"ok": False, "message": "refusing to install into %s: %s" % (parent, e)}
+    if os.path.lexists(venv):
+        # ours (a venv under our state dir, named by version): remove what a failed install left
+        if os.path.islink(venv) or not os.path.exists(os.path.join(venv, "pyvenv.cfg")):
+            return {"ok": False, "message": "%s exists and is not a venv deploy made: not touching it" % venv}
+        import shutil
+        shutil.rmtree(venv)
+    base, vpy = a["python"], os.path.join(venv, "bin", "python")
+    # as install_vllm does: a venv without pip, filled by the base Python's pip (--python, pip >= 22.3); else
+    # ensurepip in the new venv (a Debian python3 without python3-venv has neither)
+    steps = [[base, "-m", "venv", "--without-pip", venv]]
+    if _pip_ok(base):
+        pip = [base, "-m", "pip", "--python", vpy]
+    else:
+        steps.append([vpy, "-m", "ensurepip", "--default-pip"])
+        pip = [vpy, "-m", "pip"]
+    pip += ["install", "--disable-pip-version-check", "--no-input", "--progress-bar", "off"]
+    if a.get("index_url"):
+        pip += ["--index-url", a["index_url"]]
+    for fl in a.get("find_links") or []:
+        pip += ["--find-links", fl]
+    if a.get("no_index"):
+        pip += ["--no-index"]
+    steps.append(pip + ["vllm-router==" + a["version"]])
+    for cmd in steps:
+        left = deadline - now()
+        if left <= 0:
+            return {"ok": False, "message": "install not finished within %gs" % float(a.get("timeout_s") or 900)}
+        emit(event="router", line="$ " + " ".join(cmd))
+        try:
+            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               timeout=left, cwd="/")
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "message": "%s did not finish within %gs" % (" ".join(cmd[:4]), left)}
+        except OSError as e:
+            return {"ok": False, "message": "cannot run %s: %s" % (cmd[0], e.strerror)}
+        if p.returncode:
+            return {"ok": False, "message": "%s failed (exit %d)" % (" ".join(cmd[:6]), p.returncode),
+                    "output": clean(p.stdout.decode("utf-8", "replace"))[-3000:]}
+    have = _router_installed(a)
+    return dict(have, changed=True, seconds=round(now() - t0, 2))
+
+
+def _router_alive(st):
+    return bool(st) and st.get("pid") and proc_starttime(st["pid"]) == st.get("starttime")
+
+
+def _router_stop(a, st=None):
+    st = st if st is not None else _router_state(a)
+    rep = {"stopped": False}
+    if not st:
+        return rep
+    if st.get("unit") and systemd_running():
+        rep["unit"] = unit_stop(st["unit"], timeout=float(a.get("grace_s") or 10) + 30)
+        remove_owned(UNIT_DIR, st["unit"])
+        systemctl(["daemon-reload"])
+        rep["stopped"] = True
+    elif _router_alive(st):
+        pid = st["pid"]
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except OSError:
+            pass
+        end = now() + float(a.get("grace_s") or 10)
+        while now() < end and alive(pid):
+            time.sleep(0.05)
+        if alive(pid):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            rep["killed"] = True
+        rep["stopped"] = True
+        rep["pid"] = pid
+    d = _router_dir(a)
+    for n in ("router.json", "router.env"):
+        remove_owned(d, n)
+    return rep
+
+
+def _router_start(a):
+    d = _router_dir(a)
+    try:
+        dfd = open_dir(d, 0o700)
+    except (OSError, UnsafeDirectory) as e:
+        return {"ok": False, "message": "refusing to use %s: %s" % (d, e)}
+    old = _router_state(a)
+    prev = _router_stop(a, old) if old else None
+    argv = [_router_venv_python(a), "-c", ROUTER_LAUNCHER] + list(a["args"])
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
+           "VPD_ROUTER_KEY_CHECK_URLS": " ".join(a.get("key_check_urls") or [])}
+    st = {"playbook": a["playbook"], "argv": argv, "workers": a["workers"], "policy": a["policy"],
+          "port": a["port"], "version": a["version"], "started_at": now()}
+    if systemd_running():
+        unit = "vllm-router-%s.service" % a["playbook"]
+        s = a["supervise"]
+        env_file = os.path.join(d, "router.env")
+        try:
+            exec_start = "ExecStart=" + " ".join(unit_quote(x) for x in argv)
+            env_lines = ["Environment=" + unit_quote("%s=%s" % (k, v)) for k, v in sorted(env.items())]
+        except ValueError as e:
+            os.close(dfd)
+            return {"ok": False, "message": "cannot write the unit: %s" % e}
+        lines = ["# Written by vllm-pve-deploy (`deploy up %s`): deploy rewrites it; edit the playbook." % a["playbook"],
+                 "[Unit]", "Description=vLLM Router for playbook %s (vllm-pve-deploy)" % a["playbook"],
+                 "After=network.target", "StartLimitBurst=%d" % int(s["start_limit_burst"]),
+                 "StartLimitIntervalSec=%gs" % float(s["start_limit_interval_s"]), "",
+                 "[Service]", "Type=simple", exec_start, "WorkingDirectory=/"]
+        lines += env_lines
+        lines += ["# secrets: only in this 0600 file (the router itself needs none today: see docs/router.md)",
+                  "EnvironmentFile=" + env_file, "StandardOutput=journal", "StandardError=inherit",
+                  "SyslogIdentifier=vllm-router-%s" % a["playbook"], "KillMode=control-group",
+                  "TimeoutStopSec=10s", "Restart=on-failure", "RestartSec=%gs" % float(s["restart_sec"]), "",
+                  "[Install]", "WantedBy=multi-user.target", ""]
+        try:
+            write_owned(d, "router.env", b"", 0o600)
+            changed, sha = write_owned(UNIT_DIR, unit, "\n".join(lines).encode(), 0o644)
+        except (OSError, UnsafeDirectory, ValueError) as e:
+            os.close(dfd)
+            return {"ok": False, "message": "cannot write the unit: %s" % e}
+        for cmd in [["daemon-reload"], ["reset-failed", unit], ["enable", "--quiet", unit], ["restart", unit]]:
+            rc, out = systemctl(cmd)
+            if rc and cmd[0] != "reset-failed":
+                os.close(dfd)
+                return {"ok": False, "message": "systemctl %s failed (exit %d): %s" % (" ".join(cmd), rc, out[-2000:])}
+        u = unit_show(unit)
+        pid = int(u.get("MainPID") or 0)
+        st.update(supervisor="systemd", unit=unit, unit_path=os.path.join(UNIT_DIR, unit), env_file=env_file,
+                  unit_sha256=sha, pid=pid, starttime=proc_starttime(pid) if pid else None, log="journal")
+    else:
+        log = os.path.join(d, "router.log")
+        try:
+            logfd = os.open("router.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
+        except OSError as e:
+            os.close(dfd)
+            return {"ok": False, "message": "cannot open %s: %s" % (log, e.strerror)}
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logfd, stderr=subprocess.STDOUT, env=env,
+                                    cwd="/", start_new_session=True, close_fds=True)
+        except OSError as e:
+            return {"ok": False, "message": "cannot start %s: %s" % (argv[0], e.strerror)}
+        finally:
+            os.close(logfd)
+        st.update(supervisor="none", pid=proc.pid, starttime=proc_starttime(proc.pid), log=log)
+    os.close(dfd)
+    write_json_atomic(os.path.join(d, "router.json"), st)
+    return {"ok": True, "pid": st["pid"], "supervisor": st["supervisor"], "unit": st.get("unit"),
+            "replaced": prev, "log": st["log"]}
+
+
+def _router_log_tail(st, n=30):
+    if not st:
+        return []
+    if st.get("unit"):
+        return [clean(x) for x in journal(["-u", st["unit"], "-n", str(n), "-o", "cat"])]
+    try:
+        with open(st["log"], "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 16384))
+            return [clean(x) for x in fh.read().decode("utf-8", "replace").splitlines()[-n:]]
+    except (OSError, KeyError, TypeError):
+        return []
+
+
+def _router_view(a):
+    """The router's own view: {running, pid, supervisor, readiness, workers: [{url, healthy, load}]}."""
+    st = _router_state(a)
+    out = {"installed": bool(st), "state": st, "running": False}
+    if not st:
+        return out
+    if st.get("unit") and systemd_running():
+        u = unit_show(st["unit"])
+        pid = int(u.get("MainPID") or 0)
+        out.update(unit_state={k: u.get(k) for k in ("ActiveState", "SubState", "NRestarts", "Result")},
+                   pid=pid or None, running=bool(pid) and u.get("ActiveState") == "active")
+    else:
+        out.update(pid=st.get("pid"), running=bool(_router_alive(st)))
+    out["supervisor"] = st.get("supervisor")
+    if out["running"]:
+        code, body = _router_http(a, "/workers", timeout=float(a.get("timeout_s") or 5))
+        if code == 200:
+            try:
+                ws = json.loads(body).get("workers") or []
+                out["workers"] = [{"url": w.get("url"), "healthy": w.get("is_healthy"), "load": w.get("load")}
+                                  for w in ws]
+            except (ValueError, AttributeError) as e:
+                out["error"] = "GET /workers: not JSON (%s)" % e
+        else:
+            out["error"] = "GET /workers: %s %s" % (code, (body or "")[:200])
+        code, body = _router_http(a, "/readiness", timeout=float(a.get("timeout_s") or 5))
+        out["readiness"] = {"status": code, "body": (body or "")[:300]}
+    return out
+
+
+def _router_wait(a):
+    """Until the router answers and sees every expected worker healthy (bounded), or its process is gone."""
+    deadline = now() + float(a.get("timeout_s") or 60)
+    want = set(a["workers"])
+    last = {}
+    while True:
+        last = _router_view(a)
+        healthy = {w["url"] for w in last.get("workers") or [] if w.get("healthy")}
+        if last.get("running") and want <= healthy:
+            return dict(last, ready=True)
+        if not last.get("running") and now() - float((last.get("state") or {}).get("started_at") or 0) > 2:
+            return dict(last, ready=False, reason="exited", log_tail=_router_log_tail(last.get("state")))
+        if now() >= deadline:
+            return dict(last, ready=False, reason="timeout", missing=sorted(want - healthy),
+                        log_tail=_router_log_tail(last.get("state")))
+        time.sleep(0.2)
+
+
+def _router_gate(a):
+    """n completions through the router (distinct prompts), and each replica's request counter before/after."""
+    before = {u: _replica_metrics(u) for u in a["workers"]}
+    sent, ok, errors = 0, 0, []
+    for i in range(int(a["requests"])):
+        body = {"model": a["model"], "prompt": "router gate %d: %s" % (i, base64.b32encode(os.urandom(5)).decode()),
+                "max_tokens": int(a.get("max_tokens") or 4), "temperature": 0}
+        code, text = _router_http(a, "/v1/completions", method="POST", body=body,
+                                  timeout=float(a.get("timeout_s") or 60))
+        sent += 1
+        if code == 200:
+            ok += 1
+        else:
+            errors.append({"status": code, "body": (text or "")[:300]})
+    after = {u: _replica_metrics(u) for u in a["workers"]}
+    per = {}
+    for u in a["workers"]:
+        b, f = before[u], after[u]
+        per[u] = {"error": b.get("error") or f.get("error")} if (b.get("error") or f.get("error")) else \
+            {"requests": int(round(f["success"] - b["success"]))}
+    return {"ok": ok == sent, "sent": sent, "succeeded": ok, "errors": errors[:5], "per_replica": per}
+
+
+def _router_drain_wait(a):
+    """After remove_worker: until the replica runs no request (its own vllm:num_requests_running), bounded."""
+    t0 = now()
+    deadline = t0 + float(a.get("timeout_s") or 120)
+    last = {}
+    while True:
+        last = _replica_metrics(a["url"], timeout=5.0)
+        if "error" in last:
+            return {"ok": True, "drained": True, "seconds": round(now() - t0, 2), "note": last["error"]}
+        if last["running"] <= 0:
+            return {"ok": True, "drained": True, "seconds": round(now() - t0, 2), "running": 0}
+        if now() >= deadline:
+            return {"ok": False, "drained": False, "seconds": round(now() - t0, 2), "running": last["running"]}
+        time.sleep(0.1)
+
+
+def act_router(a):
+    op = a.get("op")
+    if op == "install":
+        return _router_install(a)
+    if op == "start":
+        return _router_start(a)
+    if op == "wait":
+        return _router_wait(a)
+    if op == "view":
+        return _router_view(a)
+    if op == "gate":
+        return _router_gate(a)
+    if op in ("remove", "add"):
+        code, body = _router_http(a, "/%s_worker?url=%s" % ("remove" if op == "remove" else "add", a["url"]),
+                                  method="POST", timeout=float(a.get("timeout_s") or 30))
+        return {"ok": code == 200, "status": code, "message": (body or "")[:500]}
+    if op == "drain_wait":
+        return _router_drain_wait(a)
+    if op == "stop":
+        return dict(_router_stop(a), ok=True)
+    return {"ok": False, "message": "unknown router op %r" % op}

@@ -1,0 +1,145 @@
+"""The agent shipped once and cached in the container: the archive named by its sha256, kept in a 0700 directory,
+checked before each use (a damaged copy is refused and replaced), old versions pruned; each exec sends only the
+bootstrap; an action imports only its own modules; no import cycles. Real processes on real files, no SSH."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import time
+
+from orchestrator.agent import agent_stdin, archive
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONTAINER = os.path.join(REPO, "orchestrator", "agent", "container")
+
+
+def run(action, args, cache, *, inline, prefix=b""):
+    stdin = prefix + agent_stdin(None, None, None, cache_dir=str(cache), inline=inline)
+    p = subprocess.run([sys.executable, "-", action, json.dumps(args)], input=stdin, capture_output=True,
+                       timeout=120)
+    lines = [json.loads(x) for x in p.stdout.decode().splitlines() if x.startswith("{")]
+    return p, lines
+
+
+def result(lines):
+    res = [x["result"] for x in lines if "result" in x]
+    assert res, lines
+    return res[-1]
+
+
+def compiled(cache):
+    tag = sys.implementation.cache_tag
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        found = [n for n in os.listdir(cache) if n.startswith(f"{archive.sha256()}.{tag}.")]
+        if found:
+            return found
+        time.sleep(0.1)
+    return []
+
+
+def test_the_archive_is_cached_checked_and_replaced_when_damaged(tmp_path):
+    cache = tmp_path / "state" / "vpd-agent"
+    args = {"path": str(tmp_path / "nothing")}
+    # not there yet: a one-shot exec without the archive asks for it, runs nothing, exits 3
+    p, lines = run("file_sha", args, cache, inline=False)
+    assert p.returncode == archive.NEED_EXIT and lines == [{"need": archive.sha256()}]
+    # with it inline: kept as SHA.zip (0600 in a 0700 directory), then the action runs
+    p, lines = run("file_sha", args, cache, inline=True)
+    assert result(lines)["error"]
+    kept = cache / f"{archive.sha256()}.zip"
+    assert kept.read_bytes() == archive.archive()
+    assert os.stat(cache).st_mode & 0o777 == 0o700 and os.stat(kept).st_mode & 0o777 == 0o600
+    # this Python's compiled copy appears beside it (built off the exec's path)
+    assert compiled(cache)
+    # from now on the bootstrap alone is enough
+    p, lines = run("file_sha", args, cache, inline=False)
+    assert p.returncode == 0 and "need" not in lines[0]
+    # a damaged copy (and compiled copy) is refused, asked for again, and replaced
+    for n in os.listdir(cache):
+        with open(cache / n, "ab") as fh:
+            fh.write(b"tampered")
+    p, lines = run("file_sha", args, cache, inline=False)
+    assert p.returncode == archive.NEED_EXIT and lines == [{"need": archive.sha256()}]
+    p, lines = run("file_sha", args, cache, inline=True)
+    assert p.returncode == 0 and kept.read_bytes() == archive.archive()
+    good = [n for n in compiled(cache) if n.endswith(".zip")]
+    deadline = time.monotonic() + 20  # the damaged compiled copy is rebuilt by the next exec from the sources
+    while time.monotonic() < deadline and not any(
+            archive.hashlib.sha256((cache / n).read_bytes()).hexdigest() == n.split(".")[-2] for n in good):
+        time.sleep(0.1)
+        good = [n for n in os.listdir(cache) if n.startswith(archive.sha256() + ".") and n.count(".") == 3]
+    assert any(archive.hashlib.sha256((cache / n).read_bytes()).hexdigest() == n.split(".")[-2] for n in good)
+
+
+def test_a_cache_directory_others_could_write_is_not_used(tmp_path):
+    cache = tmp_path / "vpd-agent"
+    cache.mkdir(mode=0o755)
+    os.chmod(cache, 0o755)
+    planted = cache / f"{archive.sha256()}.zip"
+    planted.write_bytes(archive.archive())  # even the right bytes: the directory is not private
+    p, lines = run("file_sha", {"path": "/"}, cache, inline=False)
+    assert p.returncode == archive.NEED_EXIT
+    p, lines = run("file_sha", {"path": "/"}, cache, inline=True)  # runs from a private temp file instead
+    assert p.returncode == 0 and result(lines)["path"] == "/"
+    assert os.stat(cache).st_mode & 0o777 == 0o755 and os.listdir(cache) == [planted.name]
+
+
+def test_old_versions_are_pruned(tmp_path):
+    cache = tmp_path / "vpd-agent"
+    cache.mkdir(mode=0o700)
+    now = time.time()
+    for i, h in enumerate(["a" * 64, "b" * 64, "c" * 64, "d" * 64]):
+        for name in (f"{h}.zip", f"{h}.cpython-399.{'e' * 64}.zip"):
+            (cache / name).write_bytes(b"old")
+            os.utime(cache / name, (now - 1000 + i, now - 1000 + i))
+    run("file_sha", {"path": "/"}, cache, inline=True)
+    left = sorted(n for n in os.listdir(cache) if n.count(".") == 1)
+    assert left == sorted(["c" * 64 + ".zip", "d" * 64 + ".zip", archive.sha256() + ".zip"])  # the newest 3
+    assert not any(n.startswith(("a" * 64, "b" * 64)) for n in os.listdir(cache))  # with their compiled copies
+
+
+def test_status_imports_only_what_status_needs(tmp_path):
+    cache = tmp_path / "vpd-agent"
+    probe = (b"import atexit, sys\natexit.register(lambda: sys.stderr.write('MODS ' + ' '.join(sorted("
+             b"m for m in sys.modules if m.startswith('vpd_agent'))) + '\\n'))\n")
+    p, lines = run("status", {"state_dir": str(tmp_path / "st"), "nvidia_smi_timeout_s": 1}, cache, inline=True,
+                   prefix=probe)
+    assert "state" in result(lines)
+    mods = p.stderr.decode().split("MODS ", 1)[1].split()
+    for never in ("install", "runner", "doctor", "verify", "stack", "hub", "drafter", "launch", "ready", "probe"):
+        assert f"vpd_agent.{never}" not in mods, mods
+    assert "vpd_agent.status" in mods
+
+
+def test_each_exec_sends_a_small_bootstrap_not_the_agent():
+    boot = archive.cache_bootstrap("/var/lib/vllm-pve-deploy/vpd-agent")
+    assert len(boot) < 2048 and archive.sha256().encode() in boot
+    assert len(archive.archive()) > 10 * len(boot)
+    assert archive.archive() == archive.archive.__wrapped__()  # the same bytes for the same sources
+
+
+def test_the_agent_modules_import_each_other_without_cycles_and_remote_imports_no_agent():
+    graph = {}
+    for name in os.listdir(CONTAINER):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(CONTAINER, name)).read())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module} if node.module else {a.name for a in node.names}
+        graph[name[:-3]] = deps
+
+    def visit(n, path):
+        assert n not in path, " -> ".join(path + [n])
+        for d in graph.get(n, ()):
+            visit(d, path + [n])
+
+    for n in graph:
+        visit(n, [])
+    remote = ast.parse(open(os.path.join(REPO, "orchestrator", "remote.py")).read())
+    imported = [getattr(x, "module", None) or "" for x in ast.walk(remote) if isinstance(x, ast.ImportFrom)]
+    assert not [m for m in imported if "agent" in m], imported
