@@ -333,8 +333,8 @@ def test_doctor_on_a_hand_started_real_vllm(rbed, deploy):
     try:
         wait_ready(rbed, REAL, pid, "/tmp/byhand.log", port=8000)
         for _ in range(3):
-            http(rbed, REAL, "/v1/completions", port=8000,
-                 data={"model": "byhand", "prompt": "the quick brown fox", "max_tokens": 32})
+            http(rbed, REAL, "/v1/completions", port=8000,  # greedy, as deploy's probe: the drafter's case
+                 data={"model": "byhand", "prompt": "the quick brown fox", "max_tokens": 32, "temperature": 0})
         p = deploy("--json", "doctor", "pve1/%d" % REAL)
         row = p.json["containers"][0]
         assert not row["started_by_deploy"], row
