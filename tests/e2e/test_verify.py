@@ -81,7 +81,11 @@ def test_revert_during_startup_is_caught_as_drift(tb, deploy):
 
 def test_revert_noticed_first_by_aux_layers_is_still_drift(tb, deploy):
     """The fault from the issue: the revert lands while vLLM loads, so the taps are wrong before the drift step."""
-    tb.set_fault("pve1", 129, "config_revert_s", 2.0)
+    # after verify (2-3 s on a quiet machine now that it checks the installed vLLM's SpeculativeConfig and
+    # semantics), while the (slowed) server loads: a revert at 2 s could land inside verify, which catches it as
+    # "changed between the write and verify" instead
+    tb.set_fault("pve1", 129, "config_revert_s", 5.0)
+    tb.set_fault("pve1", 129, "load_s", 10.0)
     p = deploy("up", "qwen36-dflash")
     assert p.returncode == 1, p.stderr
     assert "drift: the drafter config changed behind our back while vLLM started" in p.stderr, p.stderr
