@@ -12,7 +12,7 @@ import sys
 import time
 
 from .core import clean, emit, now
-from .files import UnsafeDirectory, _read_json, _tail_lines, open_dir, tail_file, unique_name, write_json_atomic
+from .files import lock_held, UnsafeDirectory, _read_json, _tail_lines, open_dir, tail_file, unique_name, write_json_atomic
 from .install import _agent_source
 from .weights import (
     CHUNK, COMMIT_RE, FETCH_FINAL, FETCH_LOCK, FETCH_RECORDS, FETCH_STATE, FETCH_VAR, FetchError,
@@ -343,23 +343,7 @@ def _fetch_state(state_dir):
 
 
 def _fetch_runner_alive(state_dir):
-    import fcntl
-
-    try:
-        dfd = open_dir(state_dir, 0o700)
-    except OSError:
-        return False
-    try:
-        fd = os.open(FETCH_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-    finally:
-        os.close(dfd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
+    return lock_held(state_dir, FETCH_LOCK)
 
 
 def act_fetch(a):

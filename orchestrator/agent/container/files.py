@@ -55,6 +55,28 @@ STATE_DIR_FIX = "set runtime.state_dir to a directory of deploy's own that only 
                 "/var/lib/vllm-pve-deploy (the default)"
 
 
+
+def lock_held(state_dir, name):
+    """Does a live process hold the flock on STATE_DIR/NAME? A detached runner (install, fetch) holds its lock
+    for its whole life: free means no runner."""
+    import fcntl
+
+    try:
+        dfd = open_dir(state_dir, 0o700)
+    except OSError:
+        return False
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
 def _check_private_dir(path, st=None):
     st = st or os.lstat(path)
     if not _stat.S_ISDIR(st.st_mode):

@@ -15,6 +15,7 @@ import time
 from . import core
 from .core import clean, emit, now
 from .files import (
+    lock_held,
     UnsafeDirectory, _read_json, _tail_lines, open_dir, tail_file, unique_name, why_untrusted,
     write_json_atomic)
 from .state import read_state
@@ -148,24 +149,7 @@ def _save_install(state_dir, st):
 
 
 def _runner_alive(state_dir):
-    """An install runner holds an flock on install.lock for its whole life: free means no runner."""
-    import fcntl
-
-    try:
-        dfd = open_dir(state_dir, 0o700)
-    except OSError:
-        return False
-    try:
-        fd = os.open(INSTALL_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-    finally:
-        os.close(dfd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
+    return lock_held(state_dir, INSTALL_LOCK)
 
 
 def install_status(state_dir, check_timeout=120):
