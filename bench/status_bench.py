@@ -274,6 +274,8 @@ def agent_stdin_of(env, state_dir) -> bytes:
             "if 'cache_dir' in inspect.signature(agent_stdin).parameters:\n"
             "    from orchestrator.agent import archive\n"
             "    kw = dict(cache_dir=archive.cache_dir(%r), inline=False)\n"
+            "if 'early_smi' in inspect.signature(agent_stdin).parameters:\n"
+            "    kw['early_smi'] = True\n"
             "sys.stdout.buffer.write(agent_stdin(None, None, FATAL_BULK, **kw))\n" % state_dir)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True, timeout=60,
                           cwd="/").stdout
@@ -284,15 +286,19 @@ def bench_agent_cpu(tb, res: Results, env, env_old, host, python, state_dir, run
     process's RUSAGE_SELF at exit: interpreter start-up, bootstrap, imports, the action; nvidia-smi (a child) not
     counted. Current and --baseline interleaved; `python -c pass` for scale."""
     args = json.dumps({"nvidia_smi_timeout_s": 5, "state_dir": state_dir}, sort_keys=True, separators=(",", ":"))
-    variants = [("new", AGENT_CPU.encode() + agent_stdin_of(env, state_dir))]
+    from orchestrator.agent.call import agent_argv
+
+    flags = agent_argv(python, "status", {}, one_shot=True)[1:-3]  # what deploy status runs (-I -S since issue 23)
+    variants = [("new", flags, AGENT_CPU.encode() + agent_stdin_of(env, state_dir))]
     if env_old is not None:
-        variants.append(("old", AGENT_CPU.encode() + agent_stdin_of(env_old, state_dir)))
-    variants.append(("pass", AGENT_CPU.encode()))
-    res.facts["agent_stdin_bytes"] = {k: len(v) - len(AGENT_CPU) for k, v in variants}
+        variants.append(("old", [], AGENT_CPU.encode() + agent_stdin_of(env_old, state_dir)))
+    variants.append(("pass", flags, AGENT_CPU.encode()))
+    res.facts["agent_flags"] = flags
+    res.facts["agent_stdin_bytes"] = {k: len(v) - len(AGENT_CPU) for k, _, v in variants}
     for i in range(runs + 1):  # the first round is a warm-up
         budget.check(f"agent cpu run {i + 1}")
-        for name, stdin in variants:
-            p = tb.container_exec(host, VMID, [python, "-", "status", args], input=stdin, text=False, timeout=60)
+        for name, fl, stdin in variants:
+            p = tb.container_exec(host, VMID, [python, *fl, "-", "status", args], input=stdin, text=False, timeout=60)
             m = re.search(rb"AGENT_CPU ([0-9.]+)", p.stderr)
             if not m or (name != "pass" and b'"result"' not in p.stdout):
                 raise RuntimeError(f"agent cpu ({name}): exit {p.returncode}: {p.stderr[-500:]!r} {p.stdout[-300:]!r}")
@@ -393,6 +399,9 @@ def main():
     env = dict(os.environ, DEPLOY_INVENTORY=tb.inventory_path, DEPLOY_STATE_DIR=state_dir, NO_COLOR="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("DEPLOY_VERBOSE", None)
+    # as on a user's machine: Python keeps its bytecode. A sandbox that sets PYTHONDONTWRITEBYTECODE makes every
+    # deploy compile all of its modules on every run (+40-60 ms here), which no installed deploy pays.
+    dont_write = env.pop("PYTHONDONTWRITEBYTECODE", None)
     env_old = None
     if a.baseline:
         env_old = dict(env, PYTHONPATH=os.path.abspath(a.baseline) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -489,7 +498,7 @@ def report(res: Results, a, hosts, startup_names):
     cpu_new, cpu_old, cpu_pass = m("agent_cpu:new"), m("agent_cpu:old"), m("agent_cpu:pass")
     sizes = res.facts.get("agent_stdin_bytes", {})
     print("agent CPU per status exec in the container (RUSAGE_SELF at exit: start-up + agent; nvidia-smi not counted):")
-    print(f"  python -c pass (same stdin prefix)   {cpu_pass * 1000:6.1f} ms")
+    print(f"  python {' '.join(res.facts.get('agent_flags') or [])} -c pass (same stdin prefix)   {cpu_pass * 1000:6.1f} ms")
     if old:
         print(f"  baseline agent                      {cpu_old * 1000:6.1f} ms   (+{(cpu_old - cpu_pass) * 1000:.1f} ms "
               f"over bare Python; stdin {sizes.get('old', 0):,} bytes)")

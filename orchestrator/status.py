@@ -18,7 +18,7 @@ from . import agent
 from . import vllm_facts as vf
 from .agent import AgentError, ContainerNotRunning
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, RemoteTimeout, Unreachable, UsageError
-from .remote import Fleet, run_parallel, state_dir
+from .remote import Fleet, run_parallel, state_dir, warm_when_connected
 from .report import own
 
 SCHEMA = "vllm-pve-deploy/status/v1"
@@ -417,6 +417,9 @@ def gather(inv, targets, fleet: Fleet | None = None, *, deadline: float = 15.0, 
     # a hung nvidia-smi must be reported by the agent itself, well inside the host's deadline
     smi_timeout = smi_timeout or max(0.5, min(5.0, deadline / 3))
     sampler = sampler or Sampler(persist=False)
+    # what the rows need once the agents answer (~20 ms of imports), imported while the first agent runs
+    warm_when_connected("orchestrator.agent.protocol", "prometheus_client.parser", "orchestrator.gate",
+                        "orchestrator.endpoint")
     own = fleet is None
     fleet = fleet or Fleet(inv)
     by_host: dict[str, list] = {}

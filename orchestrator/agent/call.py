@@ -9,19 +9,29 @@ import time
 
 from ..errors import AgentError, ContainerNotRunning, OutputTooLarge
 from . import archive
-from .protocol import PROTOCOL, RESULT_TYPES, ProtocolError
 
 
 def _b64json(obj) -> str:
     return base64.b64encode(json.dumps(obj).encode()).decode()
 
 
+# `deploy status` reads GPU memory with this; its preamble starts it before anything else (EARLY_SMI)
+SMI_MEMORY_ARGS = ("--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits")
+# The first line of a status exec: start nvidia-smi at once (tens of ms on the test bed, 100-500 ms on real GPUs), so
+# that it runs while the interpreter verifies the cached agent and imports what status needs; the agent's
+# read_gpu_memory adopts that process (gpus.py: nvidia_smi), with the same timeout and error handling as its own.
+EARLY_SMI = ("import subprocess as _s\ntry: _SMI = (%r, _s.Popen(['nvidia-smi', *%r], stdin=_s.DEVNULL, "
+             "stdout=_s.PIPE, stderr=_s.PIPE))\nexcept OSError as _x: _SMI = (%r, _x)\n"
+             % (list(SMI_MEMORY_ARGS), list(SMI_MEMORY_ARGS), list(SMI_MEMORY_ARGS))).encode()
+
+
 def agent_stdin(payload: bytes | None = None, secrets: dict | None = None, bulk: dict | None = None, *,
-                cache_dir: str | None = None, inline: bool = True) -> bytes:
+                cache_dir: str | None = None, inline: bool = True, early_smi: bool = False) -> bytes:
     """What a one-shot exec reads on stdin: a preamble with the inputs (secrets and payloads travel here: never in
     argv, never in the audit log), the archive when inline, then the bootstrap. cache_dir None keeps no cache in
-    the container (the archive runs from a private temp file): the unit tests' way."""
-    pre = b""
+    the container (the archive runs from a private temp file): the unit tests' way. early_smi starts nvidia-smi
+    first (EARLY_SMI)."""
+    pre = EARLY_SMI if early_smi else b""
     if bulk:
         pre += f"import base64 as _b, json as _j; INPUT = _j.loads(_b.b64decode('{_b64json(bulk)}'))\n".encode()
     if secrets:
@@ -33,8 +43,18 @@ def agent_stdin(payload: bytes | None = None, secrets: dict | None = None, bulk:
     return pre + archive.cache_bootstrap(cache_dir)
 
 
-def agent_argv(python: str, action: str, args: dict) -> list[str]:
-    return [python, "-", action, json.dumps(args, sort_keys=True, separators=(",", ":"))]
+# Actions that need nothing but the standard library in the agent's own process (no vllm, transformers or hub
+# imports there): run isolated and without `site` (-I -S), so the container's site-packages and their .pth start-up
+# hooks never load. Faster (a vLLM venv's .pth files cost milliseconds on every exec) and no venv code runs inside
+# `deploy status`. Other actions check vLLM in-process (stack, verify) and keep the interpreter's normal path.
+ISOLATED = frozenset({"status"})
+
+
+def agent_argv(python: str, action: str, args: dict, *, one_shot: bool = False) -> list[str]:
+    """The argv of one action in a process of its own (one_shot: `call`, -I -S for ISOLATED actions), or as a plan
+    shows a step that an agent session runs (the session's interpreter has its normal path)."""
+    flags = ["-I", "-S"] if one_shot and action in ISOLATED else []
+    return [python, *flags, "-", action, json.dumps(args, sort_keys=True, separators=(",", ":"))]
 
 
 def call(session, vmid: int, python: str, action: str, args: dict, *, payload: bytes | None = None,
@@ -70,8 +90,9 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
         if inline:
             session.audit.write(host=session.host.name, vmid=vmid, event="agent archive sent", sha256=archive.sha256(),
                                 bytes=len(archive.archive()), cache_dir=cache_dir)
-        res = session.ct(vmid, agent_argv(python, action, args),
-                         stdin=agent_stdin(payload, secrets, bulk, cache_dir=cache_dir, inline=inline),
+        res = session.ct(vmid, agent_argv(python, action, args, one_shot=True),
+                         stdin=agent_stdin(payload, secrets, bulk, cache_dir=cache_dir, inline=inline,
+                                           early_smi=action == "status"),
                          timeout=max(1.0, deadline - time.monotonic()), label=f"agent:{action}", on_line=on_line)
         result = proto = need = None
         cached = True
@@ -116,6 +137,8 @@ def interpret(result, proto, action: str, python: str, *, where: str, vmid: int,
     if isinstance(result, dict) and "error" in result and "traceback" in result:
         raise AgentError(f"agent action {action!r} crashed: {result['error']}", where=where,
                          details={"traceback": result["traceback"]})
+    from .protocol import PROTOCOL, RESULT_TYPES, ProtocolError  # its ~20 dataclasses: loaded when answers come
+
     if proto != PROTOCOL:
         raise AgentError(f"agent action {action!r} answered in protocol {proto}, this deploy speaks {PROTOCOL}",
                          where=where, fix="a bug: the agent is sent with the tool, so both should match; report it")

@@ -13,7 +13,7 @@ from ..errors import AgentError, OutputTooLarge, RemoteTimeout, Unreachable
 from ..remote import HostSession, pct_exec_argv
 from . import archive
 from .call import MAX_LINE, MAX_STDERR, EventBudget, agent_argv, interpret
-from .protocol import PROTOCOL
+from .container.protocol import PROTOCOL
 
 
 def session_for(host: HostSession, vmid: int, python: str, state_dir: str | None = None) -> "AgentSession":

@@ -79,7 +79,8 @@ class FakeSession:
         return Shim()
 
     def ct(self, vmid, argv, stdin=None, timeout=60, label="", on_line=None):
-        action, args = argv[2], json.loads(argv[3])
+        i = argv.index("-")  # PYTHON [-I -S] - ACTION ARGS (agent_argv)
+        action, args = argv[i + 1], json.loads(argv[i + 2])
         self.argvs.append(["pct", "exec", str(vmid), "--keep-env", "0", "--", *argv])
         self.calls.append((action, args))
         if args.get("renew"):

@@ -13,6 +13,7 @@ INPUT = {}  # bulky, non-secret arguments (pinned config, fatal texts) that woul
 SECRETS = {}
 PAYLOAD = None
 ARCHIVE = {}  # the archive this agent runs from: sha256, cache_dir, path (cache.py)
+EARLY = {}  # processes the exec's preamble started before the agent loaded: {"nvidia-smi": (args, Popen or OSError)}
 
 
 # Terminal control sequences in log lines, cmdlines and comms: CSI (colours, cursor moves), OSC (window titles,

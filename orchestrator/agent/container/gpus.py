@@ -7,6 +7,7 @@ import re
 import subprocess
 import time
 
+from . import core
 from .core import emit, in_container, now
 from .procs import pids, proc_cmdline, proc_comm
 from .state import proven_members, read_state
@@ -14,21 +15,33 @@ from .systemd import systemd_running, unit_cgroup_members
 
 
 def nvidia_smi(args, timeout):
-    """Run nvidia-smi with a timeout; returns (rc, stdout, stderr, timed_out)."""
+    """Run nvidia-smi with a timeout; returns (rc, stdout, stderr, timed_out). A run of the same arguments that the
+    exec's preamble started already (core.EARLY, `deploy status`) is adopted, once, as if started here."""
+    early = core.EARLY.pop("nvidia-smi", None)
     try:
-        p = subprocess.run(["nvidia-smi"] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           timeout=timeout, stdin=subprocess.DEVNULL)
-        return p.returncode, p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace"), False
-    except subprocess.TimeoutExpired:
-        return None, "", "", True
+        if early is not None and list(early[0]) == list(args):
+            if isinstance(early[1], OSError):
+                raise early[1]
+            p = early[1]
+        else:
+            p = subprocess.Popen(["nvidia-smi"] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL)
+        with p:
+            try:
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()  # as subprocess.run does: kill, then reap
+                p.wait()
+                return None, "", "", True
+        return p.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), False
     except OSError as e:
         return 127, "", str(e), False
 
 
 def read_gpu_memory(timeout):
     """{index: {"used": MiB, "total": MiB}} or {"error": ...}."""
-    rc, out, err, timed_out = nvidia_smi(
-        ["--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"], timeout)
+    rc, out, err, timed_out = nvidia_smi(["--query-gpu=index,memory.used,memory.total",
+                                          "--format=csv,noheader,nounits"], timeout)
     if timed_out:
         return {"error": "timeout", "message": "nvidia-smi did not answer within %gs" % timeout}
     if rc != 0:

@@ -109,6 +109,8 @@ def run(argv, sha, cache_dir, path):
     core.INPUT = g.get("INPUT") or {}
     core.SECRETS = g.get("SECRETS") or {}
     core.PAYLOAD = g.get("PAYLOAD")
+    if g.get("_SMI") is not None:
+        core.EARLY["nvidia-smi"] = g["_SMI"]
     core.ARCHIVE = {"sha256": sha, "cache_dir": cache_dir, "path": path}
     if cache_dir and os.path.dirname(path) != cache_dir and argv[1:2] != ["session"]:
         emit(cache=False)  # ran from a temp file: the tool should not count on a cached copy here
