@@ -215,7 +215,9 @@ def serve_argv(pb: Playbook) -> list[str]:
 
 
 def serve_env(pb: Playbook) -> dict:
-    env = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ",".join(map(str, pb.gpus))}
+    # SPT_NOENV: vLLM titles its processes with setproctitle, which otherwise overwrites what /proc/PID/environ
+    # shows, and with it the launch id that proves a process ours (agent state.proven)
+    env = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1", "SPT_NOENV": "1", "CUDA_VISIBLE_DEVICES": ",".join(map(str, pb.gpus))}
     d = pb.drafter
     if d and d.get("hub_id"):
         env["HF_HOME"] = d["hf_home"]

@@ -126,6 +126,26 @@ def test_restart_clean_gpus_frees_and_relaunches(tb, deploy):
     assert st["playbook"] == "qwen36-mtp" and st["pid"] != pid1
 
 
+def test_vllm_children_whose_environ_setproctitle_blanked_are_still_ours(tb, deploy, playbooks):
+    """vLLM titles EngineCore and its workers with setproctitle, which blanks /proc/PID/environ (and the launch id
+    in it) unless SPT_NOENV is set. A server whose env lacks it (here the playbook sets it empty; or one started
+    by an older deploy) must still be recognised as ours by the process tree: restart --clean-gpus does not ask
+    to kill the server's own children as holders "deploy did not start" (it did, with the real vLLM)."""
+    playbooks("qwen36-mtp", "  load_timeout_s: 900\n", "  load_timeout_s: 900\n  env:\n    SPT_NOENV: \"\"\n")
+    assert deploy("up", "qwen36-mtp", env=playbooks.env).returncode == 0
+    st = json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))
+    kids = [ln.split() for ln in tb.container_exec("pve1", 129, ["ps", "-eo", "pid,pgid,comm"]).stdout.splitlines()
+            if "VLLM::" in ln]
+    assert kids and all(int(pg) == st["pgid"] for _, pg, _ in kids), kids
+    environ = tb.container_exec("pve1", 129, ["cat", f"/proc/{kids[0][0]}/environ"], text=False).stdout
+    assert b"VLLM_PVE_DEPLOY_LAUNCH" not in environ  # blanked, as setproctitle does
+    p = deploy("--json", "restart", "qwen36-mtp", "--clean-gpus", env=playbooks.env)  # no -y, no terminal
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    steps = {s["step"]: s for s in p.json["steps"]}
+    assert "nothing but deploy's own vLLM holds" in steps["holders"]["summary"], steps["holders"]
+    assert json.loads(cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/state.json"))["pid"] != st["pid"]
+
+
 def test_down_refuses_to_stop_another_playbooks_deployment(tb, deploy):
     assert deploy("up", "qwen36-mtp").returncode == 0
     p = deploy("down", "qwen36-dflash")

@@ -75,7 +75,7 @@ def test_plan_shows_what_each_step_runs(pbs):
     for needle in ("nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits",
                    "fuser -k -TERM /dev/nvidia0 /dev/nvidia1 /dev/nvidia2 /dev/nvidia3",
                    "fuser -k -KILL /dev/nvidia0", "pct list; pct config VMID", "kill -TERM -PGID",
-                   "setsid env -i NO_COLOR=1 HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES=0,1,2,3",
+                   "setsid env -i NO_COLOR=1 HF_HUB_OFFLINE=1 SPT_NOENV=1 CUDA_VISIBLE_DEVICES=0,1,2,3",
                    "--speculative-config", "sha256sum /root/models/Qwen3.6-27B-DFlash/config.json",
                    "vLLM processes deploy did not start"):
         assert needle in text, needle
@@ -99,7 +99,7 @@ def test_serve_argv_dflash_and_mtp(pbs):
     assert json.loads(m[m.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 2}
     assert "--attention-backend" not in m
     env = P.serve_env(dflash)
-    assert env == {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert env == {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1", "SPT_NOENV": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
 
 
 def test_secrets_never_in_plan(pbs, monkeypatch):

@@ -41,6 +41,25 @@ def proc_stat(pid):
         return None
 
 
+def proc_ppid(pid):
+    f = proc_stat(pid)
+    try:
+        return int(f[1]) if f else None
+    except (IndexError, ValueError):
+        return None
+
+
+def descends_from(pid, ancestor, depth=16):
+    """Is ancestor on pid's parent chain (the kernel's process tree, at most `depth` levels up)?"""
+    for _ in range(depth):
+        pid = proc_ppid(pid)
+        if not pid or pid <= 1:
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
 def proc_pgid(pid):
     f = proc_stat(pid)
     return int(f[2]) if f and len(f) > 2 else None

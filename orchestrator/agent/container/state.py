@@ -9,7 +9,7 @@ import time
 
 from .core import LAUNCH_ID_VAR, now
 from .files import UnsafeDirectory, open_dir, read_state_file, write_json_atomic
-from .procs import alive, pids, proc_env_has, proc_pgid, proc_starttime
+from .procs import alive, descends_from, pids, proc_env_has, proc_pgid, proc_starttime
 from .systemd import systemd_running, unit_show
 
 
@@ -54,7 +54,13 @@ def proven(st, p):
         return False
     if p == st.get("pid") or not st.get("launch_id"):
         return ours(st)
-    return proc_env_has(p, LAUNCH_ID_VAR, st["launch_id"])
+    if proc_env_has(p, LAUNCH_ID_VAR, st["launch_id"]):
+        return True
+    # vLLM titles its processes with setproctitle ("VLLM::EngineCore", "VLLM::Worker"), which overwrites the block
+    # /proc/PID/environ shows unless SPT_NOENV is set (launch sets it; a server started by an older deploy, or
+    # whose env dropped it, has no readable launch id): a descendant of the proven leader, by the kernel's own
+    # process tree, is ours all the same (its parent is alive, so its pid cannot have been reused)
+    return descends_from(p, st.get("pid")) and ours(st)
 
 
 def proven_members(st):

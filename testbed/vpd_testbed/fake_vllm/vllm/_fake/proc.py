@@ -20,17 +20,22 @@ def set_title(title: str) -> None:
     except OSError:
         pass
     # argv rewrite: overwrite [arg_start, arg_end) of our own memory, so /proc/PID/cmdline (ps, pgrep -f)
-    # shows the title.
+    # shows the title. Like py-setproctitle (which vLLM uses), unless SPT_NOENV is set the environment block
+    # [env_start, env_end) is taken for the title too and cleared: /proc/PID/environ then reads as zeros, while
+    # the process keeps its own copy (os.environ was copied at start-up, as setproctitle copies environ).
     try:
         with open("/proc/self/stat", "rb") as f:
             stat = f.read().decode()
         fields = stat[stat.rindex(")") + 2:].split()
         arg_start, arg_end = int(fields[45]), int(fields[46])
+        env_start, env_end = int(fields[47]), int(fields[48])
         size = arg_end - arg_start
         if size > 1:
             data = raw[: size - 1]
             buf = data + b"\0" * (size - len(data))
             ctypes.memmove(arg_start, buf, size)
+        if not os.environ.get("SPT_NOENV") and env_end > env_start:
+            ctypes.memset(env_start, 0, env_end - env_start)
     except Exception:
         pass
 
