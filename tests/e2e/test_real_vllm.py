@@ -173,8 +173,12 @@ def test_up_gate_status_verify_logs_restart_down(rbed, deploy):
     before = procs(rbed, REAL)
     titles = {c for _, _, c, _ in before}
     assert "VLLM::EngineCor" in titles and "VLLM::Worker" in titles, before
-    r = deploy("--json", "restart", "real-dflash", "--clean-gpus", "-y")  # a script confirms with -y (issue 26)
+    # no -y: every holder is the server's own tree, which deploy proves its own (launch id, or the process tree
+    # where setproctitle blanked /proc/PID/environ), so there is nothing foreign to confirm a kill of
+    r = deploy("--json", "restart", "real-dflash", "--clean-gpus")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    holders = {s["step"]: s for s in r.json["steps"]}["holders"]
+    assert "nothing but deploy's own vLLM holds" in holders["summary"], holders
     def vllm_pids(rows):
         return {pid for pid, _, comm, args in rows if comm == "vllm" or comm.startswith("VLLM::")
                 or "resource_tracker" in args}
