@@ -10,6 +10,9 @@ if [ "${VPD_SKIP_REAL_VLLM:-0}" != 1 ]; then
   .venv/bin/python -m vpd_testbed.realvllm || { echo "test: the real-vLLM runtime could not be built (above);" \
     "VPD_SKIP_REAL_VLLM=1 skips its tier" >&2; exit 1; }
 fi
+# deploy runs as on a user's machine: Python keeps its bytecode (__pycache__, git-ignored). A sandbox that sets
+# PYTHONDONTWRITEBYTECODE would make each of the suite's hundreds of `deploy` runs compile every module it imports.
+unset PYTHONDONTWRITEBYTECODE
 # Three workers (pytest-xdist), a test file per worker at a time: most of the suite waits on simulated hosts and
 # servers, so 3 workers on 2 cores take ~3 min where one takes ~8 (bench/README.md). VPD_TEST_WORKERS=0: serial.
 WORKERS=${VPD_TEST_WORKERS:-3}
