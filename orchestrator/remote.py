@@ -546,12 +546,13 @@ class HostSession:
     def ct(self, vmid: int, argv: list[str], **kw) -> Result:
         """Run argv inside container vmid with `pct exec`; probes once whether this pct knows --keep-env."""
         keep = self.keep_env_supported is not False
-        res = self.run(pct_exec_argv(vmid, argv, keep), vmid=vmid, audit_argv=argv, **kw)
+        audit_argv = kw.pop("audit_argv", None) or argv  # what the audit log shows (an abbreviated program)
+        res = self.run(pct_exec_argv(vmid, argv, keep), vmid=vmid, audit_argv=audit_argv, **kw)
         if keep and self.keep_env_supported is None:
             if res.exited == 255 and b"Unknown option: keep-env" in res.stderr:
                 # pct rejected the option while parsing, so the command did not run: safe to send again.
                 self.keep_env_supported = False
-                return self.run(pct_exec_argv(vmid, argv, False), vmid=vmid, audit_argv=argv, **kw)
+                return self.run(pct_exec_argv(vmid, argv, False), vmid=vmid, audit_argv=audit_argv, **kw)
             if b"unable to parse option" not in res.stderr:
                 self.keep_env_supported = True
         return res

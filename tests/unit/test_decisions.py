@@ -78,8 +78,10 @@ class FakeSession:
                 return agent.call(sess, vmid, python, action, args, **kw)
         return Shim()
 
-    def ct(self, vmid, argv, stdin=None, timeout=60, label="", on_line=None):
-        i = argv.index("-")  # PYTHON [-I -S] - ACTION ARGS (agent_argv)
+    def ct(self, vmid, argv, stdin=None, timeout=60, label="", on_line=None, audit_argv=None):
+        # PYTHON [-I -S] - ACTION ARGS (agent_argv), or PYTHON [-I -S] -c PROGRAM ACTION ARGS (agent.call)
+        i = next(j for j, a in enumerate(argv) if a in ("-", "-c"))
+        i += argv[i] == "-c"
         action, args = argv[i + 1], json.loads(argv[i + 2])
         self.argvs.append(["pct", "exec", str(vmid), "--keep-env", "0", "--", *argv])
         self.calls.append((action, args))
