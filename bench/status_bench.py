@@ -401,7 +401,7 @@ def main():
     env.pop("DEPLOY_VERBOSE", None)
     # as on a user's machine: Python keeps its bytecode. A sandbox that sets PYTHONDONTWRITEBYTECODE makes every
     # deploy compile all of its modules on every run (+40-60 ms here), which no installed deploy pays.
-    dont_write = env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env_old = None
     if a.baseline:
         env_old = dict(env, PYTHONPATH=os.path.abspath(a.baseline) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -327,7 +327,7 @@ def _run_step(run: Run, step: P.Step) -> None:
 
 
 def _finish_failure(run: Run) -> None:
-    e, st, ctx = run.error, run.st, run.ctx
+    e, st = run.error, run.st
     if st.launched and isinstance(e, Unreachable):
         e.fix = (e.fix + "; " if e.fix else "") + ("vLLM was launched and is recorded in the state file in "
                                                    "the container: deploy status shows it, deploy down stops it")
@@ -488,8 +488,8 @@ def r_acceptance(run: Run, step: P.Step) -> None:
 def low_fix(verdict, playbook: str) -> str:
     """What to do about a failed gate: the cause its shape names first, then the usual suspects."""
     if verdict.too_few and len(verdict.reasons) == 1:
-        return (f"let the probe produce more output: raise acceptance.probe.max_tokens or max_rounds (or lower "
-                "acceptance.min_drafts); deploy logs {playbook} shows whether the requests produced tokens")
+        return ("let the probe produce more output: raise acceptance.probe.max_tokens or max_rounds (or lower "
+                f"acceptance.min_drafts); deploy logs {playbook} shows whether the requests produced tokens")
     first = []
     if verdict.cliff_at is not None:
         first.append("a cliff: check use_sliding_window/sliding_window with deploy verify, and the vLLM version (>= "

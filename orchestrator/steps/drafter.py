@@ -131,7 +131,7 @@ def verify_fix(bad: list[dict], pb, stack: dict | None = None) -> str:
             keys = [k for k in (c.get("on_disk") or []) if isinstance(k, str)] if isinstance(c.get("on_disk"), list) else []
             gone = [f"{k} was removed in vLLM {vf.SPEC_KEYS_REMOVED[k]}" for k in keys if k in vf.SPEC_KEYS_REMOVED]
             add(f"remove {', '.join(keys) or 'the key(s)'} from speculative.extra in {pb.path}"
-                + (f" ({'; '.join(gone)})" if gone else "") + f", or install a vLLM whose SpeculativeConfig has "
+                + (f" ({'; '.join(gone)})" if gone else "") + ", or install a vLLM whose SpeculativeConfig has "
                 "them; then deploy verify " + name)
         elif n.startswith("speculative shortcut "):
             add(f"remove {n[len('speculative shortcut '):]} from serve.extra_args in {pb.path}: the playbook's "

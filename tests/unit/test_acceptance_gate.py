@@ -91,6 +91,10 @@ def test_playbook_keys_set_each_threshold_and_the_old_rate_gate_on_request():
 def test_too_few_drafts_is_no_verdict():
     v = G.judge(acc_of(healthy_dflash(15), drafts=40), G.thresholds({}, 15))
     assert not v.passed and v.too_few and "too few drafts to judge: 40 < 100" in v.reason
+    from orchestrator.ops import low_fix
+
+    fix = low_fix(v, "qwen36-dflash")  # the next command names the playbook (it printed "{playbook}")
+    assert "deploy logs qwen36-dflash shows" in fix and "{" not in fix
 
 
 # ------------------------------------------------------------------ the agent: the probe extends itself
