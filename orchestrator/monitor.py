@@ -31,6 +31,10 @@ VPD_GATED = "vpd_gated"
 VPD_RESTARTS = "vpd_unit_restarts_total"
 VPD_START_LIMIT = "vpd_unit_start_limit_hit"
 VPD_FOREIGN = "vpd_gpu_foreign_memory_mib"
+VPD_TIMESTAMP = "vpd_status_timestamp_seconds"
+VPD_REACHABLE = "vpd_status_reachable"
+STALE_S = 300  # VpdStatusStale: deploy monitor metrics has not refreshed a host's series for this long
+STATUS_JOB = "vllm-pve-deploy-status"  # prometheus.yml's job for node_exporter (--node-exporter)
 
 CLIFF_ZERO, CLIFF_BEFORE = 0.01, 0.05  # as the gate's cliff check: ~0 from p on, after a position that drafted
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d))+$")
@@ -171,10 +175,23 @@ def rules(chosen, *, window: str, for_: str, down_for: str) -> dict:
                                         "deploy status {{ $labels.playbook }}"}},
         {"alert": "GpuMemoryHeldOutsideDeployment", "expr": f"{VPD_FOREIGN} > 1024", "for": for_,
          "labels": {"severity": "warning"},
-         "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.host }}: {{ $value }} MiB held by a process "
-                                    "outside the deployment",
-                         "description": "Something else uses this GPU's memory (another container, a host process): "
-                                        "the next start may not fit. deploy status; nvidia-smi on the host"}},
+         "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.host }} (seen from container "
+                                    "{{ $labels.vmid }}): {{ $value }} MiB held outside any deployment of ours",
+                         "description": "Something else uses this GPU's memory (another container, a host process, "
+                                        "a server deploy did not start): the next start may not fit. deploy status "
+                                        "{{ $labels.host }}/{{ $labels.vmid }}; nvidia-smi on the host"}},
+        {"alert": "VpdStatusUnreachable", "expr": f"{VPD_REACHABLE} == 0", "for": down_for,
+         "labels": {"severity": "warning"},
+         "annotations": {"summary": "deploy monitor metrics cannot reach {{ $labels.host }}/{{ $labels.vmid }}",
+                         "description": "Its host did not answer over SSH (or timed out), so its vpd_* facts are "
+                                        "unknown. deploy status {{ $labels.host }}/{{ $labels.vmid }}"}},
+        {"alert": "VpdStatusStale", "expr": f"time() - {VPD_TIMESTAMP} > {STALE_S}",
+         "labels": {"severity": "warning"},
+         "annotations": {"summary": "deploy's facts about {{ $labels.host }} are {{ $value | printf \"%.0f\" }} s "
+                                    "old",
+                         "description": f"deploy monitor metrics has not refreshed them for over {STALE_S} s: its "
+                                        "timer stopped or fails. systemctl status vpd-metrics.timer "
+                                        "vpd-metrics.service; journalctl -u vpd-metrics.service"}},
     ]
     return {"groups": [{"name": "vllm-pve-deploy-recording", "rules": rec},
                        {"name": "vllm-pve-deploy-alerts", "rules": alerts}]}
@@ -238,15 +255,21 @@ def rule_tests(chosen, *, for_: str) -> dict:
          {"severity": "critical", "host": "pve1", "vmid": "129", "playbook": "p", "unit": "vllm-p.service"}),
         ("VllmNotGated", [{"series": f'{VPD_GATED}{{host="pve1",vmid="129",playbook="p"}}', "values": f"0x{mins}"}],
          {"severity": "warning", "host": "pve1", "vmid": "129", "playbook": "p"}),
-        ("GpuMemoryHeldOutsideDeployment", [{"series": f'{VPD_FOREIGN}{{host="pve1",gpu="0"}}',
-                                             "values": f"30000x{mins}"}],
-         {"severity": "warning", "host": "pve1", "gpu": "0"}),
+        ("GpuMemoryHeldOutsideDeployment", [{"series": f'{VPD_FOREIGN}{{host="pve1",vmid="129",playbook="",'
+                                                       f'gpu="0"}}', "values": f"30000x{mins}"}],
+         {"severity": "warning", "host": "pve1", "vmid": "129", "gpu": "0"}),
+        ("VpdStatusUnreachable", [{"series": f'{VPD_REACHABLE}{{host="pve1",vmid="129",playbook=""}}',
+                                   "values": f"0x{mins}"}],
+         {"severity": "warning", "host": "pve1", "vmid": "129"}),
+        ("VpdStatusStale", [{"series": f'{VPD_TIMESTAMP}{{host="pve1"}}', "values": f"0x{mins}"}],
+         {"severity": "warning", "host": "pve1"}),
     ]
     for name, series, labels in other:
         exp = labels if "host" in labels else dict(_labels(lab), **labels)
         if name == "VllmServerRestarted":
             exp = dict(_labels(lab), **labels)
-        tests.append({"interval": "1m", "input_series": series, "_values": {name: 30000.0},
+        tests.append({"interval": "1m", "input_series": series,
+                      "_values": {name: mins * 60.0 if name == "VpdStatusStale" else 30000.0},
                       "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": name,
                                            "exp_alerts": [{"exp_labels": exp}]}]})
     return {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": tests}
@@ -298,11 +321,16 @@ def _minutes(d: str) -> int:
     return int(total) + 1
 
 
-def prometheus_config(*, scrape_interval: str, evaluation_interval: str) -> dict:
+def prometheus_config(*, scrape_interval: str, evaluation_interval: str, node_exporters=()) -> dict:
+    """node_exporters: HOST:PORT of node_exporters whose textfile collector serves `deploy monitor metrics`' file
+    (a job of their own; their metrics carry host/vmid/playbook labels themselves)."""
+    jobs = [{"job_name": JOB, "metrics_path": "/metrics",
+             "file_sd_configs": [{"files": ["targets.json"], "refresh_interval": "30s"}]}]
+    if node_exporters:
+        jobs.append({"job_name": STATUS_JOB, "metrics_path": "/metrics",
+                     "static_configs": [{"targets": list(node_exporters)}]})
     return {"global": {"scrape_interval": scrape_interval, "evaluation_interval": evaluation_interval},
-            "rule_files": ["rules.yml"],
-            "scrape_configs": [{"job_name": JOB, "metrics_path": "/metrics",
-                                "file_sd_configs": [{"files": ["targets.json"], "refresh_interval": "30s"}]}]}
+            "rule_files": ["rules.yml"], "scrape_configs": jobs}
 
 
 def dashboard(window: str = "5m") -> dict:
@@ -355,7 +383,7 @@ def dashboard(window: str = "5m") -> dict:
 
 
 def export(inv, playbooks: list, directory: str, *, window="5m", for_="10m", down_for="2m", scrape_interval="15s",
-           evaluation_interval="15s") -> dict:
+           evaluation_interval="15s", node_exporters=()) -> dict:
     """Write targets.json, rules.yml, rules.test.yml, prometheus.yml and dashboard.json into directory (created);
     every file written whole (temp file, then rename) and read back. -> a summary."""
     chosen, notes = choose(inv, playbooks)
@@ -367,7 +395,8 @@ def export(inv, playbooks: list, directory: str, *, window="5m", for_="10m", dow
         "rules.test.yml": yaml.safe_dump(add_annotations(rule_tests(chosen, for_=for_), rule_set, {}),
                                          sort_keys=False, width=120),
         "prometheus.yml": yaml.safe_dump(prometheus_config(scrape_interval=scrape_interval,
-                                                           evaluation_interval=evaluation_interval), sort_keys=False),
+                                                           evaluation_interval=evaluation_interval,
+                                                           node_exporters=node_exporters), sort_keys=False),
         "dashboard.json": json.dumps(dashboard(window), indent=2) + "\n",
     }
     os.makedirs(directory, exist_ok=True)
