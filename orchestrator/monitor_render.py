@@ -22,6 +22,7 @@ import urllib.request
 from .errors import DeployError, Unreachable, UsageError
 
 SUFFIXES = (".png", ".svg", ".pdf")
+LEGEND_MAX = 6  # legend entries under a panel (2 rows of 3); the rest are counted
 QUERY_TIMEOUT_S = 15.0  # per query_range request
 MAX_POINTS = 11000  # Prometheus refuses more than 11,000 points per series: the step is raised to stay under
 _DUR = re.compile(r"([0-9]+)(ms|s|m|h|d|w|y)")
@@ -180,10 +181,14 @@ def fetch(dash: dict, base: str, *, since: float, step: float | None, scrape: fl
             except _QueryError as e:
                 panel["errors"].append({"expr": expr, "error": str(e)})
                 continue
+            found = []
             for s in result:
                 pts = [(float(ts), float(v)) for ts, v in s.get("values") or []]
-                panel["series"].append({"legend": legend(t.get("legendFormat"), s.get("metric") or {}),
-                                        "t": [a for a, _ in pts], "v": [b for _, b in pts]})
+                found.append({"legend": legend(t.get("legendFormat"), s.get("metric") or {}),
+                              "t": [a for a, _ in pts], "v": [b for _, b in pts]})
+            # a target's series in natural order of their legends (pos 2 before pos 10)
+            panel["series"] += sorted(found, key=lambda x: [(0, int(w)) if w.isdigit() else (1, w)
+                                                            for w in re.split(r"(\d+)", x["legend"])])
         out.append(panel)
     return {"start": start, "end": end, "step": step, "panels": out}
 
@@ -196,7 +201,7 @@ def _formatter(unit: str):
     if unit == "percent":
         return PercentFormatter(100.0, decimals=0)
     if unit in ("s", "ms"):
-        return EngFormatter(unit="s" if unit == "s" else "ms", places=0, sep="")
+        return EngFormatter(unit="s" if unit == "s" else "ms", sep="")
     f = ScalarFormatter(useOffset=False)
     return f
 
@@ -232,7 +237,9 @@ def draw(data: dict, title: str, out: str, *, subtitle: str = "") -> None:
         ax.set_title(p["title"], loc="left", fontsize=10, fontweight="bold")
         ax.grid(True, color="#ddd", linewidth=0.6)
         ax.set_xlim(datetime.fromtimestamp(data["start"], tz), datetime.fromtimestamp(data["end"], tz))
-        ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M", tz=tz))
+        ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S" if data["end"] - data["start"] <= 900
+                                                          else "%H:%M", tz=tz))
+        ax.xaxis.set_major_locator(mdates.AutoDateLocator(minticks=4, maxticks=8, tz=tz))
         ax.tick_params(labelsize=8)
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
@@ -246,11 +253,23 @@ def draw(data: dict, title: str, out: str, *, subtitle: str = "") -> None:
                         fontsize=12)
             ax.set_yticks([])
             continue
+        lines = []
         for s in p["series"]:
             ts = [datetime.fromtimestamp(t, tz) for t in s["t"]]
-            ax.plot(ts, s["v"], linewidth=1.4, label=s["legend"] or "-")
+            lines += ax.plot(ts, s["v"], linewidth=1.4, label=s["legend"] or "-")
         ax.yaxis.set_major_formatter(_formatter(p["unit"]))
-        ax.legend(loc="upper left", bbox_to_anchor=(0, -0.1), ncol=3, fontsize=7.5, frameon=False,
+        finite = [v for s in p["series"] for v in s["v"] if math.isfinite(v)]
+        if finite and min(finite) >= 0:
+            ax.set_ylim(bottom=0, top=max(finite) * 1.08 if max(finite) > 0 else 1)
+        # the legend below the panel: as many entries as fit in 2 rows of 3, then "+N more" (Grafana scrolls)
+        cap = LEGEND_MAX
+        shown = lines if len(lines) <= cap else lines[:cap - 1]
+        labels = [ln.get_label() for ln in shown]
+        if len(lines) > len(shown):
+            from matplotlib.lines import Line2D
+            shown = shown + [Line2D([], [], linestyle="none")]
+            labels.append(f"+{len(lines) - len(labels)} more series")
+        ax.legend(shown, labels, loc="upper left", bbox_to_anchor=(0, -0.2 / (ax.get_position().height * fh)), ncol=3, fontsize=7.5, frameon=False,
                   handlelength=1.5, borderaxespad=0.2)
     fig.savefig(out, dpi=90)
     plt.close(fig)
