@@ -92,6 +92,13 @@ def test_a_real_prometheus_scrapes_the_test_bed_and_fires_for_a_broken_drafter(t
             pass
         assert time.monotonic() < deadline, tb.container_exec("pve1", 129, ["cat", "/tmp/vllm.log"]).stdout
         time.sleep(0.2)
+    # a server deploy did not start: its GPU memory is foreign (deploy monitor metrics, to stdout)
+    p = deploy("--json", "monitor", "metrics", "pve1/129")
+    assert p.returncode == 0, p.stdout + p.stderr
+    from orchestrator.monitor_metrics import parse
+    foreign = parse(p.json["text"])["vpd_gpu_foreign_memory_mib"]
+    assert foreign and all(v > 1024 and lab["playbook"] == "" for lab, v in foreign), foreign
+    assert "vpd_gated" not in parse(p.json["text"])  # nothing of ours serves there
     stop = threading.Event()
 
     def traffic():
@@ -155,6 +162,13 @@ def test_deploy_metrics_through_node_exporter_fire_not_gated_for_an_ungated_serv
     finally:
         up.send_signal(signal.SIGKILL)  # before the gate: the server stays, recorded, never gated
         up.wait(timeout=30)
+    deadline = time.monotonic() + 45
+    while True:  # until the server has loaded: its GPU memory is in use (else "not foreign" below proves nothing)
+        row = deploy("--json", "status", "pve1/129").json["rows"][0]
+        if row["gpus"] and all(g["used_mib"] > 1024 for g in row["gpus"]):
+            break
+        assert time.monotonic() < deadline, row
+        time.sleep(0.5)
     textdir = tmp_path / "textfile"
     textdir.mkdir()
     prom_file = textdir / "vllm-pve-deploy.prom"
@@ -165,6 +179,10 @@ def test_deploy_metrics_through_node_exporter_fire_not_gated_for_an_ungated_serv
     series = parse(prom_file.read_text())
     assert ({"host": "pve1", "vmid": "129", "playbook": "qwen36-mtp"}, 0.0) in series["vpd_gated"]
     assert {lab["vmid"]: v for lab, v in series["vpd_status_reachable"]} == {"129": 1.0, "130": 1.0}
+    # GPUs 0-3 are held by that deployment (its state file's gpus): whatever they use is not foreign, also as
+    # 130 (which shares GPUs 0-1) sees them
+    foreign = {(lab["vmid"], lab["gpu"]): v for lab, v in series["vpd_gpu_foreign_memory_mib"]}
+    assert set(foreign) >= {("129", "0"), ("129", "3"), ("130", "0"), ("130", "1")} and not any(foreign.values())
     assert oct(prom_file.stat().st_mode & 0o777) == "0o644" and os.listdir(textdir) == [prom_file.name]
     # bad usage: 2, before any connection
     p = deploy("monitor", "metrics", "--textfile", str(textdir / "x.txt"))
