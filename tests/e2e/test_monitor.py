@@ -222,3 +222,16 @@ def test_deploy_metrics_through_node_exporter_fire_not_gated_for_an_ungated_serv
         if prom is not None:
             stop_process(prom)
         stop_process(ne)
+
+
+def test_metrics_of_an_unreachable_host_are_written_with_reachable_0_and_exit_3(tb, deploy, tmp_path):
+    tb.set_fault("pve4", None, "unreachable", True)
+    path = tmp_path / "vpd.prom"
+    p = deploy("monitor", "metrics", "pve3", "pve4", "--textfile", str(path), "--deadline", "5")
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "pve4/129: unreachable, written as vpd_status_reachable 0" in p.stderr
+    assert "read back and parsed" in p.stdout
+    from orchestrator.monitor_metrics import parse
+    s = parse(path.read_text())
+    assert {lab["host"]: v for lab, v in s["vpd_status_reachable"]} == {"pve3": 1.0, "pve4": 0.0}
+    assert {lab["host"] for lab, _ in s["vpd_status_timestamp_seconds"]} == {"pve3", "pve4"}
