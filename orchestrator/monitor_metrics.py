@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, UsageError
+from .errors import EXIT_OK, EXIT_UNREACHABLE, DeployError, UsageError
 from .monitor import VPD_FOREIGN, VPD_GATED, VPD_RESTARTS, VPD_START_LIMIT
 
 TIMESTAMP = "vpd_status_timestamp_seconds"
@@ -153,6 +153,9 @@ def check_textfile(path: str) -> str:
                              "/var/lib/prometheus/node-exporter)")
     if os.path.isdir(path):
         raise UsageError(f"--textfile {path} is a directory", fix="name a file in it, ending in .prom")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise UsageError(f"--textfile {path}: this user may not write in {d}",
+                         fix="run it as a user that may (the timer's User=), or make the directory writable for it")
     return path
 
 
@@ -218,7 +221,3 @@ def gather_rows(inv, targets, deadline: float) -> tuple[list[dict], dict]:
 def exit_code(rows: list[dict]) -> int:
     """0 written (whatever the deployments' health: the alerts judge that), 3 some host unreachable."""
     return EXIT_UNREACHABLE if any(not r.get("reachable") for r in rows) else EXIT_OK
-
-
-__all__ = ["series", "render", "parse", "write_textfile", "check_textfile", "gather_rows", "exit_code", "label",
-           "EXIT_FAILED"]
