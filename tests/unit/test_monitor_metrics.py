@@ -132,3 +132,19 @@ def test_promtool_check_metrics_accepts_the_output():
     text = M.render(M.series(rows, now=1.0))
     p = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, (p.stdout, p.stderr, text)
+
+
+def test_a_failed_write_says_what_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    import errno
+
+    from orchestrator.errors import DeployError
+
+    path = M.check_textfile(str(tmp_path / "v.prom"))
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", src)
+    monkeypatch.setattr(M.os, "replace", full)
+    with pytest.raises(DeployError) as e:
+        M.write_textfile(path, M.render(M.series([serving()], now=1.0)))
+    assert "No space left on device" in e.value.message and e.value.where == path
+    assert os.listdir(tmp_path) == []
