@@ -33,6 +33,7 @@ VPD_START_LIMIT = "vpd_unit_start_limit_hit"
 VPD_FOREIGN = "vpd_gpu_foreign_memory_mib"
 VPD_TIMESTAMP = "vpd_status_timestamp_seconds"
 VPD_REACHABLE = "vpd_status_reachable"
+VPD_OPERATION = "vpd_operation_in_progress"  # a deploy up/restart/down holds the container's lock (gate pending)
 STALE_S = 300  # VpdStatusStale: deploy monitor metrics has not refreshed a host's series for this long
 STATUS_JOB = "vllm-pve-deploy-status"  # prometheus.yml's job for node_exporter (--node-exporter)
 
@@ -167,7 +168,8 @@ def rules(chosen, *, window: str, for_: str, down_for: str) -> dict:
                                     "limit: it will not be restarted",
                          "description": "The server crashed repeatedly. deploy logs {{ $labels.host }}/"
                                         "{{ $labels.vmid }}; fix the cause, then deploy restart {{ $labels.playbook }}"}},
-        {"alert": "VllmNotGated", "expr": f"{VPD_GATED} == 0", "for": for_,
+        {"alert": "VllmNotGated", "expr": f"{VPD_GATED} == 0 unless on(host, vmid) {VPD_OPERATION} == 1",
+         "for": for_,
          "labels": {"severity": "warning"},
          "annotations": {"summary": "{{ $labels.playbook }} on {{ $labels.host }}/{{ $labels.vmid }} serves without "
                                     "a passed acceptance gate",
@@ -253,7 +255,9 @@ def rule_tests(chosen, *, for_: str) -> dict:
         ("VllmStartLimitHit", [{"series": f'{VPD_START_LIMIT}{{host="pve1",vmid="129",playbook="p",'
                                           f'unit="vllm-p.service"}}', "values": f"1x{mins}"}],
          {"severity": "critical", "host": "pve1", "vmid": "129", "playbook": "p", "unit": "vllm-p.service"}),
-        ("VllmNotGated", [{"series": f'{VPD_GATED}{{host="pve1",vmid="129",playbook="p"}}', "values": f"0x{mins}"}],
+        ("VllmNotGated", [{"series": f'{VPD_GATED}{{host="pve1",vmid="129",playbook="p"}}', "values": f"0x{mins}"},
+                          {"series": f'{VPD_OPERATION}{{host="pve1",vmid="129",playbook="p",operation=""}}',
+                           "values": f"0x{mins}"}],
          {"severity": "warning", "host": "pve1", "vmid": "129", "playbook": "p"}),
         ("GpuMemoryHeldOutsideDeployment", [{"series": f'{VPD_FOREIGN}{{host="pve1",vmid="129",playbook="",'
                                                        f'gpu="0"}}', "values": f"30000x{mins}"}],
@@ -272,6 +276,11 @@ def rule_tests(chosen, *, for_: str) -> dict:
                       "_values": {name: mins * 60.0 if name == "VpdStatusStale" else 30000.0},
                       "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": name,
                                            "exp_alerts": [{"exp_labels": exp}]}]})
+    # a deploy up still loading and gating (it holds the container's lock): not gated yet, and no alert
+    tests.append({"interval": "1m", "input_series": [
+        {"series": f'{VPD_GATED}{{host="pve1",vmid="129",playbook="p"}}', "values": f"0x{mins}"},
+        {"series": f'{VPD_OPERATION}{{host="pve1",vmid="129",playbook="p",operation="up"}}', "values": f"1x{mins}"}],
+        "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": "VllmNotGated", "exp_alerts": []}]})
     return {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": tests}
 
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from .errors import EXIT_OK, EXIT_UNREACHABLE, DeployError, UsageError
-from .monitor import VPD_FOREIGN, VPD_GATED, VPD_RESTARTS, VPD_START_LIMIT
+from .monitor import VPD_FOREIGN, VPD_GATED, VPD_OPERATION, VPD_RESTARTS, VPD_START_LIMIT
 
 TIMESTAMP = "vpd_status_timestamp_seconds"
 REACHABLE = "vpd_status_reachable"
@@ -28,6 +28,8 @@ HELP = {
     REACHABLE: "1 when deploy reached the container (its host answered over SSH), 0 when unreachable or timed out",
     HEALTHY: "1 when deploy status judges the container healthy (its exit code 0 for this row), else 0",
     VPD_GATED: "1 when the running launch passed the acceptance gate, 0 when not gated or failed (serving only)",
+    VPD_OPERATION: "1 while a deploy operation holds the container's lock (its lease live, its holder not proven "
+                   "dead): an up may still be loading and gating",
     VPD_RESTARTS: "systemd's restarts of the vLLM unit since deploy up (NRestarts)",
     VPD_START_LIMIT: "1 when systemd hit the unit's start limit and stopped restarting it",
     VPD_FOREIGN: "MiB used on a GPU the container sees that no running deployment of ours on this host holds",
@@ -51,6 +53,23 @@ def _num(x) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
+def in_progress(lock, now: float) -> bool:
+    """Does a live deploy operation hold the container's lock? Not when there is none, its lease expired
+    (`expires`, the container's clock: a killed deploy's lapses within one term, 60 s), or its holder is a deploy
+    process on this workstation that no longer exists (ops.holder_dead, as the next deploy judges it)."""
+    from .ops import holder_dead
+
+    if not isinstance(lock, dict) or not lock:
+        return False
+    exp = _num(lock.get("expires"))
+    if exp is not None and exp < now:
+        return False
+    try:
+        return not holder_dead(lock)
+    except (TypeError, ValueError):  # an odd lock file: held, as deploy itself would treat it
+        return True
+
+
 def _held(rows: list[dict]) -> dict[str, set]:
     """{host: GPU indices held by a running deployment of ours there} from the rows' `_gpus` (the state file's
     `gpus`; status.gather(keep_gpus=True) keeps them). Same index space as status's shared-GPU check."""
@@ -68,6 +87,8 @@ def series(rows: list[dict], *, now: float | None = None, times: dict | None = N
     - vpd_status_timestamp_seconds{host}: when each host was gathered (`times`, else `now`)
     - vpd_status_reachable / vpd_status_healthy{host,vmid,playbook}: every row
     - vpd_gated{host,vmid,playbook}: rows serving a launch of ours (status sets `gate` only then)
+    - vpd_operation_in_progress{host,vmid,playbook,operation}: running containers that were read; 1 while a live
+      deploy operation holds the lock (VllmNotGated waits for it)
     - vpd_unit_restarts_total, vpd_unit_start_limit_hit{host,vmid,playbook,unit}: rows supervised by systemd
     - vpd_gpu_foreign_memory_mib{host,vmid,playbook,gpu}: every GPU a container's nvidia-smi lists; its memory
       used when no running deployment of ours on that host holds that GPU index, else 0 (that memory is ours)
@@ -75,7 +96,8 @@ def series(rows: list[dict], *, now: float | None = None, times: dict | None = N
     now = time.time() if now is None else now
     times = times or {}
     held = _held(rows)
-    fam = {n: [] for n in (TIMESTAMP, REACHABLE, HEALTHY, VPD_GATED, VPD_RESTARTS, VPD_START_LIMIT, VPD_FOREIGN)}
+    fam = {n: [] for n in (TIMESTAMP, REACHABLE, HEALTHY, VPD_GATED, VPD_OPERATION, VPD_RESTARTS, VPD_START_LIMIT,
+                           VPD_FOREIGN)}
     for host in dict.fromkeys(r["host"] for r in rows):
         fam[TIMESTAMP].append(({"host": label(host)}, float(times.get(host, now))))
     for r in rows:
@@ -85,6 +107,11 @@ def series(rows: list[dict], *, now: float | None = None, times: dict | None = N
         gate = r.get("gate")
         if isinstance(gate, dict) and r.get("process") == "running":
             fam[VPD_GATED].append((base, 1.0 if gate.get("verdict") == "passed" else 0.0))
+        if r.get("reachable") and r.get("container") == "running":
+            lock = r.get("lock")
+            busy = in_progress(lock, now)
+            fam[VPD_OPERATION].append(({**base, "operation": label(lock.get("operation")) if busy else ""},
+                                       1.0 if busy else 0.0))
         sup = r.get("supervision")
         if isinstance(sup, dict) and sup.get("supervisor") == "systemd":
             unit = {**base, "unit": label(sup.get("unit"))}

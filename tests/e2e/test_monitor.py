@@ -169,6 +169,7 @@ def test_deploy_metrics_through_node_exporter_fire_not_gated_for_an_ungated_serv
             break
         assert time.monotonic() < deadline, row
         time.sleep(0.5)
+    assert row["lock"] and row["lock"]["operation"] == "up", row["lock"]  # the killed deploy's, left behind
     textdir = tmp_path / "textfile"
     textdir.mkdir()
     prom_file = textdir / "vllm-pve-deploy.prom"
@@ -178,6 +179,10 @@ def test_deploy_metrics_through_node_exporter_fire_not_gated_for_an_ungated_serv
     from orchestrator.monitor_metrics import parse
     series = parse(prom_file.read_text())
     assert ({"host": "pve1", "vmid": "129", "playbook": "qwen36-mtp"}, 0.0) in series["vpd_gated"]
+    # the killed deploy's lock is still there (its lease has not lapsed), but its process is gone from this
+    # workstation: no operation in progress, so VllmNotGated does not wait for one
+    assert ({"host": "pve1", "vmid": "129", "playbook": "qwen36-mtp", "operation": ""}, 0.0) in \
+        series["vpd_operation_in_progress"]
     assert {lab["vmid"]: v for lab, v in series["vpd_status_reachable"]} == {"129": 1.0, "130": 1.0}
     # GPUs 0-3 are held by that deployment (its state file's gpus): whatever they use is not foreign, also as
     # 130 (which shares GPUs 0-1) sees them

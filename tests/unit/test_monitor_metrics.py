@@ -19,7 +19,7 @@ PROMTOOL = shutil.which("promtool")
 
 def serving(host="pve1", vmid=129, playbook="qwen36-dflash", verdict="passed", gpus=(0, 1), used=(70000, 70000),
             systemd=True, restarts=2, start_limit=False, process="running"):
-    r = _row(host, vmid, playbook=playbook, process=process, healthy=verdict == "passed",
+    r = _row(host, vmid, playbook=playbook, process=process, healthy=verdict == "passed", container="running",
              gpus=[{"index": i, "used_mib": u, "total_mib": 81920} for i, u in enumerate(used)],
              gate={"verdict": verdict} if process == "running" else None)
     r["_gpus"] = list(gpus)
@@ -111,7 +111,8 @@ def test_textfile_is_written_atomically_with_mode_0644_and_read_back(tmp_path):
         res = M.write_textfile(path, M.render(M.series([serving()], now=5.0)))
     finally:
         os.umask(old)
-    assert res["samples"] == 1 + 2 + 1 + 1 + 1 + 2  # timestamp, reachable+healthy, gated, restarts, limit, 2 GPUs
+    # timestamp, reachable+healthy, gated, operation, restarts, limit, 2 GPUs
+    assert res["samples"] == 1 + 2 + 1 + 1 + 1 + 1 + 2
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
     assert os.listdir(tmp_path) == ["vllm-pve-deploy.prom"]  # no temp file left
     with pytest.raises(UsageError, match="ending in .prom"):
@@ -148,3 +149,29 @@ def test_a_failed_write_says_what_and_leaves_no_temp_file(tmp_path, monkeypatch)
         M.write_textfile(path, M.render(M.series([serving()], now=1.0)))
     assert "No space left on device" in e.value.message and e.value.where == path
     assert os.listdir(tmp_path) == []
+
+
+def test_an_operation_in_progress_is_a_live_lock_only():
+    import socket
+    import subprocess as sp
+    import sys
+
+    now = 1000.0
+    mine = {"holder": "me@ws", "operation": "up", "expires": now + 30, "workstation": socket.gethostname(),
+            "pid": os.getppid(), "pid_start": None}
+    assert M.in_progress(mine, now)
+    assert not M.in_progress(dict(mine, expires=now - 1), now)  # the lease lapsed: a killed deploy's
+    gone = sp.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert not M.in_progress(dict(mine, pid=gone.pid), now)  # its deploy process is gone from this workstation
+    assert M.in_progress(dict(mine, workstation="elsewhere", pid=gone.pid), now)  # another machine's: live lease
+    assert not M.in_progress(None, now) and not M.in_progress({}, now)
+    assert M.in_progress({"holder": "unknown (unreadable lock file)", "expires": "x", "pid": "1; rm"}, now)
+    r = serving()
+    r["lock"] = dict(mine, operation='up"\n')
+    s = M.parse(M.render(M.series([r], now=now)))
+    assert s[MON.VPD_OPERATION] == [({"host": "pve1", "vmid": "129", "playbook": "qwen36-dflash",
+                                      "operation": 'up"\n'}, 1.0)]
+    r["lock"] = None
+    assert M.parse(M.render(M.series([r], now=now)))[MON.VPD_OPERATION][0] == (
+        {"host": "pve1", "vmid": "129", "playbook": "qwen36-dflash", "operation": ""}, 0.0)
