@@ -1009,7 +1009,8 @@ Examples:
 def monitor_metrics(obj, targets, textfile, deadline):
     """deploy's own facts as Prometheus series, gathered as deploy status gathers them (one SSH connection
     per host, hosts in parallel): vpd_gated, vpd_unit_restarts_total, vpd_unit_start_limit_hit,
-    vpd_gpu_foreign_memory_mib, and vpd_status_reachable / vpd_status_healthy per container with
+    vpd_gpu_foreign_memory_mib, vpd_operation_in_progress, and vpd_status_reachable / vpd_status_healthy per
+    container with
     vpd_status_timestamp_seconds per host, labelled host, vmid, playbook (and unit, gpu) as the targets of
     deploy monitor export are, so the exported alerts (VllmNotGated, VllmStartLimitHit, ...) fire on them."""
     def go():
@@ -1059,8 +1060,7 @@ Exit codes:
 Examples:
   deploy monitor export ./monitoring
   deploy monitor render ./monitoring/dashboard.json --prometheus http://127.0.0.1:9090 --out dashboard.png
-  deploy monitor render dashboard.json --prometheus http://prom:9090 --since 1h --var playbook=qwen36-dflash \\
-      --out last-hour.svg""")
+  deploy monitor render dashboard.json --prometheus http://prom:9090 --since 1h --out last-hour.svg""")
 @click.argument("dashboard", metavar="DASHBOARD_JSON", type=click.Path(dir_okay=False))
 @click.option("--prometheus", "prometheus", required=True, metavar="URL", help="Prometheus' base URL.")
 @click.option("--out", required=True, metavar="FILE", help="The picture: .png, .svg or .pdf (matplotlib).")
