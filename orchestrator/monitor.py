@@ -35,7 +35,8 @@ VPD_TIMESTAMP = "vpd_status_timestamp_seconds"
 VPD_REACHABLE = "vpd_status_reachable"
 VPD_OPERATION = "vpd_operation_in_progress"  # a deploy up/restart/down holds the container's lock (gate pending)
 STALE_S = 300  # VpdStatusStale: deploy monitor metrics has not refreshed a host's series for this long
-STATUS_JOB = "vllm-pve-deploy-status"  # prometheus.yml's job for node_exporter (--node-exporter)
+STATUS_JOB = "vllm-pve-deploy-status"
+STALE_MISSING_FOR = "5m"  # VpdStatusMissing: no vpd_status_timestamp_seconds at all for this long  # prometheus.yml's job for node_exporter (--node-exporter)
 
 CLIFF_ZERO, CLIFF_BEFORE = 0.01, 0.05  # as the gate's cliff check: ~0 from p on, after a position that drafted
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d))+$")
@@ -102,8 +103,9 @@ def _al(window: str) -> str:
     return f"1 + rate({ACCEPTED}[{window}]) / rate({DRAFTS}[{window}])"
 
 
-def rules(chosen, *, window: str, for_: str, down_for: str) -> dict:
-    """The rule file: recording rules for acceptance, and the alerts."""
+def rules(chosen, *, window: str, for_: str, down_for: str, status_exporter: bool = False) -> dict:
+    """The rule file: recording rules for acceptance, and the alerts. status_exporter (export --node-exporter: the
+    operator runs `deploy monitor metrics`): also VpdStatusMissing, when none of its series reach Prometheus."""
     rec = [
         {"record": "vpd:acceptance_length", "expr": _al(window)},
         {"record": "vpd:acceptance_per_position",
@@ -195,11 +197,20 @@ def rules(chosen, *, window: str, for_: str, down_for: str) -> dict:
                                         "timer stopped or fails. systemctl status vpd-metrics.timer "
                                         "vpd-metrics.service; journalctl -u vpd-metrics.service"}},
     ]
+    if status_exporter:
+        alerts.append({
+            "alert": "VpdStatusMissing", "expr": f"absent({VPD_TIMESTAMP})", "for": STALE_MISSING_FOR,
+            "labels": {"severity": "warning"},
+            "annotations": {"summary": "no series of deploy monitor metrics reach Prometheus",
+                            "description": "node_exporter's textfile collector serves no vllm-pve-deploy .prom file "
+                                           f"(job {STATUS_JOB}): the timer never wrote it, or writes elsewhere. "
+                                           "systemctl status vpd-metrics.timer; ls "
+                                           "/var/lib/prometheus/node-exporter"}})
     return {"groups": [{"name": "vllm-pve-deploy-recording", "rules": rec},
                        {"name": "vllm-pve-deploy-alerts", "rules": alerts}]}
 
 
-def rule_tests(chosen, *, for_: str) -> dict:
+def rule_tests(chosen, *, for_: str, status_exporter: bool = False) -> dict:
     """promtool unit tests: for every alert, series that make it fire (and a healthy one that keeps quiet)."""
     def inst(host="pve1", vmid="129", playbook="p", method="dflash"):
         return (f'instance="10.0.0.1:8000",job="{JOB}",host="{host}",vmid="{vmid}",playbook="{playbook}",'
@@ -276,6 +287,15 @@ def rule_tests(chosen, *, for_: str) -> dict:
                       "_values": {name: mins * 60.0 if name == "VpdStatusStale" else 30000.0},
                       "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": name,
                                            "exp_alerts": [{"exp_labels": exp}]}]})
+    if status_exporter:  # nothing from deploy monitor metrics at all, then its series: quiet
+        tests.append({"interval": "1m", "input_series": [{"series": f"up{{{lab}}}", "values": f"1x{mins}"}],
+                      "_values": {"VpdStatusMissing": 1.0},
+                      "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": "VpdStatusMissing",
+                                           "exp_alerts": [{"exp_labels": {"severity": "warning"}}]}]})
+        tests.append({"interval": "1m", "input_series": [{"series": f'{VPD_TIMESTAMP}{{host="pve1"}}',
+                                                          "values": f"0+60x{mins}"}],
+                      "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": a, "exp_alerts": []}
+                                          for a in ("VpdStatusMissing", "VpdStatusStale")]})
     # a deploy up still loading and gating (it holds the container's lock): not gated yet, and no alert
     tests.append({"interval": "1m", "input_series": [
         {"series": f'{VPD_GATED}{{host="pve1",vmid="129",playbook="p"}}', "values": f"0x{mins}"},
@@ -397,11 +417,13 @@ def export(inv, playbooks: list, directory: str, *, window="5m", for_="10m", dow
     every file written whole (temp file, then rename) and read back. -> a summary."""
     chosen, notes = choose(inv, playbooks)
     groups, missing = targets(inv, chosen)
-    rule_set = rules(chosen, window=window, for_=for_, down_for=down_for)
+    rule_set = rules(chosen, window=window, for_=for_, down_for=down_for, status_exporter=bool(node_exporters))
     files = {
         "targets.json": json.dumps(groups, indent=2) + "\n",
         "rules.yml": yaml.safe_dump(rule_set, sort_keys=False, width=120),
-        "rules.test.yml": yaml.safe_dump(add_annotations(rule_tests(chosen, for_=for_), rule_set, {}),
+        "rules.test.yml": yaml.safe_dump(add_annotations(rule_tests(chosen, for_=for_,
+                                                                    status_exporter=bool(node_exporters)),
+                                                         rule_set, {}),
                                          sort_keys=False, width=120),
         "prometheus.yml": yaml.safe_dump(prometheus_config(scrape_interval=scrape_interval,
                                                            evaluation_interval=evaluation_interval,

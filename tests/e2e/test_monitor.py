@@ -144,7 +144,7 @@ def test_a_real_prometheus_scrapes_the_test_bed_and_fires_for_a_broken_drafter(t
         th.join(timeout=20)
 
 
-@pytest.mark.skipif(not PROMETHEUS or not NODE_EXPORTER,
+@pytest.mark.skipif(not PROMETHEUS or not PROMTOOL or not NODE_EXPORTER,
                     reason="needs prometheus and prometheus-node-exporter (apt-get install; setup.sh does)")
 def test_deploy_metrics_through_node_exporter_fire_not_gated_for_an_ungated_server(tb, deploy, tmp_path):
     """deploy killed before the gate leaves a server of ours running, never gated (as in test_gate). `deploy
@@ -214,9 +214,10 @@ def test_deploy_metrics_through_node_exporter_fire_not_gated_for_an_ungated_serv
         p = deploy("monitor", "export", str(d), "--for", "1s", "--scrape-interval", "1s", "--evaluation-interval",
                    "1s", "--node-exporter", "127.0.0.1:%d" % ne_port)
         assert p.returncode == 0, p.stderr
-        r = subprocess.run([PROMTOOL, "check", "config", str(d / "prometheus.yml")], capture_output=True, text=True,
-                           timeout=60)
-        assert r.returncode == 0, r.stdout + r.stderr
+        for args in (["check", "config", str(d / "prometheus.yml")], ["test", "rules", str(d / "rules.test.yml")]):
+            r = subprocess.run([PROMTOOL] + args, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, (args, r.stdout, r.stderr)
+        assert "VpdStatusMissing" in (d / "rules.yml").read_text()  # with --node-exporter only
         prom, port = start_prometheus(PROMETHEUS, d, tmp_path)
         firing = wait_for_alert(port, "VllmNotGated", prom, tmp_path / "prometheus.log", 40)
         lab = firing[0]["labels"]
