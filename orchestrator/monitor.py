@@ -35,8 +35,8 @@ VPD_TIMESTAMP = "vpd_status_timestamp_seconds"
 VPD_REACHABLE = "vpd_status_reachable"
 VPD_OPERATION = "vpd_operation_in_progress"  # a deploy up/restart/down holds the container's lock (gate pending)
 STALE_S = 300  # VpdStatusStale: deploy monitor metrics has not refreshed a host's series for this long
-STATUS_JOB = "vllm-pve-deploy-status"
-STALE_MISSING_FOR = "5m"  # VpdStatusMissing: no vpd_status_timestamp_seconds at all for this long  # prometheus.yml's job for node_exporter (--node-exporter)
+STATUS_JOB = "vllm-pve-deploy-status"  # prometheus.yml's job for node_exporter (--node-exporter)
+STALE_MISSING_FOR = "5m"  # VpdStatusMissing: no vpd_status_timestamp_seconds at all for this long
 
 CLIFF_ZERO, CLIFF_BEFORE = 0.01, 0.05  # as the gate's cliff check: ~0 from p on, after a position that drafted
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d))+$")

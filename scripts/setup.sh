@@ -20,7 +20,7 @@ command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need+=
 # scrapes the test bed (Debian's prometheus; its service is not used: the tests run their own on a free port)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 # `deploy monitor metrics`'s test: Debian's node_exporter, run by the test with only its textfile collector on a
-# free 127.x port (its service is not enabled here: --no-install-recommends, and the test starts its own)
+# free 127.x port (the service the package starts where systemd runs is disabled again below)
 command -v prometheus-node-exporter >/dev/null 2>&1 || need+=(prometheus-node-exporter)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
