@@ -31,6 +31,12 @@ VPD_GATED = "vpd_gated"
 VPD_RESTARTS = "vpd_unit_restarts_total"
 VPD_START_LIMIT = "vpd_unit_start_limit_hit"
 VPD_FOREIGN = "vpd_gpu_foreign_memory_mib"
+VPD_TIMESTAMP = "vpd_status_timestamp_seconds"
+VPD_REACHABLE = "vpd_status_reachable"
+VPD_OPERATION = "vpd_operation_in_progress"  # a deploy up/restart/down holds the container's lock (gate pending)
+STALE_S = 300  # VpdStatusStale: deploy monitor metrics has not refreshed a host's series for this long
+STATUS_JOB = "vllm-pve-deploy-status"  # prometheus.yml's job for node_exporter (--node-exporter)
+STALE_MISSING_FOR = "5m"  # VpdStatusMissing: no vpd_status_timestamp_seconds at all for this long
 
 CLIFF_ZERO, CLIFF_BEFORE = 0.01, 0.05  # as the gate's cliff check: ~0 from p on, after a position that drafted
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d))+$")
@@ -97,8 +103,9 @@ def _al(window: str) -> str:
     return f"1 + rate({ACCEPTED}[{window}]) / rate({DRAFTS}[{window}])"
 
 
-def rules(chosen, *, window: str, for_: str, down_for: str) -> dict:
-    """The rule file: recording rules for acceptance, and the alerts."""
+def rules(chosen, *, window: str, for_: str, down_for: str, status_exporter: bool = False) -> dict:
+    """The rule file: recording rules for acceptance, and the alerts. status_exporter (export --node-exporter: the
+    operator runs `deploy monitor metrics`): also VpdStatusMissing, when none of its series reach Prometheus."""
     rec = [
         {"record": "vpd:acceptance_length", "expr": _al(window)},
         {"record": "vpd:acceptance_per_position",
@@ -163,7 +170,8 @@ def rules(chosen, *, window: str, for_: str, down_for: str) -> dict:
                                     "limit: it will not be restarted",
                          "description": "The server crashed repeatedly. deploy logs {{ $labels.host }}/"
                                         "{{ $labels.vmid }}; fix the cause, then deploy restart {{ $labels.playbook }}"}},
-        {"alert": "VllmNotGated", "expr": f"{VPD_GATED} == 0", "for": for_,
+        {"alert": "VllmNotGated", "expr": f"{VPD_GATED} == 0 unless on(host, vmid) {VPD_OPERATION} == 1",
+         "for": for_,
          "labels": {"severity": "warning"},
          "annotations": {"summary": "{{ $labels.playbook }} on {{ $labels.host }}/{{ $labels.vmid }} serves without "
                                     "a passed acceptance gate",
@@ -171,16 +179,38 @@ def rules(chosen, *, window: str, for_: str, down_for: str) -> dict:
                                         "deploy status {{ $labels.playbook }}"}},
         {"alert": "GpuMemoryHeldOutsideDeployment", "expr": f"{VPD_FOREIGN} > 1024", "for": for_,
          "labels": {"severity": "warning"},
-         "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.host }}: {{ $value }} MiB held by a process "
-                                    "outside the deployment",
-                         "description": "Something else uses this GPU's memory (another container, a host process): "
-                                        "the next start may not fit. deploy status; nvidia-smi on the host"}},
+         "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.host }} (seen from container "
+                                    "{{ $labels.vmid }}): {{ $value }} MiB held outside any deployment of ours",
+                         "description": "Something else uses this GPU's memory (another container, a host process, "
+                                        "a server deploy did not start): the next start may not fit. deploy status "
+                                        "{{ $labels.host }}/{{ $labels.vmid }}; nvidia-smi on the host"}},
+        {"alert": "VpdStatusUnreachable", "expr": f"{VPD_REACHABLE} == 0", "for": down_for,
+         "labels": {"severity": "warning"},
+         "annotations": {"summary": "deploy monitor metrics cannot reach {{ $labels.host }}/{{ $labels.vmid }}",
+                         "description": "Its host did not answer over SSH (or timed out), so its vpd_* facts are "
+                                        "unknown. deploy status {{ $labels.host }}/{{ $labels.vmid }}"}},
+        {"alert": "VpdStatusStale", "expr": f"time() - {VPD_TIMESTAMP} > {STALE_S}",
+         "labels": {"severity": "warning"},
+         "annotations": {"summary": "deploy's facts about {{ $labels.host }} are {{ $value | printf \"%.0f\" }} s "
+                                    "old",
+                         "description": f"deploy monitor metrics has not refreshed them for over {STALE_S} s: its "
+                                        "timer stopped or fails. systemctl status vpd-metrics.timer "
+                                        "vpd-metrics.service; journalctl -u vpd-metrics.service"}},
     ]
+    if status_exporter:
+        alerts.append({
+            "alert": "VpdStatusMissing", "expr": f"absent({VPD_TIMESTAMP})", "for": STALE_MISSING_FOR,
+            "labels": {"severity": "warning"},
+            "annotations": {"summary": "no series of deploy monitor metrics reach Prometheus",
+                            "description": "node_exporter's textfile collector serves no vllm-pve-deploy .prom file "
+                                           f"(job {STATUS_JOB}): the timer never wrote it, or writes elsewhere. "
+                                           "systemctl status vpd-metrics.timer; ls "
+                                           "/var/lib/prometheus/node-exporter"}})
     return {"groups": [{"name": "vllm-pve-deploy-recording", "rules": rec},
                        {"name": "vllm-pve-deploy-alerts", "rules": alerts}]}
 
 
-def rule_tests(chosen, *, for_: str) -> dict:
+def rule_tests(chosen, *, for_: str, status_exporter: bool = False) -> dict:
     """promtool unit tests: for every alert, series that make it fire (and a healthy one that keeps quiet)."""
     def inst(host="pve1", vmid="129", playbook="p", method="dflash"):
         return (f'instance="10.0.0.1:8000",job="{JOB}",host="{host}",vmid="{vmid}",playbook="{playbook}",'
@@ -236,19 +266,41 @@ def rule_tests(chosen, *, for_: str) -> dict:
         ("VllmStartLimitHit", [{"series": f'{VPD_START_LIMIT}{{host="pve1",vmid="129",playbook="p",'
                                           f'unit="vllm-p.service"}}', "values": f"1x{mins}"}],
          {"severity": "critical", "host": "pve1", "vmid": "129", "playbook": "p", "unit": "vllm-p.service"}),
-        ("VllmNotGated", [{"series": f'{VPD_GATED}{{host="pve1",vmid="129",playbook="p"}}', "values": f"0x{mins}"}],
+        ("VllmNotGated", [{"series": f'{VPD_GATED}{{host="pve1",vmid="129",playbook="p"}}', "values": f"0x{mins}"},
+                          {"series": f'{VPD_OPERATION}{{host="pve1",vmid="129",playbook="p",operation=""}}',
+                           "values": f"0x{mins}"}],
          {"severity": "warning", "host": "pve1", "vmid": "129", "playbook": "p"}),
-        ("GpuMemoryHeldOutsideDeployment", [{"series": f'{VPD_FOREIGN}{{host="pve1",gpu="0"}}',
-                                             "values": f"30000x{mins}"}],
-         {"severity": "warning", "host": "pve1", "gpu": "0"}),
+        ("GpuMemoryHeldOutsideDeployment", [{"series": f'{VPD_FOREIGN}{{host="pve1",vmid="129",playbook="",'
+                                                       f'gpu="0"}}', "values": f"30000x{mins}"}],
+         {"severity": "warning", "host": "pve1", "vmid": "129", "gpu": "0"}),
+        ("VpdStatusUnreachable", [{"series": f'{VPD_REACHABLE}{{host="pve1",vmid="129",playbook=""}}',
+                                   "values": f"0x{mins}"}],
+         {"severity": "warning", "host": "pve1", "vmid": "129"}),
+        ("VpdStatusStale", [{"series": f'{VPD_TIMESTAMP}{{host="pve1"}}', "values": f"0x{mins}"}],
+         {"severity": "warning", "host": "pve1"}),
     ]
     for name, series, labels in other:
         exp = labels if "host" in labels else dict(_labels(lab), **labels)
         if name == "VllmServerRestarted":
             exp = dict(_labels(lab), **labels)
-        tests.append({"interval": "1m", "input_series": series, "_values": {name: 30000.0},
+        tests.append({"interval": "1m", "input_series": series,
+                      "_values": {name: mins * 60.0 if name == "VpdStatusStale" else 30000.0},
                       "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": name,
                                            "exp_alerts": [{"exp_labels": exp}]}]})
+    if status_exporter:  # nothing from deploy monitor metrics at all, then its series: quiet
+        tests.append({"interval": "1m", "input_series": [{"series": f"up{{{lab}}}", "values": f"1x{mins}"}],
+                      "_values": {"VpdStatusMissing": 1.0},
+                      "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": "VpdStatusMissing",
+                                           "exp_alerts": [{"exp_labels": {"severity": "warning"}}]}]})
+        tests.append({"interval": "1m", "input_series": [{"series": f'{VPD_TIMESTAMP}{{host="pve1"}}',
+                                                          "values": f"0+60x{mins}"}],
+                      "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": a, "exp_alerts": []}
+                                          for a in ("VpdStatusMissing", "VpdStatusStale")]})
+    # a deploy up still loading and gating (it holds the container's lock): not gated yet, and no alert
+    tests.append({"interval": "1m", "input_series": [
+        {"series": f'{VPD_GATED}{{host="pve1",vmid="129",playbook="p"}}', "values": f"0x{mins}"},
+        {"series": f'{VPD_OPERATION}{{host="pve1",vmid="129",playbook="p",operation="up"}}', "values": f"1x{mins}"}],
+        "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": "VllmNotGated", "exp_alerts": []}]})
     return {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": tests}
 
 
@@ -298,11 +350,16 @@ def _minutes(d: str) -> int:
     return int(total) + 1
 
 
-def prometheus_config(*, scrape_interval: str, evaluation_interval: str) -> dict:
+def prometheus_config(*, scrape_interval: str, evaluation_interval: str, node_exporters=()) -> dict:
+    """node_exporters: HOST:PORT of node_exporters whose textfile collector serves `deploy monitor metrics`' file
+    (a job of their own; their metrics carry host/vmid/playbook labels themselves)."""
+    jobs = [{"job_name": JOB, "metrics_path": "/metrics",
+             "file_sd_configs": [{"files": ["targets.json"], "refresh_interval": "30s"}]}]
+    if node_exporters:
+        jobs.append({"job_name": STATUS_JOB, "metrics_path": "/metrics",
+                     "static_configs": [{"targets": list(node_exporters)}]})
     return {"global": {"scrape_interval": scrape_interval, "evaluation_interval": evaluation_interval},
-            "rule_files": ["rules.yml"],
-            "scrape_configs": [{"job_name": JOB, "metrics_path": "/metrics",
-                                "file_sd_configs": [{"files": ["targets.json"], "refresh_interval": "30s"}]}]}
+            "rule_files": ["rules.yml"], "scrape_configs": jobs}
 
 
 def dashboard(window: str = "5m") -> dict:
@@ -355,19 +412,22 @@ def dashboard(window: str = "5m") -> dict:
 
 
 def export(inv, playbooks: list, directory: str, *, window="5m", for_="10m", down_for="2m", scrape_interval="15s",
-           evaluation_interval="15s") -> dict:
+           evaluation_interval="15s", node_exporters=()) -> dict:
     """Write targets.json, rules.yml, rules.test.yml, prometheus.yml and dashboard.json into directory (created);
     every file written whole (temp file, then rename) and read back. -> a summary."""
     chosen, notes = choose(inv, playbooks)
     groups, missing = targets(inv, chosen)
-    rule_set = rules(chosen, window=window, for_=for_, down_for=down_for)
+    rule_set = rules(chosen, window=window, for_=for_, down_for=down_for, status_exporter=bool(node_exporters))
     files = {
         "targets.json": json.dumps(groups, indent=2) + "\n",
         "rules.yml": yaml.safe_dump(rule_set, sort_keys=False, width=120),
-        "rules.test.yml": yaml.safe_dump(add_annotations(rule_tests(chosen, for_=for_), rule_set, {}),
+        "rules.test.yml": yaml.safe_dump(add_annotations(rule_tests(chosen, for_=for_,
+                                                                    status_exporter=bool(node_exporters)),
+                                                         rule_set, {}),
                                          sort_keys=False, width=120),
         "prometheus.yml": yaml.safe_dump(prometheus_config(scrape_interval=scrape_interval,
-                                                           evaluation_interval=evaluation_interval), sort_keys=False),
+                                                           evaluation_interval=evaluation_interval,
+                                                           node_exporters=node_exporters), sort_keys=False),
         "dashboard.json": json.dumps(dashboard(window), indent=2) + "\n",
     }
     os.makedirs(directory, exist_ok=True)

@@ -412,7 +412,9 @@ def exit_text(ex: dict | None) -> str:
 
 
 def gather(inv, targets, fleet: Fleet | None = None, *, deadline: float = 15.0, sampler: Sampler | None = None,
-           smi_timeout: float | None = None) -> list[dict]:
+           smi_timeout: float | None = None, keep_gpus: bool = False) -> list[dict]:
+    """The status rows. keep_gpus: each row keeps `_gpus`, its state file's GPUs (not in status/v1; for `deploy
+    monitor metrics`' foreign GPU memory)."""
     scope = resolve_targets(inv, targets)
     # a hung nvidia-smi must be reported by the agent itself, well inside the host's deadline
     smi_timeout = smi_timeout or max(0.5, min(5.0, deadline / 3))
@@ -454,11 +456,11 @@ def gather(inv, targets, fleet: Fleet | None = None, *, deadline: float = 15.0, 
                                   fix="check the address/port in the inventory and that the host and its sshd are up")
             rows += [_error_row(host, vmid, err) for vmid, _ in by_host[host]]
     sampler.save()
-    shared_gpu_problems(rows)
+    shared_gpu_problems(rows, keep=keep_gpus)
     return rows
 
 
-def shared_gpu_problems(rows: list[dict]) -> None:
+def shared_gpu_problems(rows: list[dict], keep: bool = False) -> None:
     """Two running deployments of one host on the same GPU (their state files' gpus) compete for its memory: each
     row says so and is not healthy (issue 26: both showed ok)."""
     running = [r for r in rows if r.get("process") == "running" and r.get("_gpus")]
@@ -473,7 +475,8 @@ def shared_gpu_problems(rows: list[dict]) -> None:
                                  f"deploy down {o.get('playbook')} (or {r.get('playbook')}) frees them, or give each "
                                  "container its own GPUs")
     for r in rows:
-        r.pop("_gpus", None)
+        if not keep:
+            r.pop("_gpus", None)
 
 
 def _row_or_error(fleet, host, vmid, rt, sampler, smi_timeout):

@@ -19,6 +19,9 @@ command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need+=
 # `deploy monitor export`'s tests: the real promtool (check config/rules, test rules) and a real Prometheus that
 # scrapes the test bed (Debian's prometheus; its service is not used: the tests run their own on a free port)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+# `deploy monitor metrics`'s test: Debian's node_exporter, run by the test with only its textfile collector on a
+# free 127.x port (the service the package starts where systemd runs is disabled again below)
+command -v prometheus-node-exporter >/dev/null 2>&1 || need+=(prometheus-node-exporter)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
@@ -26,6 +29,11 @@ if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq >/dev/null
     echo "setup: apt-get install ${need[*]} (about 10-60 s)" >&2
     apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    # node_exporter's Debian package starts and enables its service where systemd runs: the tests run their own
+    # (only the textfile collector, a free port), so the one this script installed is stopped and disabled again
+    if [[ " ${need[*]} " == *" prometheus-node-exporter "* ]] && [ -d /run/systemd/system ]; then
+      systemctl disable --now prometheus-node-exporter.service >/dev/null 2>&1 || true
+    fi
   else
     echo "setup: please install: ${need[*]} (the test bed needs them)" >&2
   fi

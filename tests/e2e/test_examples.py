@@ -44,7 +44,8 @@ from e2e_helpers import REPO
 DOC_FILES = sorted([os.path.join(REPO, "README.md")] + glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
                                                                  recursive=True))
 # Read-only commands that answer in about a second: run for real. (First words after `deploy`.)
-CHEAP = {"plan", "status", "verify", "logs", "schema", "completion", "docs", "endpoint", ("testbed", "status")}
+CHEAP = {"plan", "status", "verify", "logs", "schema", "completion", "docs", "endpoint", ("testbed", "status"),
+         ("monitor", "metrics")}
 # Commands that only write where they are told or where they run: run for real in a scratch directory that is also
 # HOME (a leading ~ expanded to it, as a shell would), its path shown as /root (the docs' HOME) when compared.
 SANDBOXED = {"init"}
@@ -70,6 +71,9 @@ NOT_RUN = {
     "--tunnel": "runs until Ctrl-C",
     ("monitor", "export"): "writes files into the directory it is given (tests/e2e/test_monitor.py runs it and "
                            "checks them with promtool)",
+    ("monitor", "render"): "needs a Prometheus that has scraped the deployments (tests/e2e/test_monitor.py runs it "
+                           "against a real one)",
+    "--textfile": "writes into node_exporter's textfile directory (tests/e2e/test_monitor.py runs it)",
     "-f": "follows until Ctrl-C",
     "--follow": "follows until Ctrl-C",
 }
