@@ -140,10 +140,27 @@ def check_status_json(p: subprocess.CompletedProcess, expect_rows: int, expect_r
     return doc
 
 
-def bench_pair(tb, res: Results, env, hosts, runs, budget, tag, expect_running, lag: bool, env_old=None):
+def pyinfra_argv(tb, hosts, ports, pyinfra, workdir, tag) -> list[str]:
+    """pyinfra's `exec` of the raw probe on every host (an inventory file written for the bed; its own SSH,
+    paramiko, strict host keys from the bed's known_hosts)."""
+    inv = os.path.join(workdir, f"pyinfra-{tag}.py")
+    entries = ",\n".join(
+        f"    ({tb.address(h)!r}, {{'ssh_port': {ports[h]}, 'ssh_user': 'root', 'ssh_key': {tb.identity_file!r}, "
+        f"'ssh_known_hosts_file': {tb.known_hosts!r}, 'ssh_strict_host_key_checking': 'yes'}})" for h in hosts)
+    with open(inv, "w") as fh:
+        fh.write(f"hosts = [\n{entries},\n]\n")
+    return [pyinfra, inv, "exec", "-y", "--", "pct", "exec", str(VMID), "--"] + RAW_PROBE.split()
+
+
+def bench_pair(tb, res: Results, env, hosts, runs, budget, tag, expect_running, lag: bool, env_old=None,
+               pyinfra=None, workdir=None):
     """deploy status (1 host, 8 hosts) vs raw OpenSSH (1, 8-wide), interleaved run by run; with env_old (the
-    --baseline checkout) the older deploy too, right before the current one (A/B pairs back to back)."""
+    --baseline checkout) the older deploy too, right before the current one (A/B pairs back to back); with pyinfra
+    (its executable) pyinfra's `exec` of the raw probe on all hosts, beside deploy's 8."""
     ports = {h: (tb.lag_port(h) if lag else 2222) for h in hosts}
+    pyi = pyinfra_argv(tb, hosts, ports, pyinfra, workdir, tag) if pyinfra else None
+    if pyi:
+        timed(pyi, env=env)  # warm-up
     raw1 = tb.ssh_argv(hosts[0], f"pct exec {VMID} -- {RAW_PROBE}", port=ports[hosts[0]])
     # context only: OpenSSH 9.x defaults to sntrup761x25519 key exchange (CPU-heavy); paramiko gets curve25519
     raw1k = raw1[:1] + ["-o", "KexAlgorithms=curve25519-sha256"] + raw1[1:]
@@ -180,6 +197,8 @@ def bench_pair(tb, res: Results, env, hosts, runs, budget, tag, expect_running, 
         check_status_json(p, len(hosts), expect_running)
         res.add(f"{tag}:deployN", dt)
         res.add(f"{tag}:deployN_self", json.loads(p.stdout)["seconds"])
+        if pyi:
+            res.add(f"{tag}:pyinfraN", timed(pyi, env=env)[0])
 
 
 def count_per_status(tb, env, hosts, state_dir, tag, res: Results):
@@ -368,6 +387,9 @@ def main():
                     "deploy runs right before the current one in every pair, side by side in the report")
     ap.add_argument("--up-runs", type=int, default=3, help="deploy up runs (each variant) for its own overhead")
     ap.add_argument("--no-watch", action="store_true", help="skip the in-process --watch phases")
+    ap.add_argument("--pyinfra", metavar="EXE", help="pyinfra's executable (in a venv of its own, e.g. python3 -m venv "
+                    "/tmp/pyinfra-venv && /tmp/pyinfra-venv/bin/pip install pyinfra): time its `exec` of the raw "
+                    "probe on all hosts beside deploy status")
     a = ap.parse_args()
     if not a.net.startswith("127."):
         raise SystemExit("bench: --net must be in 127.0.0.0/8")
@@ -421,7 +443,8 @@ def main():
         print("startup ...", flush=True)
         startup_names = bench_startup(res, env, a.runs, budget)
         print("no added latency ...", flush=True)
-        bench_pair(tb, res, env, hosts, a.runs, budget, "lan", running, lag=False, env_old=env_old)
+        bench_pair(tb, res, env, hosts, a.runs, budget, "lan", running, lag=False, env_old=env_old,
+                   pyinfra=a.pyinfra, workdir=workdir)
         count_per_status(tb, env, hosts, state_dir, "lan", res)
         print("agent CPU per status exec in the container ...", flush=True)
         bench_agent_cpu(tb, res, env, env_old, hosts[0], "/root/ml-env/bin/python", "/var/lib/vllm-pve-deploy",
@@ -436,7 +459,8 @@ def main():
         print(f"latency {a.latency_ms} ms round trip on every host ...", flush=True)
         for h in hosts:
             tb.set_fault(h, None, "latency_ms", a.latency_ms)
-        bench_pair(tb, res, env, hosts, a.runs, budget, "wan", running, lag=True, env_old=env_old)
+        bench_pair(tb, res, env, hosts, a.runs, budget, "wan", running, lag=True, env_old=env_old,
+                   pyinfra=a.pyinfra, workdir=workdir)
         count_per_status(tb, env, hosts, state_dir, "wan", res)
         if not a.no_watch:
             bench_watch(tb.inventory_path, [f"{hosts[0]}/{VMID}"], a.runs + 1, budget, "watch1:wan", res)
@@ -476,6 +500,11 @@ def report(res: Results, a, hosts, startup_names):
                 cells += f"{fmt_ms(o):>11}{o / r:7.2f}x"
             print(f"  {what + ', ' + label:32}{cells}{fmt_ms(d):>10}{d / r:7.2f}x   "
                   f"({fmt_ms(m(f'{tag}:deploy{k}_self')).strip()} in gather)")
+    for tag, label in (("lan", "no added latency"), ("wan", f"+{a.latency_ms} ms RTT")):
+        py = m(f"{tag}:pyinfraN")
+        if py == py:
+            print(f"  ({n} hosts, {label}: pyinfra `exec` of the raw probe {fmt_ms(py).strip()}; deploy status/that = "
+                  f"{m(f'{tag}:deployN') / py:.2f}x)")
     for tag, label in (("lan", "no added latency"), ("wan", f"+{a.latency_ms} ms RTT")):
         print(f"  (raw 1 host with -o KexAlgorithms=curve25519-sha256, paramiko's kex, {label}: "
               f"{fmt_ms(m(f'{tag}:raw1_curve25519')).strip()}; deploy/that = "
@@ -536,9 +565,14 @@ def report(res: Results, a, hosts, startup_names):
          f"{m('wan:deploy1') / m('wan:raw1'):.2f}x"),
         (f"{n} hosts: at most 1.0x raw OpenSSH {n}-wide (no added latency)", m("lan:deployN") <= m("lan:rawN"),
          f"{m('lan:deployN') / m('lan:rawN'):.2f}x"),
+        (f"{n} hosts, +{a.latency_ms} ms RTT: at most 1.0x raw OpenSSH {n}-wide",
+         m("wan:deployN") <= m("wan:rawN"), f"{m('wan:deployN') / m('wan:rawN'):.2f}x"),
         ("the agent's CPU per status exec at most 25 ms", cpu_new <= 0.025, f"{cpu_new * 1000:.1f} ms"),
         ("exactly 1 connection and 1 exec per container", counts_ok, "see counts above"),
     ]
+    if m("lan:pyinfraN") == m("lan:pyinfraN"):
+        targets.append((f"{n} hosts: at most 0.8x pyinfra's exec of the same probe", m("lan:deployN") <= 0.8 * m(
+            "lan:pyinfraN"), f"{m('lan:deployN') / m('lan:pyinfraN'):.2f}x"))
     if m("up:new:overhead") == m("up:new:overhead"):
         targets.append(("deploy up's own overhead at most 1 s", m("up:new:overhead") <= 1.0,
                         f"{m('up:new:overhead'):.2f} s"))
