@@ -1,0 +1,59 @@
+"""remote.py's start-up details (issue 23): paramiko imported without Invoke (and given it back for Fabric), the
+early TCP dial, TCP_NODELAY. Real sockets on 127.0.0.1, real imports in a fresh interpreter."""
+
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_py(code: str) -> str:
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_paramiko_without_invoke_and_fabric_gets_it_back():
+    out = run_py(
+        "import sys\n"
+        "from orchestrator.remote import paramiko_module, _with_invoke\n"
+        "pm = paramiko_module()\n"
+        "import paramiko.config as pc\n"
+        "print('invoke' in sys.modules, pc.invoke is None, pm.SSHClient.__name__)\n"
+        "import fabric\n"
+        "_with_invoke()\n"
+        "print('invoke' in sys.modules, pc.invoke is sys.modules['invoke'], pc.invoke_import_error)\n")
+    first, second = out.splitlines()
+    assert first == "False True SSHClient"  # Invoke (~40 ms) not loaded for a host given by address
+    assert second == "True True None"  # an ssh_config_alias host: `Match exec` works again
+
+
+def test_dial_connects_early_and_sets_nodelay():
+    from orchestrator.remote import _Dial
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    try:
+        d = _Dial("127.0.0.1", srv.getsockname()[1], 5.0)
+        sock = d.take()
+        assert sock is not None and sock.getblocking()
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        sock.close()
+    finally:
+        srv.close()
+
+
+def test_a_refused_dial_falls_back_to_paramikos_own_connect():
+    """Refused at once: take() returns None and the caller connects as before (so its error reads as before)."""
+    from orchestrator.remote import _Dial
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nobody listens there now
+    d = _Dial("127.0.0.1", port, 5.0)
+    assert d.take() is None
+    d.close()
