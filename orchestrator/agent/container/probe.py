@@ -12,19 +12,41 @@ from .state import read_state
 from . import core
 
 
-def act_acceptance(a):
-    """Scrape /metrics, send the probe workload, scrape again; the caller computes the deltas."""
+def _target(a):
+    """What every probe starts with: the port, the API key, the host the server listens on (from the state) and
+    the deadline; with an API key, the listener on the port must be ours first (the key goes to no stranger).
+    Returns ((port, api_key, host, deadline), None), or ((None,) * 4, the failed answer)."""
     port, api_key = int(a["port"]), core.SECRETS.get("api_key")
     state = read_state(a["state_dir"]) if a.get("state_dir") else None
     host = serving_host(state)
     if api_key:
         ok, problem = listener_check(state, port)
         if not ok:
-            return {"ok": False, "message": problem}
-    deadline = now() + float(a["timeout_s"])
-    st, before = http(port, "/metrics", timeout=10, host=host)
+            return (None,) * 4, {"ok": False, "message": problem}
+    return (port, api_key, host, now() + float(a["timeout_s"])), None
+
+
+def _scrape(port, host, when=""):
+    """GET /metrics: (text, None), or (None, the failed answer naming `when` -- e.g. " after the probe")."""
+    st, text = http(port, "/metrics", timeout=10, host=host)
     if st != 200:
-        return {"ok": False, "message": "GET /metrics: %s %s" % (st, before[:200])}
+        return None, {"ok": False, "message": "GET /metrics%s: %s %s" % (when, st, text[:200])}
+    return text, None
+
+
+def _completion(a, prompt):
+    """The body of one probe request: greedy, `max_tokens` long."""
+    return {"model": a["model"], "prompt": prompt, "max_tokens": int(a["max_tokens"]), "temperature": 0}
+
+
+def act_acceptance(a):
+    """Scrape /metrics, send the probe workload, scrape again; the caller computes the deltas."""
+    (port, api_key, host, deadline), failed = _target(a)
+    if failed:
+        return failed
+    before, failed = _scrape(port, host)
+    if failed:
+        return failed
     sent = ok = 0
     errors = []
     rounds, planned = 0, int(a["rounds"])
@@ -42,16 +64,15 @@ def act_acceptance(a):
             if now() >= deadline:
                 break
             sent += 1
-            st, body = http(port, "/v1/completions", "POST",
-                            {"model": a["model"], "prompt": prompt, "max_tokens": int(a["max_tokens"]),
-                             "temperature": 0}, timeout=max(1.0, deadline - now()), api_key=api_key, host=host)
+            st, body = http(port, "/v1/completions", "POST", _completion(a, prompt),
+                            timeout=max(1.0, deadline - now()), api_key=api_key, host=host)
             if st == 200:
                 ok += 1
             else:
                 errors.append("%s %s" % (st, body[:200]))
-    st, after = http(port, "/metrics", timeout=10, host=host)
-    if st != 200:
-        return {"ok": False, "message": "GET /metrics after the probe: %s %s" % (st, after[:200])}
+    after, failed = _scrape(port, host, " after the probe")
+    if failed:
+        return failed
     return {"ok": True, "before": before, "after": after, "sent": sent, "succeeded": ok, "errors": errors[:5],
             "rounds": rounds, "log_tail": tail_file(a.get("log_path"), 200) if a.get("log_path") else []}
 
@@ -74,17 +95,12 @@ def drafts_total(text):
 def act_speed(a):
     """`deploy compare`: the probe prompts, each request timed; /metrics scraped before and after.
     Output tokens come from each response's usage (what the server says it generated)."""
-    port, api_key = int(a["port"]), core.SECRETS.get("api_key")
-    state = read_state(a["state_dir"]) if a.get("state_dir") else None
-    host = serving_host(state)
-    if api_key:
-        ok, problem = listener_check(state, port)
-        if not ok:
-            return {"ok": False, "message": problem}
-    deadline = now() + float(a["timeout_s"])
-    st, before = http(port, "/metrics", timeout=10, host=host)
-    if st != 200:
-        return {"ok": False, "message": "GET /metrics: %s %s" % (st, before[:200])}
+    (port, api_key, host, deadline), failed = _target(a)
+    if failed:
+        return failed
+    before, failed = _scrape(port, host)
+    if failed:
+        return failed
     requests, errors = [], []
     for _ in range(int(a["rounds"])):
         for prompt in a["prompts"]:
@@ -92,9 +108,8 @@ def act_speed(a):
                 errors.append("time limit of %ss reached" % a["timeout_s"])
                 break
             t0 = now()
-            st, body = http(port, "/v1/completions", "POST",
-                            {"model": a["model"], "prompt": prompt, "max_tokens": int(a["max_tokens"]),
-                             "temperature": 0}, timeout=max(1.0, deadline - now()), api_key=api_key, host=host)
+            st, body = http(port, "/v1/completions", "POST", _completion(a, prompt),
+                            timeout=max(1.0, deadline - now()), api_key=api_key, host=host)
             took = now() - t0
             try:
                 tokens = int(json.loads(body)["usage"]["completion_tokens"]) if st == 200 else None
@@ -104,9 +119,9 @@ def act_speed(a):
                 errors.append("%s %s" % (st, body[:200]))
                 continue
             requests.append({"tokens": tokens, "seconds": round(took, 6)})
-    st, after = http(port, "/metrics", timeout=10, host=host)
-    if st != 200:
-        return {"ok": False, "message": "GET /metrics after the requests: %s %s" % (st, after[:200])}
+    after, failed = _scrape(port, host, " after the requests")
+    if failed:
+        return failed
     return {"ok": True, "before": before, "after": after, "requests": requests, "errors": errors[:5]}
 
 
@@ -172,20 +187,15 @@ def act_sweep(a):
     (streamed, each request timed) until each has sent its share, /metrics after."""
     import threading
 
-    port, api_key = int(a["port"]), core.SECRETS.get("api_key")
-    state = read_state(a["state_dir"]) if a.get("state_dir") else None
-    host = serving_host(state)
-    if api_key:
-        ok, problem = listener_check(state, port)
-        if not ok:
-            return {"ok": False, "message": problem}
-    deadline = now() + float(a["timeout_s"])
+    (port, api_key, host, deadline), failed = _target(a)
+    if failed:
+        return failed
     prompts, levels = list(a["prompts"]), [int(x) for x in a["levels"]]
     out = []
     for level in levels:
-        st, before = http(port, "/metrics", timeout=10, host=host)
-        if st != 200:
-            return {"ok": False, "message": "GET /metrics: %s %s" % (st, before[:200])}
+        before, failed = _scrape(port, host)
+        if failed:
+            return failed
         n = max(level, len(prompts)) * int(a["rounds"])
         jobs = list(range(n))
         lock = threading.Lock()
@@ -201,8 +211,7 @@ def act_sweep(a):
                     with lock:
                         errors.append("time limit of %ss reached" % a["timeout_s"])
                     return
-                r = stream_timed(port, {"model": a["model"], "prompt": prompts[i % len(prompts)],
-                                        "max_tokens": int(a["max_tokens"]), "temperature": 0},
+                r = stream_timed(port, _completion(a, prompts[i % len(prompts)]),
                                  max(1.0, deadline - now()), api_key, host)
                 with lock:
                     (errors.append(r["error"]) if "error" in r else requests.append(r))
@@ -213,9 +222,9 @@ def act_sweep(a):
         for t in threads:
             t.join(max(0.0, deadline - now()) + 5)
         wall = now() - t0
-        st, after = http(port, "/metrics", timeout=10, host=host)
-        if st != 200:
-            return {"ok": False, "message": "GET /metrics after level %d: %s %s" % (level, st, after[:200])}
+        after, failed = _scrape(port, host, " after level %d" % level)
+        if failed:
+            return failed
         out.append({"concurrency": level, "wall_s": round(wall, 6), "before": before, "after": after,
                     "requests": requests, "errors": errors[:5], "failed": len(errors)})
     return {"ok": True, "levels": out}
