@@ -7,12 +7,13 @@ import errno
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
 from .core import clean, emit, now
-from .files import lock_held, UnsafeDirectory, _read_json, _tail_lines, open_dir, tail_file, unique_name, write_json_atomic
+from .files import (
+    lock_held, UnsafeDirectory, _read_json, _tail_lines, new_runner_log, open_dir, runner_env, runner_id, spawn_runner,
+    tail_file, take_runner_lock, unique_name, write_json_atomic)
 from .install import _agent_source
 from .weights import (
     CHUNK, COMMIT_RE, FETCH_FINAL, FETCH_LOCK, FETCH_RECORDS, FETCH_STATE, FETCH_VAR, FetchError,
@@ -364,29 +365,17 @@ def act_fetch(a):
 
 
 def _fetch_start(a):
-    import fcntl
-
     state_dir = a["state_dir"]
     try:
         dfd = open_dir(state_dir, 0o700)
     except (UnsafeDirectory, OSError) as e:
         return {"ok": False, "message": "state directory %s: %s" % (state_dir, e), "fix": "fix its owner/mode"}
     try:
-        lock_fd = os.open(FETCH_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(lock_fd)
+        lock_fd = take_runner_lock(dfd, FETCH_LOCK)
+        if lock_fd is None:
             return {"ok": True, "started": False, "fetch": _fetch_state(state_dir)}
-        fid = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + unique_name("")[:6]
-        logname = "fetch-%s.log" % fid
-        logfd = os.open(logname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND, 0o600, dir_fd=dfd)
-        old = sorted(n for n in os.listdir(dfd) if n.startswith("fetch-") and n.endswith(".log"))
-        for n in old[:-5]:
-            try:
-                os.unlink(n, dir_fd=dfd)
-            except OSError:
-                pass
+        fid = runner_id()
+        logname, logfd = new_runner_log(dfd, "fetch", fid)
     finally:
         os.close(dfd)
     items = [dict(it) for it in a["items"]]
@@ -394,8 +383,7 @@ def _fetch_start(a):
           "started_at": now(), "t0": now(), "timeout_s": float(a.get("timeout_s") or 21600),
           "stall_s": float(a.get("stall_s") or 60), "reported": False, "done_bytes": 0, "total_bytes": None}
     write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)
-    env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
-           "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", FETCH_VAR: fid}
+    env = runner_env(FETCH_VAR, fid)
     for k in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
         if os.environ.get(k):
             env[k] = os.environ[k]
@@ -404,11 +392,8 @@ def _fetch_start(a):
     pre = ("import base64 as _b, json as _j; SECRETS = _j.loads(_b.b64decode('%s'))\n"
            % base64.b64encode(json.dumps(core.SECRETS or {}).encode()).decode()).encode()
     try:
-        proc = subprocess.Popen([sys.executable, "-", "fetch_run", json.dumps(args)], stdin=subprocess.PIPE,
-                                stdout=logfd, stderr=subprocess.STDOUT, cwd="/", env=env, start_new_session=True,
-                                pass_fds=(lock_fd,), close_fds=True)
-        proc.stdin.write(pre + _agent_source())
-        proc.stdin.close()
+        proc = spawn_runner([sys.executable, "-", "fetch_run", json.dumps(args)], pre + _agent_source(), logfd,
+                            lock_fd, env)
     except OSError as e:
         st.update(status="failed", message="cannot start the fetch runner: %s" % e.strerror, finished_at=now())
         write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)

@@ -77,6 +77,62 @@ def lock_held(state_dir, name):
     finally:
         os.close(fd)
 
+
+def take_runner_lock(dfd, name):
+    """Take the flock on NAME in the directory dfd for a detached runner to inherit (lock_held tests it): the open
+    descriptor, or None when another runner holds it."""
+    import fcntl
+
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def runner_id():
+    """A detached run's id: its start in UTC, then a random suffix."""
+    import time
+
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + unique_name("")[:6]
+
+
+def new_runner_log(dfd, prefix, rid, keep=5):
+    """Create PREFIX-RID.log in the directory dfd (new, 0600, appended to) and remove all but the last `keep` of
+    the PREFIX-*.log there: (its name, its open descriptor)."""
+    logname = "%s-%s.log" % (prefix, rid)
+    logfd = os.open(logname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND, 0o600, dir_fd=dfd)
+    os.fchmod(logfd, 0o600)
+    old = sorted(n for n in os.listdir(dfd) if n.startswith(prefix + "-") and n.endswith(".log"))
+    for n in old[:-keep]:
+        try:
+            os.unlink(n, dir_fd=dfd)
+        except OSError:
+            pass
+    return logname, logfd
+
+
+def runner_env(var, rid):
+    """The environment of a detached runner: PATH, HOME, a UTF-8 locale, unbuffered output, and VAR=RID (how
+    its processes are told apart)."""
+    return {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
+            "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", var: rid}
+
+
+def spawn_runner(argv, program, logfd, lock_fd, env):
+    """Start a detached runner: its own session, in /, stdout and stderr to the log, the lock passed on (it holds
+    it for its whole life), PROGRAM (this agent) on its stdin. The Popen; OSError when it cannot start. The
+    caller closes logfd and lock_fd afterwards (after recording a failure, still under the lock)."""
+    import subprocess
+
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=logfd, stderr=subprocess.STDOUT, cwd="/", env=env,
+                            start_new_session=True, pass_fds=(lock_fd,), close_fds=True)
+    proc.stdin.write(program)
+    proc.stdin.close()
+    return proc
+
 def _check_private_dir(path, st=None):
     st = st or os.lstat(path)
     if not _stat.S_ISDIR(st.st_mode):

@@ -16,8 +16,8 @@ from . import core
 from .core import clean, emit, now
 from .files import (
     lock_held,
-    UnsafeDirectory, _read_json, _tail_lines, open_dir, tail_file, unique_name, why_untrusted,
-    write_json_atomic)
+    UnsafeDirectory, _read_json, _tail_lines, new_runner_log, open_dir, runner_env, runner_id, spawn_runner, tail_file,
+    take_runner_lock, unique_name, why_untrusted, write_json_atomic)
 from .state import read_state
 
 
@@ -252,8 +252,6 @@ def act_install_vllm(a):
 
 
 def _install_start(a, info):
-    import fcntl
-
     state_dir = a["state_dir"]
     if info["kind"] == "other":
         return {"ok": False, "message": "%s is neither a directory nor a symlink" % info["venv_root"],
@@ -283,26 +281,14 @@ def _install_start(a, info):
         return {"ok": False, "message": "refusing to install next to %s: %s" % (info["venv_root"], e),
                 "fix": "fix the directory's owner/mode as the message says"}
     try:
-        lock_fd = os.open(INSTALL_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(lock_fd)
+        lock_fd = take_runner_lock(dfd, INSTALL_LOCK)
+        if lock_fd is None:
             return {"ok": True, "started": False, "install": install_status(state_dir)}
-        iid = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + unique_name("")[:6]
+        iid = runner_id()
         label = re.sub(r"[^A-Za-z0-9._-]+", "-", a.get("label") or "vllm")[:60].strip("-.") or "vllm"
         stage_name = "%s-%s" % (iid, label)
         os.mkdir(stage_name, 0o755, dir_fd=sfd)
-        logname = "install-%s.log" % iid
-        logfd = os.open(logname, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND, 0o600,
-                        dir_fd=dfd)
-        os.fchmod(logfd, 0o600)
-        old = sorted(n for n in os.listdir(dfd) if n.startswith("install-") and n.endswith(".log"))
-        for n in old[:-5]:  # keep the last five logs
-            try:
-                os.unlink(n, dir_fd=dfd)
-            except OSError:
-                pass
+        logname, logfd = new_runner_log(dfd, "install", iid)
     finally:
         os.close(sfd)
         os.close(dfd)
@@ -316,14 +302,9 @@ def _install_start(a, info):
     args = {"state_dir": state_dir, "id": iid, "lock_fd": lock_fd, "python": a["python"],
             "index_url": a.get("index_url"), "find_links": a.get("find_links") or [], "no_index": a.get("no_index"),
             "hashes": a.get("hashes") or []}
-    env = {"PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
-           "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", INSTALL_VAR: iid}
     try:
-        proc = subprocess.Popen([base, "-", "install_run", json.dumps(args)], stdin=subprocess.PIPE, stdout=logfd,
-                                stderr=subprocess.STDOUT, cwd="/", env=env, start_new_session=True,
-                                pass_fds=(lock_fd,), close_fds=True)
-        proc.stdin.write(_agent_source())
-        proc.stdin.close()
+        proc = spawn_runner([base, "-", "install_run", json.dumps(args)], _agent_source(), logfd, lock_fd,
+                            runner_env(INSTALL_VAR, iid))
     except OSError as e:
         st.update(status="failed", message="cannot start the install runner with %s: %s" % (base, e.strerror),
                   fix="set requires.install.python to a working Python in the container", finished_at=now())
