@@ -104,35 +104,13 @@ def test_an_event_flood_is_cut_and_the_audit_log_stays_small(tb, deploy, playboo
 
 def pty_deploy(deploy_env, *args, timeout=120):
     """Run deploy with stdout/stderr on a real pseudo-terminal: -> (exit code, the raw bytes the terminal got)."""
-    import pty
-    import select
-    import subprocess
     import sys
-    import time
 
     from e2e_helpers import REPO
+    from pty_support import run_on_pty
 
-    master, slave = pty.openpty()
     env = {k: v for k, v in deploy_env.items() if k != "NO_COLOR"}
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], stdin=slave, stdout=slave, stderr=slave,
-                         cwd=REPO, env=env, close_fds=True)
-    os.close(slave)
-    out, end = b"", time.monotonic() + timeout
-    while time.monotonic() < end:
-        r, _, _ = select.select([master], [], [], 0.2)
-        if r:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            out += chunk
-        elif p.poll() is not None:
-            break
-    rc = p.wait(timeout=30)
-    os.close(master)
-    return rc, out
+    return run_on_pty([sys.executable, "-m", "orchestrator.cli", *args], REPO, env=env, timeout=timeout, wait_s=30)
 
 
 def test_doctor_reads_no_fifo_and_prints_no_control_sequences_from_other_users(tb, deploy):

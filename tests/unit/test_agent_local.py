@@ -12,36 +12,7 @@ import sys
 
 import pytest
 
-from orchestrator.agent import agent_stdin
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                    "testbed", "vpd_testbed", "data")
-PUBLISHED = os.path.join(DATA, "qwen36-27b-dflash.config.json")
-STALE = os.path.join(DATA, "qwen36-27b-dflash.stale-guess.config.json")
-TARGET = os.path.join(DATA, "qwen36-27b-target.trimmed.config.json")
-
-
-def run_agent(action, args, payload=None, bulk=None):
-    p = subprocess.run([sys.executable, "-", action, json.dumps(args)], input=agent_stdin(payload, None, bulk),
-                       capture_output=True, timeout=120)
-    lines = [json.loads(ln) for ln in p.stdout.decode().splitlines() if ln.startswith("{")]
-    res = [ln["result"] for ln in lines if "result" in ln]
-    assert res, p.stderr.decode()
-    return res[-1]
-
-
-def agent_code(body):
-    """A program that runs `body` with the agent's modules importable as in a container (the archive, package
-    vpd_agent, on sys.path)."""
-    from orchestrator.agent import archive
-
-    return (archive.inline().decode() + "import json, os, sys, tempfile\n_d = tempfile.mkdtemp()\n"
-            "open(_d + '/a.zip', 'wb').write(_VPD_ARCHIVE)\nsys.path.insert(0, _d + '/a.zip')\n" + body)
-
-
-def sha(path):
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+from agent_support import PUBLISHED, STALE, TARGET, agent_code, run_agent, sha
 
 
 @pytest.fixture

@@ -69,34 +69,12 @@ HOSTILE = "\x1b]0;PWNED\x07\x1b[2J\x1b[8mhidden\x1b[0m\x1bc\r\x9b31mEVIL\x07\x08
 def pty_run(code: str, input: bytes = b"") -> bytes:
     """Run python CODE with stdout and stderr on a real pseudo-terminal; -> the raw bytes the terminal got."""
     import os
-    import pty
-    import select
-    import subprocess
     import sys
-    import time
 
-    master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=slave, stdout=slave, stderr=slave, close_fds=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    os.close(slave)
-    if input:
-        os.write(master, input)
-    out, end = b"", time.monotonic() + 30
-    while time.monotonic() < end:
-        r, _, _ = select.select([master], [], [], 0.2)
-        if r:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            out += chunk
-        elif p.poll() is not None:
-            break
-    p.wait(timeout=10)
-    os.close(master)
-    return out
+    from pty_support import run_on_pty
+
+    return run_on_pty([sys.executable, "-c", code], os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), input=input)[1]
 
 
 def test_the_output_boundary_strips_container_controls_on_a_real_terminal():

@@ -283,7 +283,7 @@ def test_up_diff_never_prints_none():
 
 def test_zombie_vllm_workers_are_not_foreign_processes():
     """An exited-but-not-reaped group worker (a zombie: init in the container reaps late) is no live process."""
-    from orchestrator.agent import archive
+    from agent_support import agent_code
 
     child = subprocess.Popen([sys.executable, "-c", "import ctypes; ctypes.CDLL(None).prctl(15, b'VLLM::Worker_T', "
                                                     "0, 0, 0)"])
@@ -295,9 +295,8 @@ def test_zombie_vllm_workers_are_not_foreign_processes():
                     break
             time.sleep(0.02)
         # the agent's own code, run as a separate process (as in a container), asked for vLLM processes
-        code = (archive.inline().decode() + "import json, sys, tempfile\n_d = tempfile.mkdtemp()\n"
-                "open(_d + '/a.zip', 'wb').write(_VPD_ARCHIVE)\nsys.path.insert(0, _d + '/a.zip')\n"
-                "from vpd_agent.procs import vllm_processes\nprint(json.dumps([p['pid'] for p in vllm_processes()]))")
+        code = agent_code("from vpd_agent.procs import vllm_processes\n"
+                          "print(json.dumps([p['pid'] for p in vllm_processes()]))")
         out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert child.pid not in json.loads(out.stdout.splitlines()[-1])

@@ -1,7 +1,6 @@
 """Issue 12, "Safe as root": the agent, run as a real process on real files and processes (no SSH), touches no
 file, process or secret that is not the deployment's own. Each case here failed on the code before the fix."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -16,36 +15,9 @@ import pytest
 
 from orchestrator.agent import agent_stdin
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                    "testbed", "vpd_testbed", "data")
-PUBLISHED = os.path.join(DATA, "qwen36-27b-dflash.config.json")
-STALE = os.path.join(DATA, "qwen36-27b-dflash.stale-guess.config.json")
-TARGET = os.path.join(DATA, "qwen36-27b-target.trimmed.config.json")
+from agent_support import PUBLISHED, STALE, TARGET, agent_code, run_agent, sha
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown, other users' files)")
-
-
-def run_agent(action, args, payload=None, bulk=None, secrets=None):
-    p = subprocess.run([sys.executable, "-", action, json.dumps(args)], input=agent_stdin(payload, secrets, bulk),
-                       capture_output=True, timeout=120)
-    lines = [json.loads(ln) for ln in p.stdout.decode().splitlines() if ln.startswith("{")]
-    res = [ln["result"] for ln in lines if "result" in ln]
-    assert res, p.stderr.decode()
-    return res[-1]
-
-
-def agent_code(body):
-    """A program that runs `body` with the agent's modules importable as in a container (the archive, package
-    vpd_agent, on sys.path)."""
-    from orchestrator.agent import archive
-
-    return (archive.inline().decode() + "import json, os, sys, tempfile\n_d = tempfile.mkdtemp()\n"
-            "open(_d + '/a.zip', 'wb').write(_VPD_ARCHIVE)\nsys.path.insert(0, _d + '/a.zip')\n" + body)
-
-
-def sha(path):
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
 def starttime(pid):
