@@ -209,6 +209,22 @@ def _outcome_exit(obj, out):
              (err.exit_code if err is not None and err.exit_code in (EXIT_USAGE, EXIT_INTERRUPTED) else EXIT_FAILED))
 
 
+def _outcomes_exit(obj, outs, unreachable=True):
+    """Several outcomes (a playbook's targets, or several playbooks): --json all of them, else each rendered. Exit 0
+    all passed, 3 only unreachable hosts failed (with `unreachable`), else 1."""
+    from .errors import Unreachable
+    from .report import dump_json
+
+    if obj.json:
+        dump_json([o.as_dict() for o in outs])
+    else:
+        for o in outs:
+            render_outcome(o)
+    sys.exit(EXIT_OK if all(o.ok for o in outs) else
+             EXIT_UNREACHABLE if unreachable and all(isinstance(o.error, Unreachable) for o in outs if not o.ok) else
+             EXIT_FAILED)
+
+
 def up_options(f):
     f = click.option("-y", "--yes", is_flag=True, help="Replace a different running deployment, and with --clean-gpus "
                                                        "kill GPU holders, without asking (for scripts).")(f)
@@ -410,14 +426,7 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
                     outs.append(ops.up(fleet, pb, obj.progress(), opts, restart=True))
         if len(outs) == 1:
             _outcome_exit(obj, outs[0])
-        if obj.json:
-            from .report import dump_json
-
-            dump_json([o.as_dict() for o in outs])
-        else:
-            for o in outs:
-                render_outcome(o)
-        sys.exit(EXIT_OK if all(o.ok for o in outs) else EXIT_FAILED)
+        _outcomes_exit(obj, outs, unreachable=False)
     run_guarded(go, obj)
 
 
@@ -599,21 +608,12 @@ def install_vllm(obj, playbook, yes, rollback, force):
                 out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm, force=force, rollback=rollback)
             _outcome_exit(obj, out)
         # a playbook with targets: each target in turn (a build per container), every outcome reported
-        from .errors import Unreachable
-        from .report import dump_json
-
         outs = []
         with Fleet(inv) as fleet:
             for m in pb.members:
                 outs.append(install(fleet, m, obj.progress(), yes=yes, confirm=_confirm, force=force,
                                     rollback=rollback))
-        if obj.json:
-            dump_json([o.as_dict() for o in outs])
-        else:
-            for o in outs:
-                render_outcome(o)
-        sys.exit(EXIT_OK if all(o.ok for o in outs) else
-                 EXIT_UNREACHABLE if all(isinstance(o.error, Unreachable) for o in outs if not o.ok) else EXIT_FAILED)
+        _outcomes_exit(obj, outs)
     run_guarded(go, obj)
 
 
@@ -662,16 +662,7 @@ def fetch(obj, playbook, rehash, timeout_s, manifest_out):
                     _write_fetch_manifests(fleet, m, manifest_out)
         if len(outs) == 1:
             _outcome_exit(obj, outs[0])
-        from .errors import Unreachable
-        from .report import dump_json
-
-        if obj.json:
-            dump_json([o.as_dict() for o in outs])
-        else:
-            for o in outs:
-                render_outcome(o)
-        sys.exit(EXIT_OK if all(o.ok for o in outs) else
-                 EXIT_UNREACHABLE if all(isinstance(o.error, Unreachable) for o in outs if not o.ok) else EXIT_FAILED)
+        _outcomes_exit(obj, outs)
     run_guarded(go, obj)
 
 
