@@ -293,7 +293,11 @@ def tail_file(path, n, grep=None, exclude=None):
             data = fh.read()
     except OSError:
         return []
-    lines = [ANSI.sub("", ln) for ln in data.decode("utf-8", "replace").splitlines()]
+    return last_lines([ANSI.sub("", ln) for ln in data.decode("utf-8", "replace").splitlines()], n, grep, exclude)
+
+
+def last_lines(lines, n, grep=None, exclude=None):
+    """The last n of LINES that match the regular expression grep (if given) and not exclude (if given)."""
     if grep:
         rx = re.compile(grep)
         lines = [ln for ln in lines if rx.search(ln)]

@@ -5,7 +5,7 @@ import json
 import os
 
 from .core import now
-from .files import UnsafeDirectory, _read_json, open_dir, write_json_atomic
+from .files import _read_json, remove_owned, write_json_atomic
 
 
 def act_gate_record(a):
@@ -28,22 +28,9 @@ def act_gate_record(a):
         write_json_atomic(os.path.join(sd, "rejected.json"), {k: rec[k] for k in ("playbook", "at", "verdict")})
         out["rejected"] = _read_json(os.path.join(sd, "rejected.json")) is not None
     elif v.get("passed") and rej and rej.get("playbook") == a.get("playbook"):
-        _unlink_state(sd, "rejected.json")
+        remove_owned(sd, "rejected.json")
         out["cleared"] = True
     return out
-
-
-def _unlink_state(sd, name):
-    try:
-        dfd = open_dir(sd)
-    except (OSError, UnsafeDirectory):
-        return
-    try:
-        os.unlink(name, dir_fd=dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
 
 
 def gate_status(state_dir, st):

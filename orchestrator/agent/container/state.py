@@ -8,7 +8,7 @@ import signal
 import time
 
 from .core import LAUNCH_ID_VAR, now
-from .files import UnsafeDirectory, open_dir, read_state_file, write_json_atomic
+from .files import UnsafeDirectory, read_state_file, remove_owned, write_json_atomic
 from .procs import alive, descends_from, pids, proc_env_has, proc_pgid, proc_starttime
 from .systemd import systemd_running, unit_show
 
@@ -118,18 +118,8 @@ def act_note_failure(a):
     failure (after a successful down), forget the last one."""
     path = os.path.join(a["state_dir"], "last_failure.json")
     if not a.get("failure"):
-        try:
-            dfd = open_dir(a["state_dir"])
-        except (OSError, UnsafeDirectory):
-            return {"ok": True}
-        try:
-            for name in ("last_failure.json", "rejected.json"):  # a deliberate down ends both stories
-                try:
-                    os.unlink(name, dir_fd=dfd)
-                except OSError:
-                    pass
-        finally:
-            os.close(dfd)
+        for name in ("last_failure.json", "rejected.json"):  # a deliberate down ends both stories
+            remove_owned(a["state_dir"], name)
         return {"ok": True}
     rec = dict(a.get("failure") or {}, at=now())
     write_json_atomic(path, rec)

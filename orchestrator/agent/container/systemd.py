@@ -6,12 +6,12 @@ and what systemd says about a state file's unit (supervision). See docs/domain/s
 
 import json
 import os
-import re
 import signal
 import subprocess
 import time
 
 from .core import ANSI, clean
+from .files import last_lines
 from .procs import _boot_time, init_starttime, pids, proc_starttime
 
 
@@ -248,11 +248,5 @@ def supervision(st):
 def unit_log_tail(unit, n, grep=None, exclude=None):
     if n <= 0:
         return []
-    lines = journal(["-u", unit, "-o", "cat", "-n", str(n * (20 if grep or exclude else 1))], timeout=30)
-    if grep:
-        rx = re.compile(grep)
-        lines = [ln for ln in lines if rx.search(ln)]
-    if exclude:
-        ex = re.compile(exclude)
-        lines = [ln for ln in lines if not ex.search(ln)]
-    return lines[-n:]
+    return last_lines(journal(["-u", unit, "-o", "cat", "-n", str(n * (20 if grep or exclude else 1))], timeout=30), n,
+                      grep, exclude)
