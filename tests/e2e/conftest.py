@@ -1,35 +1,16 @@
 """End-to-end helpers: the real `deploy` CLI as a subprocess against the test bed (real sshd, pct, processes)."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from e2e_helpers import REPO
+from e2e_helpers import REPO, deploy_runner
 
 
 @pytest.fixture
 def deploy(tb, tmp_path):
     """deploy(*args, check=None, env=None, timeout=180) -> CompletedProcess (text), run from the repo root."""
-    state = tmp_path / "state"
-
-    def run(*args, env=None, timeout=180, input=None):
-        e = dict(os.environ, DEPLOY_INVENTORY=tb.inventory_path, DEPLOY_STATE_DIR=str(state), NO_COLOR="1")
-        e.update(env or {})
-        p = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, env=e, text=True,
-                           capture_output=True, timeout=timeout, input=input)
-        p.json = None
-        if "--json" in args:
-            try:
-                p.json = json.loads(p.stdout)
-            except ValueError:
-                pass
-        return p
-
-    run.state_dir = state
-    return run
+    return deploy_runner(tb.inventory_path, tmp_path / "state")
 
 
 @pytest.fixture

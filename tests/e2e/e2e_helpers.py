@@ -2,6 +2,10 @@
 
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -88,3 +92,50 @@ def wait_for_alert(port, name, proc, log_path, seconds):
             return firing
         time.sleep(0.5)
     raise AssertionError("no %s firing within %g s; alerts: %s" % (name, seconds, alerts))
+
+
+def deploy_runner(inventory, state, default_timeout=180, **more_env):
+    """deploy(*args, env=None, timeout=default_timeout, input=None) -> CompletedProcess (text; .json: the parsed
+    stdout with --json), the real CLI run from the repo root against INVENTORY with state directory STATE (and
+    NO_COLOR, MORE_ENV, then ENV); .state_dir is STATE."""
+    def run(*args, env=None, timeout=default_timeout, input=None):
+        e = dict(os.environ, DEPLOY_INVENTORY=inventory, DEPLOY_STATE_DIR=str(state), NO_COLOR="1", **more_env)
+        e.update(env or {})
+        p = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, env=e, text=True,
+                           capture_output=True, timeout=timeout, input=input)
+        p.json = None
+        if "--json" in args:
+            try:
+                p.json = json.loads(p.stdout)
+            except ValueError:
+                pass
+        return p
+
+    run.state_dir = state
+    return run
+
+
+def free_net(first, stop):
+    """A 127.77.N. prefix, N in range(first, stop), whose .1 port 2222 is free (for a test bed of a test's own);
+    None if there is none."""
+    for n in range(first, stop):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.77.%d.1" % n, 2222))
+                return "127.77.%d." % n
+            except OSError:
+                pass
+    return None
+
+
+def up_in_background(tb, env, playbook="qwen36-mtp"):
+    """`deploy up PLAYBOOK` started in the background with ENV: its Popen (text pipes), once pve1/129 has a
+    state file (at most 60 s)."""
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up", playbook], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if tb.container_exec("pve1", 129, ["test", "-e", "/var/lib/vllm-pve-deploy/state.json"]).returncode == 0:
+            break
+        time.sleep(0.1)
+    return proc

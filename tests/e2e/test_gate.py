@@ -5,11 +5,9 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
-from e2e_helpers import REPO, audit
+from e2e_helpers import audit, up_in_background
 
 
 def test_a_killed_up_then_up_gates_the_running_server_instead_of_already_up(tb, deploy):
@@ -17,13 +15,7 @@ def test_a_killed_up_then_up_gates_the_running_server_instead_of_already_up(tb, 
     up measures and gates it (no relaunch), and only then is it up."""
     tb.set_fault("pve1", 129, "load_s", 4.0)
     env = dict(os.environ, DEPLOY_INVENTORY=tb.inventory_path, DEPLOY_STATE_DIR=str(deploy.state_dir), NO_COLOR="1")
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up", "qwen36-mtp"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if tb.container_exec("pve1", 129, ["test", "-e", "/var/lib/vllm-pve-deploy/state.json"]).returncode == 0:
-            break
-        time.sleep(0.1)
+    proc = up_in_background(tb, env)
     time.sleep(0.3)
     proc.send_signal(signal.SIGKILL)  # no clean-up at all: the lock and the server stay
     proc.communicate(timeout=30)

@@ -11,14 +11,11 @@ import json
 import os
 import re
 import shlex
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from e2e_helpers import REPO
+from e2e_helpers import deploy_runner, free_net
 
 FAKE, REAL = 150, 151
 PB = ["real-dflash", "real-dflash-random", "real-ngram", "real-dflash-mixed"]
@@ -35,14 +32,7 @@ def _skip_reason():
 
 
 def _free_net():
-    for n in range(121, 181):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.77.%d.1" % n, 2222))
-                return "127.77.%d." % n
-            except OSError:
-                pass
-    return "127.77.121."
+    return free_net(121, 181) or "127.77.121."
 
 
 @pytest.fixture(scope="module")
@@ -80,23 +70,7 @@ def rbed():
 
 @pytest.fixture
 def deploy(rbed, tmp_path):
-    state = tmp_path / "state"
-
-    def run(*args, env=None, timeout=900):
-        e = dict(os.environ, DEPLOY_INVENTORY=rbed.inventory_path, DEPLOY_STATE_DIR=str(state), NO_COLOR="1",
-                 DEPLOY_PLAYBOOKS=str(rbed.root / "playbooks"))
-        e.update(env or {})
-        p = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, env=e, text=True,
-                           capture_output=True, timeout=timeout)
-        p.json = None
-        if "--json" in args:
-            try:
-                p.json = json.loads(p.stdout)
-            except ValueError:
-                pass
-        return p
-
-    yield run
+    yield deploy_runner(rbed.inventory_path, tmp_path / "state", 900, DEPLOY_PLAYBOOKS=str(rbed.root / "playbooks"))
     rbed.reset()  # whatever a test left running (a fallback, a hand-started server) is gone; models as seeded
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from e2e_helpers import REPO
+from e2e_helpers import REPO, free_net
 
 SD, NS = 131, 132  # systemd (LXC) container on GPUs 0,1; namespace container on GPUs 2,3
 KEY = "sk-systemd-test-6f1c0e9a2b"
@@ -22,15 +22,7 @@ UNIT = "vllm-sd-dflash.service"
 
 def _free_net():
     """A 127.77.N. (N = 61..120, apart from the session test bed's) whose pve1 port is free."""
-    import socket
-    for n in range(61, 121):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.77.%d.1" % n, 2222))
-                return "127.77.%d." % n
-            except OSError:
-                pass
-    return "127.77.61."
+    return free_net(61, 121) or "127.77.61."
 
 
 def _skip_reason():

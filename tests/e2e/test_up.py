@@ -2,12 +2,10 @@
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 
-from e2e_helpers import DRAFTER, PINNED_SHA, REPO, audit, cat, sha
+from e2e_helpers import DRAFTER, PINNED_SHA, audit, cat, sha, up_in_background
 
 
 def test_up_replaces_stale_config_verifies_launches_and_gates(tb, deploy):
@@ -169,13 +167,7 @@ def test_ctrl_c_mid_wait_leaves_a_recorded_consistent_state(tb, deploy):
 
     tb.set_fault("pve1", 129, "load_s", 30.0)
     env = dict(os.environ, DEPLOY_INVENTORY=tb.inventory_path, DEPLOY_STATE_DIR=str(deploy.state_dir))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up", "qwen36-mtp"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if tb.container_exec("pve1", 129, ["test", "-e", "/var/lib/vllm-pve-deploy/state.json"]).returncode == 0:
-            break
-        time.sleep(0.1)
+    proc = up_in_background(tb, env)
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -4,6 +4,7 @@ test_agent_local.py, test_safety_local.py (and test_messages.py's agent_code).""
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -38,3 +39,15 @@ def agent_code(body):
 
 def sha(path):
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def make_models(tmp_path):
+    """A target model directory (the trimmed Qwen3.6-27B config) and a drafter one (the stale guessed config):
+    (target, drafter)."""
+    t = tmp_path / "Qwen3.6-27B"
+    d = tmp_path / "Qwen3.6-27B-DFlash"
+    t.mkdir()
+    d.mkdir()
+    shutil.copy(TARGET, t / "config.json")
+    shutil.copy(STALE, d / "config.json")
+    return t, d

@@ -12,18 +12,12 @@ import sys
 
 import pytest
 
-from agent_support import PUBLISHED, STALE, TARGET, agent_code, run_agent, sha
+from agent_support import PUBLISHED, STALE, agent_code, make_models, run_agent, sha
 
 
 @pytest.fixture
 def models(tmp_path):
-    t = tmp_path / "Qwen3.6-27B"
-    d = tmp_path / "Qwen3.6-27B-DFlash"
-    t.mkdir()
-    d.mkdir()
-    shutil.copy(TARGET, t / "config.json")
-    shutil.copy(STALE, d / "config.json")
-    return t, d
+    return make_models(tmp_path)
 
 
 def verify(models, cfg_bytes=None, **kw):

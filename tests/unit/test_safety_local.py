@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.agent import agent_stdin
 
-from agent_support import PUBLISHED, STALE, TARGET, agent_code, run_agent, sha
+from agent_support import PUBLISHED, STALE, agent_code, make_models, run_agent, sha
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown, other users' files)")
 
@@ -36,13 +36,7 @@ def wait_for(pred, timeout=10.0):
 
 @pytest.fixture
 def models(tmp_path):
-    t = tmp_path / "Qwen3.6-27B"
-    d = tmp_path / "Qwen3.6-27B-DFlash"
-    t.mkdir()
-    d.mkdir()
-    shutil.copy(TARGET, t / "config.json")
-    shutil.copy(STALE, d / "config.json")
-    return t, d
+    return make_models(tmp_path)
 
 
 @pytest.fixture

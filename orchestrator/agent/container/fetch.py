@@ -12,8 +12,8 @@ import time
 
 from .core import clean, emit, now
 from .files import (
-    lock_held, UnsafeDirectory, _read_json, _tail_lines, new_runner_log, open_dir, runner_env, runner_id, spawn_runner,
-    tail_file, take_runner_lock, unique_name, write_json_atomic)
+    lock_held, UnsafeDirectory, _read_json, _tail_lines, new_runner_log, open_dir, runner_env, runner_gone, runner_id,
+    spawn_runner, tail_file, take_runner_lock, unique_name, write_json_atomic)
 from .install import _agent_source
 from .weights import (
     CHUNK, COMMIT_RE, FETCH_FINAL, FETCH_LOCK, FETCH_RECORDS, FETCH_STATE, FETCH_VAR, FetchError,
@@ -414,10 +414,9 @@ def _fetch_follow(a):
     last = 0.0
     while True:
         st = _fetch_state(state_dir)
-        if not st:
-            return {"ok": False, "message": "no fetch recorded in %s" % state_dir}
-        if a.get("id") and st.get("id") != a["id"]:
-            return {"ok": False, "message": "fetch %s was replaced by %s" % (a["id"], st.get("id"))}
+        gone = runner_gone("fetch", st, a)
+        if gone:
+            return gone
         pos, lines = _tail_lines(st.get("log") or "", pos)
         for ln in lines:
             emit(event="fetch", kind="line", line=clean(ln))

@@ -114,6 +114,16 @@ def new_runner_log(dfd, prefix, rid, keep=5):
     return logname, logfd
 
 
+def runner_gone(kind, st, a):
+    """Attaching to a detached run (a["id"], in a["state_dir"]): None while ST (its state file) is that run, else
+    the failed answer (none recorded, or another run replaced it)."""
+    if not st:
+        return {"ok": False, "message": "no %s recorded in %s" % (kind, a["state_dir"])}
+    if a.get("id") and st.get("id") != a["id"]:
+        return {"ok": False, "message": "%s %s was replaced by %s" % (kind, a["id"], st.get("id"))}
+    return None
+
+
 def runner_env(var, rid):
     """The environment of a detached runner: PATH, HOME, a UTF-8 locale, unbuffered output, and VAR=RID (how
     its processes are told apart)."""

@@ -16,8 +16,8 @@ from . import core
 from .core import clean, emit, now
 from .files import (
     lock_held,
-    UnsafeDirectory, _read_json, _tail_lines, new_runner_log, open_dir, runner_env, runner_id, spawn_runner, tail_file,
-    take_runner_lock, unique_name, why_untrusted, write_json_atomic)
+    UnsafeDirectory, _read_json, _tail_lines, new_runner_log, open_dir, runner_env, runner_gone, runner_id,
+    spawn_runner, tail_file, take_runner_lock, unique_name, why_untrusted, write_json_atomic)
 from .state import read_state
 
 
@@ -332,10 +332,9 @@ def _install_follow(a):
     last_beat, phase, last_line, lines_n = now(), None, "", 0
     while True:
         st = install_status(state_dir)
-        if not st:
-            return {"ok": False, "message": "no install recorded in %s" % state_dir}
-        if a.get("id") and st.get("id") != a["id"]:
-            return {"ok": False, "message": "install %s was replaced by %s" % (a["id"], st.get("id"))}
+        gone = runner_gone("install", st, a)
+        if gone:
+            return gone
         pos, lines = _tail_lines(st.get("log") or "", pos)
         for ln in lines:  # phases come from the runner's own lines in the log: in order, none missed
             if _protocol_line(ln):
