@@ -11,8 +11,9 @@ from ..errors import AgentError, ContainerNotRunning, OutputTooLarge
 from . import archive
 
 
-def _b64json(obj) -> str:
-    return base64.b64encode(json.dumps(obj).encode()).decode()
+def _json_literal(obj) -> str:
+    """A Python string literal holding obj's JSON (ASCII: json escapes the rest; repr escapes quotes, newlines)."""
+    return repr(json.dumps(obj, ensure_ascii=True))
 
 
 # `deploy status` reads GPU memory with this; its preamble starts it before anything else (EARLY_SMI)
@@ -32,10 +33,12 @@ def agent_stdin(payload: bytes | None = None, secrets: dict | None = None, bulk:
     the container (the archive runs from a private temp file): the unit tests' way. early_smi starts nvidia-smi
     first (EARLY_SMI)."""
     pre = EARLY_SMI if early_smi else b""
+    # inputs as a Python literal of their (ASCII) JSON: repr() is always a valid literal, and the agent needs json
+    # anyway (base64 would load _struct and binascii in every status exec for nothing)
     if bulk:
-        pre += f"import base64 as _b, json as _j; INPUT = _j.loads(_b.b64decode('{_b64json(bulk)}'))\n".encode()
+        pre += f"import json as _j; INPUT = _j.loads({_json_literal(bulk)})\n".encode()
     if secrets:
-        pre += f"import base64 as _b, json as _j; SECRETS = _j.loads(_b.b64decode('{_b64json(secrets)}'))\n".encode()
+        pre += f"import json as _j; SECRETS = _j.loads({_json_literal(secrets)})\n".encode()
     if payload is not None:
         pre += f"import base64 as _b; PAYLOAD = _b.b64decode('{base64.b64encode(payload).decode()}')\n".encode()
     if inline:

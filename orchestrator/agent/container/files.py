@@ -3,7 +3,6 @@ root's and not writable by others (open_dir), with unpredictable temp names, O_E
 a read-back; log tails with control sequences stripped."""
 
 import stat as _stat
-import base64
 import errno
 import json
 import os
@@ -200,6 +199,8 @@ def _only_state_files(dfd):
 
 
 def unique_name(prefix):
+    import base64  # here: status, which imports this module, never makes a name
+
     return "%s%s" % (prefix, base64.b32encode(os.urandom(10)).decode().lower())
 
 

@@ -7,7 +7,6 @@ Output: zero or more {"event": ...} lines, then exactly one {"result": ..., "pro
 leaves.
 """
 
-import base64
 import json
 import os
 import sys
@@ -77,7 +76,12 @@ def session():
         req = json.loads(raw)
         core.INPUT = req.get("input") or {}
         core.SECRETS = req.get("secrets") or {}
-        core.PAYLOAD = base64.b64decode(req["payload"]) if req.get("payload") is not None else None
+        if req.get("payload") is not None:
+            import base64  # sessions only: a status exec does not load it (nor _struct and binascii)
+
+            core.PAYLOAD = base64.b64decode(req["payload"])
+        else:
+            core.PAYLOAD = None
         args = dict(req.get("args") or {})
         args.update(core.INPUT)
         try:

@@ -3,7 +3,6 @@ drafter: where it came from, its commit, when it was verified), the manifest of 
 the files, and `serving_weights` for `deploy status`. Shared by fetch.py and fetch_runner.py; imports no network
 code."""
 
-import hashlib
 import json
 import os
 import re
@@ -51,6 +50,8 @@ def _repo_dir(hf_home, hub):
 
 def git_blob_sha1(path):
     size = os.path.getsize(path)
+    import hashlib  # here, as in the two functions below: status loads this module, rarely hashes (OpenSSL, ~2 ms)
+
     h = hashlib.sha1(b"blob %d\0" % size)
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(CHUNK), b""):
@@ -59,6 +60,8 @@ def git_blob_sha1(path):
 
 
 def _record_path(state_dir, dest):
+    import hashlib
+
     return os.path.join(state_dir, FETCH_RECORDS, hashlib.sha1(dest.encode()).hexdigest()[:16] + ".json")
 
 
@@ -140,6 +143,8 @@ def read_manifest(item):
         if n.startswith("/") or ".." in n.split("/") or n == MANIFEST_NAME or not n:
             raise FetchError("manifest %s: unsafe file name %r" % (item["source_path"], n))
         files.append({"name": n, "size": int(f["size"]), "sha256": f.get("sha256"), "blob": f.get("blob")})
+    import hashlib
+
     commit = m.get("commit") or hashlib.sha1(json.dumps(m["files"], sort_keys=True).encode()).hexdigest()
     return {"commit": commit, "files": files, "hub": m.get("hub"), "revision": m.get("revision")}
 
