@@ -45,7 +45,7 @@ def _clean_stale_beds(Testbed):
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _free_net():
+def _free_net(skip=()):
     """First 127.77.N. (N = 1..60) whose pve1/pve2 ports are free: concurrent sessions do not collide."""
     import socket
     fixed = os.environ.get("VPD_TEST_TESTBED_NET")
@@ -54,6 +54,8 @@ def _free_net():
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]  # pytest -n: each worker its own range
     start = 1 + 12 * (int(worker) % 5 if worker.isdigit() else 0)
     for n in list(range(start, 61)) + list(range(1, start)):
+        if "127.77.%d." % n in skip:
+            continue
         ok = True
         for i in (1, 2, 3, 4):
             with socket.socket() as s:
@@ -80,16 +82,28 @@ def testbed():
             Testbed.load(root).down()
         except Exception:  # noqa: BLE001 - best effort, up() cleans what is left
             pass
-    bed = Testbed(root=root, hosts=len(TESTBED_CONTAINERS), containers=TESTBED_CONTAINERS, gpus=4, net=_free_net())
+    from vpd_testbed.common import TestbedError
+
+    tried, bed = set(), None
 
     def teardown():
         try:
-            bed.down()
+            if bed is not None:
+                bed.down()
         except Exception:  # noqa: BLE001
             pass
 
     atexit.register(teardown)
-    bed.up()
+    for attempt in range(3):  # another pytest session on this machine may take the chosen addresses first
+        bed = Testbed(root=root, hosts=len(TESTBED_CONTAINERS), containers=TESTBED_CONTAINERS, gpus=4,
+                      net=_free_net(tried))
+        try:
+            bed.up()
+            break
+        except TestbedError:
+            if attempt == 2 or os.environ.get("VPD_TEST_TESTBED_NET"):
+                raise
+            tried.add(bed.net)
     try:
         yield bed
     finally:
