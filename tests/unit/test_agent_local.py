@@ -246,3 +246,50 @@ def test_layer_types_values_row_shows_what_is_on_disk_when_ok(models):
     _, checks = verify(models, open(PUBLISHED, "rb").read())
     c = checks["layer_types values"]
     assert c["ok"] and c["on_disk"] == "full_attention|sliding_attention", c
+
+
+def _status_with_smi(tmp_path, script, timeout_s):
+    """`status` as deploy sends it (early nvidia-smi in the first line, the program on the command line, -I -S), with
+    a stand-in nvidia-smi first on PATH; -> (result, seconds, how many times nvidia-smi ran)."""
+    import time
+
+    from orchestrator.agent.call import agent_argv, agent_stdin
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho run >> %s/runs\n%s\n" % (tmp_path, script))
+    smi.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    args = {"state_dir": str(state), "nvidia_smi_timeout_s": timeout_s}
+    prog = agent_stdin(None, None, None, early_smi=True).decode()
+    argv = agent_argv(sys.executable, "status", args, one_shot=True)
+    i = argv.index("-")
+    argv = argv[:i] + ["-c", prog] + argv[i + 1:]
+    env = dict(os.environ, PATH="%s:%s" % (bin_dir, os.environ.get("PATH", "/usr/bin:/bin")))
+    t0 = time.monotonic()
+    p = subprocess.run(argv, capture_output=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    took = time.monotonic() - t0
+    res = [json.loads(ln)["result"] for ln in p.stdout.decode().splitlines() if ln.startswith('{"result"')]
+    assert res, p.stderr.decode()
+    runs = (tmp_path / "runs").read_text().count("run") if (tmp_path / "runs").exists() else 0
+    return res[-1], took, runs
+
+
+def test_status_adopts_the_nvidia_smi_its_first_line_started(tmp_path):
+    r, _, runs = _status_with_smi(tmp_path, "echo '0, 1024, 81559'; echo '1, 0, 81559'", 5)
+    assert r["memory"] == {"gpus": {"0": {"used": 1024, "total": 81559}, "1": {"used": 0, "total": 81559}}}
+    assert runs == 1  # started once, by the preamble, and read by the agent
+
+
+def test_an_early_nvidia_smi_that_hangs_is_killed_at_the_timeout(tmp_path):
+    r, took, _ = _status_with_smi(tmp_path, "exec sleep 30", 0.5)
+    assert r["memory"] == {"error": "timeout", "message": "nvidia-smi did not answer within 0.5s"}
+    assert took < 20  # bounded: killed at the timeout, not waited for
+
+
+def test_an_early_nvidia_smi_that_fails_is_reported_as_before(tmp_path):
+    r, _, _ = _status_with_smi(tmp_path, "echo 'NVIDIA-SMI has failed because it could not communicate' >&2; exit 9",
+                               5)
+    assert r["memory"]["error"] == "failed" and "could not communicate" in r["memory"]["message"]
