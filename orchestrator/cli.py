@@ -209,9 +209,9 @@ def _outcome_exit(obj, out):
              (err.exit_code if err is not None and err.exit_code in (EXIT_USAGE, EXIT_INTERRUPTED) else EXIT_FAILED))
 
 
-def _outcomes_exit(obj, outs, unreachable=True):
+def _outcomes_exit(obj, outs):
     """Several outcomes (a playbook's targets, or several playbooks): --json all of them, else each rendered. Exit 0
-    all passed, 3 only unreachable hosts failed (with `unreachable`), else 1."""
+    all passed, 3 only unreachable hosts failed (as _outcome_exit for one), else 1."""
     from .errors import Unreachable
     from .report import dump_json
 
@@ -221,7 +221,7 @@ def _outcomes_exit(obj, outs, unreachable=True):
         for o in outs:
             render_outcome(o)
     sys.exit(EXIT_OK if all(o.ok for o in outs) else
-             EXIT_UNREACHABLE if unreachable and all(isinstance(o.error, Unreachable) for o in outs if not o.ok) else
+             EXIT_UNREACHABLE if all(isinstance(o.error, Unreachable) for o in outs if not o.ok) else
              EXIT_FAILED)
 
 
@@ -426,7 +426,7 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
                     outs.append(ops.up(fleet, pb, obj.progress(), opts, restart=True))
         if len(outs) == 1:
             _outcome_exit(obj, outs[0])
-        _outcomes_exit(obj, outs, unreachable=False)
+        _outcomes_exit(obj, outs)  # as a single restart: 3 when only unreachable hosts failed
     run_guarded(go, obj)
 
 
