@@ -352,6 +352,85 @@ def idle_drafter_checks(pinned: list[dict], host: str, vmid: int, file_sha) -> l
     return out
 
 
+def scan_args(pinned: list[dict], by_target: dict) -> dict:
+    """The drafter_scan arguments: every playbook's drafter HF_HOME, and the parent directories of every
+    playbook's model and drafter paths (the agent adds /root/.cache/huggingface/hub and /root/models)."""
+    infos = list(pinned) + list(by_target.values())
+    hf = sorted({i["hf_home"] for i in infos if i.get("hf_home")})
+    dirs = sorted({os.path.dirname(str(x).rstrip("/")) for i in infos for x in (i.get("model_path"), i.get("path"))
+                   if x and str(x).startswith("/") and os.path.dirname(str(x).rstrip("/")) not in ("", "/")})
+    return {"hf_homes": hf, "model_dirs": dirs, "budget_s": 5}
+
+
+def scan_checks(scan: dict, pinned: list[dict], host: str, vmid: int, covered=()) -> list[dict]:
+    """With no server running (issue 26): each drafter-looking config.json the agent's drafter_scan found in the
+    hub cache or a models directory that the playbook-path checks did not already cover, and what a server
+    started from it would do. An unreadable one is said too (not a finding: deploy cannot tell what it is)."""
+    here = f"{host}/{vmid}"
+    mine = [p for p in pinned if here in str(p.get("target") or "").split(", ")]
+    covered = {str(c).rstrip("/") for c in covered}
+    out = []
+    for c in scan.get("configs") or []:
+        if not isinstance(c, dict) or not isinstance(c.get("path"), str) or c["path"] in covered:
+            continue
+        if c.get("realpath") and c.get("kind") != "hub" and c["realpath"] in covered:
+            continue
+        where = c["path"]
+        item = {"path": where, "kind": c.get("kind"), "hub_id": c.get("hub_id"), "revision": c.get("revision"),
+                "sha256": c.get("sha256"), "size": c.get("size"), "drafter": c.get("drafter") or []}
+        if c.get("error"):
+            item["verdict"] = f"not read ({c['error']})"
+            out.append(item)
+            continue
+        if c.get("parse_error"):
+            item["verdict"] = f"not valid JSON ({c['parse_error']}): vLLM would refuse to load it"
+            out.append(item)
+            continue
+        if not item["drafter"] or not isinstance(item["sha256"], str):
+            continue  # a target model's config, or anything else that is no drafter's
+        same = [p for p in pinned if p.get("sha256") == item["sha256"]]
+        if same:
+            p = next((x for x in same if x in mine), same[0])
+            item["verdict"] = f"= the published config of {p['playbook']}"
+            item["pinned_by"] = p["playbook"]
+            out.append(item)
+            continue
+        served = f"--speculative-config model={c.get('hub_id')}" if c.get("kind") == "hub" and c.get("hub_id") \
+            else f"--speculative-config model={c.get('dir') or os.path.dirname(where)}"
+        name = os.path.basename(str(c.get("dir") or "").rstrip("/"))
+        uses = next((p for p in mine if (c.get("kind") == "hub" and c.get("hub_id") and p.get("hub_id") == c["hub_id"])
+                     or (c.get("kind") != "hub" and name and p.get("path")
+                         and os.path.basename(p["path"].rstrip("/")) == name)), None)
+        diff = ""
+        ids = c.get("target_layer_ids")
+        ref = next((p for p in pinned if p["config"].get("architectures") == c.get("architectures")), None)
+        if ids is not None and ref is not None:
+            pub = _get(ref["config"], "dflash_config.target_layer_ids")
+            if pub != ids:
+                diff = (f"; its dflash_config.target_layer_ids {ids} differ from the published {pub} "
+                        f"({ref['playbook']})")
+        if uses:
+            fix = (f"deploy apply-config {uses['playbook']} (installs and verifies the pinned config for the drafter "
+                   f"{uses.get('hub_id') or uses.get('path')}" + ("; the hub snapshot itself is never written, so a "
+                                                                   "server started by hand from it still reads this file"
+                                                                   if c.get("kind") == "hub" else "") + ")")
+        else:
+            key = f"hub_id: {c['hub_id']}" if c.get("kind") == "hub" and c.get("hub_id") else \
+                f"path: {c.get('dir') or os.path.dirname(where)}"
+            fix = (f"point a playbook's drafter at it ({key}) and pin its published config (deploy apply-config "
+                   "PLAYBOOK then installs and verifies it), or remove it")
+        item["verdict"] = "matches no pinned config"
+        item["finding"] = {
+            "class": "guessed-config",
+            "cause": f"no vLLM server runs, but {where} (sha256 {item['sha256'][:12]}; "
+                     f"{', '.join(item['drafter'][:2])}) is a drafter config that matches no pinned config: deploy "
+                     f"cannot vouch for it, and a server started with {served} would draft with whatever layers it "
+                     f"names{diff}",
+            "fix": fix, "evidence": {"path": where, "sha256": item["sha256"], "hub_id": c.get("hub_id")}}
+        out.append(item)
+    return out
+
+
 def _t(ts) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(ts)) + "Z"
 
@@ -371,7 +450,9 @@ def pinned_configs(inv) -> tuple[list[dict], dict]:
         except DeployError:
             continue
         acc = pb.data["acceptance"]
+        model = pb.data.get("model") or {}
         info = {"playbook": pb.name, "fallback": acc.get("fallback"), "target": pb.where,
+                "model_path": model.get("path"), "hf_home": (pb.drafter or {}).get("hf_home"),
                 "min_acceptance": acc.get("min_draft_acceptance"),
                 "acceptance": {k: acc.get(k) for k in ("min_mean_acceptance_length", "min_first_position",
                                                        "cliff_check", "min_drafts", "min_draft_acceptance")}}
@@ -455,6 +536,20 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
                 pinned, host, vmid, lambda path: agent.call(fleet.session(host), vmid, rt["python"], "file_sha",
                                                             {"path": path}, timeout=20))
             row["findings"] += [c["finding"] for c in row["idle_configs"] if c.get("finding")]
+            row["scanned_configs"], row["scan"] = [], None
+            try:  # the hub cache and models directories: one agent call for all of them
+                r = agent.call(fleet.session(host), vmid, rt["python"], "drafter_scan", scan_args(pinned, by_target),
+                               timeout=20)
+                row["scan"] = {k: v for k, v in r.as_dict().items() if k != "configs"}
+                row["scanned_configs"] = scan_checks(r.as_dict(), pinned, host, vmid,
+                                                     [c["path"] for c in row["idle_configs"]])
+            except DeployError as e:
+                row["scan"] = {"error": e.render()}
+            except (TypeError, KeyError, AttributeError, ValueError) as e:  # typed, but nested data still odd
+                row["scanned_configs"] = []
+                row["scan"] = {"error": f"agent action 'drafter_scan' answered a malformed result "
+                                        f"({type(e).__name__}: {e})"}
+            row["findings"] += [c["finding"] for c in row["scanned_configs"] if c.get("finding")]
         row["processes"] = [{k: p.get(k) for k in ("pid", "ppid", "pgid", "comm", "devices", "started_at")}
                             | {"argv": " ".join(p.get("argv") or [])[:400]} for p in facts.get("processes") or []]
         row["servers"] = [_server_view(s) for s in facts.get("servers") or []]
@@ -524,6 +619,16 @@ def render(rows) -> str:
                            f"{acc.get('mean_acceptance_length') or 0:.2f} ({acc.get('drafts'):g} drafts, /metrics)")
         for c in r.get("idle_configs") or []:
             out.append(f"  drafter config {c['path']} (no server runs; for {c['playbook']}): {c['verdict']}")
+        for c in r.get("scanned_configs") or []:
+            sha = f" sha256 {c['sha256'][:12]}" if c.get("sha256") else ""
+            where = "hub cache" if c.get("kind") == "hub" else "models directory"
+            out.append(f"  drafter config {c['path']}{sha} (no server runs; {where}): {c['verdict']}")
+        sc = r.get("scan") or {}
+        if sc.get("error"):
+            out.append(f"  hub cache and models directories not scanned: {sc['error']}")
+        elif sc.get("truncated"):
+            out.append(f"  hub cache and models directories: scan stopped early ({sc['truncated']}); "
+                       "configs past that point were not examined")
         for p in r["processes"]:
             out.append(f"  pid {p['pid']} (parent {p['ppid']}, group {p['pgid']}) {p['comm']}"
                        + (f" holds {', '.join(p['devices'])}" if p.get("devices") else ""))

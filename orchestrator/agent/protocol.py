@@ -277,6 +277,19 @@ class DoctorResult(AgentResult):
 
 
 @dataclass
+class DrafterScanResult(AgentResult):
+    """`drafter_scan`: the config.json files in the hub cache and models directories (container/scan.py), each
+    {path, kind, hub_id, revision, dir, realpath, size, sha256, drafter (why it looks like one), error,
+    parse_error}; truncated says why the scan stopped early."""
+    REQUIRED = WIRE["drafter_scan"]
+    configs: list = field(default_factory=list)
+    roots: dict = None
+    truncated: str = None
+    notes: list = None
+    seconds: float = None
+
+
+@dataclass
 class HubDrafterResult(AgentResult):
     REQUIRED = WIRE["hub_drafter"]
     ok: bool = False
@@ -343,7 +356,7 @@ RESULT_TYPES = {
     "lock": LockResult, "unlock": UnlockResult, "status": CurrentResult, "write_file": WriteFileResult,
     "verify": VerifyResult, "stop": StopResult, "gpus_free": GpusFreeResult, "port_check": PortResult,
     "launch": LaunchResult, "wait_ready": ReadyResult, "file_sha": FileShaResult, "acceptance": AcceptanceResult,
-    "note_failure": NoteFailureResult, "logs": LogsResult, "doctor": DoctorResult, "hub_drafter": HubDrafterResult,
+    "note_failure": NoteFailureResult, "logs": LogsResult, "doctor": DoctorResult, "drafter_scan": DrafterScanResult, "hub_drafter": HubDrafterResult,
     "install_vllm": InstallResult,
     "gate_record": GateRecordResult, "router": RouterResult,
 }

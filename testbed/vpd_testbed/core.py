@@ -1062,6 +1062,8 @@ class Testbed:
                 self.container_exec(h, v, ["sh", "-c", "umount /root/models 2>/dev/null; "
                                                        "rm -rf /var/lib/vllm-pve-deploy"], timeout=10)
                 self._write_models(d)
+                # no hub cache left by an earlier test: doctor with no server reads it (issue 26)
+                shutil.rmtree(d / "root" / ".cache" / "huggingface", ignore_errors=True)
                 self._restore_runtime(d)
                 keep = {"ml-env", "models", ".profile", ".bashrc", ".cache"}
                 for src, dst in json.loads((d / "ct.json").read_text())["binds"]:

@@ -134,3 +134,49 @@ def test_doctor_names_a_holder_outside_the_container(tb, deploy):
     assert p.returncode == 1 and [x["class"] for x in f] == ["leftover-holder"], f
     assert "GPU 0 is held outside this container, by the host itself (no container)" in f[0]["cause"]
     assert "30000 MiB" in f[0]["cause"] and "never kills on the host" in f[0]["fix"]
+
+
+def test_doctor_with_no_server_names_guessed_configs_in_the_hub_cache_and_models_dir(tb, deploy):
+    # issue 26: no server runs; guessed drafter configs outside the playbooks' paths are found and named
+    hub = "/root/.cache/huggingface/hub/models--org--name"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    with open(REPO + "/testbed/vpd_testbed/data/qwen36-27b-dflash.stale-guess.config.json", "rb") as fh:
+        stale = fh.read()
+    script = (f"set -e; mkdir -p {hub}/blobs {hub}/refs {hub}/snapshots/{rev} /root/models/Other-DFlash "
+              f"/root/models/Copy-DFlash; cat > {hub}/blobs/aaa1; "
+              f"ln -s ../../blobs/aaa1 {hub}/snapshots/{rev}/config.json; printf %s {rev} > {hub}/refs/main; "
+              f"cp {hub}/blobs/aaa1 /root/models/Other-DFlash/config.json")
+    try:
+        tb.container_exec("pve1", 129, ["sh", "-c", script], input=stale, text=False, check=True)
+        tb.container_exec("pve1", 129, ["sh", "-c", "cat > /root/models/Copy-DFlash/config.json"],
+                          input=pinned_bytes(), text=False, check=True)
+        stale_sha = __import__("hashlib").sha256(stale).hexdigest()
+        p = deploy("--json", "doctor", "pve1/129")
+        assert p.returncode == 1, p.stdout + p.stderr
+        row = p.json["containers"][0]
+        assert row["servers"] == [] and [x["class"] for x in row["findings"]] == ["guessed-config"] * 3, row["findings"]
+        snap = f"{hub}/snapshots/{rev}/config.json"
+        causes = {f["evidence"]["path"]: f for f in row["findings"]}
+        assert set(causes) == {DRAFTER, snap, "/root/models/Other-DFlash/config.json"}, causes
+        for path in (snap, "/root/models/Other-DFlash/config.json"):
+            f = causes[path]
+            assert f"no vLLM server runs, but {path} (sha256 {stale_sha[:12]}" in f["cause"]
+            assert "matches no pinned config: deploy cannot vouch for it" in f["cause"]
+            assert "[1, 17, 33, 49, 63] differ from the published [1, 16, 31, 46, 61]" in f["cause"]
+            assert f["fix"].startswith("point a playbook's drafter at it") and f["fix"].endswith("or remove it")
+        assert "(hub_id: org/name)" in causes[snap]["fix"]
+        assert "(path: /root/models/Other-DFlash)" in causes["/root/models/Other-DFlash/config.json"]["fix"]
+        scanned = {c["path"]: c for c in row["scanned_configs"]}
+        assert scanned["/root/models/Copy-DFlash/config.json"]["verdict"] == "= the published config of qwen36-dflash"
+        assert scanned[snap]["hub_id"] == "org/name" and scanned[snap]["revision"] == rev
+        assert DRAFTER not in scanned and "/root/models/Qwen3.6-27B/config.json" not in scanned  # covered; a target
+        assert row["scan"]["truncated"] is None and "/root/models" in row["scan"]["roots"]["models"]
+        text = deploy("doctor", "pve1/129").stdout
+        assert (f"drafter config {snap} sha256 {stale_sha[:12]} (no server runs; hub cache): matches no pinned "
+                "config") in text
+        assert (f"drafter config /root/models/Copy-DFlash/config.json sha256 {PINNED_SHA[:12]} (no server runs; "
+                "models directory): = the published config of qwen36-dflash") in text
+        assert text.count("GUESSED-CONFIG: no vLLM server runs") == 3 and "no problem found" not in text
+    finally:
+        tb.container_exec("pve1", 129, ["rm", "-rf", "/root/.cache/huggingface", "/root/models/Other-DFlash",
+                                        "/root/models/Copy-DFlash"])

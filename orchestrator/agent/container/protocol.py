@@ -28,6 +28,7 @@ REQUIRED = {
     "note_failure": (),
     "logs": (),
     "doctor": ("processes", "servers"),
+    "drafter_scan": ("configs",),
     "install_vllm": ("ok",),
     "gate_record": ("ok",),
     "router": (),
