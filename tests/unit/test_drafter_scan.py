@@ -58,8 +58,10 @@ def test_drafter_scan_reads_the_hub_cache_and_models_dirs_and_nothing_hostile(tm
     (tmp_path / "secretdir").mkdir()
     shutil.copy(STALE, tmp_path / "secretdir" / "config.json")
     os.symlink(STALE, models / "Other-DFlash" / "x")  # files beside config.json are not looked at
-    wide = models / "wide"
-    wide.mkdir()
+    (tmp_path / "secretdir" / "sub").mkdir()
+    shutil.copy(STALE, tmp_path / "secretdir" / "sub" / "config.json")
+    (hub / "models--org--snaplink").mkdir()
+    os.symlink(tmp_path / "secretdir", hub / "models--org--snaplink" / "snapshots")  # not walked
 
     r, by, took = scan(tmp_path)
     assert took < 10, took
@@ -77,8 +79,9 @@ def test_drafter_scan_reads_the_hub_cache_and_models_dirs_and_nothing_hostile(tm
     assert "over the" in big["error"] and "sha256" not in big and big["size"] > 2 << 20
     assert "parse_error" in by[str(models / "bad" / "config.json")]
     assert by[str(models / "target" / "config.json")]["drafter"] == []
-    assert not [p for p in by if "/deep/" in p or "/linked/" in p or "secret" in p], sorted(by)
+    assert not [p for p in by if "/deep/" in p or "/linked/" in p or "secret" in p or "snaplink" in p], sorted(by)
     assert r["truncated"] is None
+    assert any("models--org--snaplink/snapshots is a symlink" in n for n in r["notes"]), r["notes"]
     assert str(hub) in r["roots"]["hub"] and "/root/.cache/huggingface/hub" in r["roots"]["hub"]
     assert str(models) in r["roots"]["models"] and "/root/models" in r["roots"]["models"]
 

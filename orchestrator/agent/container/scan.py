@@ -164,7 +164,11 @@ def act_drafter_scan(a):
                 repo_dir = os.path.join(hub, repo)
                 parts = repo[len("models--"):].split("--", 1)
                 hub_id = "/".join(parts) if len(parts) == 2 else None
-                for snap in _dirs(os.path.join(repo_dir, "snapshots"), budget):
+                snaps = os.path.join(repo_dir, "snapshots")
+                if os.path.islink(snaps):  # would lead the walk out of the repo directory
+                    budget["notes"].append("%s is a symlink (not followed)" % snaps)
+                    continue
+                for snap in _dirs(snaps, budget):
                     info = _hub_config(repo_dir, snap, budget)
                     if info is not None:
                         info.update(kind="hub", hub_id=hub_id, revision=snap, hf_home=os.path.dirname(hub))
