@@ -9,6 +9,7 @@ import time
 
 from ..errors import AgentError, ContainerNotRunning, OutputTooLarge
 from . import archive
+from .container.protocol import SMI_MEMORY_ARGS
 
 
 def _json_literal(obj) -> str:
@@ -16,8 +17,6 @@ def _json_literal(obj) -> str:
     return repr(json.dumps(obj, ensure_ascii=True))
 
 
-# `deploy status` reads GPU memory with this; its preamble starts it before anything else (EARLY_SMI)
-SMI_MEMORY_ARGS = ("--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits")
 # The first line of a status exec: start nvidia-smi at once (tens of ms on the test bed, 100-500 ms on real GPUs), so
 # that it runs while the interpreter verifies the cached agent and imports what status needs; the agent's
 # read_gpu_memory adopts that process (gpus.py: nvidia_smi), with the same timeout and error handling as its own.
@@ -57,11 +56,14 @@ ARGV_PROGRAM_MAX = 32 << 10
 ISOLATED = frozenset({"status"})
 
 
-def agent_argv(python: str, action: str, args: dict, *, one_shot: bool = False) -> list[str]:
+def agent_argv(python: str, action: str, args: dict, *, one_shot: bool = False, program: str | None = None
+               ) -> list[str]:
     """The argv of one action in a process of its own (one_shot: `call`, -I -S for ISOLATED actions), or as a plan
-    shows a step that an agent session runs (the session's interpreter has its normal path)."""
+    shows a step that an agent session runs (the session's interpreter has its normal path). The program comes
+    on stdin (`-`), or with `program` on the command line (`-c PROGRAM`)."""
     flags = ["-I", "-S"] if one_shot and action in ISOLATED else []
-    return [python, *flags, "-", action, json.dumps(args, sort_keys=True, separators=(",", ":"))]
+    source = ["-"] if program is None else ["-c", program]
+    return [python, *flags, *source, action, json.dumps(args, sort_keys=True, separators=(",", ":"))]
 
 
 def call(session, vmid: int, python: str, action: str, args: dict, *, payload: bytes | None = None,
@@ -105,9 +107,9 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
             # nothing secret and no archive: the program goes on the command line (`-c`), not stdin. sshd opens
             # a session channel with a zero window and grants it once the command runs, so stdin costs a round
             # trip of its own: on the command line the answer comes one round trip sooner (50 ms at 50 ms RTT)
-            i = argv.index("-")
-            argv = argv[:i] + ["-c", program.decode()] + argv[i + 1:]
-            audit_argv = argv[:i] + ["-c", f"<agent bootstrap, {len(program)} bytes>"] + argv[i + 2:]
+            argv = agent_argv(python, action, args, one_shot=True, program=program.decode())
+            audit_argv = agent_argv(python, action, args, one_shot=True,
+                                    program=f"<agent bootstrap, {len(program)} bytes>")
             program = None
         res = session.ct(vmid, argv, stdin=program, audit_argv=audit_argv,
                          timeout=max(1.0, deadline - time.monotonic()), label=f"agent:{action}", on_line=on_line)

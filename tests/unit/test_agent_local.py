@@ -264,9 +264,7 @@ def _status_with_smi(tmp_path, script, timeout_s):
     state.mkdir(mode=0o700)
     args = {"state_dir": str(state), "nvidia_smi_timeout_s": timeout_s}
     prog = agent_stdin(None, None, None, early_smi=True).decode()
-    argv = agent_argv(sys.executable, "status", args, one_shot=True)
-    i = argv.index("-")
-    argv = argv[:i] + ["-c", prog] + argv[i + 1:]
+    argv = agent_argv(sys.executable, "status", args, one_shot=True, program=prog)
     env = dict(os.environ, PATH="%s:%s" % (bin_dir, os.environ.get("PATH", "/usr/bin:/bin")))
     t0 = time.monotonic()
     p = subprocess.run(argv, capture_output=True, timeout=60, env=env, stdin=subprocess.DEVNULL)

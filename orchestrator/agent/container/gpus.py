@@ -10,6 +10,7 @@ import time
 from . import core
 from .core import emit, in_container, now
 from .procs import pids, proc_cmdline, proc_comm
+from .protocol import SMI_MEMORY_ARGS
 from .state import proven_members, read_state
 from .systemd import systemd_running, unit_cgroup_members
 
@@ -40,8 +41,7 @@ def nvidia_smi(args, timeout):
 
 def read_gpu_memory(timeout):
     """{index: {"used": MiB, "total": MiB}} or {"error": ...}."""
-    rc, out, err, timed_out = nvidia_smi(["--query-gpu=index,memory.used,memory.total",
-                                          "--format=csv,noheader,nounits"], timeout)
+    rc, out, err, timed_out = nvidia_smi(list(SMI_MEMORY_ARGS), timeout)
     if timed_out:
         return {"error": "timeout", "message": "nvidia-smi did not answer within %gs" % timeout}
     if rc != 0:

@@ -5,6 +5,10 @@ refuses another protocol version. Kept small: the agent imports it for every act
 
 PROTOCOL = 2
 
+# nvidia-smi's arguments for GPU memory: the status exec's first line starts it with these (orchestrator/agent/
+# call.py EARLY_SMI) and gpus.read_gpu_memory adopts that run only when its own arguments are these same ones
+SMI_MEMORY_ARGS = ("--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits")
+
 
 class ProtocolError(Exception):
     pass
