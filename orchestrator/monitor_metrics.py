@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 
+from .atomic import write_atomic
 from .errors import EXIT_OK, EXIT_UNREACHABLE, DeployError, UsageError
 from .monitor import VPD_FOREIGN, VPD_GATED, VPD_OPERATION, VPD_RESTARTS, VPD_START_LIMIT
 
@@ -190,40 +190,11 @@ def write_textfile(path: str, text: str) -> dict:
     """Write atomically for the textfile collector: a temp file in the same directory (a name node_exporter skips),
     fsync, mode 0644, rename over PATH, fsync the directory; then read it back and parse it. -> {bytes, samples}.
     Raises DeployError saying what failed."""
-    d = os.path.dirname(path)
     data = text.encode("utf-8")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    except OSError as e:
-        raise DeployError(f"cannot create a temporary file in {d}: {e.strerror}", where=path,
-                          fix="run as a user that may write there (node_exporter's textfile directory)") from None
-    try:
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except OSError as e:
-            raise DeployError(f"writing the metrics failed: {e.strerror} ({e.filename or tmp})", where=path,
-                              fix="check the directory's free space and permissions") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    try:
-        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass  # some file systems cannot fsync a directory; the rename is done
+    write_atomic(path, data, mode=0o644,
+                 fix="run as a user that may write there (node_exporter's textfile directory); check its free space")
     with open(path, "rb") as fh:
         back = fh.read()
-    if back != data:
-        raise DeployError(f"read back {len(back)} bytes, wrote {len(data)}: the file differs from what was written",
-                          where=path, fix="another writer uses this file name? give each exporter its own file")
     try:
         parsed = parse(back.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import time
 from pathlib import Path
 
+from .atomic import write_atomic
 from .errors import UsageError
 from .locate import shipped_dir
 
@@ -52,7 +50,7 @@ def _files(src: Path) -> list[tuple[Path, str]]:
 def init(directory: str, force: bool = False) -> dict:
     """Write DIR/hosts.yaml (the inert example inventory) and DIR/playbooks/ (the shipped playbooks, pinned
     drafter configs, schemas). An existing file that differs is refused, or with force replaced after a backup
-    (FILE.bak-UTC); one that is already identical is left alone. Every write is read back."""
+    (FILE.bak-<UTC time>-<random>); one that is already identical is left alone. Every write is read back."""
     src = shipped_dir()
     if src is None or not (src / INVENTORY_EXAMPLE).is_file():
         raise UsageError("the shipped examples are missing from this installation",
@@ -63,24 +61,17 @@ def init(directory: str, force: bool = False) -> dict:
     if differs and not force:
         raise UsageError("would replace files that differ: " + ", ".join(str(dest / r) for r in differs),
                          fix="keep them (edit in place), use another DIR, or deploy init --force "
-                             "(each replaced file is kept as FILE.bak-<UTC time>)")
+                             "(each replaced file is kept as FILE.bak-<UTC time>-<random>)")
     written, unchanged, backups = [], [], []
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     for rel, text in files:
         target = dest / rel
         if target.exists() and target.read_bytes() == text.encode():
             unchanged.append(str(target))
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():
-            backup = target.with_name(f"{target.name}.bak-{stamp}")
-            shutil.copy2(target, backup)
-            backups.append(str(backup))
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, target)
-        if target.read_bytes() != text.encode():
-            raise UsageError(f"{target}: read back differs from what was written", fix="check the disk and run again")
+        backup = write_atomic(str(target), text, mode=0o644, keep_mode=True, backup=True)
+        if backup:
+            backups.append(backup)
         written.append(str(target))
     return {"directory": str(dest.resolve()), "written": written, "unchanged": unchanged, "backups": backups}
 

@@ -122,7 +122,7 @@ def test_discover_write_escapes_newlines_from_the_container_in_yaml_comments(tmp
 def test_the_hosts_yaml_backup_is_exclusive_private_and_never_through_a_symlink(tmp_path):
     import os
 
-    from orchestrator import discover
+    from orchestrator import atomic
 
     inv = tmp_path / "hosts.yaml"
     inv.write_text("hosts: []\n")
@@ -132,10 +132,10 @@ def test_the_hosts_yaml_backup_is_exclusive_private_and_never_through_a_symlink(
     import datetime
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     os.symlink(victim, f"{inv}.bak-{stamp}")  # the old, predictable name
-    b = discover._backup(str(inv))
+    b = atomic.backup_copy(str(inv))
     assert victim.read_text() == "keep" and not os.path.islink(b)
     assert os.stat(b).st_mode & 0o777 == 0o600 and open(b).read() == "hosts: []\n"
-    assert b != discover._backup(str(inv))  # unpredictable: a new name each time
+    assert b != atomic.backup_copy(str(inv))  # unpredictable: a new name each time
 
 
 @pytest.mark.parametrize("action, answer, field", [
