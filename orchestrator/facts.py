@@ -29,9 +29,12 @@ def parse_pct_status(text: str) -> str:
 
 
 def parse_pct_config_gpus(text: str) -> list[int]:
-    """GPU indices passed into a container: `devN: /dev/nvidiaK` lines and `lxc.mount.entry: /dev/nvidiaK ...`."""
+    """GPU indices passed into a container: `devN: /dev/nvidiaK` lines and `lxc.mount.entry: /dev/nvidiaK ...`
+    of the current config (a `[snapshot]` section ends it, as in discover.parse_pct_config)."""
     gpus = set()
     for ln in text.splitlines():
+        if ln.strip().startswith("["):  # a snapshot section: its lines are not the running config
+            break
         m = re.match(r"(dev\d+|lxc\.mount\.entry):\s*/dev/nvidia(\d+)\b", ln.strip())
         if m:
             gpus.add(int(m.group(2)))

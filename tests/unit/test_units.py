@@ -123,6 +123,8 @@ def test_parse_pct_list_by_offsets():
     assert parse_pct_config_gpus("arch: amd64\ndev0: /dev/nvidia0\ndev1: /dev/nvidia2,gid=44\n"
                                  "lxc.mount.entry: /dev/nvidia3 dev/nvidia3 none bind,optional,create=file\n"
                                  "dev5: /dev/nvidiactl\n") == [0, 2, 3]
+    # a snapshot's GPUs are not the container's (pct config prints the current config first)
+    assert parse_pct_config_gpus("dev0: /dev/nvidia1\n\n[before-upgrade]\ndev0: /dev/nvidia0\n") == [1]
 
 
 def metrics(drafts, tokens, accepted, per_pos, engines=("0",)):
