@@ -17,10 +17,12 @@ A GPU listed for more than one container is flagged as shared (with the other VM
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import os
 import re
 
+from .agent.container import files as _agent_files
 from .atomic import write_atomic
 from .errors import DeployError, UsageError
 from .facts import parse_pct_list
@@ -296,22 +298,9 @@ def small(path, limit=1 << 16):
         return None
     finally:
         os.close(fd)
-def why_untrusted(path):
-    for q in {path, os.path.realpath(path)}:
-        while True:
-            try:
-                st = os.lstat(q)
-            except OSError as e:
-                return "%s: %s" % (q, e.strerror)
-            if not stat.S_ISLNK(st.st_mode):
-                if st.st_uid != 0:
-                    return "%s is owned by uid %d" % (q, st.st_uid)
-                if st.st_mode & 0o022:
-                    return "%s is writable by %s" % (q, "others" if st.st_mode & 0o002 else "its group")
-            if q == "/":
-                break
-            q = os.path.dirname(q)
-    return None
+"""
+# the agent's own why_untrusted (one definition: a sticky directory is judged as the agent judges it)
+PROBE_PY = PROBE_PY + "import stat as _stat\n" + inspect.getsource(_agent_files.why_untrusted) + r"""
 def cfg(prefix):
     out = {}
     for ln in (small(os.path.join(prefix, "pyvenv.cfg")) or "").splitlines():

@@ -206,3 +206,14 @@ def test_testbed_ct_option_parsing():
     for bad in ("pve1:python=none", "pve1/131", "pve1/131:python"):
         with pytest.raises(click.BadParameter):
             _parse_ct_options([bad])
+
+
+def test_the_probe_judges_ownership_with_the_agents_own_why_untrusted():
+    """One definition (issue 39): discover's probe carries the agent's why_untrusted source, so a sticky
+    directory (/tmp-like) above a runtime is judged the same way on both paths."""
+    import inspect
+
+    from orchestrator.agent.container import files
+
+    assert inspect.getsource(files.why_untrusted) in d.PROBE_PY
+    assert d.PROBE_PY.count("def why_untrusted(") == 1
