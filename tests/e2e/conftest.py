@@ -1,10 +1,9 @@
 """End-to-end helpers: the real `deploy` CLI as a subprocess against the test bed (real sshd, pct, processes)."""
 
-import os
 
 import pytest
 
-from e2e_helpers import REPO, deploy_runner
+from e2e_helpers import deploy_runner
 
 
 @pytest.fixture
@@ -16,20 +15,18 @@ def deploy(tb, tmp_path):
 @pytest.fixture
 def playbooks(tmp_path):
     """A copy of playbooks/ with faster GPU timeouts; edit(name, old, new) changes one; env for deploy()."""
-    import shutil
+    from playbook_support import copy_playbooks, edit_file
 
-    d = tmp_path / "playbooks"
-    shutil.copytree(os.path.join(REPO, "playbooks"), d)
+    d = copy_playbooks(tmp_path / "playbooks")
 
     def edit(name, old, new):
         p = d / f"{name}.yaml"
-        text = p.read_text()
-        if old not in text:
-            text = text.replace("\ngpu:\n", f"\ngpu:\n  {new}\n", 1) if "\ngpu:\n" in text else \
-                text + f"\ngpu:\n  {new}\n"
-        else:
-            text = text.replace(old, new, 1)
-        p.write_text(text)
+        if old in p.read_text():
+            edit_file(p, old, new)
+        else:  # a gpu: key the playbook does not set yet
+            text = p.read_text()
+            p.write_text(text.replace("\ngpu:\n", f"\ngpu:\n  {new}\n", 1) if "\ngpu:\n" in text else
+                         text + f"\ngpu:\n  {new}\n")
 
     edit.dir = d
     edit.env = {"DEPLOY_PLAYBOOKS": str(d)}

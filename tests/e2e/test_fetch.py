@@ -11,6 +11,7 @@ import time
 import pytest
 
 from e2e_helpers import REPO
+from playbook_support import edit_file
 
 H, V = "pve1", 129
 PORT = 8077
@@ -90,10 +91,7 @@ def drafter_block(hub, repo=DRAFT, extra=""):
 
 
 def edit(playbooks, old, new):
-    p = playbooks.dir / "qwen36-dflash.yaml"
-    text = p.read_text()
-    assert old in text, text
-    p.write_text(text.replace(old, new, 1))
+    edit_file(playbooks.dir / "qwen36-dflash.yaml", old, new)
 
 
 def sh(tb, cmd):

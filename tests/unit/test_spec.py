@@ -1,13 +1,13 @@
 """Validation: one test per class of mistake, asserting the message and the line number. Nothing remote runs."""
 
 import os
-import shutil
 import textwrap
 
 import pytest
 
 from orchestrator.errors import SpecError
 from orchestrator.spec import load_inventory, load_playbook
+from playbook_support import copy_playbooks, edit_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,8 +24,7 @@ hosts:
 
 @pytest.fixture
 def work(tmp_path):
-    pbdir = tmp_path / "playbooks"
-    shutil.copytree(os.path.join(REPO, "playbooks"), pbdir)
+    copy_playbooks(tmp_path / "playbooks")
     (tmp_path / "hosts.yaml").write_text(INVENTORY)
     return tmp_path
 
@@ -35,11 +34,7 @@ def inv(work):
 
 
 def edit(work, name, old, new):
-    p = work / "playbooks" / f"{name}.yaml"
-    text = p.read_text()
-    assert old in text, old
-    p.write_text(text.replace(old, new, 1))
-    return str(p)
+    return edit_file(work / "playbooks" / f"{name}.yaml", old, new)
 
 
 def problems(fn):
