@@ -79,6 +79,17 @@ def endpoint(host, container, port: int) -> dict:
             "local_url": f"http://127.0.0.1:{port}/v1" if tunnel else None, "note": None}
 
 
+def container_endpoint(inv, host_name: str, vmid: int, port: int) -> dict:
+    """endpoint() of HOST_NAME/VMID's container from the inventory: the one place a deployment's (or a router's)
+    client URL is computed (ops.url, router.url and playbook_endpoints use it). A host not in the inventory gives
+    url None with a note."""
+    host = inv.hosts.get(host_name) if inv is not None else None
+    if host is None:
+        return {"url": None, "address": None, "port": port, "tunnel": None, "routable": None, "local_url": None,
+                "note": f"host {host_name} is not in the inventory"}
+    return endpoint(host, host.container(vmid), port)
+
+
 def describe(ep: dict) -> str:
     """One line for people: the URL (and the tunnel), or where it listens when the address is unknown."""
     if not ep.get("url"):
@@ -104,23 +115,17 @@ def playbook_endpoints(inv, pb) -> list[dict]:
     """One row per target of the playbook: where, the endpoint (see endpoint()), the served model and a curl line;
     for a playbook with router: one row, the router's (role "router"; clients use the replicas' key through it)."""
     rows = []
-    if pb.data.get("router"):
-        from . import router as R
-
-        r = R.spec(pb)
-        host = inv.hosts.get(r["host"])
-        ep = R.url(inv, pb)
+    r = pb.data.get("router")
+    if r:
+        ep = container_endpoint(inv, r["host"], r["vmid"], r["port"])
         first = pb.member(f"{pb.targets[0]['host']}/{pb.targets[0]['vmid']}") if pb.is_fleet else pb
         model, key = first.serve["served_model_name"], first.serve.get("api_key_env")
-        return [{"where": R.where(pb), "host": r["host"], "vmid": r["vmid"], "role": "router", **ep,
+        return [{"where": f"{r['host']}/{r['vmid']}", "host": r["host"], "vmid": r["vmid"], "role": "router", **ep,
                  "model": model, "api_key_env": key,
-                 "curl": curl_line(ep["url"], model, key) if ep.get("url") else None}] if host is not None or ep else []
+                 "curl": curl_line(ep["url"], model, key) if ep.get("url") else None}]
     for t in pb.targets:
         member = pb.member(f"{t['host']}/{t['vmid']}") if pb.is_fleet else pb
-        host = inv.hosts.get(t["host"])
-        ep = endpoint(host, host.container(t["vmid"]), member.serve["port"]) if host is not None else \
-            {"url": None, "port": member.serve["port"], "tunnel": None, "routable": None, "local_url": None,
-             "note": f"host {t['host']} is not in the inventory"}
+        ep = container_endpoint(inv, t["host"], t["vmid"], member.serve["port"])
         model = member.serve["served_model_name"]
         key = member.serve.get("api_key_env")
         rows.append({"where": f"{t['host']}/{t['vmid']}", "host": t["host"], "vmid": t["vmid"], "role": "replica", **ep,

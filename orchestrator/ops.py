@@ -697,13 +697,10 @@ def _ep(ep: dict) -> dict:
 
 
 def url(pb: Playbook, inv=None) -> dict:
-    """{url, tunnel, ...}: the container's real address from the inventory (orchestrator/endpoint.py)."""
-    from .endpoint import endpoint
+    """{url, tunnel, ...}: the container's real address from the inventory (endpoint.container_endpoint)."""
+    from .endpoint import container_endpoint
 
-    host = inv.hosts.get(pb.host) if inv is not None else None
-    if host is None:
-        return {"url": None, "tunnel": None, "port": pb.serve["port"], "note": "address unknown"}
-    return endpoint(host, host.container(pb.vmid), pb.serve["port"])
+    return container_endpoint(inv, pb.host, pb.vmid, pb.serve["port"])
 
 
 def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outcome:

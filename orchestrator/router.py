@@ -15,6 +15,7 @@ import os
 import time
 
 from . import agent
+from .endpoint import container_endpoint
 from .errors import DeployError, Unreachable
 from .remote import Fleet
 from .report import Progress
@@ -272,10 +273,6 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress) -> dict:
 
 
 def url(fleet_inv, pb: Playbook) -> dict:
-    """The router's client URL (endpoint.endpoint of its container and port)."""
-    from .endpoint import endpoint
-
+    """The router's client URL (endpoint.container_endpoint of its container and port)."""
     r = spec(pb)
-    host = fleet_inv.hosts.get(r["host"])
-    ct = host.container(r["vmid"]) if host is not None else None
-    return endpoint(host, ct, r["port"])
+    return container_endpoint(fleet_inv, r["host"], r["vmid"], r["port"])
