@@ -20,7 +20,7 @@ import time
 from . import agent
 from . import plan as P
 from .errors import DeployError, Unreachable
-from .ops import Outcome, check_container, new_context
+from .steps import Outcome, check_container, new_context
 from .remote import Fleet
 from .report import Progress
 from .spec import VERSION_RE, Playbook

@@ -4,15 +4,20 @@ StepFailed with what failed, where, expected vs found, and what to do next."""
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
+import os
 import re
+import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from .. import agent
 from ..errors import DeployError, StepFailed  # noqa: F401 (StepFailed: re-exported)
+from ..facts import parse_pct_status
 from ..plan import HOLDER, TOKEN, Step
-from ..remote import HostSession
+from ..remote import Fleet, HostSession
 from ..report import Progress
 from ..spec import Playbook
 
@@ -75,3 +80,74 @@ class Context:
     def fail(self, name: str, t0: float, message: str, *, fix: str = "", state_left: str = "", **details):
         self.record(name, False, message.splitlines()[0], t0, **details)
         raise StepFailed(name, message, where=self.where, fix=fix, details=details, state_left=state_left)
+
+
+# ------------------------------------------------------------------ the step vocabulary the runners share
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    playbook: str
+    where: str
+    status: str  # "up", "already up", "fell back", "failed", "down", "verified", "interrupted"
+    results: list = field(default_factory=list)
+    error: DeployError | None = None
+    fallback: "Outcome | None" = None
+    info: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"ok": self.ok, "playbook": self.playbook, "where": self.where, "status": self.status,
+                "steps": [r.as_dict() for r in self.results], "info": self.info,
+                "error": self.error.as_dict() if self.error else None,
+                "fallback": self.fallback.as_dict() if self.fallback else None}
+
+
+def holder_id() -> str:
+    return f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}"
+
+
+def secrets_for(pb: Playbook) -> dict:
+    """vLLM's secret environment, read from LOCAL variables named by the playbook (serve.api_key_env,
+    serve.secret_env): {NAME_IN_CONTAINER: value}. Sent on stdin only; every value is registered for redaction."""
+    refs = dict(pb.serve.get("secret_env") or {})
+    if pb.serve.get("api_key_env"):
+        refs["VLLM_API_KEY"] = pb.serve["api_key_env"]
+    out = {}
+    for name, local in sorted(refs.items()):
+        val = os.environ.get(local)
+        if not val:
+            key = "serve.api_key_env" if name == "VLLM_API_KEY" and local == pb.serve.get("api_key_env") \
+                else f"serve.secret_env.{name}"
+            raise DeployError(f"{key} names {local}, but it is not set in this shell",
+                              where=pb.path, fix=f"export {local}=... before running deploy")
+        out[name] = val
+    return out
+
+
+def new_context(fleet: Fleet, pb: Playbook, progress: Progress, token: str | None = None) -> Context:
+    secrets = secrets_for(pb)
+    for v in secrets.values():
+        fleet.redact.add(v)
+    if getattr(progress, "audit", None) is None:
+        progress.audit = fleet.audit  # progress also goes to the audit log: a closed stderr loses nothing
+    return Context(session=fleet.session(pb.host), pb=pb, progress=progress, token=token or uuid.uuid4().hex,
+                   holder=holder_id(), secrets=secrets)
+
+
+def check_container(ctx: Context, step: Step) -> None:
+    t0 = time.monotonic()
+    with ctx.progress.heartbeat(ctx.where, f"connect to {ctx.pb.host} and run {' '.join(step.host_argv)}",
+                                step.timeout):
+        r = ctx.session.run(step.host_argv, timeout=step.timeout, vmid=ctx.pb.vmid)
+    if r.exited != 0:
+        ctx.fail(step.name, t0, f"`pct status {ctx.pb.vmid}` failed: {(r.err or r.out).strip()}",
+                 fix="check target.vmid and the inventory")
+    try:
+        state = parse_pct_status(r.out)
+    except ValueError as e:
+        ctx.fail(step.name, t0, str(e), fix="is this a Proxmox VE host? `pct status VMID` should print "
+                                            "'status: running'")
+    if state != "running":
+        ctx.fail(step.name, t0, f"container {ctx.pb.vmid} is {state}", fix=f"pct start {ctx.pb.vmid} on {ctx.pb.host}")
+    ctx.record(step.name, True, f"container {ctx.pb.vmid} running on {ctx.pb.host}", t0)
