@@ -75,6 +75,12 @@ class Thresholds:
         return ", ".join(parts)
 
 
+def playbook_thresholds(pb) -> Thresholds:
+    """The gate's thresholds of a playbook: its `acceptance` section and spec k (the one place they are derived;
+    plan.step_acceptance carries them to the runner, monitor export and status show them)."""
+    return thresholds(pb.data.get("acceptance") or {}, int(pb.spec["num_speculative_tokens"]))
+
+
 def thresholds(acc_cfg: dict | None, k: int) -> Thresholds:
     """The gate's thresholds from a playbook's `acceptance` section (absent keys: the defaults for this k)."""
     a = acc_cfg or {}

@@ -53,9 +53,9 @@ def duration(text: str) -> str:
 
 def gate_thresholds(pb) -> dict:
     """{min_al, min_first, k, cliff}: the acceptance gate's (orchestrator/gate.py), from the playbook."""
-    from .gate import thresholds
+    from .gate import playbook_thresholds
 
-    th = thresholds(pb.data.get("acceptance") or {}, int(pb.spec["num_speculative_tokens"]))
+    th = playbook_thresholds(pb)
     return {"k": th.k, "min_al": round(float(th.min_al), 3), "min_first": float(th.min_first), "cliff": bool(th.cliff)}
 
 

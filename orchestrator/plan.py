@@ -118,6 +118,7 @@ class Step:
     sub: list = field(default_factory=list)  # the fallback's own steps (step `fallback`)
     playbook: str = ""  # whose step (a fallback's steps name the fallback playbook)
     local: bool = False  # runs on this workstation only (checks a result already read)
+    judge: dict = field(default_factory=dict)  # what the workstation judges the answer with (never sent)
 
     def remote_argv(self, python: str) -> list[str]:
         """The argv on the Proxmox host (before SSH quoting)."""
@@ -483,11 +484,10 @@ def step_drift(pb, name="drift", title="re-read the drafter config's sha256 now 
 
 
 def step_acceptance(pb, when=None, phase="main"):
-    from .gate import thresholds
+    from .gate import playbook_thresholds
 
-    acc = pb.data["acceptance"]
-    p = acc["probe"]
-    th = thresholds(acc, pb.spec["num_speculative_tokens"])
+    p = pb.data["acceptance"]["probe"]
+    th = playbook_thresholds(pb)
     n = len(p["prompts"]) * p["rounds"]
     return Step("acceptance", f"measure acceptance: scrape /metrics, {n} probe requests ({p.get('prompts_source') or 'playbook'}"
                               f"), scrape again; gate: {th.describe()}",
@@ -497,7 +497,7 @@ def step_acceptance(pb, when=None, phase="main"):
                                            "model": pb.serve["served_model_name"],
                                            "log_path": state_paths(pb)["log_path"],
                                            "state_dir": pb.runtime["state_dir"]},
-                timeout=p["timeout_s"] + 30, when=when, phase=phase,
+                timeout=p["timeout_s"] + 30, when=when, phase=phase, judge={"thresholds": th},
                 runs=[f"curl http://127.0.0.1:{pb.serve['port']}/metrics   # spec-decode counters before",
                       f"{n} x POST /v1/completions (max_tokens {p['max_tokens']}); more rounds (up to "
                       f"{p['max_rounds']}) while fewer than {th.min_drafts} drafts, within {p['timeout_s']:g} s",

@@ -224,7 +224,7 @@ def measure(ctx: Context, step: Step) -> dict:
 def gate(ctx: Context, step: Step, m: dict) -> str | None:
     """Judge the numbers (orchestrator/gate.py) and record the acceptance step; return None when it passes, else
     the reason it failed in words (with the figures)."""
-    th = G.thresholds(ctx.pb.data["acceptance"], ctx.pb.spec["num_speculative_tokens"])
+    th = step.judge["thresholds"]  # planned (plan.step_acceptance: gate.playbook_thresholds)
     v = G.judge(m["acceptance"], th, extended=m.get("extended"))
     m["verdict"] = v
     text = v.text() + (f" [{m['note']}]" if m["note"] else "") + (f" [{m['extended']}]" if m.get("extended") else "")
