@@ -27,7 +27,7 @@ from .atomic import write_atomic
 from .errors import DeployError, UsageError
 from .facts import parse_pct_list
 
-DEFAULT_STATE_DIR = "/var/lib/vllm-pve-deploy"
+from .spec import DEFAULT_STATE_DIR
 NVIDIA_MAJOR = 195
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 

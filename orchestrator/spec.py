@@ -19,6 +19,10 @@ from .locate import find_playbook, list_playbooks  # noqa: F401 - list_playbooks
 from .schema import (ABS_PATH, Bool, Field, Float, FreeMap, Int, List, Map, Problems, Str, compose_file,
                      node_of)
 
+# runtime.state_dir's default: the workstation's one spelling (status, discover and ops take it from here); the
+# agent's is agent/container/protocol.py's (this module cannot import the agent package), held equal by a unit test
+DEFAULT_STATE_DIR = "/var/lib/vllm-pve-deploy"
+
 NAME = dict(pattern=r"[a-z0-9][a-z0-9-]{0,62}", pattern_hint="lowercase letters, digits and '-', at most 63")
 HOSTNAME = dict(pattern=r"[A-Za-z0-9_.:\[\]-]{1,253}", pattern_hint="an IP address or DNS name")
 SERVED_NAME = dict(pattern=r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}", pattern_hint="letters, digits, . _ / : -")
@@ -115,7 +119,7 @@ CONTAINER = Map({
     "runtime": Field(Map({
         "python": Field(Str(**ABS_PATH), required=True, doc="the Python that runs vLLM in the container"),
         "vllm": Field(Str(**ABS_PATH), doc="the vllm executable (default: next to python)"),
-        "state_dir": Field(Str(**ABS_PATH), default="/var/lib/vllm-pve-deploy"),
+        "state_dir": Field(Str(**ABS_PATH), default=DEFAULT_STATE_DIR),
     }), doc="the container's vLLM runtime (filled by `deploy discover`; a playbook's runtime overrides it); "
             "without one `deploy status` shows `no vLLM runtime`"),
 })
@@ -282,9 +286,9 @@ PLAYBOOK = Map({
     "runtime": Field(Map({
         "python": Field(Str(**ABS_PATH), default="/root/ml-env/bin/python", doc="the Python that runs vLLM"),
         "vllm": Field(Str(**ABS_PATH), default="/root/ml-env/bin/vllm"),
-        "state_dir": Field(Str(**ABS_PATH), default="/var/lib/vllm-pve-deploy"),
+        "state_dir": Field(Str(**ABS_PATH), default=DEFAULT_STATE_DIR),
     }), default=lambda: {"python": "/root/ml-env/bin/python", "vllm": "/root/ml-env/bin/vllm",
-                         "state_dir": "/var/lib/vllm-pve-deploy"}),
+                         "state_dir": DEFAULT_STATE_DIR}),
     "serve": Field(Map({
         "host": Field(Str(**HOSTNAME), default="0.0.0.0"),
         "port": Field(Int(1, 65535), default=8000),
@@ -568,7 +572,7 @@ def _runtime(rt: dict | None) -> dict | None:
     if not rt:
         return None
     return {"python": rt["python"], "vllm": rt.get("vllm") or os.path.join(os.path.dirname(rt["python"]), "vllm"),
-            "state_dir": rt.get("state_dir") or "/var/lib/vllm-pve-deploy"}
+            "state_dir": rt.get("state_dir") or DEFAULT_STATE_DIR}
 
 
 def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tuple = ()) -> Playbook:

@@ -23,7 +23,7 @@ from .report import own
 
 SCHEMA = "vllm-pve-deploy/status/v1"
 NO_RUNTIME = "no vLLM runtime"
-DEFAULT_STATE_DIR = "/var/lib/vllm-pve-deploy"
+from .spec import DEFAULT_STATE_DIR  # noqa: F401 (one spelling; ops.py imports it from status)
 DEFAULT_PYTHON = "/root/ml-env/bin/python"
 FATAL_BULK = {"fatal_regex": [f["regex"] for f in vf.FATAL]}  # last_error: the line naming the cause
 

@@ -17,10 +17,10 @@ import zipfile
 from functools import lru_cache
 
 from .container import cache
+from .container.protocol import DEFAULT_STATE_DIR
 
 CONTAINER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "container")
 PACKAGE = "vpd_agent"
-DEFAULT_STATE_DIR = "/var/lib/vllm-pve-deploy"
 CACHE_NAME = "vpd-agent"
 NEED_EXIT = cache.NEED_EXIT
 

@@ -181,3 +181,15 @@ def test_agent_parses_with_old_pythons():
     from orchestrator.agent.container.cache import BOOT
 
     ast.parse(BOOT, feature_version=(3, 7))
+
+
+def test_the_state_directory_has_one_spelling_each_side():
+    """runtime.state_dir's default: spec.py's for the tool, protocol.py's for the agent (which cannot import the
+    tool's modules), and they agree; the other modules take theirs from these two."""
+    from orchestrator import discover, spec, status
+    from orchestrator.agent import archive
+    from orchestrator.agent.container import protocol
+
+    assert spec.DEFAULT_STATE_DIR == protocol.DEFAULT_STATE_DIR == "/var/lib/vllm-pve-deploy"
+    assert status.DEFAULT_STATE_DIR is spec.DEFAULT_STATE_DIR and discover.DEFAULT_STATE_DIR is spec.DEFAULT_STATE_DIR
+    assert archive.DEFAULT_STATE_DIR is protocol.DEFAULT_STATE_DIR

@@ -12,6 +12,7 @@ from .core import now
 from .files import why_untrusted
 from .gpus import gpu_holders, read_gpu_memory
 from .net import http
+from .protocol import DEFAULT_STATE_DIR
 from .procs import _argv, _boot_time, _environ, pids, proc_cmdline, proc_name, proc_stat, vllm_processes
 from .stack import _vllm_stack
 from .state import read_state
@@ -130,4 +131,4 @@ def act_doctor(a):
     except OSError:
         pid_ns = None
     return {"processes": procs, "servers": servers, "holders": holders, "memory": mem, "stack": stack,
-            "state": read_state(a.get("state_dir") or "/var/lib/vllm-pve-deploy"), "now": now(), "pid_ns": pid_ns}
+            "state": read_state(a.get("state_dir") or DEFAULT_STATE_DIR), "now": now(), "pid_ns": pid_ns}

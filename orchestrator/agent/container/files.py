@@ -9,6 +9,7 @@ import os
 import re
 
 from .core import ANSI
+from .protocol import DEFAULT_STATE_DIR
 
 
 class UnsafeDirectory(Exception):
@@ -50,8 +51,8 @@ def open_dir(path, create_mode=None):
         raise
 
 
-STATE_DIR_FIX = "set runtime.state_dir to a directory of deploy's own that only root can write, e.g. " \
-                "/var/lib/vllm-pve-deploy (the default)"
+STATE_DIR_FIX = ("set runtime.state_dir to a directory of deploy's own that only root can write, e.g. "
+                 + DEFAULT_STATE_DIR + " (the default)")
 
 
 

@@ -10,6 +10,11 @@ PROTOCOL = 2
 SMI_MEMORY_ARGS = ("--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits")
 
 
+# deploy's own directory in the container when runtime.state_dir does not name another (its state files, lock,
+# vLLM log, agent cache); the one spelling of it, for the tool (spec.py's default) and the agent alike
+DEFAULT_STATE_DIR = "/var/lib/vllm-pve-deploy"
+
+
 class ProtocolError(Exception):
     pass
 
