@@ -18,7 +18,7 @@ from .install import _agent_source
 from .weights import (
     CHUNK, COMMIT_RE, FETCH_FINAL, FETCH_LOCK, FETCH_RECORDS, FETCH_STATE, FETCH_VAR, FetchError,
     _existing_dir, _final_path, _fmt_bytes, _free, _hash_as, _item_dest, _partial, _record_path, _repo_dir,
-    _staging, fetch_record, in_place, verify_file)
+    _staging, fetch_record, in_place, ours, safe_dir, verify_file)
 from . import core
 
 
@@ -145,11 +145,15 @@ def plan_item(item, listing, state_dir):
     """Which files still have to come (not already verified in staging or in place), and how many bytes."""
     commit = listing["commit"]
     need, have = [], 0
+    _safe_staging(item, commit)
     for f in listing["files"]:
         final = _final_path(item, commit, f["name"])
         part, done = _partial(item, commit, f)
-        if item["dest_kind"] == "cache" and os.path.isfile(done) and os.path.getsize(done) == f["size"]:
-            have += f["size"]  # a verified blob (renamed from .incomplete only after its hash matched)
+        # a staged or cached file of the right size is only counted once it is ours and its hash matches: the same
+        # size proves nothing (another user, or another tool, can have put those bytes there)
+        if item["dest_kind"] == "cache" and os.path.isfile(done) and os.path.getsize(done) == f["size"] \
+                and ours(done) and _hash_as(done, f) == (f["sha256"] or f["blob"]):
+            have += f["size"]  # a blob whose bytes match the listing's hash
             f["state"] = "verified"
             continue
         if item["role"] == "drafter" and f["name"] == "config.json" and item["dest_kind"] == "dir" \
@@ -157,11 +161,12 @@ def plan_item(item, listing, state_dir):
             have += f["size"]  # the pinned bytes (or the hub's, to be pinned by up): never replaced by a fetch
             f["state"] = "in place"
             continue
-        if item["dest_kind"] == "dir" and os.path.isfile(done) and os.path.getsize(done) == f["size"]:
+        if item["dest_kind"] == "dir" and os.path.isfile(done) and os.path.getsize(done) == f["size"] \
+                and ours(done) and _hash_as(done, f) == (f["sha256"] or f["blob"]):
             have += f["size"]
             f["state"] = "verified"
             continue
-        if item["dest_kind"] == "dir" and os.path.isfile(final) and not os.path.islink(final) \
+        if item["dest_kind"] == "dir" and os.path.isfile(final) and ours(final) \
                 and os.path.getsize(final) == f["size"] and _hash_as(final, f) == (f["sha256"] or f["blob"]):
             have += f["size"]
             f["state"] = "in place"
@@ -173,6 +178,18 @@ def plan_item(item, listing, state_dir):
         f["partial"] = min(partial, f["size"])
         need.append(f)
     return need, have
+
+
+def _safe_staging(item, commit):
+    """The staging directories (and a directory destination) must be ours and writable by no one else."""
+    st = _staging(item, commit)
+    if item["dest_kind"] == "cache":
+        safe_dir(st, "hub cache blobs directory")
+        return
+    safe_dir(os.path.dirname(st), "staging directory")
+    safe_dir(st, "staging directory")
+    if os.path.lexists(item["dest"]):
+        safe_dir(item["dest"], "destination directory")
 
 
 def download(item, commit, f, token, deadline, stall_s, progress):
@@ -298,7 +315,7 @@ def install_item(item, commit, listing, state_dir, source):
             os.rename(tmp, os.path.join(base, "refs", rev))
     else:
         st = _staging(item, commit)
-        os.makedirs(item["dest"], mode=0o755, exist_ok=True)
+        safe_dir(item["dest"], "destination directory")
         for f in files:
             src = os.path.join(st, f["name"])
             dst = os.path.join(item["dest"], f["name"])
@@ -308,6 +325,10 @@ def install_item(item, commit, listing, state_dir, source):
             if os.path.islink(dst) or os.path.isdir(dst):
                 raise FetchError("%s exists and is not a regular file: not replacing it" % dst,
                                  fix="move it away, then run deploy fetch again")
+            if not os.path.isfile(src) or not ours(src):
+                raise FetchError("%s: the verified file %s is no longer a regular file of ours (owner or mode "
+                                 "changed): not moving it into place" % (item["role"], src),
+                                 fix="remove %s and run deploy fetch again" % os.path.dirname(src), kind="unsafe")
             os.rename(src, dst)
         import shutil
 

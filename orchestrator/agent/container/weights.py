@@ -156,6 +156,43 @@ def _staging(item, commit):
     return os.path.join(os.path.dirname(d), ".%s.deploy-fetch" % os.path.basename(d), commit[:12])
 
 
+def ours(path):
+    """A file (or directory) this fetch may trust without hashing it again: not a symlink, owned by the user the
+    agent runs as, writable by no one else. A planted file (another owner, or group/other-writable) is not."""
+    import stat
+
+    try:
+        s = os.lstat(path)
+    except OSError:
+        return False
+    return not stat.S_ISLNK(s.st_mode) and s.st_uid == os.geteuid() and not s.st_mode & 0o022
+
+
+def safe_dir(path, what):
+    """Create PATH (0755) if missing, then refuse it unless it is a real directory of ours that no one else can
+    write (a staging or destination directory under a shared path: another user could plant or swap files)."""
+    import stat
+
+    os.makedirs(path, mode=0o755, exist_ok=True)
+    parent = os.path.dirname(os.path.abspath(path))
+    ps = os.stat(parent)
+    if ps.st_mode & 0o002 and not ps.st_mode & stat.S_ISVTX:
+        raise FetchError("the %s %s is in %s, which anyone can write (mode %o, no sticky bit): another user could "
+                         "swap it; nothing was downloaded into it" % (what, path, parent, stat.S_IMODE(ps.st_mode)),
+                         fix="point the playbook's path at a directory no other user can write", kind="unsafe",
+                         path=path)
+    s = os.lstat(path)
+    if stat.S_ISLNK(s.st_mode) or not stat.S_ISDIR(s.st_mode) or s.st_uid != os.geteuid() or s.st_mode & 0o022:
+        raise FetchError("the %s %s is not a directory of ours that only we can write (owner uid %d, mode %o%s): "
+                         "another user could plant or swap files there; nothing was downloaded into it" % (
+                             what, path, s.st_uid, stat.S_IMODE(s.st_mode), ", a symlink" if stat.S_ISLNK(s.st_mode)
+                             else ""),
+                         fix="point the playbook's path at a directory owned by root and not writable by others "
+                             "(not under /tmp or another shared directory), or remove %s and run deploy fetch again"
+                         % path, kind="unsafe", path=path)
+    return path
+
+
 def _partial(item, commit, f):
     st = _staging(item, commit)
     if item["dest_kind"] == "cache":
