@@ -11,6 +11,7 @@ Classes (docs/domain/field-report.md, "What happened"):
   incomplete-build   compiled extensions missing, or `import vllm` fails                             FR 4
   leftover-holder    a process holds the GPUs that belongs to no running vLLM server               FR 7
   low-acceptance     the server's own /metrics fail the acceptance gate (AL, position 0, cliff)       FR 1
+  check-timeout      a check did not finish within its bound (retried once): slow, not a diagnosis   issue 37
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def low_acceptance_verdict(life, p: dict | None):
             return None
     return v
 SCHEMA = "vllm-pve-deploy/doctor/v1"
-CLASSES = ("guessed-config", "stale-write", "missing-fix", "incomplete-build", "leftover-holder", "low-acceptance")
+CLASSES = ("guessed-config", "stale-write", "missing-fix", "incomplete-build", "leftover-holder", "low-acceptance",
+           "check-timeout")
 
 
 def _get(d, dotted):
@@ -267,11 +269,18 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
                 add("low-acceptance", f"server pid {srv['pid']}: {v.figures_text()}: {v.reason}; likely cause: {why}",
                     f"deploy up {pb if srv['pid'] in guessed_in else fallback or 'qwen36-mtp'} --clean-gpus",
                     pid=srv["pid"], acceptance=life.as_dict(), verdict=v.as_dict())
-    if stack.get("installed") and (stack.get("extensions_missing") or stack.get("import_ok") is False):
+    timed_out = bool(stack.get("import_timed_out"))
+    if stack.get("installed") and timed_out and not stack.get("extensions_missing"):
+        # slow is not broken (issue 37): a timeout says nothing about the build, and is its own finding
+        add("check-timeout", f"vLLM {stack.get('version')} at {stack.get('path')}: {stack.get('import_error')}",
+            "rerun deploy doctor with a larger --budget (e.g. --budget 60), or when the host is less busy",
+            check="import vllm", tries_s=stack.get("import_tries"))
+    if stack.get("installed") and (stack.get("extensions_missing") or
+                                   (stack.get("import_ok") is False and not timed_out)):
         what = []
         if stack.get("extensions_missing"):
             what.append("compiled extensions missing: " + ", ".join(stack["extensions_missing"]))
-        if stack.get("import_ok") is False:
+        if stack.get("import_ok") is False and not timed_out:
             what.append(f"import vllm fails: {stack.get('import_error')}")
         add("incomplete-build", f"vLLM {stack.get('version')} at {stack.get('path')}: " + "; ".join(what),
             f"reinstall vLLM completely (let the build finish), then deploy verify {pbname}", **{"stack": stack})

@@ -8,7 +8,8 @@
 #   - lxc and debootstrap are purged too, and the test bed's LXC root file system cache is a new empty directory
 #     (VPD_LXC_CACHE), so the tests build it with debootstrap as on a new machine.
 # usage: bash scripts/fresh-machine.sh [COMMAND...]
-#   default COMMAND: the README's two quick-start commands (demo, then the tests), as CI runs them.
+#   default COMMAND: the README's two quick-start commands (demo, then the tests), as CI runs them, then the
+#   load variant (scripts/test-under-load.sh: the tests marked deadline beside a CPU hog, issue 37).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "fresh-machine: needs root" >&2; exit 2; }
@@ -16,7 +17,7 @@ scratch=$(mktemp -d /tmp/vpd-fresh-XXXXXX)
 trap 'rm -rf "$scratch"' EXIT
 git clone -q . "$scratch/clone"
 echo "fresh-machine: a clean clone of $(git rev-parse --short HEAD) in $scratch/clone" >&2
-[ $# -gt 0 ] || set -- bash -c 'bash scripts/demo.sh && .venv/bin/deploy testbed down && bash scripts/test.sh'
+[ $# -gt 0 ] || set -- bash -c 'bash scripts/demo.sh && .venv/bin/deploy testbed down && bash scripts/test.sh && bash scripts/test-under-load.sh'
 cd "$scratch/clone"
 unshare --mount --propagation private -- bash -euo pipefail -s "$scratch" "$@" <<'INNER'
 scratch=$1; shift

@@ -7,6 +7,8 @@ import subprocess
 import time
 
 from e2e_helpers import DRAFTER, PINNED_SHA, REPO, sha
+import pytest
+from slack import slack
 
 SPEC = {"method": "dflash", "model": "/root/models/Qwen3.6-27B-DFlash", "num_speculative_tokens": 15}
 
@@ -41,13 +43,14 @@ def pinned_bytes():
         return fh.read()
 
 
+@pytest.mark.deadline
 def test_doctor_names_the_guessed_config_and_its_fix_fixes_it(tb, deploy):
     start_by_hand(tb)
     traffic(tb)
     before = (sha(tb, "pve1", 129, DRAFTER), sorted(tb.container_pids("pve1", 129)))
     t0 = time.monotonic()
     p = deploy("doctor", "pve1/129", "--json")
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < slack(15)
     assert p.returncode == 1, p.stdout + p.stderr
     row = p.json["containers"][0]
     assert row["started_by_deploy"] is False

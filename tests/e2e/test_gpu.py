@@ -4,6 +4,8 @@ import json
 import time
 
 from e2e_helpers import cat
+import pytest
+from slack import slack
 
 HOLD = ("import os, sys, time; fd = os.open('/dev/nvidia%d', os.O_RDWR); os.lseek(fd, %d << 20, 0); "
         "sys.stdout.write('held\\n'); sys.stdout.flush(); time.sleep(600)")
@@ -97,6 +99,7 @@ def test_host_level_holder_is_reported_as_the_host(tb, deploy, playbooks):
     assert "fix: stop host PID " in p.stderr and "(deploy never kills on the host)" in p.stderr
 
 
+@pytest.mark.deadline
 def test_hanging_nvidia_smi_times_out_with_the_command(tb, deploy, playbooks):
     playbooks("qwen36-mtp", "nvidia_smi_timeout_s: 10", "nvidia_smi_timeout_s: 1")
     tb.set_fault("pve1", None, "nvidia_smi_hang", True)
@@ -106,7 +109,7 @@ def test_hanging_nvidia_smi_times_out_with_the_command(tb, deploy, playbooks):
     assert "nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits" in p.stderr
     assert "did not answer within 1s" in p.stderr
     assert "fix: the NVIDIA driver may be wedged: run nvidia-smi on pve1 itself" in p.stderr
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < slack(20)
 
 
 def test_down_when_nothing_runs_is_a_clean_noop(tb, deploy):

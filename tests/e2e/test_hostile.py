@@ -6,6 +6,8 @@ import json
 import os
 
 from e2e_helpers import audit, cat
+import pytest
+from slack import slack
 
 STATE = "/var/lib/vllm-pve-deploy"
 NOBODY = 65534
@@ -113,6 +115,7 @@ def pty_deploy(deploy_env, *args, timeout=120):
     return run_on_pty([sys.executable, "-m", "orchestrator.cli", *args], REPO, env=env, timeout=timeout, wait_s=30)
 
 
+@pytest.mark.deadline
 def test_doctor_reads_no_fifo_and_prints_no_control_sequences_from_other_users(tb, deploy):
     """A user's process claims to be `vllm serve` a model dir whose config.json is a FIFO, with escape sequences
     in its argv: doctor blocked on the FIFO (its root agent stayed behind) and printed the argv raw."""
@@ -129,7 +132,7 @@ def test_doctor_reads_no_fifo_and_prints_no_control_sequences_from_other_users(t
     env = dict(os.environ, DEPLOY_INVENTORY=tb.inventory_path, DEPLOY_STATE_DIR=str(deploy.state_dir))
     t0 = time.monotonic()
     rc, raw = pty_deploy(env, "doctor", "pve1/129", "--budget", "6")
-    assert time.monotonic() - t0 < 40, "doctor waited on the FIFO"
+    assert time.monotonic() - t0 < slack(40), "doctor waited on the FIFO"
     assert b"/tmp/evil" in raw and b"cleared" in raw, raw[-3000:]
     assert b"\x1b]0;" not in raw and b"\x1b[2J" not in raw and b"\x07" not in raw
     ps = tb.container_exec("pve1", 129, ["ps", "-eo", "args"]).stdout

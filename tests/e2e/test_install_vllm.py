@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from slack import slack
+
 from e2e_helpers import REPO
 
 H, V = "pve1", 129
@@ -122,7 +124,7 @@ def test_release_without_the_fixes_is_not_switched(tb, iv):
 
 
 def _wait_phase(tb, phase, timeout=30):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + slack(timeout)
     while time.monotonic() < deadline:
         st = install_json(tb)
         if st.get("phase") == phase and st.get("pid"):
@@ -196,13 +198,17 @@ def test_install_while_serving(tb, iv):
     assert st["pid"] != pid and "/root/ml-env.versions/" in st["argv0_real"], st
 
 
+@pytest.mark.deadline
 def test_time_limit_is_build_not_finished(tb, iv):
-    iv.set("git+file:///root/src/vllm@dflash-swa-support", build_s=60, timeout_s=3)
+    # 3 s is enough for the download phase on a quiet machine (~1 s); on a busy one the limit grows with the load
+    # (tests/slack.py) so that it still falls in the 60 s build, which is what this test is about
+    limit = round(slack(3, below=40), 1)
+    iv.set("git+file:///root/src/vllm@dflash-swa-support", build_s=60, timeout_s=limit)
     p = iv.run("--json", "install-vllm", "qwen36-dflash")
     assert p.returncode == 1, p.stderr
     assert p.json["status"] == "build not finished" and not p.json["ok"]
-    assert "build not finished: the time limit requires.install.timeout_s (3.0s) was reached in phase build" \
-        in p.json["error"]["message"]
+    assert ("build not finished: the time limit requires.install.timeout_s (%.1fs) was reached in phase build"
+            % limit) in p.json["error"]["message"], p.json["error"]["message"]
     assert "raise requires.install.timeout_s" in p.json["error"]["fix"]
     assert sh(tb, f"test -L {ENV_DIR} && echo link || echo dir") == "dir"
     # the installer's session was stopped: pip and its build hook are gone

@@ -9,8 +9,11 @@ import sys
 import time
 
 from e2e_helpers import REPO
+import pytest
+from slack import slack
 
 
+@pytest.mark.deadline
 def test_bad_input_is_refused_before_anything_runs(tb, deploy):
     t = time.monotonic()
     p = deploy("discover", "pve9")  # item 15: not in the inventory: no DNS lookup, no connection
@@ -23,7 +26,7 @@ def test_bad_input_is_refused_before_anything_runs(tb, deploy):
     p = deploy("apply-config", "qwen36-mtp")  # item 8: nothing to apply is not a failure with "fix: none needed"
     assert p.returncode == 2 and "qwen36-mtp has no drafter config to install (method mtp)" in p.stderr, p.stderr
     assert "none needed" not in p.stderr and "FAILED" not in p.stderr
-    assert time.monotonic() - t < 60
+    assert time.monotonic() - t < slack(60)
 
 
 def test_logs_grep_without_a_match_and_logs_json(tb, deploy):
@@ -45,6 +48,7 @@ def test_stop_counts_agree(tb, deploy):
     assert f"stopped the {m.group(3)} process(es) deploy started in process group {m.group(1)}" in p.stderr
 
 
+@pytest.mark.deadline
 def test_gpus_of_another_containers_deployment_are_named_at_once(tb, deploy, playbooks):
     """Item 19: plan warns, up fails fast naming `deploy down THAT-PLAYBOOK`, status flags both rows."""
     text = (playbooks.dir / "qwen36-mtp.yaml").read_text()
@@ -62,7 +66,7 @@ def test_gpus_of_another_containers_deployment_are_named_at_once(tb, deploy, pla
     assert p.returncode == 1 and "GPU memory is held OUTSIDE this container" in p.stderr, p.stderr
     assert "targeted by playbook mtp-130" in p.stderr and "fix: deploy down mtp-130 frees them" in p.stderr
     assert "host PID" in p.stderr and "in container 130" in p.stderr
-    assert took < 45, took  # not the full gpu.free_timeout_s (60 s)
+    assert took < slack(45, below=60), took  # not the full gpu.free_timeout_s (60 s)
     p = deploy("down", "mtp-130", env=playbooks.env)
     assert p.returncode == 0, p.stderr
 

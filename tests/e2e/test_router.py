@@ -11,6 +11,7 @@ import time
 import pytest
 
 from e2e_helpers import cat
+from slack import slack
 
 STATE = "/var/lib/vllm-pve-deploy/state.json"
 ROUTER_PORT = 30000
@@ -120,6 +121,7 @@ def test_one_replica_router_in_its_container_up_status_down(tb, deploy, playbook
     assert not cat(tb, "pve1", 129, "/var/lib/vllm-pve-deploy/router-qwen36-routed/router.json")
 
 
+@pytest.mark.deadline
 def test_killed_replica_taken_out_and_router_that_cannot_start(tb, deploy, playbooks, wheels):
     _give_wheels(tb, wheels, "pve1", 129)
     env = _playbook(tb, playbooks, "qwen36-routed", ["pve1/129"], "pve1/129")
@@ -137,7 +139,7 @@ def test_killed_replica_taken_out_and_router_that_cannot_start(tb, deploy, playb
         time.sleep(0.2)
     assert seen is not None, "the router never took the killed replica out"
     print(f"unhealthy in its view {seen:.1f} s after the kill")  # interval 2 s x threshold 2
-    assert seen < 2 * 2 + 5 + 2
+    assert seen < slack(2 * 2 + 5 + 2)
     s = deploy("--json", "status", "qwen36-routed", env=env)
     r = s.json["routers"][0]
     assert s.returncode == 1 and r["workers"][0]["healthy"] is False

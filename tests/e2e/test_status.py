@@ -3,6 +3,8 @@
 import time
 
 from e2e_helpers import DRAFTER
+import pytest
+from slack import slack
 
 ROW_KEYS = {"host": str, "vmid": int, "reachable": bool, "container": str, "playbook": (str, type(None)),
             "pid": (int, type(None)), "process": str, "health": (int, type(None)), "served_model": (str, type(None)),
@@ -84,13 +86,14 @@ def test_healthy_crashed_drifted_unreachable_in_one_run(tb, deploy, playbooks):
     assert "UNREACHABLE" in t.stdout and "DRIFT" in t.stdout and "has exited" in t.stdout
 
 
+@pytest.mark.deadline
 def test_hanging_nvidia_smi_on_one_host_does_not_delay_the_others(tb, deploy, playbooks):
     assert deploy("up", mtp_on(playbooks, "pve2"), env=playbooks.env).returncode == 0
     tb.set_fault("pve3", None, "nvidia_smi_hang", True)
     t0 = time.monotonic()
     p = deploy("--json", "status", "--deadline", "4", env=playbooks.env)
     took = time.monotonic() - t0
-    assert took < 8, took
+    assert took < slack(8), took
     rows = {f"{r['host']}/{r['vmid']}": r for r in p.json["rows"]}
     assert rows["pve2/129"]["healthy"] and rows["pve2/129"]["health"] == 200, rows["pve2/129"]
     hung = rows["pve3/129"]

@@ -6,6 +6,8 @@ import threading
 import time
 
 from e2e_helpers import DRAFTER, PINNED_SHA, audit, cat, sha, up_in_background
+import pytest
+from slack import slack
 
 
 def test_up_replaces_stale_config_verifies_launches_and_gates(tb, deploy):
@@ -96,13 +98,14 @@ def _assert_failed_fast(p, text, seconds=30):
     assert text in p.stderr, p.stderr
 
 
+@pytest.mark.deadline
 def test_oom_at_startup_fails_fast_with_cause_and_fix(tb, deploy):
     tb.set_fault("pve1", 129, "oom_at_startup", "cuda_oom")
     t0 = time.monotonic()
     p = deploy("up", "qwen36-mtp")
     _assert_failed_fast(p, "vLLM failed to start: CUDA out of memory")
     assert "torch.OutOfMemoryError: CUDA out of memory" in p.stderr
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < slack(30)
     assert "state left: the failed server" in p.stderr
     assert "fix: lower serve.gpu_memory_utilization or serve.max_model_len in the playbook, or free the GPUs: " \
            "deploy restart qwen36-mtp --clean-gpus" in p.stderr

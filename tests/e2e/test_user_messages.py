@@ -5,6 +5,8 @@ import sys
 import time
 
 from e2e_helpers import REPO
+import pytest
+from slack import slack
 
 
 def test_restart_without_playbook_on_an_unreachable_host_exits_3(tb, deploy):
@@ -51,13 +53,14 @@ def test_logs_without_own_probes_and_a_closed_pipe_does_not_abort_down(tb, deplo
     assert '"event": "progress"' in audit and "stopped the 7 process(es)" in audit  # the record was kept
 
 
+@pytest.mark.deadline
 def test_deadline_bounds_the_answer_and_names_a_slow_host_timeout(tb, deploy):
     tb.set_fault("pve2", None, "latency_ms", 2000)
     tb.set_fault("pve3", None, "unreachable", True)
     t0 = time.monotonic()
     p = deploy("--json", "status", "pve2", "pve3", "--deadline", "1")
     took = time.monotonic() - t0
-    assert took < 4, took  # the deadline, plus the interpreter's start
+    assert took < slack(4), took  # the deadline, plus the interpreter's start
     rows = {r["host"]: r for r in p.json["rows"]}
     assert rows["pve2"]["timed_out"] and not rows["pve2"]["reachable"]
     assert "no answer within 1 s" in rows["pve2"]["problems"][0] and "--deadline" in rows["pve2"]["problems"][0]

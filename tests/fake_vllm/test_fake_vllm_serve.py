@@ -12,6 +12,7 @@ import urllib.error
 import pytest
 
 from fakevllm_support import comm, held_offsets, pids_in_group
+from slack import slack
 
 DFLASH_ARGS = ["--attention-backend", "flash_attn", "--max-num-batched-tokens", "32768",
                "--tensor-parallel-size", "4"]
@@ -40,6 +41,7 @@ def _connect_refused(port):
         s.close()
 
 
+@pytest.mark.deadline
 def test_published_dflash_end_to_end(bed):
     bed.faults({"load_s": 1.0})
     d = bed.drafter("published")
@@ -86,7 +88,7 @@ def test_published_dflash_end_to_end(bed):
         code, body = srv.post("/v1/completions", {"model": "qwen36", "prompt": f"probe {i}", "max_tokens": 256},
                               headers=auth)
         assert code == 200 and body["usage"]["completion_tokens"] == 256
-    assert (time.time() - t0) / 16 < 0.2  # ~73 steps of 1.25 ms each (AL ~3.5), plus HTTP
+    assert (time.time() - t0) / 16 < slack(0.2)  # ~73 steps of 1.25 ms each (AL ~3.5), plus HTTP
     b = srv.spec_totals()
     rate = (b["accepted"] - a["accepted"]) / (b["draft_tokens"] - a["draft_tokens"])
     mal = 1 + (b["accepted"] - a["accepted"]) / (b["drafts"] - a["drafts"])

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from vpd_testbed.core import Testbed, TestbedError, safetensors_header
+from slack import slack
 
 pytestmark = pytest.mark.root
 
@@ -50,7 +51,7 @@ def hold(tb, host, vmid, gpu, mib, ignore_term=False):
 
 
 def wait_for(cond, timeout=5.0, what="condition"):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + slack(timeout)  # an upper bound: returns as soon as cond() holds
     while time.monotonic() < deadline:
         v = cond()
         if v:
@@ -200,11 +201,12 @@ def test_nvidia_smi_formats(tb):
     assert "NVIDIA H100 80GB HBM3" in r.stdout and "No running processes found" in r.stdout
 
 
+@pytest.mark.deadline
 def test_nvidia_smi_starts_fast(tb):
     t = time.monotonic()
     for _ in range(5):
         assert tb.container_exec("pve1", 129, QUERY).returncode == 0
-    assert (time.monotonic() - t) / 5 < 0.1
+    assert (time.monotonic() - t) / 5 < slack(0.1)
 
 
 def test_memory_follows_holders_and_release_delay(tb):
@@ -282,6 +284,7 @@ def test_config_revert(tb):
     wait_for(lambda: tb.container_exec("pve1", 129, ["cat", path]).stdout == stale, 5, "revert")
 
 
+@pytest.mark.deadline
 def test_reset_restores_state(tb):
     tb.container_exec("pve1", 129, ["sh", "-c", "mkdir -p /var/lib/vllm-pve-deploy && echo 1 > "
                                     "/var/lib/vllm-pve-deploy/state.json && echo {} > "
@@ -292,7 +295,7 @@ def test_reset_restores_state(tb):
     tb.stop_container("pve1", 130)
     t = time.monotonic()
     tb.reset()
-    assert time.monotonic() - t < 1.0
+    assert time.monotonic() - t < slack(1.0)
     assert tb.init_pid("pve1", 130)
     assert tb.container_pids("pve1", 129) == []
     assert tb.gpu_used("pve1") == [0, 0, 0, 0]
@@ -326,15 +329,17 @@ def test_latency_ms(tb):
     assert "port: %d" % tb.lag_port("pve2") not in open(base).read()
 
 
+@pytest.mark.deadline
 def test_ssh_drop_after_s(tb):
     tb.set_fault("pve2", None, "ssh_drop_after_s", 0.5)
     t = time.monotonic()
     r = ssh(tb, "pve2", "echo started; sleep 10; echo finished", timeout=15)
     assert r.returncode == 255 and r.stdout == "started\n"
-    assert time.monotonic() - t < 5
+    assert time.monotonic() - t < slack(5)
 
 
 # ---- life cycle ------------------------------------------------------------------------------------
+@pytest.mark.deadline
 def test_up_refuses_taken_port_and_down_leaves_nothing(tb, tmp_path):
     root = str(tb.root) + "-2"
     with pytest.raises(TestbedError, match="already in use"):
@@ -343,7 +348,7 @@ def test_up_refuses_taken_port_and_down_leaves_nothing(tb, tmp_path):
     bed = Testbed(root=root, hosts=1, containers=[129, 131], gpus=2, net="127.77.%d." % (200 + os.getpid() % 50))
     t = time.monotonic()
     bed.up()
-    assert time.monotonic() - t < 5
+    assert time.monotonic() - t < slack(5)
     try:
         r = subprocess.run(bed.ssh_argv("pve1", "pct list | wc -l; pct exec 131 -- setsid -f sleep 300 "
                                         "</dev/null >/dev/null 2>&1; setsid -f sleep 301 </dev/null >/dev/null 2>&1"),
@@ -361,7 +366,7 @@ def test_up_refuses_taken_port_and_down_leaves_nothing(tb, tmp_path):
         bed.down()
         took = time.monotonic() - t
     sess.wait(timeout=10)
-    assert took < 5
+    assert took < slack(5)
     assert not os.path.exists(root)
     me = str(os.getpid())
     for pid in os.listdir("/proc"):

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from agent_support import PUBLISHED, STALE, agent_code, make_models, run_agent, sha
+from slack import slack
 
 
 @pytest.fixture
@@ -281,10 +282,11 @@ def test_status_adopts_the_nvidia_smi_its_first_line_started(tmp_path):
     assert runs == 1  # started once, by the preamble, and read by the agent
 
 
+@pytest.mark.deadline
 def test_an_early_nvidia_smi_that_hangs_is_killed_at_the_timeout(tmp_path):
     r, took, _ = _status_with_smi(tmp_path, "exec sleep 30", 0.5)
     assert r["memory"] == {"error": "timeout", "message": "nvidia-smi did not answer within 0.5s"}
-    assert took < 20  # bounded: killed at the timeout, not waited for
+    assert took < slack(20, below=30)  # bounded: killed at the timeout, not waited for
 
 
 def test_an_early_nvidia_smi_that_fails_is_reported_as_before(tmp_path):

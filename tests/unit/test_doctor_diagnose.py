@@ -122,3 +122,51 @@ def test_serve_args_of_both_entry_points():
                         "--speculative-config", "{bad"])
     assert a["model"] == "/m" and a["port"] == 8000 and a["spec"] is None and a["spec_error"]
     assert ag._serve_args(["python", "train.py"]) is None
+
+
+def test_an_import_that_timed_out_is_slow_not_broken():
+    """Issue 37: under load `import vllm` may miss doctor's bound; that is a check-timeout, never incomplete-build."""
+    slow = dict(STACK, import_ok=False, import_timed_out=True, import_tries=[8.0, 3.5],
+                import_error="import vllm did not finish within 8.0s then 3.5s (a slow or busy machine, not proof "
+                             "of a broken build)")
+    f = diagnose(facts(stack=slow), PINNED, host="pve1", vmid=129, playbook={"playbook": "qwen36-dflash"})
+    assert classes(f) == ["check-timeout"]
+    assert "8.0s then 3.5s" in f[0]["cause"] and "--budget" in f[0]["fix"]
+    assert f[0]["evidence"]["tries_s"] == [8.0, 3.5]
+
+
+def test_slow_then_fast_import_retries_and_a_failing_one_shows_its_traceback(tmp_path):
+    """The agent's import check itself (container/stack.py) on a stand-in vllm package: a first bound that is too
+    short is retried with what is left; an import that fails reports the traceback's last lines, not one line."""
+    import subprocess
+    import sys
+    pkg = tmp_path / "slow" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import time\ntime.sleep(1.5)\n__version__ = '0.34.0'\n")
+    (pkg / "platforms.py").write_text("current_platform = None\n")
+    (pkg / "_version.py").write_text("__version__ = version = '0.34.0'\n")
+    bad = tmp_path / "bad" / "vllm"
+    bad.mkdir(parents=True)
+    (bad / "__init__.py").write_text("def f():\n    raise ImportError('libcudart.so.13: cannot open shared object "
+                                     "file')\nf()\n")
+    (bad / "_version.py").write_text("__version__ = version = '0.34.0'\n")
+    code = ("import json, sys, time; sys.path.insert(0, %r); from orchestrator.agent.container.stack import "
+            "_vllm_stack; s = _vllm_stack(0.6, retry_until=time.monotonic() + float(sys.argv[1])); "
+            "print(json.dumps({k: s.get(k) for k in ('import_ok', 'import_timed_out', 'import_tries', "
+            "'import_error')}))" % REPO)
+
+    def run(root, budget):
+        env = dict(os.environ, PYTHONPATH=str(root))
+        p = subprocess.run([sys.executable, "-c", code, str(budget)], env=env, capture_output=True, text=True,
+                           timeout=120, cwd=str(tmp_path))
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)
+
+    ok = run(tmp_path / "slow", 60)
+    assert ok["import_ok"] and not ok["import_timed_out"] and ok["import_tries"][0] == 0.6
+    assert len(ok["import_tries"]) == 2
+    slow = run(tmp_path / "slow", 0.3)  # nothing left for a retry: reported as a timeout, not as a failure
+    assert not slow["import_ok"] and slow["import_timed_out"] and "did not finish within 0.6s" in slow["import_error"]
+    failed = run(tmp_path / "bad", 60)
+    assert not failed["import_ok"] and not failed["import_timed_out"]
+    assert "in f" in failed["import_error"] and "libcudart.so.13" in failed["import_error"]

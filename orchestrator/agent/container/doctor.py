@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 
 from .core import now
 from .files import why_untrusted
@@ -125,7 +126,7 @@ def act_doctor(a):
                 srv["metrics"] = body if ms == 200 else None
         servers.append(srv)
     mem = read_gpu_memory(min(float(a.get("nvidia_smi_timeout_s", 4)), max(0.5, end - now())))
-    stack = _vllm_stack(max(1.0, min(8.0, end - now() - 0.5)))
+    stack = _vllm_stack(max(1.0, min(8.0, end - now() - 0.5)), retry_until=time.monotonic() + (end - now() - 0.5))
     try:
         pid_ns = os.readlink("/proc/self/ns/pid")  # namespace inodes are global: the host compares its holders'
     except OSError:

@@ -8,11 +8,12 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 from .core import _some
 from .files import why_untrusted
 
-def _vllm_stack(python_timeout):
+def _vllm_stack(python_timeout, retry_until=None):
     import importlib.util
 
     info = {"installed": False}
@@ -73,17 +74,37 @@ def _vllm_stack(python_timeout):
         info["import_error"] = "not imported: %s (a package root imports must be root-owned and not writable by " \
                                "others)" % untrusted
         return info
-    try:
-        p = subprocess.run([sys.executable, "-c", "import vllm, vllm.platforms; from vllm.platforms import "
-                            "current_platform; print(vllm.__version__)"], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, timeout=python_timeout, stdin=subprocess.DEVNULL)
+    # "slow" is not "broken" (issue 37): a timeout is reported as one (with the bound), retried once with what is
+    # left of `retry_until` (time.monotonic()) before any verdict; a failure keeps its traceback's last lines
+    bounds = [python_timeout]
+    if retry_until is not None:
+        bounds.append(retry_until - time.monotonic())
+    info.update(import_ok=False, import_timed_out=False, import_tries=[])
+    for bound in bounds:
+        if bound < 0.5 or (info["import_tries"] and bound <= info["import_tries"][-1]):
+            break
+        t0 = time.monotonic()
+        try:
+            p = subprocess.run([sys.executable, "-c", "import vllm, vllm.platforms; from vllm.platforms import "
+                                "current_platform; print(vllm.__version__)"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, timeout=bound, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            info["import_tries"].append(round(bound, 1))
+            info["import_timed_out"] = True
+            info["import_error"] = "import vllm did not finish within %s (a slow or busy machine, not proof of a " \
+                                   "broken build)" % " then ".join("%ss" % b for b in info["import_tries"])
+            continue
+        info["import_tries"].append(round(bound, 1))
+        info["import_seconds"] = round(time.monotonic() - t0, 2)
+        info["import_timed_out"] = False
         info["import_ok"] = p.returncode == 0
-        if p.returncode != 0:
-            err = p.stderr.decode("utf-8", "replace").strip().splitlines()
-            info["import_error"] = err[-1] if err else "exit %d" % p.returncode
-    except subprocess.TimeoutExpired:
-        info["import_ok"] = False
-        info["import_error"] = "import vllm did not finish within %ss" % python_timeout
+        if p.returncode == 0:
+            info.pop("import_error", None)
+        else:
+            err = [ln for ln in p.stderr.decode("utf-8", "replace").strip().splitlines() if ln.strip()]
+            tail = [ln[:300] for ln in err[-8:]]
+            info["import_error"] = ("exit %d: " % p.returncode) + (" | ".join(tail) if tail else "no output")
+        break
     return info
 
 
@@ -102,7 +123,9 @@ def serving_checks(stack, disk, a, check):
     m = stack["markers"]
     check("vllm import", stack.get("import_ok"), expected="import vllm succeeds",
           on_disk="%s%s" % (stack.get("version"), " (CPU build)" if stack.get("build") == "cpu" else ""),
-          reason="the build is broken: %s" % stack.get("import_error"))
+          reason=("%s; rerun when the container is less busy (the bound is 120 s)"
+                  % stack.get("import_error")) if stack.get("import_timed_out") else
+          "the build is broken: %s" % stack.get("import_error"))
     check("vllm extensions", not stack["extensions_missing"], expected="complete build",
           on_disk=stack["extensions_missing"] or "all present",
           reason="compiled extension(s) missing: %s (an incomplete build)" % ", ".join(stack["extensions_missing"]))
