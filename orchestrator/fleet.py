@@ -216,6 +216,8 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, o
     res = result(pb, "down", outs, t0, members=members)
     if rr is not None:
         res["router"] = rr
+        if rr.get("refused"):  # a router.json deploy may not use: the router may still run; never a silent 0
+            res["ok"] = False
     return res
 
 

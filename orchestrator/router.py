@@ -266,6 +266,10 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress) -> dict:
         res = call(fleet, pb, "stop", timeout=60)
     except DeployError as e:
         return {"where": w, "ok": False, "message": e.message, "error": e}
+    if res.get("refused"):
+        msg = f"router {w}: not stopped: {res['refused']}"
+        progress.say(w, "router: NOT stopped: " + str(res["refused"]))
+        return {"where": w, "ok": False, "stopped": False, "refused": True, "message": msg}
     if res.get("stopped"):
         progress.say(w, "router: stopped" + (f" (unit {res['unit'].get('unit')} stopped and removed)"
                                               if isinstance(res.get("unit"), dict) else f" (pid {res.get('pid')})"))

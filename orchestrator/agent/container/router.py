@@ -10,9 +10,10 @@ import subprocess
 import time
 
 from .core import clean, emit, now
-from .files import UnsafeDirectory, open_dir, remove_owned, write_json_atomic, write_owned
-from .net import http
+from .files import UnsafeDirectory, open_dir, read_state_file, remove_owned, write_json_atomic, write_owned
+from .net import http, listener_check
 from .procs import alive, proc_starttime
+from .state import signal_proven
 from .runner import _pip_ok
 from .stack import record_check
 from .systemd import UNIT_DIR, journal, systemctl, systemd_running, unit_quote, unit_show, unit_stop
@@ -35,19 +36,62 @@ def _router_dir(a):
     return os.path.join(a["state_dir"], "router-" + a["playbook"])
 
 
+def _router_unit(a):
+    return "vllm-router-%s.service" % a["playbook"]
+
+
 def _router_state(a):
+    """router.json, read with the rules of the vLLM state (issue 36 item 3): the router directory root-owned and
+    private, the file regular, root-owned, not writable by others, no symlinks (files.read_state_file); the unit it
+    names must be exactly this playbook's (`vllm-router-PLAYBOOK.service`), the pid a plain number. None when absent;
+    {"corrupt": why, "path": ...} when it may not be used (nothing is then signalled, stopped or deleted)."""
+    path = os.path.join(_router_dir(a), "router.json")
     try:
-        with open(os.path.join(_router_dir(a), "router.json")) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+        st = json.loads(read_state_file(path).decode("utf-8", "replace"))
+        if not isinstance(st, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
         return None
+    except (UnsafeDirectory, OSError, ValueError) as e:
+        return {"corrupt": clean(str(e))[:500], "path": path}
+    unit, pid = st.get("unit"), st.get("pid")
+    if unit is not None and unit != _router_unit(a):
+        return {"corrupt": "it names the unit %r, not %s: not written by deploy, not used (fix: remove it)"
+                           % (clean(str(unit))[:100], _router_unit(a)), "path": path}
+    if pid is not None and (type(pid) is not int or pid <= 1):
+        return {"corrupt": "its pid %r is not a process deploy started: not used (fix: remove it)"
+                           % (clean(str(pid))[:40],), "path": path}
+    return st
+
+
+def _router_proof(st):
+    """The record that proves the router's own processes (state.proven): its leader (the unit's MainPID under
+    systemd, else the recorded pid with its start time) leads its own process group (start_new_session / systemd)."""
+    if not st or st.get("corrupt"):
+        return None
+    if st.get("unit") and systemd_running():
+        pid = int(unit_show(st["unit"]).get("MainPID") or 0)
+        return {"pid": pid, "pgid": pid, "starttime": proc_starttime(pid)} if pid else None
+    if st.get("pid"):
+        return {"pid": st["pid"], "pgid": st["pid"], "starttime": st.get("starttime")}
+    return None
 
 
 def _router_key():
     return (core.SECRETS or {}).get("router_key") if isinstance(core.SECRETS, dict) else None
 
 
-def _router_http(a, path, method="GET", timeout=5.0, body=None):
+def _router_http(a, path, method="GET", timeout=5.0, body=None, st=None):
+    """A request to the router, only once its listener is proven (issue 36 item 4): every process listening on the
+    port must be the router deploy started (net.listener_check), so neither the API key nor our trust in the answer
+    goes to a stranger. -> (status, body); (None, why) when nothing was sent."""
+    st = st if st is not None else _router_state(a)
+    if not st or st.get("corrupt"):
+        return None, ("no router of deploy's runs here (%s): nothing was sent"
+                      % (st.get("corrupt") if st else "no router.json"))
+    ok, problem = listener_check(_router_proof(st), int(a["port"]))
+    if not ok:
+        return None, problem.replace("the API key was not sent", "the request (and its API key) was not sent")
     return http(int(a["port"]), path, method=method, body=body, timeout=timeout, api_key=_router_key(),
                 host=a.get("connect") or "127.0.0.1")
 
@@ -174,29 +218,28 @@ def _router_alive(st):
 
 
 def _router_stop(a, st=None):
+    """Stop the router deploy started: its unit (the name validated in _router_state), else its proven processes
+    only (state.signal_proven: the recorded leader by its start time, its group). A router.json that may not be used
+    stops nothing and says why."""
     st = st if st is not None else _router_state(a)
     rep = {"stopped": False}
     if not st:
         return rep
+    if st.get("corrupt"):
+        return dict(rep, refused="%s: %s" % (st.get("path"), st["corrupt"]))
     if st.get("unit") and systemd_running():
         rep["unit"] = unit_stop(st["unit"], timeout=float(a.get("grace_s") or 10) + 30)
         remove_owned(UNIT_DIR, st["unit"])
         systemctl(["daemon-reload"])
         rep["stopped"] = True
     elif _router_alive(st):
+        proof = _router_proof(st)
         pid = st["pid"]
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except OSError:
-            pass
+        signal_proven(proof, signal.SIGTERM)
         end = now() + float(a.get("grace_s") or 10)
         while now() < end and alive(pid):
             time.sleep(0.05)
-        if alive(pid):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        if alive(pid) and signal_proven(proof, signal.SIGKILL):
             rep["killed"] = True
         rep["stopped"] = True
         rep["pid"] = pid
@@ -213,6 +256,9 @@ def _router_start(a):
     except (OSError, UnsafeDirectory) as e:
         return {"ok": False, "message": "refusing to use %s: %s" % (d, e)}
     old = _router_state(a)
+    if old and old.get("corrupt"):
+        os.close(dfd)
+        return {"ok": False, "message": "refusing to replace the router: %s: %s" % (old.get("path"), old["corrupt"])}
     prev = _router_stop(a, old) if old else None
     argv = [_router_venv_python(a), "-c", ROUTER_LAUNCHER] + list(a["args"])
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
@@ -296,6 +342,9 @@ def _router_view(a):
     out = {"installed": bool(st), "state": st, "running": False}
     if not st:
         return out
+    if st.get("corrupt"):
+        out.update(installed=False, error="router.json not used: %s" % st["corrupt"])
+        return out
     if st.get("unit") and systemd_running():
         u = unit_show(st["unit"])
         pid = int(u.get("MainPID") or 0)
@@ -305,7 +354,7 @@ def _router_view(a):
         out.update(pid=st.get("pid"), running=bool(_router_alive(st)))
     out["supervisor"] = st.get("supervisor")
     if out["running"]:
-        code, body = _router_http(a, "/workers", timeout=float(a.get("timeout_s") or 5))
+        code, body = _router_http(a, "/workers", timeout=float(a.get("timeout_s") or 5), st=st)
         if code == 200:
             try:
                 ws = json.loads(body).get("workers") or []
@@ -315,7 +364,7 @@ def _router_view(a):
                 out["error"] = "GET /workers: not JSON (%s)" % e
         else:
             out["error"] = "GET /workers: %s %s" % (code, (body or "")[:200])
-        code, body = _router_http(a, "/readiness", timeout=float(a.get("timeout_s") or 5))
+        code, body = _router_http(a, "/readiness", timeout=float(a.get("timeout_s") or 5), st=st)
         out["readiness"] = {"status": code, "body": (body or "")[:300]}
     return out
 
@@ -392,7 +441,7 @@ def act_router(a):
     if op in ("remove", "add"):
         code, body = _router_http(a, "/%s_worker?url=%s" % ("remove" if op == "remove" else "add", a["url"]),
                                   method="POST", timeout=float(a.get("timeout_s") or 30))
-        return {"ok": code == 200, "status": code, "message": (body or "")[:500]}
+        return {"ok": code == 200, "status": code, "message": (body or "")[:500], "sent": code is not None}
     if op == "drain_wait":
         return _router_drain_wait(a)
     if op == "stop":
