@@ -14,7 +14,7 @@ from .errors import (DeployError, Interrupted, LockHeld, StepFailed, Unreachable
                      UsageError)
 from .gate import gate_figures
 from .agent.protocol import CurrentResult, GpusFreeResult, ReadyResult, StopResult, VerifyResult, WriteFileResult
-from .remote import Fleet
+from .remote import Fleet, shell_word
 from .report import Progress, sha
 from .spec import Playbook
 from .steps import (Context, Outcome, StepResult, check_container, holder_id, new_context,  # noqa: F401 (re-exported)
@@ -611,7 +611,7 @@ def stop_after_failure(ctx: Context, step: P.Step) -> str:
         s = f"the failed server was stopped ({n} process(es))" if n else "the failed server had already exited"
         if u:  # systemd's unit: stopped and disabled, so it does not come back at the next boot
             s += (f"; unit {u['unit']} is {u.get('active') or 'unknown'} and {u.get('enabled') or 'unknown'}; its log "
-                  f"is kept in the journal (deploy logs {pb.name}, or journalctl -u {u['unit']})")
+                  f"is kept in the journal (deploy logs {pb.name}, or journalctl -u {shell_word(u['unit'])})")
         else:
             s += f"; its log is kept at {log} (deploy logs {pb.name})"
         if left:

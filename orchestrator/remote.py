@@ -37,6 +37,12 @@ def shell_join(argv: Iterable[str]) -> str:
     return " ".join(shlex.quote(str(a)) for a in argv)
 
 
+def shell_word(word) -> str:
+    """One word of a command printed for a person to run (a fix line): quoted whatever it holds, so a name that came
+    from a container (a unit, a playbook) cannot carry shell syntax into it (issue 36 item 8)."""
+    return shell_join([word])
+
+
 def pct_exec_argv(vmid: int, argv: list[str], keep_env: bool = True) -> list[str]:
     """The host-side argv that runs `argv` inside container `vmid` (one program after `--`, never a string)."""
     if keep_env:

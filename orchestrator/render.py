@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from .remote import shell_word
+
 
 def render_plans(as_json, inv, pb, plan_of):
     """The plan of a playbook; of each of its targets for a playbook with `targets:` (JSON: {"targets": [...]})."""
@@ -104,7 +106,7 @@ def shared_gpu_warnings(inv, pb) -> list[str]:
         out.append(f"GPU(s) {', '.join(map(str, shared))} of {pb.host}/{pb.vmid} are also given to {pb.host}/{c.vmid}"
                    + (f" (targeted by {', '.join(names)})" if names else "")
                    + f": while a vLLM runs there, gpus-free fails (deploy status {pb.host}/{c.vmid} shows it"
-                   + (f"; deploy down {names[0]} frees them" if names else "") + ")")
+                   + (f"; deploy down {shell_word(names[0])} frees them" if names else "") + ")")
     return out
 
 

@@ -18,7 +18,7 @@ from . import agent
 from . import vllm_facts as vf
 from .agent import AgentError, ContainerNotRunning
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, RemoteTimeout, Unreachable, UsageError
-from .remote import Fleet, run_parallel, state_dir, warm_when_connected
+from .remote import Fleet, run_parallel, shell_word, state_dir, warm_when_connected
 from .report import own
 
 SCHEMA = "vllm-pve-deploy/status/v1"
@@ -294,7 +294,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             row["problems"].append(
                 f"{sup['unit']} crashed {sup.get('restarts') or 0} time(s) after start and systemd stopped restarting "
                 f"it (start limit: supervise.start_limit_burst within supervise.start_limit_interval_s); last exit: "
-                f"{exit_text(ex)}; deploy logs {st.get('playbook')} shows why, then deploy up {st.get('playbook')}")
+                f"{exit_text(ex)}; deploy logs {shell_word(st.get('playbook'))} shows why, then deploy up "
+                f"{shell_word(st.get('playbook'))}")
         else:
             row["problems"].append(f"{sup['unit']} is {sup.get('active')}/{sup.get('sub')} (no main process); last "
                                    f"exit: {exit_text(ex)}; deploy logs {st.get('playbook')}")
@@ -369,7 +370,7 @@ def gate_row(row: dict, r: dict, st: dict | None) -> None:
         row["notes"].append(f"{rej.get('playbook')} was rejected by the acceptance gate at {_at(rej.get('at'))} "
                             f"({gate_figures(v)}): {v.get('reason')}"
                             + (f"; {v.get('rejected_fallback')} was brought up instead" if v.get("rejected_fallback")
-                               else "") + f". deploy up {rej.get('playbook')} tries it again")
+                               else "") + f". deploy up {shell_word(rej.get('playbook'))} tries it again")
     if not st or not st.get("alive"):
         return
     if g and g.get("for_current_launch"):
@@ -379,7 +380,7 @@ def gate_row(row: dict, r: dict, st: dict | None) -> None:
         if not v.get("passed"):
             row["healthy"] = False
             row["problems"].append(f"failed the acceptance gate at {_at(g.get('at'))} ({gate_figures(v)}): "
-                                   f"{v.get('reason')}; deploy up {st.get('playbook')} measures it again")
+                                   f"{v.get('reason')}; deploy up {shell_word(st.get('playbook'))} measures it again")
         return
     row["gate"] = {"verdict": "not gated", "at": None, "since": st.get("started_at"), "figures": None, "reason": None}
     row["healthy"] = False

@@ -7,6 +7,7 @@ import time
 from ..agent.protocol import GpusFreeResult, StopResult
 from ..plan import Step
 from . import Context
+from ..remote import shell_word
 
 
 def fmt_mem(readings: dict | None) -> str:
@@ -21,20 +22,20 @@ def stop(ctx: Context, step: Step) -> StopResult:
     rep: StopResult = ctx.call(step, on_event=lambda e: ctx.progress.say(ctx.where, "     " + e.get("message", "")))
     if rep.refused:
         ctx.fail(step.name, t0, rep.refused + "; nothing was stopped",
-                 fix=f"deploy down {rep.running} stops that deployment")
+                 fix=f"deploy down {shell_word(rep.running)} stops that deployment")
     stopped = rep.terminated + rep.killed
     parts = []
     u = rep.unit
     if rep.unit_problem:
         ctx.fail(step.name, t0, rep.unit_problem, fix=f"pct exec {ctx.pb.vmid} -- systemctl status "
-                                                        f"{(rep.state or {}).get('unit')}", report=rep)
+                                                        f"{shell_word((rep.state or {}).get('unit'))}", report=rep)
     if u:
         parts.append(f"systemctl stop {u['unit']}: {len(rep.terminated or [])} process(es) of its cgroup "
                      f"ended; unit now {u.get('active')}, {u.get('enabled')}")
         if rep.cgroup_left:
             ctx.fail(step.name, t0, f"{u['unit']} stopped but its cgroup still holds "
                                     + ", ".join(f"{p['pid']} ({p['comm']})" for p in rep.cgroup_left),
-                     fix=f"pct exec {ctx.pb.vmid} -- systemctl kill -s KILL {u['unit']}", report=rep)
+                     fix=f"pct exec {ctx.pb.vmid} -- systemctl kill -s KILL {shell_word(u['unit'])}", report=rep)
     elif rep.terminated:
         n, sent = len(rep.terminated), rep.sigterm
         pg = (rep.state or {}).get("pgid")
@@ -111,7 +112,7 @@ def gpus_free(ctx: Context, step: Step) -> GpusFreeResult:
         extra += "; on the host: " + ", ".join(
             f"host PID {h['pid']} ({h.get('comm') or '?'}) uses {h['mib']} MiB of GPU {h['gpu']}"
             + (f" in container {h['vmid']}" if h.get("vmid") else " (the host itself)") for h in holders)
-    downs = [f"deploy down {p}" for o in others for p in o["playbooks"]]
+    downs = [f"deploy down {shell_word(p)}" for o in others for p in o["playbooks"]]
     if downs:
         fix = (f"{' or '.join(downs)} frees them (it runs in container "
                f"{', '.join(str(o['vmid']) for o in others if o['playbooks'])} on the same GPUs), then deploy up "

