@@ -122,3 +122,17 @@ def test_serve_args_of_both_entry_points():
                         "--speculative-config", "{bad"])
     assert a["model"] == "/m" and a["port"] == 8000 and a["spec"] is None and a["spec_error"]
     assert ag._serve_args(["python", "train.py"]) is None
+
+
+def test_an_nvml_version_mismatch_is_its_own_finding_with_the_version_check():
+    """Issue 41: nvidia-smi failing with NVML's version mismatch is named, with the check of both versions; another
+    nvidia-smi failure is not this finding."""
+    mem = {"error": "failed", "message": "Failed to initialize NVML: Driver/library version mismatch\n"
+                                         "NVML library version: 550.90"}
+    f = diagnose(facts(mem=mem), PINNED, host="pve1", vmid=129)
+    assert classes(f) == ["driver-mismatch"]
+    assert "nvidia-smi in this container fails: Failed to initialize NVML" in f[0]["cause"]
+    assert "`cat /proc/driver/nvidia/version` on pve1" in f[0]["fix"] and "--no-kernel-module" in f[0]["fix"]
+    assert "wedged" not in f[0]["fix"]
+    other = {"error": "timeout", "message": "nvidia-smi did not answer within 4s"}
+    assert diagnose(facts(mem=other), PINNED, host="pve1", vmid=129) == []
