@@ -25,7 +25,7 @@ import re
 from .agent.container import files as _agent_files
 from .atomic import write_atomic
 from .errors import DeployError, UsageError
-from .facts import parse_pct_list
+from .facts import NVML_MISMATCH, parse_pct_list
 
 from .spec import DEFAULT_STATE_DIR
 NVIDIA_MAJOR = 195
@@ -417,8 +417,12 @@ def discover(session, *, timeout: float = 60.0, progress=None) -> dict:
                       timeout=timeout, label="discover")
     host_gpus = parse_host_gpus(smi.out) if smi.ok else None
     if host_gpus is None:
-        warnings.append(f"host nvidia-smi failed (exit {smi.exited}: {(smi.err or smi.out).strip()[:200]}); "
-                        "'every GPU' passthrough is resolved from inside running containers only")
+        said = (smi.err or smi.out).strip()
+        warnings.append(f"host nvidia-smi failed (exit {smi.exited}: {said[:200]}); "
+                        "'every GPU' passthrough is resolved from inside running containers only"
+                        + ("; a version mismatch on the host itself: its NVIDIA driver was upgraded and the old "
+                           "kernel module is still loaded: reboot the host (or unload and reload the nvidia modules)"
+                           if NVML_MISMATCH.lower() in said.lower() else ""))
 
     def read_one(ct):
         vmid = ct["vmid"]

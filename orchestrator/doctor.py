@@ -12,6 +12,7 @@ Classes (docs/domain/field-report.md, "What happened"):
   leftover-holder    a process holds the GPUs that belongs to no running vLLM server               FR 7
   low-acceptance     the server's own /metrics fail the acceptance gate (AL, position 0, cliff)       FR 1
   check-timeout      a check did not finish within its bound (retried once): slow, not a diagnosis   issue 37
+  driver-mismatch    nvidia-smi: NVML Driver/library version mismatch (container vs host driver)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import time
 
 from . import vllm_facts as vf
+from .facts import nvml_mismatch_fix
 
 CRITICAL = ("dflash_config.target_layer_ids", "dflash_config.mask_token_id", "layer_types", "sliding_window",
             "use_sliding_window", "bos_token_id", "block_size", "num_target_layers")
@@ -49,7 +51,7 @@ def low_acceptance_verdict(life, p: dict | None):
     return v
 SCHEMA = "vllm-pve-deploy/doctor/v1"
 CLASSES = ("guessed-config", "stale-write", "missing-fix", "incomplete-build", "leftover-holder", "low-acceptance",
-           "check-timeout")
+           "check-timeout", "driver-mismatch")
 
 
 def _get(d, dotted):
@@ -301,7 +303,11 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
                                f"but belongs to no running vLLM server (e.g. an engine left by pkill -9 -f vllm)",
             f"deploy down {pbname} --clean-gpus (lists the holders, asks, then fuser -k in this container only)",
             pid=h["pid"], cmdline=h.get("cmdline"))
-    mem = (facts.get("memory") or {}).get("gpus") or {}
+    smi = facts.get("memory") or {}
+    mismatch = nvml_mismatch_fix(smi.get("message"), host, vmid) if smi.get("error") else None
+    if mismatch:  # two driver versions, not a wedged driver (issue 41)
+        add("driver-mismatch", f"nvidia-smi in this container fails: {smi['message']}", mismatch)
+    mem = smi.get("gpus") or {}
     mine = {int(i) for i in mem}
     outside = [h for h in (host_holders or {}).get("holders", [])
                if h["gpu"] in mine and h.get("pid_ns") and h["pid_ns"] != facts.get("pid_ns")]

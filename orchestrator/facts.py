@@ -39,3 +39,22 @@ def parse_pct_config_gpus(text: str) -> list[int]:
         if m:
             gpus.add(int(m.group(2)))
     return sorted(gpus)
+
+
+# nvidia-smi (NVML) when the user-space driver and the kernel module differ (docs/domain/proxmox-lxc.md)
+NVML_MISMATCH = "Driver/library version mismatch"
+
+
+def nvml_mismatch_fix(text: str | None, host: str, vmid: int | str | None = None) -> str | None:
+    """The fix for `Failed to initialize NVML: Driver/library version mismatch` in nvidia-smi's output TEXT, or
+    None when TEXT is something else. Not a wedged driver: two versions that differ, usually the container's
+    user-space libraries against the host's kernel module; a reboot only helps when the host itself was upgraded."""
+    if not text or NVML_MISMATCH.lower() not in text.lower():
+        return None
+    ct = f"container {vmid}" if vmid is not None else "the container"
+    return (f"the user-space NVIDIA driver in {ct} (libnvidia-ml) and the kernel module on {host} have different "
+            f"versions: compare `cat /proc/driver/nvidia/version` on {host} with "
+            f"`ls /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.*` in {ct} (a newer nvidia-smi also prints "
+            f"`NVML library version: VER`), then install in {ct} exactly the host's driver version, user space only "
+            f"(e.g. `./NVIDIA-Linux-x86_64-VER.run --no-kernel-module`); reboot {host} only if the host itself was "
+            f"just upgraded (nvidia-smi on {host} shows the same mismatch)")

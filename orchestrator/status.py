@@ -18,6 +18,7 @@ from . import agent
 from . import vllm_facts as vf
 from .agent import AgentError, ContainerNotRunning
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, RemoteTimeout, Unreachable, UsageError
+from .facts import nvml_mismatch_fix
 from .remote import Fleet, run_parallel, shell_word, state_dir, warm_when_connected
 from .report import own
 
@@ -229,7 +230,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         return row
     mem = r.memory or {}
     if "error" in mem:
-        row["problems"].append(f"nvidia-smi: {mem.get('message')}")
+        fix = nvml_mismatch_fix(mem.get("message"), host, vmid)
+        row["problems"].append(f"nvidia-smi: {mem.get('message')}" + (f" (fix: {fix})" if fix else ""))
         row["healthy"] = False
     else:
         row["gpus"] = [{"index": int(i), "used_mib": g["used"], "total_mib": g["total"]}

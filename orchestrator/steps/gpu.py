@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from ..agent.protocol import GpusFreeResult, StopResult
+from ..facts import nvml_mismatch_fix
 from ..plan import Step
 from . import Context
 from ..remote import shell_word
@@ -15,6 +16,27 @@ def fmt_mem(readings: dict | None) -> str:
         return "-"
     return ", ".join(f"GPU{g} {r['used']} MiB" if r else f"GPU{g} ?" for g, r in sorted(readings.items(),
                                                                                          key=lambda x: int(x[0])))
+
+
+NAMED_CMDLINE_MAX = 200  # as the agent caps them (agent/container/gpus.py); again here: the container's word
+
+
+def signalled(fz: dict, which: str) -> str:
+    """The processes fuser sent SIG{which} to, each named with its command line as the confirmation prompt names a
+    holder, in gpus-free's form `PID n (comm: cmdline)`: from the agent's {which}_procs, read before the signal
+    (the container's text: whitespace folded, capped; controls are stripped on output). Bare pids from an older
+    agent."""
+    procs = fz.get(f"{which}_procs")
+    pids = fz.get(which) or []
+    if not isinstance(procs, list) or not all(isinstance(p, dict) for p in procs):
+        return ", ".join(f"PID {p}" for p in pids) or "none"
+    out = []
+    for p in procs:
+        cmd = " ".join(str(p.get("cmdline") or "").split())
+        cmd = cmd[:NAMED_CMDLINE_MAX] + "..." if len(cmd) > NAMED_CMDLINE_MAX + 3 else cmd
+        comm = " ".join(str(p.get("comm") or "?").split())[:64]
+        out.append(f"PID {p.get('pid')} ({comm}: {cmd or '?'})")
+    return ", ".join(out) or "none"
 
 
 def stop(ctx: Context, step: Step) -> StopResult:
@@ -48,7 +70,7 @@ def stop(ctx: Context, step: Step) -> StopResult:
     if fz.get("refused"):
         ctx.fail(step.name, t0, fz["refused"], fix="this must never run on the Proxmox host itself")
     if fz.get("term") or fz.get("kill"):
-        parts.append(f"fuser -k freed the devices (TERM: {fz.get('term')}, KILL: {fz.get('kill')})")
+        parts.append(f"fuser -k freed the devices (TERM: {signalled(fz, 'term')}; KILL: {signalled(fz, 'kill')})")
     fuser_pids = set(fz.get("term") or []) | set(fz.get("kill") or [])
     foreign = [p for p in rep.foreign or [] if p["pid"] not in fuser_pids]  # killed by fuser: not "left alone"
     if foreign:
@@ -83,9 +105,11 @@ def gpus_free(ctx: Context, step: Step) -> GpusFreeResult:
                    t0, before=r.before, after=r.after)
         return r
     if v and v.startswith("nvidia_smi_"):
+        mismatch = nvml_mismatch_fix(r.message, ctx.pb.host, ctx.pb.vmid)  # two versions, not a wedged driver
         ctx.fail(step.name, t0, f"`{r.command or 'nvidia-smi'}` {r.message} (timeout {r.timeout_s}s)",
-                 fix=f"the NVIDIA driver may be wedged: run nvidia-smi on {ctx.pb.host} itself (a hung one needs the "
-                     "driver reloaded or the host rebooted); nothing was launched",
+                 fix=(mismatch + "; nothing was launched") if mismatch else
+                 f"the NVIDIA driver may be wedged: run nvidia-smi on {ctx.pb.host} itself (a hung one needs the "
+                 "driver reloaded or the host rebooted); nothing was launched",
                  result=r)
     if v == "gpu_missing":
         ctx.fail(step.name, t0, f"GPU(s) {r.missing} not visible in the container (nvidia-smi shows "

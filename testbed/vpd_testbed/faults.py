@@ -30,6 +30,9 @@ CONTAINER = {
 HOST = {
     "release_delay_s": "seconds (float, default 0.3): GPU memory lingers that long after a holder exits",
     "nvidia_smi_hang": "bool: nvidia-smi never answers",
+    "nvidia_smi_mismatch": "containers or everywhere: nvidia-smi fails with NVML's Driver/library version mismatch "
+                           "(in the containers only: their user-space driver differs; everywhere: the host's driver "
+                           "was upgraded without a reboot)",
     "foreign_holder": 'JSON {"gpu": 0, "mib": 30000}: a host process outside every container holds the GPU',
     "unreachable": "bool: sshd stopped, port closed",
     "ssh_drop_after_s": "seconds (float): every SSH connection to the host is cut that long after it opened",
@@ -136,6 +139,8 @@ def validate(name, value, container):
         raise FaultError("%s needs true/false" % name)
     if name == "oom_at_startup" and value not in ("free_memory", "cuda_oom", "no_kv_cache", "max_len"):
         raise FaultError("oom_at_startup must be free_memory, cuda_oom, no_kv_cache or max_len")
+    if name == "nvidia_smi_mismatch" and value not in ("containers", "everywhere"):
+        raise FaultError("nvidia_smi_mismatch must be containers or everywhere")
     if name == "vllm_build" and value not in ("release", "pr40898"):
         raise FaultError("vllm_build must be release or pr40898")
     if name == "foreign_holder":

@@ -53,9 +53,15 @@ def test_sigterm_ignoring_holder_is_named_then_killed_with_clean_gpus(tb, deploy
     assert "--clean-gpus" in p.stderr
     p = deploy("--json", "down", "qwen36-mtp", "--clean-gpus", "-y", env=playbooks.env)
     assert p.returncode == 0, p.stderr
-    fz = {s["step"]: s for s in p.json["steps"]}["stop"]["details"]["report"]["fuser"]
+    stop = {s["step"]: s for s in p.json["steps"]}["stop"]
+    fz = stop["details"]["report"]["fuser"]
     assert fz["term"] and fz["kill"] == fz["term"]  # it ignored SIGTERM, so it was SIGKILLed and named
     assert max(used(tb, "pve1")) < 1024
+    # each named with its command line, as the prompt names it (issue 41), not by PID alone
+    assert [x["pid"] for x in fz["kill_procs"]] == fz["kill"]
+    assert all("vpd-testbed-sigterm-holder" in x["cmdline"] for x in fz["kill_procs"]), fz
+    pid = fz["kill"][0]
+    assert f"KILL: PID {pid} (python" in stop["summary"] and "vpd-testbed-sigterm-holder" in stop["summary"], stop
 
 
 def test_slow_release_is_waited_for_and_timed(tb, deploy):
@@ -110,6 +116,23 @@ def test_hanging_nvidia_smi_times_out_with_the_command(tb, deploy, playbooks):
     assert "did not answer within 1s" in p.stderr
     assert "fix: the NVIDIA driver may be wedged: run nvidia-smi on pve1 itself" in p.stderr
     assert time.monotonic() - t0 < slack(20)
+
+
+def test_nvml_version_mismatch_names_both_versions_and_not_a_wedged_driver(tb, deploy, playbooks):
+    """Issue 41: `Failed to initialize NVML: Driver/library version mismatch` in the container is two driver
+    versions, not a hung one: the fix compares them and installs the host's in the container, user space only."""
+    tb.set_fault("pve1", None, "nvidia_smi_mismatch", "containers")
+    p = deploy("up", "qwen36-mtp")
+    assert p.returncode == 1, p.stderr
+    assert "Failed to initialize NVML: Driver/library version mismatch" in p.stderr
+    err = " ".join(p.stderr.split())  # the fix may be wrapped
+    assert "wedged" not in err
+    assert "the user-space NVIDIA driver in container 129 (libnvidia-ml) and the kernel module on pve1" in err
+    assert "`cat /proc/driver/nvidia/version` on pve1" in err and "--no-kernel-module" in err
+    assert "reboot pve1 only if the host itself was just upgraded" in err
+    p = deploy("--json", "status", "pve1/129")
+    problems = p.json["rows"][0]["problems"]
+    assert any("version mismatch" in x and "--no-kernel-module" in x for x in problems), problems
 
 
 def test_down_when_nothing_runs_is_a_clean_noop(tb, deploy):

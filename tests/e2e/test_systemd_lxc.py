@@ -249,7 +249,9 @@ def test_restart_clean_gpus_frees_a_holder_outside_the_units_cgroup(sdbed, deplo
     try:
         p = deploy("restart", "sd-dflash", "--clean-gpus", "-y")
         assert p.returncode == 0, p.out
-        assert "fuser -k freed the devices" in p.out, p.out
+        assert "fuser -k freed the devices (TERM: PID " in p.out, p.out
+        # each holder named with its command line, as the refusal without -y names it (issue 41)
+        assert "vpd-testbed-sigterm-holder" in p.out.split("fuser -k freed the devices", 1)[1], p.out
     finally:
         sdbed.clear_faults()
     p, row = status_row(deploy)

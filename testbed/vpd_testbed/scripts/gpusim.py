@@ -20,6 +20,7 @@ import time
 
 MIB = 1 << 20
 NAME = "NVIDIA H100 80GB HBM3"
+MISMATCH_TEXT = "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 550.90\n"
 TOTAL = 81559
 DRIVER = "550.54.15"
 CUDA = "12.4"
@@ -325,7 +326,12 @@ class Sim:
                         r, _, _ = select.select([conn], [], [], 1.0)
                         if r and not conn.recv(1):
                             return
-                rc, out, err = self.smi([str(a) for a in req.get("argv", [])], gpus, in_container)
+                mismatch = self.faults().get("nvidia_smi_mismatch")
+                if mismatch == "everywhere" or (mismatch == "containers" and in_container):
+                    # what nvidia-smi 550 prints (stdout, exit 18) when libnvidia-ml and the kernel module differ
+                    rc, out, err = 18, MISMATCH_TEXT, ""
+                else:
+                    rc, out, err = self.smi([str(a) for a in req.get("argv", [])], gpus, in_container)
                 resp = {"rc": rc, "out": out, "err": err}
             conn.sendall((json.dumps(resp) + "\n").encode())
         except Exception as e:  # noqa: BLE001 - report to the client, keep serving
