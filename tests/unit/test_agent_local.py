@@ -299,13 +299,13 @@ def test_a_process_fuser_signalled_is_named_with_its_command_line_cleaned_and_ca
     """Issue 41: fuser_kill names each pid it signalled as read while it held the GPU (else from /proc now):
     comm and cmdline, terminal controls and newlines gone, capped."""
     code = agent_code("from vpd_agent.gpus import named\nimport os\n"
-                      "seen = {7: {'comm': 'python3', 'cmdline': 'python3 a.py\\n--b ' + 'x' * 300}}\n"
+                      "seen = {7: {'comm': 'python3', 'cmdline': 'python3 a.py\\n--b ' + 'x' * 300 + ' --device /dev/nvidia3'}}\n"
                       "print(json.dumps([named(7, seen), named(os.getpid(), {}), named(2 ** 22 + 7, {})]))\n")
     p = subprocess.run([sys.executable, "-", "--marker\x1b[2Jhere"], input=code, capture_output=True, text=True,
                        timeout=60)
     held, me, gone = json.loads(p.stdout)
     assert held["pid"] == 7 and held["comm"] == "python3" and "\n" not in held["cmdline"]
-    assert held["cmdline"].startswith("python3 a.py --b xxx") and held["cmdline"].endswith("...")
-    assert len(held["cmdline"]) == 203
+    assert held["cmdline"].startswith("python3 a.py --b xxx") and held["cmdline"].endswith("x --device /dev/nvidia3")
+    assert " ... " in held["cmdline"] and len(held["cmdline"]) == 205  # head and tail: the telling arguments kept
     assert "--markerhere" in me["cmdline"] and "\x1b" not in me["cmdline"]
     assert gone["cmdline"] == "" and gone["comm"] == ""

@@ -105,15 +105,18 @@ def our_gpu_holders(devs):
 
 
 NAMED_CMDLINE_MAX = 200  # a signalled process named in the summary: its command line up to this long
+NAMED_CMDLINE_TAIL = 60  # ... keeping its last characters: a long `python -c SCRIPT ARGS` is told apart by its ARGS
 
 
 def named(pid, seen):
     """{pid, comm, cmdline} of a process fuser signalled: as read while it held the GPU (`seen`), else now (it may
-    be gone: then empty). The cmdline is the container's: cleaned of terminal controls (proc_cmdline), capped."""
+    be gone: then empty). The cmdline is the container's: cleaned of terminal controls (proc_cmdline), capped to
+    its head and tail (the arguments that tell one process from another are usually last)."""
     h = seen.get(pid) or {"comm": proc_comm(pid), "cmdline": proc_cmdline(pid)}
     cmd = " ".join((h.get("cmdline") or "").split())  # no newlines: one line per process in the summary
     if len(cmd) > NAMED_CMDLINE_MAX:
-        cmd = cmd[:NAMED_CMDLINE_MAX] + "..."
+        head = NAMED_CMDLINE_MAX - NAMED_CMDLINE_TAIL
+        cmd = cmd[:head] + " ... " + cmd[-NAMED_CMDLINE_TAIL:]
     return {"pid": pid, "comm": h.get("comm") or "", "cmdline": cmd}
 
 
