@@ -122,6 +122,12 @@ class SafeStream:
         except (OSError, ValueError, AttributeError):
             pass
 
+    @property
+    def buffer(self):
+        """The binary layer, filtered too: click writes to it around the text stream when the encoding is ASCII
+        (PYTHONIOENCODING=ascii, LC_ALL=C), so the boundary holds there as well (issue 36 item 7)."""
+        return _SafeBuffer(self._stream.buffer, self)
+
     def isatty(self):
         try:
             return not self.closed_by_reader and self._stream.isatty()
@@ -130,6 +136,33 @@ class SafeStream:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
+
+
+class _SafeBuffer:
+    """The binary side of a SafeStream: bytes are decoded (undecodable bytes kept), filtered, encoded back."""
+
+    def __init__(self, raw, owner):
+        self._raw, self._owner = raw, owner
+
+    def write(self, b):
+        n = len(b)
+        if self._owner.closed_by_reader:
+            return n
+        text = bytes(b).decode("utf-8", "surrogateescape")
+        try:
+            self._raw.write(to_terminal(text).encode("utf-8", "surrogateescape"))
+        except (BrokenPipeError, ValueError, OSError):
+            self._owner._gone()
+        return n
+
+    def flush(self):
+        try:
+            self._raw.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            self._owner._gone()
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
 
 
 def guard_std_streams() -> None:
