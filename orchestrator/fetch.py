@@ -27,6 +27,9 @@ from .remote import Fleet
 from .report import Progress
 from .spec import Playbook, fetch_items
 
+FOLLOW_MAX_LINES = 20_000  # lines printed (and audited) in one follow, all attaches together
+FOLLOW_MAX_BYTES = 4 << 20  # their bytes
+FOLLOW_LINE_MAX = 2048  # one line
 FOLLOW_S = 60.0  # one attach call follows the runner this long; the next continues where it stopped
 DEFAULT_TIMEOUT_S = 6 * 3600.0  # the whole fetch; a 55 GB model at 30 MB/s takes about 30 min
 STALL_S = 60.0  # no byte for this long on a connection: it is retried (three times), then the fetch fails
@@ -233,13 +236,31 @@ def _follow(ctx, r: _Runner, pb: Playbook, fst: dict, timeout_s: float, step_nam
     limit = float(timeout_s) + 300.0
     pos = 0
 
+    seen = {"lines": 0, "bytes": 0, "shown_at": 0.0}
+
     def on_event(ev):
-        if ev.get("event") != "fetch":
+        # the container chooses how much it sends: the whole follow prints at most FOLLOW_MAX_LINES lines and
+        # FOLLOW_MAX_BYTES bytes (terminal and audit log alike), progress at most once a second (issue 36 item 2)
+        if not isinstance(ev, dict) or ev.get("event") != "fetch":
+            return
+        if seen["lines"] >= FOLLOW_MAX_LINES or seen["bytes"] >= FOLLOW_MAX_BYTES:
             return
         if ev.get("kind") == "progress":
-            ctx.progress.say(ctx.where, "     " + progress_line(ev))
+            now = time.monotonic()
+            if now - seen["shown_at"] < 1.0:
+                return
+            seen["shown_at"] = now
+            try:
+                text = "     " + progress_line(ev)
+            except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                return
+            seen["lines"] += 1
+            seen["bytes"] += len(text)
+            ctx.progress.say(ctx.where, text[:FOLLOW_LINE_MAX])
         elif ev.get("kind") == "line":
-            line = ev.get("line") or ""
+            line = str(ev.get("line") or "")[:FOLLOW_LINE_MAX]
+            seen["lines"] += 1
+            seen["bytes"] += len(line)
             if line.startswith("[deploy]"):
                 ctx.progress.say(ctx.where, "     " + line[len("[deploy] "):])
             else:
@@ -266,6 +287,13 @@ def _follow(ctx, r: _Runner, pb: Playbook, fst: dict, timeout_s: float, step_nam
         fst = res.get("fetch") or fst
         if res.get("done"):
             return res
+        if seen["lines"] >= FOLLOW_MAX_LINES or seen["bytes"] >= FOLLOW_MAX_BYTES:
+            raise FetchFailed(step_name, f"the container sent more fetch output than deploy follows ({seen['lines']} "
+                                         f"lines, {seen['bytes']} bytes; limits {FOLLOW_MAX_LINES} lines, "
+                                         f"{FOLLOW_MAX_BYTES} bytes); deploy stopped following, the fetch goes on in "
+                                         f"the container (runner pid {fst.get('pid')}, log {fst.get('log')})",
+                              where=ctx.where, fix=f"look at the fetch's log in the container; deploy fetch {pb.name} "
+                                                   "re-attaches to it")
         if left <= follow:
             raise FetchFailed(step_name, f"the fetch has not ended {limit:.0f}s after deploy started following it; it "
                                          "goes on in the container", where=ctx.where,

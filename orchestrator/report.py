@@ -122,6 +122,12 @@ class SafeStream:
         except (OSError, ValueError, AttributeError):
             pass
 
+    @property
+    def buffer(self):
+        """The binary layer, filtered too: click writes to it around the text stream when the encoding is ASCII
+        (PYTHONIOENCODING=ascii, LC_ALL=C), so the boundary holds there as well (issue 36 item 7)."""
+        return _SafeBuffer(self._stream.buffer, self)
+
     def isatty(self):
         try:
             return not self.closed_by_reader and self._stream.isatty()
@@ -130,6 +136,33 @@ class SafeStream:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
+
+
+class _SafeBuffer:
+    """The binary side of a SafeStream: bytes are decoded (undecodable bytes kept), filtered, encoded back."""
+
+    def __init__(self, raw, owner):
+        self._raw, self._owner = raw, owner
+
+    def write(self, b):
+        n = len(b)
+        if self._owner.closed_by_reader:
+            return n
+        text = bytes(b).decode("utf-8", "surrogateescape")
+        try:
+            self._raw.write(to_terminal(text).encode("utf-8", "surrogateescape"))
+        except (BrokenPipeError, ValueError, OSError):
+            self._owner._gone()
+        return n
+
+    def flush(self):
+        try:
+            self._raw.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            self._owner._gone()
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
 
 
 def guard_std_streams() -> None:
@@ -268,13 +301,28 @@ def dump_json(data) -> None:
     print(json.dumps(data, indent=2, sort_keys=False, default=_jsonable))
 
 
+CELL_MAX = 2048  # a table cell's characters (the rest is cut, said in the cell)
+FIRST_CELL_MAX = 64  # the first column (the row's name): every row is padded to its width
+
+
+def cap_cell(value, n: int) -> str:
+    """A cell of at most about `n` characters; a longer one is cut and says how much was left out."""
+    text = str(value)
+    if len(text) <= n:
+        return text
+    return text[:n] + f"...({len(text) - n} more chars cut)"
+
+
 def table(rows: list[list[str]], headers: list[str], width: int | None = None, *,
           detail_cell: int = DETAIL_CELL) -> str:
-    """A plain-text table. No cell is ever cut. A middle cell longer than `detail_cell` is replaced by `[n]` and
+    """A plain-text table. A cell over CELL_MAX (the first column: FIRST_CELL_MAX) is cut, saying so. A middle cell longer than `detail_cell` is replaced by `[n]` and
     printed whole in a details block under the table. With a `width` (a TTY), more middle cells move there until
     the table fits, and the last column wraps inside its own column; the first column (the row's name) stays."""
     cols = len(headers)
-    cells = [[str(r[i]) for i in range(cols)] for r in rows]
+    # cells can be container-chosen (check names, values, paths): each is capped before layout and the first
+    # column's width is bounded, so a small answer cannot become gigabytes of padding (issue 36 item 1)
+    rows = [[cap_cell(r[i], FIRST_CELL_MAX if i == 0 else CELL_MAX) for i in range(cols)] for r in rows]
+    cells = [list(r) for r in rows]
     moved: dict[tuple[int, int], int] = {}
 
     def move(ri, ci):

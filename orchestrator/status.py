@@ -26,6 +26,7 @@ SCHEMA = "vllm-pve-deploy/status/v1"
 NO_RUNTIME = "no vLLM runtime"
 from .spec import DEFAULT_STATE_DIR  # noqa: F401 (one spelling; ops.py imports it from status)
 DEFAULT_PYTHON = "/root/ml-env/bin/python"
+NAME_PATTERN = r"[a-z0-9][a-z0-9-]{0,62}"  # spec.NAME: the playbook-name grammar
 FATAL_BULK = {"fatal_regex": [f["regex"] for f in vf.FATAL]}  # last_error: the line naming the cause
 
 
@@ -696,12 +697,20 @@ def sparkline(values: list, lo: float | None = None, hi: float | None = None) ->
 
 def gate_of(inv, name: str | None, cache: dict) -> dict | None:
     """The gate's thresholds of the playbook a row says runs there (None when it cannot be loaded)."""
-    if not name:
+    import re as _re
+
+    # the name comes from the container's state: a name in the spec's playbook-name grammar, looked up only
+    # among the user's own playbooks, never a path (a FIFO or /dev/tty there would block the watch; issue 36 item 6)
+    if not isinstance(name, str) or not _re.fullmatch(NAME_PATTERN, name):
         return None
     if name not in cache:
         try:
             from .monitor import gate_thresholds
-            from .spec import load_playbook
+            from .spec import list_playbooks, load_playbook
+
+            if name not in set(list_playbooks()):
+                cache[name] = None
+                return None
 
             cache[name] = gate_thresholds(load_playbook(name, inv))
         except Exception:  # noqa: BLE001 - a playbook renamed or gone: no threshold shown, nothing fails

@@ -1,0 +1,40 @@
+"""issue 36 item 2: a forged fetch that never ends and floods output is cut off with a clear error."""
+from types import SimpleNamespace
+
+import pytest
+
+from orchestrator import fetch
+
+
+class Progress:
+    def __init__(self):
+        self.out = 0
+
+    def say(self, where, msg):
+        self.out += len(msg)
+
+    detail = say
+
+
+class Runner:
+    def __init__(self):
+        self.calls = 0
+
+    def call(self, req, timeout=None, on_event=None):
+        self.calls += 1
+        assert self.calls < 500, "still following a flood"
+        for _ in range(200):
+            on_event({"event": "fetch", "kind": "line", "line": "x" * 100_000})
+            on_event({"event": "fetch", "kind": "line", "line": "[deploy] " + "y" * 100_000})
+        return {"ok": True, "done": False, "log_pos": self.calls}
+
+
+def test_follow_stops_after_the_total_cap():
+    ctx = SimpleNamespace(progress=Progress(), where="pve1/1")
+    pb = SimpleNamespace(name="p", runtime={"state_dir": "/x"})
+    r = Runner()
+    with pytest.raises(Exception) as e:
+        fetch._follow(ctx, r, pb, {"id": "a", "pid": 1}, 6 * 3600, "fetch")
+    assert "more fetch output" in str(getattr(e.value, "message", e.value)) or "more fetch output" in repr(e.value.__dict__)
+    assert ctx.progress.out <= fetch.FOLLOW_MAX_BYTES + 10 * fetch.FOLLOW_LINE_MAX
+    assert r.calls < 100
