@@ -31,6 +31,8 @@ def render_plans(as_json, inv, pb, plan_of):
                    "that passed their gates:")
         for i, st in enumerate(rplan["steps"], 1):
             click.echo(f"  {i}. {st}")
+        for wn in rplan["warnings"]:
+            click.echo(f"\nwarning: {wn}")
 
 
 def _router_plan(inv, pb):
@@ -48,13 +50,17 @@ def _router_plan(inv, pb):
         workers = [f"<{e.message}>"]
     base = R._base(pb)
     args = R.router_argv_args(pb, workers)
-    return {"where": R.where(pb), "python": r["python"], "venv": base["venv"], "argv_args": args, "steps": [
+    warning = R.exposure_warning(pb)
+    return {"where": R.where(pb), "python": r["python"], "venv": base["venv"], "argv_args": args,
+            "warnings": [warning] if warning else [], "steps": [
         f"install: {r['python']} -m venv {base['venv']}; pip install vllm-router=={r['version']} (skipped when "
         "installed and intact); check every file against its RECORD, the version, import vllm_router_rs",
         f"start (unit vllm-router-{pb.name}.service where systemd runs, else detached): {base['venv']}/bin/python "
         f"-c LAUNCHER {shell_join(args)}" + (" (env VPD_ROUTER_KEY_CHECK_URLS: each replica's /v1/models)"
                                              if pb.serve.get("api_key_env") else ""),
         "wait (60 s) until GET /workers shows every replica healthy",
+        "circuits: read each replica's circuit breaker (vllm_router_cb_state on 127.0.0.1:port+1); one not closed "
+        "(opened by failures while replicas were down) is re-added: POST /remove_worker, then /add_worker",
         f"gate: {r['gate_requests_per_replica'] * len(pb.members)} completions through it; each replica's "
         "vllm:request_success_total must grow"]}
 

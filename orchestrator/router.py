@@ -63,7 +63,25 @@ def _base(pb: Playbook) -> dict:
     listen = r["listen"]
     return {"state_dir": sd, "playbook": pb.name, "venv": os.path.join(sd, f"router-venv-{r['version']}"),
             "version": r["version"], "port": r["port"],
-            "connect": "127.0.0.1" if listen in ("0.0.0.0", "::", "[::]") else listen}
+            "connect": "127.0.0.1" if listen in WILDCARD else listen}
+
+
+WILDCARD = ("0.0.0.0", "::", "[::]")
+
+
+def exposure_warning(pb: Playbook) -> str | None:
+    """Issue 41: without serve.api_key_env every router endpoint is open (docs/router.md#api-keys), `/add_worker`
+    and `/remove_worker` included; bound to every address, anyone who reaches the container can take the replicas
+    out or add a worker of theirs and receive the clients' requests. Said by `plan` and `up`, not refused (a
+    closed network is the user's to judge)."""
+    r = spec(pb)
+    if not r or pb.serve.get("api_key_env") or r["listen"] not in WILDCARD:
+        return None
+    return (f"router {where(pb)} listens on {r['listen']}:{r['port']} without an API key: anyone who reaches that "
+            "port can call /remove_worker and /add_worker (take the replicas out, or add a server of theirs that "
+            "then receives your clients' requests). Close it: set serve.api_key_env (the router then accepts only "
+            "the replicas' key, on every endpoint), or set router.listen to an address only your clients reach "
+            "(docs/playbooks.md#router)")
 
 
 def router_argv_args(pb: Playbook, workers: list[str]) -> list[str]:
@@ -106,6 +124,9 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
     r = spec(pb)
     t0 = time.monotonic()
     out = {"where": w, "port": r["port"], "policy": r["policy"], "version": r["version"], "ok": False}
+    warning = exposure_warning(pb)
+    if warning:
+        out["warnings"] = [warning]
     try:
         if not passed:
             _fail(pb, "not started: no replica passed its gates", "fix the replicas (above), then deploy up again")
@@ -152,15 +173,19 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
             _fail(pb, f"router not ready: {why}" + (f"\nlast lines of its log:\n{tail}" if tail else ""),
                   f"deploy status {pb.name} shows the replicas (they keep serving on their own addresses); "
                   "docs/troubleshooting.md#router")
+        out["circuits_reset"] = _reset_open_circuits(fleet, pb, progress, workers)
         n = r["gate_requests_per_replica"] * len(workers)
         res = call(fleet, pb, "gate", timeout=180, workers=workers, model=pb.serve["served_model_name"],
                    requests=n, op_timeout=60)
         out["gate"] = {"sent": res.get("sent"), "succeeded": res.get("succeeded"),
                        "per_replica": res.get("per_replica"), "errors": res.get("errors")}
         if not res.get("ok"):
+            first = (res.get("errors") or [{}])[0]
             _fail(pb, f"router gate: {res.get('succeeded')} of {res.get('sent')} completions through the router "
-                      f"succeeded; first error: {(res.get('errors') or [{}])[0]}",
-                  "docs/troubleshooting.md#router")
+                      f"succeeded; first error: {first}",
+                  ("the router's circuit breakers are open (failures it saw while replicas were down): "
+                   f"deploy up {pb.name} re-adds the workers, which resets them; docs/troubleshooting.md#router"
+                   if "circuits open" in str(first) else "docs/troubleshooting.md#router"))
         per = res.get("per_replica") or {}
         bad = [u for u in workers if (per.get(u) or {}).get("error") or not (per.get(u) or {}).get("requests")]
         if bad:
@@ -178,6 +203,37 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
         out.update(error=e, message=e.message)
     out["seconds"] = round(time.monotonic() - t0, 2)
     return out
+
+
+def _reset_open_circuits(fleet: Fleet, pb: Playbook, progress: Progress, workers: list[str]) -> list[dict]:
+    """Issue 41: the router's circuit breaker per worker (vllm-router defaults: 10 failures in 120 s open it for
+    60 s) is opened by the requests that failed while a replica was down, e.g. across a plain (non-rolling)
+    restart; the router then answers 503 "No available workers (all circuits open or unhealthy)" for up to 60 s
+    although every replica serves and /workers calls it healthy. Waiting would cost clients that minute, so a worker
+    whose circuit is not closed is re-added (remove_worker + add_worker: a new worker entry, a closed circuit;
+    measured: the next request is served at once), one at a time. -> [{url, circuit, readded, message}]."""
+    w = where(pb)
+    cb = call(fleet, pb, "circuits", timeout=30)
+    if not cb.get("ok"):
+        progress.say(w, f"router: circuit breakers not read ({cb.get('message')}); the gate below tells")
+        return []
+    circuits = cb.get("circuits") or {}
+    done = []
+    for url in workers:  # only the replicas deploy gave it: any other key the container reports is not read
+        state = circuits.get(url)
+        if state not in ("open", "half_open"):
+            continue
+        progress.say(w, f"router: {url}: its circuit breaker is {state.replace('_', '-')} (failures while it was "
+                        "down), so the router sends it nothing: re-adding it (remove_worker + add_worker)")
+        rm = call(fleet, pb, "remove", timeout=40, url=url)
+        add = call(fleet, pb, "add", timeout=150, url=url, op_timeout=130)
+        ok = bool(add.get("ok")) or "already exists" in str(add.get("message"))
+        msg = (f"re-added: circuit closed" if ok else
+               f"re-adding failed: remove_worker {rm.get('status')} {str(rm.get('message'))[:200]}, add_worker "
+               f"{add.get('status')} {str(add.get('message'))[:200]}")
+        progress.say(w, f"router: {url}: {msg}")
+        done.append({"url": url, "circuit": state, "readded": ok, "message": msg})
+    return done
 
 
 def drain(fleet: Fleet, pb: Playbook, progress: Progress, member: Playbook) -> dict:
@@ -223,7 +279,8 @@ def view(fleet: Fleet, pb: Playbook) -> dict:
     st = res.get("state") or {}
     out.update(running=bool(res.get("running")), pid=res.get("pid"), supervisor=res.get("supervisor"),
                unit=st.get("unit"), configured=st.get("workers") or [],
-               workers=res.get("workers"), readiness=res.get("readiness"), error=res.get("error"))
+               workers=res.get("workers"), readiness=res.get("readiness"), error=res.get("error"),
+               circuits=res.get("circuits") if isinstance(res.get("circuits"), dict) else None)
     if not res.get("installed"):
         out.update(ok=False, state="not deployed")
     elif not res.get("running"):
@@ -257,6 +314,11 @@ def compare(pb: Playbook, inv, rview: dict, serving: set) -> list[str]:
                           else ""))
         elif url in workers and not workers[url].get("healthy"):
             flags.append(f"{wm} serves but the router sees it unhealthy")
+        elif url in workers and (rview.get("circuits") or {}).get(url) in ("open", "half_open"):
+            # vllm-router #158: healthy in /workers, yet sent nothing while its circuit breaker is open
+            flags.append(f"{wm} serves and the router calls it healthy, but its circuit breaker is "
+                         f"{rview['circuits'][url].replace('_', '-')}: the router sends it nothing for up to 60 s "
+                         f"(deploy up {pb.name} re-adds it, which closes it)")
     return flags
 
 

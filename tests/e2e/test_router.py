@@ -257,6 +257,34 @@ def test_three_hosts_spread_rolling_restart_under_load_kill_and_down(tb, deploy,
     assert sorted(w["url"] for w in s.json["routers"][0]["workers"]) == sorted(urls)
     assert s.json["routers"][0]["flags"] == []
 
+    # a plain (non-rolling) restart after the replicas were down under traffic (issue 41): the requests that failed
+    # meanwhile opened the router's circuit breakers (503 "all circuits open" for up to 60 s although every replica
+    # serves again, and /workers still calls them healthy: #158); deploy finds each open circuit in the router's own
+    # gauge and re-adds that worker, then gates. Down as in a real restart of 27B weights: every replica killed,
+    # requests sent until the router answers with open circuits.
+    for t in REPLICAS:
+        tb.container_exec(t.split("/")[0], 129, ["kill", "-9", "--", f"-{json.loads(cat(tb, t.split('/')[0], 129, STATE))['pid']}"])
+    t0, answers = time.monotonic(), []
+    while time.monotonic() - t0 < slack(10):
+        try:
+            answers.append(_post(router, {"model": "qwen36", "prompt": "x", "max_tokens": 2}, timeout=10)[0])
+        except Exception as e:  # noqa: BLE001 - the expected failures
+            answers.append(str(getattr(e, "read", lambda: b"")() or e)[:200])
+        if "circuits open" in str(answers[-1]):
+            break
+    assert "circuits open" in str(answers[-1]), answers[-5:]
+    p = deploy("--json", "restart", "qwen36-fleet", env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = p.json["router"]
+    print(f"plain restart after {len(answers)} failed requests: circuits re-added: "
+          f"{[(c['url'], c['circuit']) for c in r['circuits_reset']]}")
+    assert r["circuits_reset"] and all(c["readded"] and c["circuit"] in ("open", "half_open")
+                                       for c in r["circuits_reset"]), r["circuits_reset"]
+    assert "its circuit breaker is open (failures while it was down), so the router sends it nothing: re-adding" \
+        in p.stderr, p.stderr
+    assert r["gate"]["sent"] == r["gate"]["succeeded"] == 6
+    assert {_post(router, {"model": "qwen36", "prompt": f"c{i}", "max_tokens": 2})[0] for i in range(3)} == {200}
+
     # a replica killed: the router's health check takes it out, status shows it
     pid = json.loads(cat(tb, "pve2", 129, STATE))["pid"]
     tb.container_exec("pve2", 129, ["kill", "-9", "--", f"-{pid}"])
@@ -271,6 +299,11 @@ def test_three_hosts_spread_rolling_restart_under_load_kill_and_down(tb, deploy,
     assert "pve2/129 is in the router but does not serve (the router sees it unhealthy: it sends it nothing)" in \
         s.json["routers"][0]["flags"]
     assert {_post(router, {"model": "qwen36", "prompt": f"q{i}", "max_tokens": 2})[0] for i in range(4)} == {200}
+    # vllm-router #135: /v1/models through the router answers 500 while a dead worker is still called healthy; once
+    # the health check (2 s x 2 here) has taken it out, it answers from the others
+    import urllib.request
+    with urllib.request.urlopen(router.replace("/completions", "/models"), timeout=30) as m:
+        assert m.status == 200 and json.loads(m.read())["data"][0]["id"] == "qwen36"
 
     # down: router and replicas
     d = deploy("--json", "down", "qwen36-fleet", env=env, timeout=300)

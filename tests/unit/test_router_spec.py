@@ -109,6 +109,40 @@ def test_router_flags_against_what_serves(work):
         "pve1/129 is in the router but does not serve (the router sees it unhealthy: it sends it nothing)"]
 
 
+def test_an_open_circuit_is_flagged_although_the_router_calls_the_worker_healthy(work):
+    """vllm-router #158 (issue 41): /workers says is_healthy while its circuit breaker is open and it sends that
+    worker nothing; status reads the router's own gauge and says so, with what closes it."""
+    pb = load(work, write(work, TWO, "router:\n  host: pve1\n  vmid: 130\n"))
+    inv = load_inventory(str(work / "hosts.yaml"))
+    view = {"running": True, "workers": [{"url": "http://10.0.0.11:8000", "healthy": True},
+                                         {"url": "http://10.0.0.12:8000", "healthy": True}],
+            "circuits": {"http://10.0.0.11:8000": "open", "http://10.0.0.12:8000": "closed",
+                         "http://evil:1": "open"}}
+    assert R.compare(pb, inv, view, {"pve1/129", "pve2/129"}) == [
+        "pve1/129 serves and the router calls it healthy, but its circuit breaker is open: the router sends it "
+        "nothing for up to 60 s (deploy up reps re-adds it, which closes it)"]
+
+
+def test_a_router_open_to_anyone_is_warned_about_in_plan_and_up(work):
+    """Issue 41: no API key and listen 0.0.0.0 (the default) -> a warning naming /add_worker and both ways to close
+    it; a key, or a specific address, -> none."""
+    pb = load(work, write(work, TWO, "router:\n  host: pve1\n  vmid: 130\n"))
+    w = R.exposure_warning(pb)
+    assert w.startswith("router pve1/130 listens on 0.0.0.0:30000 without an API key") and "/add_worker" in w
+    assert "serve.api_key_env" in w and "router.listen" in w
+    assert R.exposure_warning(load(work, write(work, TWO, "router:\n  host: pve1\n  vmid: 130\n  listen: 10.0.0.10\n",
+                                                 name="reps2"))) is None
+    keyed = write(work, TWO, "router:\n  host: pve1\n  vmid: 130\n", name="reps3")
+    text = open(keyed).read().replace("  load_timeout_s: 900", "  load_timeout_s: 900\n  api_key_env: VPD_K")
+    open(keyed, "w").write(text)
+    assert R.exposure_warning(load(work, keyed)) is None
+    from click.testing import CliRunner
+    from orchestrator.cli import main
+
+    res = CliRunner().invoke(main, ["--inventory", str(work / "hosts.yaml"), "plan", str(work / "playbooks" / "reps.yaml")])
+    assert "warning: router pve1/130 listens on 0.0.0.0:30000 without an API key" in res.output, res.output
+
+
 def test_router_in_json_schema():
     s = json_schema("playbook")
     r = s["properties"]["router"]

@@ -366,7 +366,40 @@ def _router_view(a):
             out["error"] = "GET /workers: %s %s" % (code, (body or "")[:200])
         code, body = _router_http(a, "/readiness", timeout=float(a.get("timeout_s") or 5), st=st)
         out["readiness"] = {"status": code, "body": (body or "")[:300]}
+        cb = _router_circuits(a, st)
+        out["circuits"] = cb.get("circuits") if cb.get("ok") else None
     return out
+
+
+CB_STATES = {0: "closed", 1: "open", 2: "half_open"}  # vllm_router_cb_state's values (measured, docs/router.md)
+CB_METRIC = 'vllm_router_cb_state{worker="'
+
+
+def _router_circuits(a, st=None):
+    """Each worker's circuit breaker as the router itself reports it: its Prometheus gauge `vllm_router_cb_state`
+    (0 closed, 1 open, 2 half-open) on --prometheus-port (the router's port + 1, bound to 127.0.0.1), read once
+    its listener is proven the router's (as _router_http). /workers says is_healthy: true while a circuit is open
+    (vllm-router #158, measured): only this tells that the router sends a worker nothing.
+    -> {ok, circuits: {url: state}} or {ok: False, message}. A worker with no gauge yet has had no outcome."""
+    st = st if st is not None else _router_state(a)
+    if not st or st.get("corrupt"):
+        return {"ok": False, "message": "no router of deploy's runs here"}
+    port = int(a["port"]) + 1
+    ok, problem = listener_check(_router_proof(st), port)
+    if not ok:
+        return {"ok": False, "message": "metrics port %d: %s" % (port, problem.replace(": the API key was not sent", ""))}
+    code, text = http(port, "/metrics", timeout=float(a.get("timeout_s") or 5))
+    if code != 200:
+        return {"ok": False, "message": "GET 127.0.0.1:%d/metrics: %s" % (port, code or text)}
+    out = {}
+    for ln in text.splitlines()[:20000]:
+        if ln.startswith(CB_METRIC) and len(out) < 256:
+            url, _, rest = ln[len(CB_METRIC):].partition('"}')
+            try:
+                out[url[:300]] = CB_STATES.get(int(float(rest.strip())), "unknown")
+            except ValueError:
+                out[url[:300]] = "unknown"
+    return {"ok": True, "circuits": out}
 
 
 def _router_wait(a):
@@ -438,6 +471,8 @@ def act_router(a):
         return _router_view(a)
     if op == "gate":
         return _router_gate(a)
+    if op == "circuits":
+        return _router_circuits(a)
     if op in ("remove", "add"):
         code, body = _router_http(a, "/%s_worker?url=%s" % ("remove" if op == "remove" else "add", a["url"]),
                                   method="POST", timeout=float(a.get("timeout_s") or 30))
