@@ -407,8 +407,9 @@ def size(inp: Inputs, *, fixes: bool = True) -> Sizing:
                     s.unknown.append(f"reserve: {e}")
             if s.weights_mib is not None and s.reserve_mib is not None:
                 s.kv_cache_mib = s.budget_mib - s.weights_mib - s.reserve_mib
-            s.notes.append(f"reserve (activation peak + non-torch + CUDA graphs) is an assumption: "
-                           f"{s.reserve_mib or 0:.0f} MiB per GPU")
+            if s.reserve_mib is not None:
+                s.notes.append(f"reserve (activation peak + non-torch + CUDA graphs) is an assumption: "
+                               f"{s.reserve_mib:.0f} MiB per GPU")
     if lay is not None and s.kv_cache_mib is not None and lay.bytes_per_token:
         s.kv_tokens = max(0, int(s.kv_cache_mib * MIB // lay.bytes_per_token))
         if inp.max_model_len:
@@ -416,8 +417,18 @@ def size(inp: Inputs, *, fixes: bool = True) -> Sizing:
             s.request_mib = req / MIB
             s.max_concurrency = max(0.0, s.kv_cache_mib * MIB / req)
         s.max_model_len_that_fits = _longest(lay, s.kv_cache_mib * MIB, inp.k)
+    s.unknown = _merge(s.unknown)
     _judge(s, inp, lay, fixes)
     return s
+
+
+def _merge(items: list) -> list:
+    """"weights: X", "KV cache: X" -> "weights, KV cache: X" (one missing piece said once)."""
+    by: dict = {}
+    for it in items:
+        what, _, why = it.partition(": ")
+        by.setdefault(why, []).append(what)
+    return [f"{', '.join(dict.fromkeys(w))}: {why}" for why, w in by.items()]
 
 
 def _longest(lay: _Layout, kv: float, k: int) -> int:
@@ -536,3 +547,93 @@ def summary(s: Sizing) -> str:
             if s.kv_tokens is not None and s.max_concurrency is not None else "")
     head = {"fits": "fits", "tight": "tight (warning)", "does-not-fit": "does not fit"}[s.verdict]
     return f"{head}: " + "; ".join([x for x in [figs] + s.reasons if x])
+
+
+# ------------------------------------------------------------------ from a playbook (still no I/O: read at load)
+
+
+def _flag(argv: list, name: str):
+    """The value of --name V / --name=V in argv, True for a bare flag, None when absent."""
+    for i, a in enumerate(argv):
+        if a == name:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            return nxt if nxt is not None and not str(nxt).startswith("--") else True
+        if str(a).startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def from_playbook(pb, *, tp: int | None = None, gmu: float | None = None, max_model_len: int | None = None,
+                  gpu_mib: float | None = None, gpu_free_mib: float | None = None,
+                  cpu_kvcache_space_gib: float | None = None) -> Inputs | None:
+    """The model's inputs for a loaded Playbook and "what if" overrides; None when no target config is here
+    (sizing.target_config unset)."""
+    if pb.target_config is None:
+        return None
+    sv, sp = pb.serve, pb.spec
+    sz = pb.data.get("sizing") or {}
+    extra = [str(a) for a in sv.get("extra_args") or []]
+    seqs = _flag(extra, "--max-num-seqs")
+    cpu = cpu_kvcache_space_gib
+    if cpu is None and (sv.get("env") or {}).get("VLLM_CPU_KVCACHE_SPACE"):
+        try:
+            cpu = float(sv["env"]["VLLM_CPU_KVCACHE_SPACE"])
+        except ValueError:
+            cpu = None
+    if gpu_mib is not None:
+        total, source = float(gpu_mib), "--gpu-mib"
+    elif sz.get("gpu_total_mib"):
+        total, source = float(sz["gpu_total_mib"]), "sizing.gpu_total_mib"
+    else:
+        total, source = float(ASSUMED_GPU_MIB), "assumed: an 80 GB GPU; set sizing.gpu_total_mib or --gpu-mib"
+    return Inputs(target=pb.target_config, drafter=pb.drafter_config, method=sp["method"],
+                  k=sp["num_speculative_tokens"], tp=tp or sv["tensor_parallel_size"],
+                  gmu=gmu if gmu is not None else sv["gpu_memory_utilization"],
+                  max_model_len=max_model_len or sv.get("max_model_len"),
+                  max_num_seqs=int(seqs) if isinstance(seqs, str) and seqs.isdigit() else None,
+                  max_num_batched_tokens=sv.get("max_num_batched_tokens"), gpu_total_mib=total,
+                  gpu_free_mib=gpu_free_mib, gpu_source=source, cpu_kvcache_space_gib=cpu,
+                  enforce_eager=bool(_flag(extra, "--enforce-eager")),
+                  kv_cache_dtype=_flag(extra, "--kv-cache-dtype") if isinstance(_flag(extra, "--kv-cache-dtype"),
+                                                                                 str) else None,
+                  target_weights=getattr(pb, "target_weights", None))
+
+
+def assess(pb, s: Sizing | None) -> tuple[str, str]:
+    """(level, line) for plan/up: level refuse (a certain failure: GPU memory given, not assumed, or the CPU
+    build's KV space), warn (tight without sizing.accept_tight, or a failure on an assumed GPU), ok, or unknown."""
+    if s is None:
+        return "unknown", ("unknown: no local copy of the target's config.json (set sizing.target_config); "
+                           "not a refusal")
+    accept = bool((pb.data.get("sizing") or {}).get("accept_tight"))
+    line = summary(s)
+    if s.fixes:
+        line += "; would fit with: " + ", or ".join(s.fixes)
+    if s.verdict == "does-not-fit":
+        if s.mode == "cpu" or not s.gpu_source.startswith("assumed"):
+            return "refuse", line
+        return "warn", line + f" (on an {s.gpu_source})"
+    if s.verdict == "tight":
+        return ("ok", line + " (accepted: sizing.accept_tight)") if accept else ("warn", line)
+    return ("ok" if s.verdict == "fits" else "unknown"), line
+
+
+def check_playbook(pb) -> dict:
+    """plan/up's sizing check of one single-target playbook: {"level", "line", "sizing"} (see assess)."""
+    inp = from_playbook(pb)
+    s = size(inp) if inp is not None else None
+    level, line = assess(pb, s)
+    return {"level": level, "line": line, "sizing": s.as_dict() if s else None}
+
+
+def refuse_if_certain(pb) -> None:
+    """Raise CheckFailed (exit 1, nothing run) when a target of pb certainly does not fit (level refuse)."""
+    from .errors import CheckFailed
+
+    for m in (pb.members or [pb]):
+        c = check_playbook(m)
+        if c["level"] == "refuse":
+            raise CheckFailed(f"{m.name} does not fit on {m.host}/{m.vmid}: {c['line']}; nothing was run",
+                              fix=f"change the playbook as listed, or try values with deploy size {m.name} "
+                                  "--max-model-len N --tp N --gmu F (docs/playbooks.md#will-it-fit)",
+                              details={"fits": c})

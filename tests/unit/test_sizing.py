@@ -216,3 +216,99 @@ def test_layouts_not_understood_are_said(bad):
     d = dict(DRAFTER, **bad)
     s = S.size(playbook_inputs(drafter=d))
     assert s.verdict == "unknown" and s.unknown
+
+
+# ------------------------------------------------------------------ deploy size and plan's fits line (no host contacted)
+
+
+def _playbook(tmp_path, sizing_block, serve_extra=""):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from playbook_support import copy_playbooks, edit_file
+
+    pbs = copy_playbooks(tmp_path / "playbooks")
+    (pbs / "llama.config.json").write_text(json.dumps(dict(LLAMA, mtp_num_hidden_layers=1)))  # qwen36-mtp: MTP
+    p = pbs / "qwen36-mtp.yaml"
+    text = p.read_text()
+    assert "\nsizing:" not in text
+    p.write_text(text + "\nsizing:\n" + sizing_block)
+    if serve_extra:
+        edit_file(p, "serve:\n", "serve:\n" + serve_extra)
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text("hosts:\n  - name: pve1\n    address: 127.0.0.1\n    containers:\n"
+                   "      - vmid: 129\n        gpus: [0, 1, 2, 3]\n")
+    return str(p), str(inv)
+
+
+def _run(args, inv):
+    from click.testing import CliRunner
+
+    from orchestrator.cli import main
+
+    return CliRunner().invoke(main, ["-i", inv] + args)
+
+
+def test_deploy_size_prints_the_table_and_what_if_values(tmp_path):
+    pb, inv = _playbook(tmp_path, "  target_config: llama.config.json\n  gpu_total_mib: 81559\n")
+    r = _run(["size", pb], inv)
+    assert r.exit_code == 0, r.output
+    assert "KV cache tokens" in r.output and "sizing: fits:" in r.output and "sizing.gpu_total_mib" in r.output
+    r = _run(["size", pb, "--json"], inv)
+    d = json.loads(r.output)
+    assert d["sizing"]["verdict"] == "fits" and d["sizing"]["kv_tokens"] > 0 and d["level"] == "ok"
+    r = _run(["size", pb, "--gpu-mib", "4096", "--json"], inv)
+    assert r.exit_code == 1 and json.loads(r.output)["sizing"]["verdict"] == "does-not-fit"
+    r = _run(["size", pb, "--max-model-len", "4096", "--tp", "2", "--gmu", "0.5", "--json"], inv)
+    d = json.loads(r.output)["sizing"]
+    assert (d["max_model_len"], d["tp"], d["gmu"]) == (4096, 2, 0.5)
+    r = _run(["size", "--help"], inv)
+    assert "Examples:" in r.output and "--max-model-len" in r.output
+
+
+def test_deploy_size_without_a_target_config_is_unknown_not_a_refusal(tmp_path):
+    pb, inv = _playbook(tmp_path, "  accept_tight: false\n")
+    r = _run(["size", pb], inv)
+    assert r.exit_code == 0 and "unknown: no local copy of the target's config.json" in r.output
+    r = _run(["size", pb, "--target-config", os.path.join(DATA, "qwen36-27b-target.trimmed.config.json")], inv)
+    assert r.exit_code == 0 and "linear_num_value_heads" in r.output and "not a refusal" in r.output
+
+
+def test_plan_refuses_a_certain_failure_and_warns_when_tight(tmp_path):
+    pb, inv = _playbook(tmp_path, "  target_config: llama.config.json\n  gpu_total_mib: 4096\n")
+    r = _run(["plan", pb], inv)
+    assert r.exit_code == 1, r.output
+    assert "does not fit on pve1/129" in r.output and "No available memory for the cache blocks" in r.output
+    assert "nothing was run" in r.output
+    # tight: a warning line in the plan, silenced (as an ok line) by sizing.accept_tight
+    from orchestrator.spec import load_playbook
+
+    loaded = load_playbook(pb, None)
+    tight = next(m for m in range(2048, 30000, 32)
+                 if S.size(S.from_playbook(loaded, gpu_mib=m)).verdict == "tight")
+    for accept, want in (("false", "warning: sizing: tight (warning)"), ("true", "accepted: sizing.accept_tight")):
+        d = tmp_path / accept
+        d.mkdir()
+        pb, inv = _playbook(d, f"  target_config: llama.config.json\n  gpu_total_mib: {tight}\n"
+                               f"  accept_tight: {accept}\n")
+        r = _run(["plan", pb], inv)
+        assert r.exit_code == 0, r.output
+        assert want in r.output, r.output
+
+
+def test_plan_fits_line_and_json(tmp_path):
+    pb, inv = _playbook(tmp_path, "  target_config: llama.config.json\n  gpu_total_mib: 81559\n")
+    r = _run(["plan", pb], inv)
+    assert r.exit_code == 0 and "\nsizing: fits: KV cache" in r.output, r.output
+    d = json.loads(_run(["plan", pb, "--json"], inv).output)
+    assert d["fits"]["level"] == "ok" and d["fits"]["sizing"]["verdict"] == "fits"
+
+
+def test_playbook_sizing_key_is_validated_with_line_numbers(tmp_path):
+    pb, inv = _playbook(tmp_path, "  target_config: missing.json\n  accept_tight: maybe\n  gpu_mib: 3\n")
+    r = _run(["size", pb], inv)
+    assert r.exit_code == 2
+    assert "sizing.accept_tight: expected a boolean" in r.output
+    assert "sizing.gpu_mib: unknown key" in r.output
+    assert "sizing.target_config: cannot read" in r.output
+    assert ".yaml:" in r.output
