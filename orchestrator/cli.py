@@ -207,7 +207,7 @@ def plan(obj, playbook, restart, clean_gpus):
 @click.option("--gpu-mib", type=click.FloatRange(min=256), default=None, metavar="MIB",
               help="Each GPU's total memory (MiB, as nvidia-smi reports it) instead of sizing.gpu_total_mib "
                    "(default: an assumed 80 GB GPU, 81559 MiB).")
-@click.option("--target-config", type=click.Path(exists=True), default=None, metavar="PATH",
+@click.option("--target-config", type=click.Path(), default=None, metavar="PATH",
               help="The target's config.json (or a directory with it and the safetensors) instead of "
                    "sizing.target_config.")
 @json_option
@@ -225,7 +225,7 @@ def size(obj, playbook, max_model_len, tp, gmu, gpu_mib, target_config):
       deploy size qwen36-dflash
       deploy size qwen36-dflash --max-model-len 131072 --tp 2
       deploy size qwen36-dflash --gpu-mib 49140 --gmu 0.95
-      deploy size qwen36-mtp --target-config ~/models/Qwen3.6-27B/config.json --json | jq .sizing.kv_tokens
+      deploy --json size qwen36-mtp --max-model-len 131072 | jq .sizing
     """
     def go():
         from . import sizing as Z
