@@ -384,6 +384,9 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
         from .remote import Fleet
 
         inv, pb = load(obj, playbook)
+        from .sizing import refuse_if_certain
+
+        refuse_if_certain(pb)  # a certain does-not-fit stops here, before any connection (nothing is stopped)
         if dry_run:
             return render_plans(obj.json, inv, pb, lambda m: P.plan_up(
                 m, write_config=not skip_config_write, clean_gpus=clean_gpus,

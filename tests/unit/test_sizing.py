@@ -312,3 +312,15 @@ def test_playbook_sizing_key_is_validated_with_line_numbers(tmp_path):
     assert "sizing.gpu_mib: unknown key" in r.output
     assert "sizing.target_config: cannot read" in r.output
     assert ".yaml:" in r.output
+
+
+def test_up_refuses_a_certain_failure_before_any_connection(tmp_path):
+    # the inventory's host is 127.0.0.1 with no sshd asked for: the refusal must come before any connection
+    pb, inv = _playbook(tmp_path, "  target_config: llama.config.json\n  gpu_total_mib: 4096\n")
+    r = _run(["up", pb, "-y"], inv)
+    assert r.exit_code == 1, r.output
+    assert "does not fit on pve1/129" in r.output and "nothing was run" in r.output
+    r = _run(["--json", "up", pb, "-y", "--dry-run"], inv)
+    assert r.exit_code == 1
+    d = json.loads(r.output)
+    assert d["ok"] is False and d["error"] == "CheckFailed" and d["details"]["fits"]["level"] == "refuse"
