@@ -637,3 +637,56 @@ def refuse_if_certain(pb) -> None:
                               fix=f"change the playbook as listed, or try values with deploy size {m.name} "
                                   "--max-model-len N --tp N --gmu F (docs/playbooks.md#will-it-fit)",
                               details={"fits": c})
+
+
+# ------------------------------------------------------------------ predicted vs reported (vLLM's own log lines)
+
+import re as _re  # noqa: E402
+
+REPORTED = {"weights_gib": _re.compile(r"Model loading took ([0-9.]+) GiB"),
+            "kv_cache_gib": _re.compile(r"Available KV cache memory: ([0-9.]+) GiB"),
+            "kv_tokens": _re.compile(r"(?:GPU|CPU) KV cache size: ([0-9,]+) tokens")}
+# the tolerances a prediction is held to (docs/playbooks.md#will-it-fit): beyond them the model is wrong (ours)
+REPORT_TOLERANCE = {"weights_gib": 0.10, "kv_tokens": 0.15, "kv_tokens_cpu": 0.01}
+
+
+def parse_reported(lines) -> dict:
+    """vLLM's own figures from its log lines (the last of each wins): weights_gib, kv_cache_gib, kv_tokens."""
+    out: dict = {}
+    for ln in lines:
+        for k, rx in REPORTED.items():
+            m = rx.search(ln)
+            if m:
+                v = m.group(1).replace(",", "")
+                out[k] = int(v) if k == "kv_tokens" else float(v)
+    return out
+
+
+def compare(s: Sizing, reported: dict) -> dict:
+    """{"rows": [{figure, predicted, reported, off, tolerance, within}], "off": [figures beyond tolerance]}."""
+    rows = []
+    pred = {"weights_gib": None if s.weights_mib is None else s.weights_mib / 1024, "kv_tokens": s.kv_tokens}
+    for k in ("weights_gib", "kv_tokens"):
+        p, r = pred[k], reported.get(k)
+        if p is None or r is None or (k == "weights_gib" and s.mode == "cpu"):
+            continue
+        off = (p - r) / r if r else (0.0 if p == 0 else math.inf)
+        tol = REPORT_TOLERANCE["kv_tokens_cpu" if k == "kv_tokens" and s.mode == "cpu" else k]
+        rows.append({"figure": k, "predicted": round(p, 3), "reported": r, "off": round(off, 4), "tolerance": tol,
+                     "within": abs(off) <= tol})
+    return {"rows": rows, "off": [r["figure"] for r in rows if not r["within"]], "reported": reported,
+            "verdict": s.verdict}
+
+
+def compare_line(c: dict) -> str:
+    if not c["rows"]:
+        rep = ", ".join(f"{k} {v:,}" for k, v in sorted(c.get("reported", {}).items())) or "no figure"
+        why = "the prediction is unknown" if c.get("verdict") == "unknown" else "nothing to compare"
+        return f"sizing: {why}; vLLM reported {rep}"
+    parts = [f"{r['figure']} predicted {r['predicted']:,} vs reported {r['reported']:,} ({r['off']:+.1%})"
+             for r in c["rows"]]
+    line = "sizing: " + "; ".join(parts)
+    if c["off"]:
+        line += (f"; {', '.join(c['off'])} off by more than the documented tolerance: the sizing model is wrong "
+                 "here (ours to fix; please report it with the config.json)")
+    return line

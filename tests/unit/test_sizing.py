@@ -324,3 +324,20 @@ def test_up_refuses_a_certain_failure_before_any_connection(tmp_path):
     assert r.exit_code == 1
     d = json.loads(r.output)
     assert d["ok"] is False and d["error"] == "CheckFailed" and d["details"]["fits"]["level"] == "refuse"
+
+
+def test_predicted_vs_reported_from_vllms_own_log_lines():
+    lines = ["(EngineCore pid=1) INFO 12-04 17:47:19 [kv_cache_utils.py:2327] CPU KV cache size: 699,008 tokens, "
+             "Maximum concurrency for 512 tokens per request: 1365.25x",
+             "(Worker_TP0 pid=2) INFO [gpu_model_runner.py:3185] Model loading took 13.4951 GiB memory and 91.2 seconds",
+             "(Worker_TP0 pid=2) INFO [gpu_worker.py:298] Available KV cache memory: 54.10 GiB"]
+    rep = S.parse_reported(lines)
+    assert rep == {"kv_tokens": 699008, "weights_gib": 13.4951, "kv_cache_gib": 54.10}
+    cpu = S.size(S.Inputs(target=TINY, drafter=TINY_EAGLE, method="eagle", k=3, max_model_len=512,
+                          cpu_kvcache_space_gib=1.0))
+    c = S.compare(cpu, rep)
+    assert [r["figure"] for r in c["rows"]] == ["kv_tokens"] and c["off"] == []
+    assert "kv_tokens predicted 699,050 vs reported 699,008" in S.compare_line(c)
+    gpu = S.size(playbook_inputs())
+    c = S.compare(gpu, {"weights_gib": gpu.weights_mib / 1024 * 1.5, "kv_tokens": gpu.kv_tokens})
+    assert c["off"] == ["weights_gib"] and "the sizing model is wrong" in S.compare_line(c)
