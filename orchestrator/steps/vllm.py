@@ -108,7 +108,7 @@ def wait_ready(ctx: Context, step: Step) -> ReadyResult:
     if r.ready:
         ctx.record(step.name, True, f"serving after {r.seconds}s: /v1/models lists {step.args['served_model_name']} "
                                     "and a completion succeeded", t0, result=r)
-        _predicted_vs_reported(ctx, phase_lines)
+        r.sizing_check = _predicted_vs_reported(ctx, phase_lines)  # up --json: info.sizing
         return r
     reason = r.reason
     tail = "\n".join("    | " + ln for ln in (r.log_tail or [])[-8:])
@@ -237,11 +237,11 @@ def gate(ctx: Context, step: Step, m: dict) -> str | None:
     return None if v.passed else f"the acceptance gate failed: {v.figures_text()}: {v.reason}"
 
 
-def _predicted_vs_reported(ctx: Context, lines: list) -> None:
+def _predicted_vs_reported(ctx: Context, lines: list) -> dict | None:
     """With sizing.target_config: one progress line, the prediction against vLLM's logged weights and KV tokens,
     saying when it is off by more than the documented tolerance (the model is then wrong: ours)."""
     if getattr(ctx.pb, "target_config", None) is None:
-        return
+        return None
     from .. import sizing as Z
 
     try:
@@ -249,5 +249,6 @@ def _predicted_vs_reported(ctx: Context, lines: list) -> None:
         c = Z.compare(Z.size(inp), Z.parse_reported(lines))
     except Exception as e:  # noqa: BLE001 - a report, never a reason to fail a deployment that serves
         ctx.progress.say(ctx.where, f"     sizing: no comparison ({type(e).__name__}: {e})")
-        return
+        return None
     ctx.progress.say(ctx.where, "     " + Z.compare_line(c))
+    return c

@@ -41,7 +41,10 @@ def test_plan_sizing_line_and_up_prints_predicted_vs_reported(tb, deploy, playbo
     _with_sizing(playbooks, 81559)
     p = deploy("plan", "qwen36-dflash", env=playbooks.env)
     assert p.returncode == 0 and "\nsizing: fits: KV cache" in p.stdout, p.stdout
-    p = deploy("up", "qwen36-dflash", env=playbooks.env)
+    p = deploy("--json", "up", "qwen36-dflash", env=playbooks.env)
     assert p.returncode == 0, p.stderr
     assert "sizing: weights_gib predicted" in p.stderr and "vs reported" in p.stderr
     assert "kv_tokens predicted" in p.stderr
+    c = json.loads(p.stdout)["info"]["sizing"]
+    assert {r["figure"] for r in c["rows"]} == {"weights_gib", "kv_tokens"}
+    assert c["reported"]["kv_tokens"] > 0 and c["reported"]["weights_gib"] > 0
