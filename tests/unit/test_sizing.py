@@ -341,3 +341,15 @@ def test_predicted_vs_reported_from_vllms_own_log_lines():
     gpu = S.size(playbook_inputs())
     c = S.compare(gpu, {"weights_gib": gpu.weights_mib / 1024 * 1.5, "kv_tokens": gpu.kv_tokens})
     assert c["off"] == ["weights_gib"] and "the sizing model is wrong" in S.compare_line(c)
+
+
+def test_a_playbook_with_targets_is_sized_and_refused_per_target(tmp_path):
+    from playbook_support import edit_file
+
+    pb, inv = _playbook(tmp_path, "  target_config: llama.config.json\n  gpu_total_mib: 4096\n")
+    edit_file(pb, "target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]\n",
+              "targets:\n  - host: pve1\n    vmid: 129\n    gpus: [0, 1, 2, 3]\n")
+    r = _run(["size", pb, "--json"], inv)
+    assert r.exit_code == 1 and json.loads(r.output)["sizing"]["verdict"] == "does-not-fit"
+    r = _run(["plan", pb], inv)
+    assert r.exit_code == 1 and "does not fit on pve1/129" in r.output
