@@ -185,10 +185,106 @@ def plan(obj, playbook, restart, clean_gpus):
 
         inv, pb = load(obj, playbook)
         from .ops import Options
+        from .sizing import refuse_if_certain
 
+        refuse_if_certain(pb)
         render_plans(obj.json, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=restart,
                                                        ask=Options(clean_gpus=clean_gpus).ask_before_kill(m)))
     run_guarded(go, obj)
+
+
+# ------------------------------------------------------------------ size
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("playbook", shell_complete=complete_playbooks)
+@click.option("--max-model-len", type=click.IntRange(min=16), default=None, metavar="N",
+              help="What if: this max_model_len instead of the playbook's serve.max_model_len.")
+@click.option("--tp", type=click.IntRange(1, 64), default=None, metavar="N",
+              help="What if: this tensor_parallel_size (that many GPUs).")
+@click.option("--gmu", type=click.FloatRange(0.05, 0.99), default=None, metavar="F",
+              help="What if: this gpu_memory_utilization.")
+@click.option("--gpu-mib", type=click.FloatRange(min=256), default=None, metavar="MIB",
+              help="Each GPU's total memory (MiB, as nvidia-smi reports it) instead of sizing.gpu_total_mib "
+                   "(default: an assumed 80 GB GPU, 81559 MiB).")
+@click.option("--target-config", type=click.Path(), default=None, metavar="PATH",
+              help="The target's config.json (or a directory with it and the safetensors) instead of "
+                   "sizing.target_config.")
+@json_option
+@click.pass_obj
+def size(obj, playbook, max_model_len, tp, gmu, gpu_mib, target_config):
+    """Will it fit? Predict vLLM's memory for PLAYBOOK on its GPUs, without connecting to anything.
+
+    Weights per GPU, the activation/graph reserve (an assumption), the KV cache in bytes and tokens, the
+    concurrency at max_model_len, and a verdict: fits, tight (a warning), does not fit (with the changes that
+    would fit), or unknown (what the model does not understand is named; never a refusal). The same figures
+    decide the `fits:` line of `deploy plan`. Exit 0, or 1 when it does not fit. See docs/playbooks.md#will-it-fit.
+
+    \b
+    Examples:
+      deploy size qwen36-dflash
+      deploy size qwen36-dflash --max-model-len 131072 --tp 2
+      deploy size qwen36-dflash --gpu-mib 49140 --gmu 0.95
+      deploy --json size qwen36-mtp --max-model-len 131072 | jq .sizing
+    """
+    def go():
+        from . import sizing as Z
+        from .report import dump_json
+
+        pb = _load_offline(obj, playbook)
+        if target_config:
+            _local_target(pb, target_config)
+        inp = Z.from_playbook(pb, tp=tp, gmu=gmu, max_model_len=max_model_len, gpu_mib=gpu_mib)
+        s = Z.size(inp) if inp is not None else None
+        level, line = Z.assess(pb, s)
+        if obj.json:
+            dump_json({"playbook": pb.name, "level": level, "line": line,
+                       "target_config": pb.target_config_path, "sizing": s.as_dict() if s else None})
+        else:
+            click.echo(f"Will {pb.name} fit? (predicted, nothing was contacted; target config: "
+                       f"{pb.target_config_path or 'none'})")
+            if s is not None:
+                for ln in Z.table(s):
+                    click.echo(ln)
+                for n in s.notes + ([s.weights_source] if s.weights_source else []):
+                    _echo_wrapped(f"  - {n}")
+            _echo_wrapped(f"sizing: {line}")
+        sys.exit(EXIT_FAILED if s is not None and s.verdict == "does-not-fit" else EXIT_OK)
+    run_guarded(go, obj)
+
+
+def _load_offline(obj, playbook):
+    """The playbook, validated without the inventory (size contacts nothing and needs no host); HOST/VMID of an
+    inventory there is still told apart from a playbook name."""
+    from .errors import SpecError
+    from .spec import load_playbook
+
+    try:
+        not_a_container(obj.inventory(), playbook)
+    except (UsageError, SpecError, OSError) as e:
+        if isinstance(e, UsageError) and "is a container, not a playbook" in str(e.message):
+            raise
+    return load_playbook(playbook, None)
+
+
+def _local_target(pb, path):
+    """--target-config: read the config (and safetensors headers) as sizing.target_config is read at load."""
+    import json as _json
+
+    from .sizing import NotUnderstood, weights_from_safetensors
+
+    cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(cfg_path, "rb") as fh:
+            cfg = _json.loads(fh.read(4 << 20))
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+        weights = weights_from_safetensors(path) if os.path.isdir(path) else None
+    except (OSError, ValueError, NotUnderstood) as e:
+        raise UsageError(f"--target-config {path}: cannot read it: {e}", fix="give a config.json or its directory")
+    pb.target_config, pb.target_config_path, pb.target_weights = cfg, cfg_path, weights
+    for m in pb.members:
+        m.target_config, m.target_config_path, m.target_weights = cfg, cfg_path, weights
 
 
 # ------------------------------------------------------------------ up / restart / down
@@ -288,6 +384,9 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
         from .remote import Fleet
 
         inv, pb = load(obj, playbook)
+        from .sizing import refuse_if_certain
+
+        refuse_if_certain(pb)  # a certain does-not-fit stops here, before any connection (nothing is stopped)
         if dry_run:
             return render_plans(obj.json, inv, pb, lambda m: P.plan_up(
                 m, write_config=not skip_config_write, clean_gpus=clean_gpus,

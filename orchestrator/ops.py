@@ -404,6 +404,8 @@ def r_acceptance(run: Run, step: P.Step) -> None:
                     "unit": run.launch_result.unit if run.launch_result else None,
                     "phases_s": {r.step: round(r.seconds, 2) for r in ctx.results},
                     "total_s": round(time.monotonic() - run.t_start, 2)}
+    if getattr(run.ready, "sizing_check", None) is not None:  # sizing.target_config: predicted vs reported
+        run.out.info["sizing"] = run.ready.sizing_check
     if low is None:
         run.out.ok, run.out.status = True, "up"
         return

@@ -73,15 +73,22 @@ def render_plan(as_json, inv, pb, steps, emit=True):
     rows = [s.as_dict(inv, py) for s in steps]
     session = session_command(pb, py)
     warnings = shared_gpu_warnings(inv, pb)
+    from .sizing import check_playbook
+
+    fits = check_playbook(pb)
+    if fits["level"] == "warn":
+        warnings.append(f"sizing: {fits['line']}")
     if as_json or not emit:
         data = {"playbook": pb.name, "host": pb.host, "vmid": pb.vmid, "agent_session": session, "steps": rows,
-                "fallback": pb.fallback.name if pb.fallback else None, "warnings": warnings}
+                "fallback": pb.fallback.name if pb.fallback else None, "warnings": warnings, "fits": fits}
         if emit:
             dump_json(data)
         return data
     click.echo(f"Plan for {pb.name} on {pb.host}/{pb.vmid} ({rows[0]['ssh']}); one SSH connection for all steps.")
     for w in warnings:
         click.echo(f"warning: {w}")
+    if fits["level"] != "warn":
+        click.echo(f"sizing: {fits['line']}")
     click.echo("One agent process in the container runs every agent step (each `>` line below is one request to it;"
                " the agent's bootstrap, N bytes, arrives on stdin):")
     click.echo(f"  $ {session}")

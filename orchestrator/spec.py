@@ -385,6 +385,16 @@ PLAYBOOK = Map({
         "fallback": Field(Str(**NAME), doc="playbook to bring up instead when acceptance is too low"),
     }), default=lambda: {"cliff_check": True, "probe": {"max_tokens": 128, "rounds": 1, "timeout_s": 120.0},
                          "on_low_acceptance": "fail"}),
+    "sizing": Field(Map({
+        "accept_tight": Field(Bool(), default=False,
+                              doc="silence the 'tight' warning of the sizing model (never a certain does-not-fit)"),
+        "gpu_total_mib": Field(Int(256, 10_000_000), doc="each GPU's total memory as nvidia-smi reports it (MiB); "
+                               "default: an 80 GB GPU, 81559 MiB, said to be assumed"),
+        "target_config": Field(Str(), doc="a local copy of the target's config.json (or a directory with it and, "
+                               "optionally, the safetensors), relative to the playbook: what `deploy size` and "
+                               "`deploy plan` size the deployment from"),
+    }), default=lambda: {"accept_tight": False, "gpu_total_mib": None, "target_config": None},
+        doc="Will it fit? (docs/playbooks.md#will-it-fit): the inputs of the sizing model beyond serve/speculative"),
     "router": Field(ROUTER, doc="with targets: vLLM Router (vllm-router) in front of the replicas, in one "
                                 "container: one URL for the fleet (deploy endpoint); drained replicas during "
                                 "restart --rolling. See docs/router.md"),
@@ -439,6 +449,9 @@ class Playbook:
     fallback: "Playbook | None" = field(default=None, repr=False)
     sha256: str = ""  # of the bytes that were validated (read once, at load: the planner reads no file)
     runtime_source: str = "default"  # playbook | inventory | default (see _resolve_runtime)
+    target_config: dict | None = None  # sizing.target_config, read at load (sizing.py sizes from it)
+    target_config_path: str | None = None
+    target_weights: tuple | None = None  # (bytes, params) from local safetensors headers, when given
 
     # one single-target Playbook per target (itself for a `target:` playbook): what ops.up runs, per target
     members: list = field(default_factory=list, repr=False)
@@ -544,7 +557,8 @@ def _retarget(pb: Playbook, t: dict, inv: Inventory | None) -> Playbook:
     # the playbook's own runtime key applies to every target; else each target's inventory runtime (or defaults)
     data["runtime"] = pb.data["runtime"] if "__nodes__" in pb.data["runtime"] else PLAYBOOK.fields["runtime"].default()
     m = Playbook(path=pb.path, name=pb.name, data=data, drafter_bytes=pb.drafter_bytes,
-                 drafter_config=pb.drafter_config, sha256=pb.sha256)
+                 drafter_config=pb.drafter_config, sha256=pb.sha256, target_config=pb.target_config,
+                 target_config_path=pb.target_config_path, target_weights=pb.target_weights)
     _resolve_runtime(m, inv)
     if pb.fallback is not None:
         fb = pb.fallback.members[0] if pb.fallback.is_fleet else pb.fallback
@@ -768,6 +782,7 @@ def _check_serving(pb: Playbook, serve: dict, spec: dict, acc: dict, problems: P
         problems.add(node_of(spec, "extra"), "speculative.extra", "method/model/num_speculative_tokens have keys of their own")
     if drafter is not None:
         _check_drafter(pb, drafter, spec, problems)
+    _check_sizing(pb, problems)
     _check_fetch(pb.data["model"], "model", problems)
     req = pb.data["requires"]
     if req.get("vllm") and req.get("vllm_min_version"):
@@ -927,6 +942,38 @@ def _check_drafter(pb: Playbook, drafter: dict, spec: dict, problems: Problems) 
     if isinstance(block, int) and k > block - 1:
         problems.add(spec["__nodes__"].get("num_speculative_tokens"), "speculative.num_speculative_tokens",
                      f"{k} exceeds the drafter's block_size {block} - 1 = {block - 1} (from {pinned_path})")
+
+
+def _check_sizing(pb: Playbook, problems: Problems) -> None:
+    """sizing.target_config: read once here (the planner reads no file), a config.json or a directory holding one
+    (and maybe the safetensors, whose headers give the weights)."""
+    sz = pb.data.get("sizing") or {}
+    rel = sz.get("target_config")
+    if not rel:
+        return
+    node = sz.get("__nodes__", {}).get("target_config")
+    path = rel if os.path.isabs(rel) else os.path.join(os.path.dirname(pb.path) or ".", rel)
+    cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(cfg_path, "rb") as fh:
+            cfg = json.loads(fh.read(4 << 20).decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except OSError as e:
+        problems.add(node, "sizing.target_config", f"cannot read {cfg_path}: {e.strerror}")
+        return
+    except (ValueError, UnicodeDecodeError) as e:
+        problems.add(node, "sizing.target_config", f"{cfg_path}: not valid JSON: {e}")
+        return
+    if not isinstance(cfg, dict):
+        problems.add(node, "sizing.target_config", f"{cfg_path}: not a JSON object")
+        return
+    pb.target_config, pb.target_config_path = cfg, cfg_path
+    if os.path.isdir(path):
+        from .sizing import NotUnderstood, weights_from_safetensors
+
+        try:
+            pb.target_weights = weights_from_safetensors(path)
+        except (OSError, ValueError, KeyError, TypeError, NotUnderstood) as e:
+            problems.add(node, "sizing.target_config", f"{path}: unreadable safetensors header: {e}")
 
 
 def _no_duplicates(pairs):

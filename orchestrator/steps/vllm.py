@@ -93,9 +93,11 @@ def onboot_check(ctx: Context) -> None:
 
 def wait_ready(ctx: Context, step: Step) -> ReadyResult:
     t0 = time.monotonic()
+    phase_lines = []  # vLLM's own figures, held to the sizing model's prediction once it serves (issue 35)
 
     def on_event(e):
         if e.get("event") == "phase":
+            phase_lines.append(str(e.get("line") or ""))
             ctx.progress.say(ctx.where, f"     {e['elapsed']:>6}s  {e['phase']:<22} {whole_object(e['line'])}")
         elif e.get("event") == "waiting":  # on change of the last log line, else every 10 s
             ctx.progress.waiting(ctx.where, "load " + e["line"],
@@ -106,6 +108,7 @@ def wait_ready(ctx: Context, step: Step) -> ReadyResult:
     if r.ready:
         ctx.record(step.name, True, f"serving after {r.seconds}s: /v1/models lists {step.args['served_model_name']} "
                                     "and a completion succeeded", t0, result=r)
+        r.sizing_check = _predicted_vs_reported(ctx, phase_lines)  # up --json: info.sizing
         return r
     reason = r.reason
     tail = "\n".join("    | " + ln for ln in (r.log_tail or [])[-8:])
@@ -232,3 +235,20 @@ def gate(ctx: Context, step: Step, m: dict) -> str | None:
     ctx.record(step.name, v.passed, text, m["t0"], acceptance=m["acceptance"].as_dict(), probe=m["probe"],
                verdict=v.as_dict())
     return None if v.passed else f"the acceptance gate failed: {v.figures_text()}: {v.reason}"
+
+
+def _predicted_vs_reported(ctx: Context, lines: list) -> dict | None:
+    """With sizing.target_config: one progress line, the prediction against vLLM's logged weights and KV tokens,
+    saying when it is off by more than the documented tolerance (the model is then wrong: ours)."""
+    if getattr(ctx.pb, "target_config", None) is None:
+        return None
+    from .. import sizing as Z
+
+    try:
+        inp = Z.from_playbook(ctx.pb)
+        c = Z.compare(Z.size(inp), Z.parse_reported(lines))
+    except Exception as e:  # noqa: BLE001 - a report, never a reason to fail a deployment that serves
+        ctx.progress.say(ctx.where, f"     sizing: no comparison ({type(e).__name__}: {e})")
+        return None
+    ctx.progress.say(ctx.where, "     " + Z.compare_line(c))
+    return c

@@ -44,7 +44,7 @@ from e2e_helpers import REPO
 DOC_FILES = sorted([os.path.join(REPO, "README.md")] + glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
                                                                  recursive=True))
 # Read-only commands that answer in about a second: run for real. (First words after `deploy`.)
-CHEAP = {"plan", "status", "verify", "logs", "schema", "completion", "docs", "endpoint", ("testbed", "status"),
+CHEAP = {"plan", "size", "status", "verify", "logs", "schema", "completion", "docs", "endpoint", ("testbed", "status"),
          ("monitor", "metrics")}
 # Commands that only write where they are told or where they run: run for real in a scratch directory that is also
 # HOME (a leading ~ expanded to it, as a shell would), its path shown as /root (the docs' HOME) when compared.

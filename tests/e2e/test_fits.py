@@ -1,0 +1,50 @@
+"""Will it fit? (issue 35) on the test bed: plan and up refuse a certain does-not-fit with the real message before
+any connection, and up holds the prediction to the fake vLLM's logged figures (a line; the fake's figures for
+Qwen3.6-27B were never measured, so only the comparison's presence is checked here)."""
+
+import json
+import os
+
+from e2e_helpers import REPO
+
+TRIMMED = os.path.join(REPO, "testbed", "vpd_testbed", "data", "qwen36-27b-target.trimmed.config.json")
+
+
+def _with_sizing(playbooks, gpu_total_mib):
+    """qwen36-dflash with sizing.target_config: the trimmed target plus a dtype and linear-attention dims that are
+    TEST INPUTS (the trimmed file lacks them), and the given GPU size."""
+    cfg = json.load(open(TRIMMED))
+    cfg["text_config"].update(dtype="bfloat16", linear_num_key_heads=16, linear_num_value_heads=48,
+                              linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    (playbooks.dir / "target.config.json").write_text(json.dumps(cfg))
+    p = playbooks.dir / "qwen36-dflash.yaml"
+    p.write_text(p.read_text() + f"\nsizing:\n  target_config: target.config.json\n  gpu_total_mib: {gpu_total_mib}\n")
+
+
+def test_plan_and_up_refuse_a_certain_failure_before_connecting(tb, deploy, playbooks):
+    _with_sizing(playbooks, 16384)
+    p = deploy("plan", "qwen36-dflash", env=playbooks.env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "qwen36-dflash does not fit on pve1/129: does not fit:" in p.stderr
+    assert "No available memory for the cache blocks" in p.stderr and "would fit with:" in p.stderr
+    assert "nothing was run" in p.stderr and "Plan for" not in p.stdout
+    p = deploy("--json", "up", "qwen36-dflash", "-y", env=playbooks.env)
+    assert p.returncode == 1
+    err = json.loads(p.stdout)
+    assert err["error"] == "CheckFailed" and err["details"]["fits"]["level"] == "refuse"
+    assert err["details"]["fits"]["sizing"]["kv_cache_mib"] < 0
+    s = deploy("--json", "status", env=playbooks.env)
+    assert "qwen36-dflash" not in s.stdout  # nothing was launched
+
+
+def test_plan_sizing_line_and_up_prints_predicted_vs_reported(tb, deploy, playbooks):
+    _with_sizing(playbooks, 81559)
+    p = deploy("plan", "qwen36-dflash", env=playbooks.env)
+    assert p.returncode == 0 and "\nsizing: fits: KV cache" in p.stdout, p.stdout
+    p = deploy("--json", "up", "qwen36-dflash", env=playbooks.env)
+    assert p.returncode == 0, p.stderr
+    assert "sizing: weights_gib predicted" in p.stderr and "vs reported" in p.stderr
+    assert "kv_tokens predicted" in p.stderr
+    c = json.loads(p.stdout)["info"]["sizing"]
+    assert {r["figure"] for r in c["rows"]} == {"weights_gib", "kv_tokens"}
+    assert c["reported"]["kv_tokens"] > 0 and c["reported"]["weights_gib"] > 0
