@@ -328,6 +328,19 @@ def step_write_config(pb):
                 **_common(pb))
 
 
+def step_plumbing(pb):
+    """The gpu-plumbing check (orchestrator/plumbing.py; docs/gpu-containers.md): read-only, host and container."""
+    return Step("gpu-plumbing", "the container sees its GPUs: pct config lines, host and container /dev/nvidia* "
+                                "(majors), nvidia-uvm, driver version in user space = the host's module, the "
+                                "driver's CUDA >= torch's, /dev/shm for tensor parallelism",
+                action="plumbing", args={}, timeout=30,
+                runs=[f"pct config {pb.vmid}; grep nvidia /proc/devices; stat /dev/nvidia*; "
+                      "cat /proc/driver/nvidia/version; nvidia-smi   # on the host, one exec",
+                      f"stat /dev/nvidia*; ls /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.* libcuda.so.*; "
+                      f"df /dev/shm; torch/version.py of {pb.runtime['python']}   # in the container, no exec"],
+                **_common(pb))
+
+
 def step_verify(pb):
     if not pb.drafter:
         return Step("verify", "verify the serving stack (vLLM version, complete build, import)", action="verify",
@@ -543,6 +556,7 @@ def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, 
     if pb.drafter and write_config and drafter_config_path(pb):
         steps.append(step_write_config(pb))
     steps.append(step_verify(pb))
+    steps.append(step_plumbing(pb))  # before anything is stopped: a container that cannot serve keeps what runs
     steps.append(step_stop(pb, clean, when=None if restart else something_to_stop))
     steps += [step_gpus_free(pb), step_port(pb), step_launch(pb), step_wait(pb)]
     if pb.spec["method"] == "dflash" and pb.drafter_config:
