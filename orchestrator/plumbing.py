@@ -254,7 +254,7 @@ def findings(host: dict | None, ct: dict | None, *, host_name: str, vmid: int, g
     host_missing = set()
     if host:
         for p in wanted + ["/dev/nvidia-uvm-tools"]:
-            if p not in hn:
+            if p not in hn or hn[p]["kind"] != "char":  # a plain file there is no device either
                 host_missing.add(p)
         if "/dev/nvidia-uvm" in host_missing or "/dev/nvidia-uvm-tools" in host_missing:
             miss = sorted(p for p in host_missing if "uvm" in p)

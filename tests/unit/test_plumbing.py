@@ -171,3 +171,8 @@ def test_test_bed_simulated_node():
     assert PL.parse_node_line("/dev/nvidia0|regular empty file|0|0|0|vpd-testbed-node c 195:0") == \
         {"path": "/dev/nvidia0", "kind": "char", "major": 195, "minor": 0}
     assert PL.parse_node_line("/dev/nvidia0|regular empty file|0|0|0|")["kind"] == "file"
+
+
+def test_a_plain_file_on_the_host_is_no_device():
+    t = host_text().replace("/dev/nvidia-uvm|character special file|1fc|0|0", "/dev/nvidia-uvm|regular empty file|0|0|0|")
+    assert problems(run(t))[0] == "uvm-missing-on-host"

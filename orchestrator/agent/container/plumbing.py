@@ -9,7 +9,7 @@ import os
 import re
 import stat
 
-LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu", "/lib64",
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu/nvidia/current", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu", "/lib64",
             "/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/aarch64-linux-gnu")
 LIB_RE = re.compile(r"^(libnvidia-ml|libcuda)\.so\.(\d{2,4}\.\d{1,4}(?:\.\d{1,4})?)$")
 MODULE_RE = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)")
