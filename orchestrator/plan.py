@@ -135,6 +135,7 @@ class Step:
                 "request": (f"{self.action} {shell_join([json.dumps(self.args, sort_keys=True, separators=(',', ':'))])}"
                             if self.action and not self.local else None),
                 "runs": list(self.runs),
+                **({"host_command": shell_join(self.host_argv)} if self.action and self.host_argv else {}),
                 "stdin": " + ".join(([self.payload] if self.payload else [])
                                     + [f"{k} ({_size(v)})" for k, v in self.bulk.items()]) or None,
                 **({"steps": [s.as_dict(inv, python) for s in self.sub]} if self.sub else {})}
@@ -328,12 +329,19 @@ def step_write_config(pb):
                 **_common(pb))
 
 
+def plumbing_host_argv(vmid: int) -> list[str]:
+    """The gpu-plumbing check's one host exec (orchestrator/plumbing.py HOST_PLUMBING_SH), read-only."""
+    from .plumbing import HOST_PLUMBING_SH
+
+    return ["sh", "-c", HOST_PLUMBING_SH, "sh", str(int(vmid))]
+
+
 def step_plumbing(pb):
     """The gpu-plumbing check (orchestrator/plumbing.py; docs/gpu-containers.md): read-only, host and container."""
     return Step("gpu-plumbing", "the container sees its GPUs: pct config lines, host and container /dev/nvidia* "
                                 "(majors), nvidia-uvm, driver version in user space = the host's module, the "
                                 "driver's CUDA >= torch's, /dev/shm for tensor parallelism",
-                action="plumbing", args={}, timeout=30,
+                action="plumbing", args={}, timeout=30, host_argv=plumbing_host_argv(pb.vmid),
                 runs=[f"pct config {pb.vmid}; grep nvidia /proc/devices; stat /dev/nvidia*; "
                       "cat /proc/driver/nvidia/version; nvidia-smi   # on the host, one exec",
                       f"stat /dev/nvidia*; ls /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.* libcuda.so.*; "

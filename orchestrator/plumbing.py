@@ -236,6 +236,8 @@ def findings(host: dict | None, ct: dict | None, *, host_name: str, vmid: int, g
     `host`: parse_host() or None (status reads the container only); `ct`: the agent's facts (sane_container
     validates them here)."""
     out: list[dict] = []
+    if not isinstance(ct, dict) or "nodes" not in ct:
+        ct = None  # no facts from the container (an older agent): compare what the host says alone
     c = sane_container(ct)
     hw = shell_word(host_name)
     v = int(vmid)

@@ -17,8 +17,10 @@ HOST_OUTPUT_MAX = 256 << 10
 
 def read_host(session, vmid: int, label: str = "gpu-plumbing") -> dict:
     """The host's side (HOST_PLUMBING_SH): parsed, or {"error": ...} when it could not be read."""
+    from ..plan import plumbing_host_argv
+
     try:
-        r = session.run(["sh", "-c", PL.HOST_PLUMBING_SH, "sh", str(int(vmid))], timeout=HOST_TIMEOUT_S,
+        r = session.run(plumbing_host_argv(vmid), timeout=HOST_TIMEOUT_S,
                         vmid=vmid, label=label, max_output=HOST_OUTPUT_MAX)
     except DeployError as e:
         return {"error": e.message}
