@@ -569,7 +569,7 @@ def _row(host, vmid, **values) -> dict:
            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
            "url": None, "tunnel": None, "supervision": None, "gate": None, "rejected": None, "healthy": False,
            "timed_out": False, "problems": [], "history": [],
-           "notes": [], "weights": None}
+           "notes": [], "weights": None, "gpu_plumbing": None}
     row.update(values)
     return row
 
