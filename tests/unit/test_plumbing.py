@@ -176,3 +176,21 @@ def test_test_bed_simulated_node():
 def test_a_plain_file_on_the_host_is_no_device():
     t = host_text().replace("/dev/nvidia-uvm|character special file|1fc|0|0", "/dev/nvidia-uvm|regular empty file|0|0|0|")
     assert problems(run(t))[0] == "uvm-missing-on-host"
+
+
+def test_agent_reads_torch_cuda_and_library_versions_without_importing(tmp_path, monkeypatch):
+    import sys
+
+    from orchestrator.agent.container import plumbing as AP
+
+    t = tmp_path / "lib" / ("python%d.%d" % sys.version_info[:2]) / "site-packages" / "torch"
+    t.mkdir(parents=True)
+    (t / "version.py").write_text("__version__ = '2.8.0+cu128'\ndebug = False\ncuda: Optional[str] = '12.8'\n")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    assert AP.read_torch_cuda() == "12.8"
+    lib = tmp_path / "libdir"
+    lib.mkdir()
+    for n in ("libcuda.so.550.54.15", "libnvidia-ml.so.550.54.15", "libnvidia-ml.so.1", "libcuda.so.evil;x"):
+        (lib / n).write_text("")
+    monkeypatch.setattr(AP, "LIB_DIRS", (str(lib),))
+    assert AP.read_libs() == {"libnvidia-ml": ["550.54.15"], "libcuda": ["550.54.15"]}

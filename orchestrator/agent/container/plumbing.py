@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import stat
+import sys
 
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu/nvidia/current", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu", "/lib64",
             "/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/aarch64-linux-gnu")
@@ -87,14 +88,16 @@ def read_shm_mib():
 
 
 def read_torch_cuda():
-    """torch.version.cuda of this Python, from torch/version.py's text (importing torch takes seconds)."""
+    """torch.version.cuda of this Python, from torch/version.py's text (importing torch takes seconds). The
+    venv's own site-packages first, by path: `deploy status` runs with -I -S, where nothing of the venv loads."""
+    dirs = [os.path.join(sys.prefix, "lib", "python%d.%d" % sys.version_info[:2], "site-packages", "torch")]
     try:
         spec = importlib.util.find_spec("torch")
+        if spec and spec.submodule_search_locations:
+            dirs += list(spec.submodule_search_locations)[:2]
     except (ImportError, ValueError):
-        return None
-    if not spec or not spec.submodule_search_locations:
-        return None
-    for d in list(spec.submodule_search_locations)[:2]:
+        pass
+    for d in dirs:
         try:
             with open(os.path.join(d, "version.py"), "rb") as f:
                 text = f.read(4096).decode("utf-8", "replace")
