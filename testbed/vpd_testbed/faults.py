@@ -28,6 +28,7 @@ CONTAINER = {
     "port_in_use": "TCP port (int): something listens there",
     "shm_mib": "MiB (int): /dev/shm of the container is remounted that small (default 8192)",
     "missing_dev_line": 'device path, e.g. "/dev/nvidia1": pct config no longer prints the line passing it in',
+    "torch_cuda": 'CUDA version, e.g. "12.8": the venv gets a torch/version.py saying so (no torch: not importable)',
 }
 HOST = {
     "release_delay_s": "seconds (float, default 0.3): GPU memory lingers that long after a holder exits",
@@ -147,6 +148,8 @@ def validate(name, value, container):
         raise FaultError("nvidia_smi_mismatch must be containers or everywhere")
     if name == "missing_dev_line" and not (isinstance(value, str) and value.startswith("/dev/nvidia")):
         raise FaultError('missing_dev_line needs a device path such as "/dev/nvidia1"')
+    if name == "torch_cuda" and not (isinstance(value, str) and __import__("re").fullmatch(r"\d{1,2}\.\d{1,2}", value)):
+        raise FaultError('torch_cuda needs a CUDA version such as "12.8"')
     if name == "shm_mib" and value < 1:
         raise FaultError("shm_mib needs a positive number of MiB")
     if name == "vllm_build" and value not in ("release", "pr40898"):
@@ -283,6 +286,18 @@ def apply(tb, host, vmid, name, value, old):
             _kill_ct_helper(tb, host, vmid, M_PORT)
             if value:
                 _start_ct_helper(tb, host, vmid, M_PORT, PORT_CODE, value, ready=_listens(int(value)))
+        elif name == "torch_cuda":
+            import glob
+            import shutil
+            for sp in glob.glob(str(tb.ctdir(host, vmid) / "root" / "ml-env" / "lib" / "python*" / "site-packages")):
+                d = os.path.join(sp, "torch")
+                if value:
+                    os.makedirs(d, exist_ok=True)
+                    with open(os.path.join(d, "version.py"), "w") as f:  # as torch writes it; no __init__.py
+                        f.write("__version__ = '2.8.0+cu%s'\ndebug = False\ncuda: Optional[str] = '%s'\n"
+                                % (value.replace(".", ""), value))
+                else:
+                    shutil.rmtree(d, ignore_errors=True)
         elif name == "shm_mib":
             if tb.init_pid(host, vmid):
                 r = tb.container_exec(host, vmid, ["mount", "-o", "remount,size=%dm" % (value or 8192), "/dev/shm"],

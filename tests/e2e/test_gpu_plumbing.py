@@ -66,3 +66,12 @@ def test_uvm_missing_on_the_host(tb, deploy):
     tb.clear_faults("pve1")
     p = deploy("--json", "verify", "qwen36-dflash")
     assert plumbing(p.json) == {}
+
+
+def test_cuda_above_the_drivers_maximum(tb, deploy):
+    tb.set_fault("pve1", 129, "torch_cuda", "12.8")
+    p = deploy("--json", "verify", "qwen36-dflash")
+    f = plumbing(p.json)["cuda-above-driver"]
+    assert "CUDA 12.8 (570.26 or newer)" in f["expected"] and "driver 550.54.15 supports CUDA 12.4 at most" in f["found"]
+    tb.clear_faults("pve1", 129)
+    assert "cuda-above-driver" not in plumbing(deploy("--json", "verify", "qwen36-dflash").json)
