@@ -612,6 +612,9 @@ def plumbing_findings(session, ct_facts, host: str, vmid: int, target: dict | No
         from .facts import parse_pct_config_gpus
 
         gpus = parse_pct_config_gpus("\n".join((host_facts or {}).get("config") or []))
+        if not gpus:  # no playbook and no GPU passed in: a container without GPUs, nothing to check
+            row["gpu_plumbing"] = None
+            return []
     found = PL.findings(host_facts, ct_facts, host_name=host, vmid=vmid, gpus=gpus, tp=(target or {}).get("tp", 1))
     row["gpu_plumbing"] = PL.summary(found)
     return [{"class": PL.CHECK, "cause": f"{f['problem']}: {f['where']}: expected {f['expected']}, found "

@@ -374,6 +374,8 @@ def plumbing_row(row: dict, facts, st, host: str, vmid: int) -> None:
         nodes = facts.get("nodes") if isinstance(facts.get("nodes"), dict) else {}
         gpus = sorted(int(p[11:]) for p in nodes if isinstance(p, str) and p[11:].isdigit()
                       and p.startswith("/dev/nvidia"))[:64]
+    if not gpus:  # no deployment recorded and no GPU node: a container without GPUs (a router's), nothing to check
+        return
     tp = 1
     argv = st.get("argv") if isinstance(st.get("argv"), list) else []
     for i, a in enumerate(argv[:400]):

@@ -194,3 +194,16 @@ def test_agent_reads_torch_cuda_and_library_versions_without_importing(tmp_path,
         (lib / n).write_text("")
     monkeypatch.setattr(AP, "LIB_DIRS", (str(lib),))
     assert AP.read_libs() == {"libnvidia-ml": ["550.54.15"], "libcuda": ["550.54.15"]}
+
+
+def test_status_row_from_the_container_side():
+    from orchestrator.status import _row, plumbing_row
+
+    row = _row("pve1", 129)
+    plumbing_row(row, {"nodes": {}, "libs": {}, "shm_mib": 64}, None, "pve1", 129)  # no GPUs at all: a router's
+    assert row["gpu_plumbing"] is None and row["problems"] == []
+    st = {"gpus": [0, 1], "argv": ["vllm", "serve", "m", "--tensor-parallel-size", "2"]}
+    plumbing_row(row, ct_facts(shm=512), st, "pve1", 129)
+    assert row["gpu_plumbing"]["findings"][0]["problem"] == "shm-too-small"
+    assert row["problems"][0].startswith("GPU plumbing: shm-too-small: pve1/129: /dev/shm: expected at least 2048 MiB")
+    assert row["healthy"] is False
