@@ -22,7 +22,7 @@ GIB = 1024
 # Simulated device nodes of the test bed are regular files whose first bytes say "vpd-testbed-node c MAJ:MIN".
 HOST_PLUMBING_SH = r"""
 V="$1"
-echo "@@ config"; pct config "$V" 2>&1 | head -c 65536; echo "@@ rc $?"
+echo "@@ config"; { pct config "$V" 2>&1; echo "@@ rc $?"; } | head -c 65536; echo
 echo "@@ devices"; sed -n '/^Character devices:/,/^$/p' /proc/devices 2>/dev/null | grep -i nvidia
 echo "@@ nodes"
 for f in /dev/nvidia*; do

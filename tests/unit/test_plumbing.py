@@ -207,3 +207,19 @@ def test_status_row_from_the_container_side():
     assert row["gpu_plumbing"]["findings"][0]["problem"] == "shm-too-small"
     assert row["problems"][0].startswith("GPU plumbing: shm-too-small: pve1/129: /dev/shm: expected at least 2048 MiB")
     assert row["healthy"] is False
+
+
+def test_the_host_script_runs_and_parses(tmp_path):
+    import os
+    import subprocess
+
+    pct = tmp_path / "pct"
+    pct.write_text('#!/bin/sh\n[ "$2" = 129 ] || { echo "Configuration file does not exist" >&2; exit 2; }\n'
+                   'printf "arch: amd64\\ndev0: /dev/nvidia0\\n[snap1]\\ndev0: /dev/nvidia9\\n"\n')
+    pct.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    ok = subprocess.run(["sh", "-c", PL.HOST_PLUMBING_SH, "sh", "129"], env=env, capture_output=True, text=True)
+    h = PL.parse_host(ok.stdout)
+    assert h["config"] == ["arch: amd64", "dev0: /dev/nvidia0"] and h["config_rc"] == 0
+    bad = subprocess.run(["sh", "-c", PL.HOST_PLUMBING_SH, "sh", "130"], env=env, capture_output=True, text=True)
+    assert PL.parse_host(bad.stdout)["config_rc"] == 2
