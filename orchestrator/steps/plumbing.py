@@ -52,8 +52,9 @@ def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]
     found, facts = run_check(ctx, step)
     herr = (facts["host"] or {}).get("error")
     if found:
-        ctx.fail(step.name, t0, f"{len(found)} GPU plumbing problem(s) in container {ctx.pb.vmid}; nothing was "
-                                "stopped:\n" + PL.render(found),
+        names = ", ".join(dict.fromkeys(f["problem"] for f in found))
+        ctx.fail(step.name, t0, f"{len(found)} GPU plumbing problem(s) in container {ctx.pb.vmid} ({names}); "
+                                "nothing was stopped\n" + PL.render(found),
                  fix="; ".join(dict.fromkeys(f["fix"] for f in found)), findings=found)
     note = f" (host side not read: {herr})" if herr else ""
     if record:

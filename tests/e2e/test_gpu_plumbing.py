@@ -42,7 +42,7 @@ def test_missing_dev_line_named_with_the_line_to_add_and_up_stops_nothing(tb, de
     assert "pct set 129 -dev7 /dev/nvidia2" in f["fix"] and "pct reboot 129" in f["fix"]
     u = deploy("up", "qwen36-dflash")
     assert u.returncode == 1
-    assert "GPU plumbing problem(s) in container 129; nothing was stopped" in u.stderr
+    assert "1 GPU plumbing problem(s) in container 129 (config-line-missing); nothing was stopped" in u.stderr
     assert "pct set 129 -dev7 /dev/nvidia2" in " ".join(u.stderr.split())
     assert "launch " not in u.stderr and "stop " not in u.stderr.replace("nothing was stopped", "")
     d = deploy("--json", "doctor", "pve1/129")
