@@ -640,6 +640,8 @@ def verify(obj, playbook):
                    **r.as_dict()}
             if "revisions" in out.info:
                 doc["revisions"] = out.info["revisions"]
+            if "gpu_plumbing" in out.info:
+                doc["gpu_plumbing"] = out.info["gpu_plumbing"]
             docs.append(doc)
             if obj.json:
                 continue

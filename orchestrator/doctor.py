@@ -472,7 +472,8 @@ def pinned_configs(inv) -> tuple[list[dict], dict]:
                 "acceptance": {k: acc.get(k) for k in ("min_mean_acceptance_length", "min_first_position",
                                                        "cliff_check", "min_drafts", "min_draft_acceptance")}}
         for m in pb.members:  # every target of a playbook with targets: (replicas)
-            targets.setdefault((m.host, m.vmid), {**info, "target": f"{m.host}/{m.vmid}"})
+            targets.setdefault((m.host, m.vmid), {**info, "target": f"{m.host}/{m.vmid}", "gpus": list(m.gpus),
+                                                  "tp": int(m.serve.get("tensor_parallel_size") or 1)})
         if pb.drafter and pb.drafter_config is not None:
             import hashlib
 
@@ -546,6 +547,8 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
         if facts.get("state") and not (facts["state"] or {}).get("corrupt"):
             pbi = {**(pbi or {}), "playbook": facts["state"].get("playbook") or (pbi or {}).get("playbook")}
         row["findings"] = diagnose(facts, pinned, host=host, vmid=vmid, playbook=pbi, host_holders=hh)
+        row["findings"] += plumbing_findings(fleet.session(host), facts.get("plumbing"), host, vmid,
+                                             by_target.get((host, vmid)), row)
         if not facts.get("servers"):  # no server: still check the drafter configs a server started now would read
             row["idle_configs"] = idle_drafter_checks(
                 pinned, host, vmid, lambda path: agent.call(fleet.session(host), vmid, rt["python"], "file_sha",
@@ -590,6 +593,33 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
     else:
         click.echo(render(rows))
     return code
+
+
+def plumbing_findings(session, ct_facts, host: str, vmid: int, target: dict | None, row: dict) -> list[dict]:
+    """The gpu-plumbing check (orchestrator/plumbing.py) for doctor: the host side in one exec per container, the
+    container side from the doctor action's own result. Without a playbook for the container, the GPUs it is
+    given in pct config stand for the assigned ones. Findings in doctor's {class, cause, fix, evidence} form."""
+    from . import plumbing as PL
+    from .steps.plumbing import read_host
+
+    if not isinstance(ct_facts, dict):  # an older agent: nothing to compare
+        return []
+    h = read_host(session, vmid, label="doctor")
+    row["gpu_plumbing_host_error"] = h.get("error")
+    host_facts = None if h.get("error") else h
+    gpus = (target or {}).get("gpus")
+    if gpus is None:
+        from .facts import parse_pct_config_gpus
+
+        gpus = parse_pct_config_gpus("\n".join((host_facts or {}).get("config") or []))
+        if not gpus:  # no playbook and no GPU passed in: a container without GPUs, nothing to check
+            row["gpu_plumbing"] = None
+            return []
+    found = PL.findings(host_facts, ct_facts, host_name=host, vmid=vmid, gpus=gpus, tp=(target or {}).get("tp", 1))
+    row["gpu_plumbing"] = PL.summary(found)
+    return [{"class": PL.CHECK, "cause": f"{f['problem']}: {f['where']}: expected {f['expected']}, found "
+                                         f"{f['found']} ({f['cause']})", "fix": f["fix"],
+             "evidence": {k: f[k] for k in ("problem", "where", "expected", "found")}} for f in found]
 
 
 def _server_view(s: dict) -> dict:

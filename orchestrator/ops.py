@@ -360,6 +360,12 @@ def r_verify(run: Run, step: P.Step) -> None:
     run.st.verified_sha = run.verified.sha256 if run.verified is not None else None
 
 
+def r_plumbing(run: Run, step: P.Step) -> None:
+    from .steps.plumbing import gpu_plumbing
+
+    gpu_plumbing(run.ctx, step)
+
+
 def r_stop(run: Run, step: P.Step) -> None:
     rep = run.stop_report = G.stop(run.ctx, step)
     if rep.stopped and step.name == "stop":
@@ -540,7 +546,7 @@ def r_clear_failure(run: Run, step: P.Step) -> None:
 
 RUNNERS = {"container": r_container, "lock": r_lock, "current": r_current, "fetch": r_fetch,
            "drafter-config": r_write_config,
-           "verify": r_verify, "stop": r_stop, "gpus-free": r_gpus_free, "port-free": r_port, "launch": r_launch,
+           "verify": r_verify, "gpu-plumbing": r_plumbing, "stop": r_stop, "gpus-free": r_gpus_free, "port-free": r_port, "launch": r_launch,
            "wait-ready": r_wait, "aux-layers": r_aux_layers, "drift": r_drift, "acceptance": r_acceptance,
            "gate-record": r_gate_record, "stop-low": r_stop_low, "fallback": r_fallback, "stop-failed": r_stop_failed,
            "drift-check": r_drift_check, "read-back": r_read_back, "note-failure": r_note_failure,
@@ -655,17 +661,26 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
     step = P.step_verify(pb)
     try:
         r = D.verify(ctx, step, record=False)
+        from .steps import plumbing as GP
+
+        found, facts = GP.run_check(ctx, P.step_plumbing(pb))
+        out.info["gpu_plumbing"] = {"findings": found, "host_error": (facts["host"] or {}).get("error")}
         from .spec import fetch_items
 
         if fetch_items(pb):  # weights fetched by deploy fetch: the revision in place (from its record)
             from . import fetch as F
 
             out.info["revisions"] = F.records(ctx, pb)
-        out.ok = not r.failed
+        out.ok = not r.failed and not found
         out.status = "verified" if out.ok else "failed"
-        if not out.ok:
-            out.error = StepFailed("verify", f"{len(r.failed)} check(s) failed", where=ctx.where,
-                                   fix=D.verify_fix(r.failed, pb, r.stack))
+        if r.failed:
+            out.error = StepFailed("verify", f"{len(r.failed)} check(s) failed"
+                                   + (f"; {len(found)} GPU plumbing problem(s)" if found else ""), where=ctx.where,
+                                   fix=D.verify_fix(r.failed, pb, r.stack)
+                                   + ("; " + "; ".join(dict.fromkeys(f["fix"] for f in found)) if found else ""))
+        elif found:
+            out.error = StepFailed("gpu-plumbing", f"{len(found)} GPU plumbing problem(s)", where=ctx.where,
+                                   fix="; ".join(dict.fromkeys(f["fix"] for f in found)))
         return out, r
     except DeployError as e:
         out.error = e

@@ -135,6 +135,7 @@ class Step:
                 "request": (f"{self.action} {shell_join([json.dumps(self.args, sort_keys=True, separators=(',', ':'))])}"
                             if self.action and not self.local else None),
                 "runs": list(self.runs),
+                **({"host_command": shell_join(self.host_argv)} if self.action and self.host_argv else {}),
                 "stdin": " + ".join(([self.payload] if self.payload else [])
                                     + [f"{k} ({_size(v)})" for k, v in self.bulk.items()]) or None,
                 **({"steps": [s.as_dict(inv, python) for s in self.sub]} if self.sub else {})}
@@ -325,6 +326,26 @@ def step_write_config(pb):
                       f"else: cp -p {path} {path}.bak-UTCSTAMP; write {path}.tmp-RANDOM (O_EXCL, no symlinks); "
                       f"fsync; mv {path}.tmp-RANDOM {path}; fsync the directory",
                       f"sha256sum {path}   # read back: must be {pb.drafter['sha256']}"],
+                **_common(pb))
+
+
+def plumbing_host_argv(vmid: int) -> list[str]:
+    """The gpu-plumbing check's one host exec (orchestrator/plumbing.py HOST_PLUMBING_SH), read-only."""
+    from .plumbing import HOST_PLUMBING_SH
+
+    return ["sh", "-c", HOST_PLUMBING_SH, "sh", str(int(vmid))]
+
+
+def step_plumbing(pb):
+    """The gpu-plumbing check (orchestrator/plumbing.py; docs/gpu-containers.md): read-only, host and container."""
+    return Step("gpu-plumbing", "the container sees its GPUs: pct config lines, host and container /dev/nvidia* "
+                                "(majors), nvidia-uvm, driver version in user space = the host's module, the "
+                                "driver's CUDA >= torch's, /dev/shm for tensor parallelism",
+                action="plumbing", args={}, timeout=30, host_argv=plumbing_host_argv(pb.vmid),
+                runs=[f"pct config {pb.vmid}; grep nvidia /proc/devices; stat /dev/nvidia*; "
+                      "cat /proc/driver/nvidia/version; nvidia-smi   # on the host, one exec",
+                      f"stat /dev/nvidia*; ls /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.* libcuda.so.*; "
+                      f"df /dev/shm; torch/version.py of {pb.runtime['python']}   # in the container, no exec"],
                 **_common(pb))
 
 
@@ -543,6 +564,7 @@ def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, 
     if pb.drafter and write_config and drafter_config_path(pb):
         steps.append(step_write_config(pb))
     steps.append(step_verify(pb))
+    steps.append(step_plumbing(pb))  # before anything is stopped: a container that cannot serve keeps what runs
     steps.append(step_stop(pb, clean, when=None if restart else something_to_stop))
     steps += [step_gpus_free(pb), step_port(pb), step_launch(pb), step_wait(pb)]
     if pb.spec["method"] == "dflash" and pb.drafter_config:

@@ -236,6 +236,15 @@ def render_verify(pb, out, r):
 
         click.echo(f"{role}: {_rev(rec)} at {rec['dest']}, fetched and verified {_when(rec.get('verified_at'))}"
                    if rec else f"{role}: not fetched by deploy (no record; deploy fetch {pb.name})")
+    gp = out.info.get("gpu_plumbing")
+    if gp is not None:
+        from .plumbing import render as render_plumbing
+
+        if gp.get("findings"):
+            click.echo(render_plumbing(gp["findings"]))
+        else:
+            click.echo("GPU plumbing: ok" + (f" (container side only; host side not read: {gp['host_error']})"
+                                             if gp.get("host_error") else ""))
     if out.error:
         click.echo("FAILED: " + out.error.render(), err=True)
     else:

@@ -205,7 +205,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         fleet.redact.add(key)
     try:
         r = agent.call(fleet.session(host), vmid, python, "status",
-                       {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15,
+                       {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout, "plumbing": True},
+                       timeout=smi_timeout + 15,
                        secrets={"api_key": key} if key else None, bulk=FATAL_BULK)
         st = r.state or {}
         # The state file is the container's word: it names the playbook, and only a LOCAL playbook of that name
@@ -218,7 +219,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             key = os.environ[local]
             fleet.redact.add(key)
             r = agent.call(fleet.session(host), vmid, python, "status",
-                           {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout}, timeout=smi_timeout + 15,
+                           {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout, "plumbing": True},
+                       timeout=smi_timeout + 15,
                            secrets={"api_key": key}, bulk=FATAL_BULK)
     except AgentError as e:
         if runtime.get("implicit") and e.message.startswith("cannot run "):
@@ -238,6 +240,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         row["gpus"] = [{"index": int(i), "used_mib": g["used"], "total_mib": g["total"]}
                        for i, g in sorted(mem.get("gpus", {}).items(), key=lambda x: int(x[0]))]
     row["lock"] = r.lock
+    plumbing_row(row, r.extra.get("plumbing"), r.state, host, vmid)
     st = r.state
     if st and st.get("corrupt"):
         row["problems"].append(f"state file unreadable: {st['corrupt']}")
@@ -354,6 +357,35 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             row["acceptance"]["recent"] = {**life.as_dict(), "since": "restart",
                                            "since_s": row.get("uptime_s")}
     return row
+
+
+def plumbing_row(row: dict, facts, st, host: str, vmid: int) -> None:
+    """The gpu-plumbing check from the container's side only (status makes no host exec for it): the GPUs and
+    tensor parallelism of the deployment recorded in the state file, else every /dev/nvidiaN the container has.
+    A short `GPU plumbing:` problem line when something is wrong; row["gpu_plumbing"] for --json."""
+    from . import plumbing as PL
+
+    if not isinstance(facts, dict):  # an older agent
+        return
+    st = st if isinstance(st, dict) and not st.get("corrupt") else {}
+    gpus = st.get("gpus") if isinstance(st.get("gpus"), list) and all(isinstance(g, int) for g in st["gpus"]) \
+        else None
+    if gpus is None:
+        nodes = facts.get("nodes") if isinstance(facts.get("nodes"), dict) else {}
+        gpus = sorted(int(p[11:]) for p in nodes if isinstance(p, str) and p[11:].isdigit()
+                      and p.startswith("/dev/nvidia"))[:64]
+    if not gpus:  # no deployment recorded and no GPU node: a container without GPUs (a router's), nothing to check
+        return
+    tp = 1
+    argv = st.get("argv") if isinstance(st.get("argv"), list) else []
+    for i, a in enumerate(argv[:400]):
+        if a == "--tensor-parallel-size" and i + 1 < len(argv) and str(argv[i + 1]).isdigit():
+            tp = min(int(argv[i + 1]), 64)
+    found = PL.findings(None, facts, host_name=host, vmid=vmid, gpus=gpus, tp=tp)
+    row["gpu_plumbing"] = {"summary": PL.summary(found), "findings": found}
+    if found:
+        row["problems"].append("GPU plumbing: " + PL.summary(found))
+        row["healthy"] = False
 
 
 def _at(t) -> str:
@@ -539,7 +571,7 @@ def _row(host, vmid, **values) -> dict:
            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
            "url": None, "tunnel": None, "supervision": None, "gate": None, "rejected": None, "healthy": False,
            "timed_out": False, "problems": [], "history": [],
-           "notes": [], "weights": None}
+           "notes": [], "weights": None, "gpu_plumbing": None}
     row.update(values)
     return row
 

@@ -353,11 +353,19 @@ class RouterResult(AgentResult):
     circuits: dict = None
 
 
+@dataclass
+class PlumbingResult(AgentResult):
+    """`plumbing`: the container's facts for the gpu-plumbing check (orchestrator/plumbing.py sane_container
+    validates them further)."""
+    REQUIRED = WIRE["plumbing"]
+    plumbing: dict = None
+
+
 RESULT_TYPES = {
     "lock": LockResult, "unlock": UnlockResult, "status": CurrentResult, "write_file": WriteFileResult,
     "verify": VerifyResult, "stop": StopResult, "gpus_free": GpusFreeResult, "port_check": PortResult,
     "launch": LaunchResult, "wait_ready": ReadyResult, "file_sha": FileShaResult, "acceptance": AcceptanceResult,
     "note_failure": NoteFailureResult, "logs": LogsResult, "doctor": DoctorResult, "drafter_scan": DrafterScanResult, "hub_drafter": HubDrafterResult,
     "install_vllm": InstallResult,
-    "gate_record": GateRecordResult, "router": RouterResult,
+    "gate_record": GateRecordResult, "router": RouterResult, "plumbing": PlumbingResult,
 }

@@ -25,6 +25,7 @@ from . import faults as _faults
 from .common import (DRAFTER, SSH_PORT, TestbedError, log_tail, pids_alive as _pids_alive,
                      port_open as _port_open, read_pid as _read_pid, wait_until as _wait)
 from .scripts import ctl
+from .scripts.gpusim import DRIVER
 
 PKG = Path(__file__).resolve().parent
 SCRIPTS = PKG / "scripts"
@@ -135,6 +136,35 @@ def _mac(host_no: int, v: int) -> str:
     return "BC:24:11:%02X:%02X:%02X" % (host_no % 256, v // 256 % 256, v % 256)
 
 
+SIM_NODE_TEXT = "vpd-testbed-node c %d:%d\n"
+MODULE_VERSION_TEXT = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  %s  Tue Mar  5 22:23:56 UTC 2024\n"
+                       "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+UVM_MAJOR = 508  # the pct config's lxc.cgroup2.devices.allow for it says the same
+
+
+def sim_nodes(ngpus: int) -> dict:
+    """The simulated device nodes of a host: {name: (major, minor)}, as a real driver numbers them."""
+    out = {"nvidia%d" % i: (195, i) for i in range(ngpus)}
+    out.update({"nvidiactl": (195, 255), "nvidia-uvm": (UVM_MAJOR, 0), "nvidia-uvm-tools": (UVM_MAJOR, 1)})
+    return out
+
+
+def host_dev_sh(hd, nodes) -> str:
+    """hostinit.sh lines: /dev/nvidia* of the simulated host. A read-only overlay puts empty mount points over
+    the machine's /dev (its submounts bound back), then each GPU file is bound on its name; nvidia-uvm only
+    without the host fault uvm_missing (run/uvm_missing), as after a reboot with no CUDA use on the host."""
+    return ("mkdir -p %(hd)s/run/realdev\n"
+            "mount --rbind /dev %(hd)s/run/realdev\n"
+            "subs=$(awk '$5 ~ \"^/dev/[^/]+$\" {print $5}' /proc/self/mountinfo)\n"
+            "mount -t overlay overlay -o lowerdir=%(hd)s/devstub:/dev /dev\n"
+            "for m in $subs; do [ -d \"$m\" ] && mount --rbind \"%(hd)s/run/realdev${m#/dev}\" \"$m\"; done\n"
+            "[ -d /proc/driver ] && mount --bind %(hd)s/procdriver /proc/driver\n"
+            "for n in %(names)s; do\n"
+            "  case $n in nvidia-uvm*) [ -e %(hd)s/run/uvm_missing ] && continue;; esac\n"
+            "  mount --bind %(hd)s/gpus/$n /dev/$n\n"
+            "done\n") % {"hd": hd, "names": " ".join(sorted(nodes))}
+
+
 def _pct_conf(v: int, gpus, opt: dict, host_no: int = 1) -> str:
     """The container's /etc/pve/nodes/<host>/lxc/<vmid>.conf, as `pct config` prints it.
 
@@ -159,6 +189,18 @@ def _pct_conf(v: int, gpus, opt: dict, host_no: int = 1) -> str:
         lines += ["lxc.mount.entry: %s %s none bind,optional,create=file" % (d, d[1:]) for d in ctl_devs]
         lines += ["lxc.hook.autodev: /var/lib/lxc/%d/nvidia-autodev.sh" % v]
     return "\n".join(lines) + "\n"
+
+
+def write_user_space(ctdir, version: str) -> None:
+    """The container's NVIDIA user-space libraries, as a driver .run installs them (empty stand-ins: nothing
+    loads them), in CTDIR/nvlib, seen at /usr/lib/x86_64-linux-gnu/nvidia/current (Debian's place for them)."""
+    d = Path(ctdir) / "nvlib"
+    d.mkdir(exist_ok=True)
+    for f in os.listdir(d):
+        if f.startswith(("libnvidia-ml.so.", "libcuda.so.")):
+            os.unlink(d / f)
+    for lib in ("libnvidia-ml.so.", "libcuda.so."):
+        (d / (lib + version)).write_text("")
 
 
 def safetensors_header(hidden=5120, inter=17408, heads=32, kv=8, head_dim=128, layers=5, taps=5) -> bytes:
@@ -447,10 +489,16 @@ class Testbed:
         (hd / "home").mkdir(mode=0o700)
         (hd / "home" / ".bashrc").write_text("# root's ~/.bashrc on simulated Proxmox host %s\n" % h)
         (hd / "home" / ".profile").write_text('if [ -n "$BASH_VERSION" ] && [ -f ~/.bashrc ]; then . ~/.bashrc; fi\n')
-        for i in range(self.ngpus):
-            (hd / "gpus" / ("nvidia%d" % i)).touch(mode=0o666)
-        for n in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
-            (hd / "gpus" / n).touch(mode=0o666)
+        # each simulated device is a plain file (gpusim counts open fds on it); its first bytes name the device
+        # number it stands for, which deploy's gpu-plumbing check reads as the node's major:minor
+        (hd / "devstub").mkdir()
+        for name, (ma, mi) in sim_nodes(self.ngpus).items():
+            (hd / "gpus" / name).write_text(SIM_NODE_TEXT % (ma, mi))
+            os.chmod(hd / "gpus" / name, 0o666)
+            (hd / "devstub" / name).touch(mode=0o666)  # mount points in the host's /dev (hostinit.sh)
+        # the kernel module's version, as /proc/driver/nvidia/version shows it (host and containers alike)
+        (hd / "procdriver" / "nvidia").mkdir(parents=True)
+        (hd / "procdriver" / "nvidia" / "version").write_text(MODULE_VERSION_TEXT % DRIVER)
         host = {"name": h, "address": self.address(h), "port": SSH_PORT, "gpus": self.ngpus,
                 "containers": {str(v): {"name": _container_name(v), "gpus": g} for v, g in vm.items()}}
         (hd / "host.json").write_text(json.dumps(host, indent=1))
@@ -472,7 +520,8 @@ class Testbed:
             (lxc / ("%d.conf" % v)).write_text(_pct_conf(v, g, self.options.get(h, {}).get(v, {}),
                                                           self.hosts.index(h) + 1))
             self._build_container(h, v, g, py, self.options.get(h, {}).get(v, {}))
-        # the host's own mount namespace: our pct and nvidia-smi, then sshd
+        # the host's own mount namespace: our pct and nvidia-smi, the simulated /dev/nvidia*, then sshd
+        real_gpus = any(self.options.get(h, {}).get(v, {}).get("gpus") == "real" for v in vm)
         (hd / "hostinit.sh").write_text(
             "#!/bin/sh\nset -e\n"
             "# sshd refuses to start without its privilege separation directory; /run is empty after a boot\n"
@@ -480,7 +529,9 @@ class Testbed:
             "mount -t overlay overlay -o lowerdir=%(hd)s/sbin:/usr/sbin /usr/sbin\n"
             "mount -t overlay overlay -o lowerdir=%(hd)s/cbin:/usr/bin /usr/bin\n"
             "mount --bind %(hd)s/home /root\n"
-            "exec /usr/sbin/sshd -D -f %(hd)s/sshd_config -E %(hd)s/sshd.log\n" % {"hd": hd})
+            "%(dev)s"
+            "exec /usr/sbin/sshd -D -f %(hd)s/sshd_config -E %(hd)s/sshd.log\n"
+            % {"hd": hd, "dev": "" if real_gpus else host_dev_sh(hd, sim_nodes(self.ngpus))})
         (hd / "sshd_config").write_text("\n".join([
             "ListenAddress %s:%d" % (self.address(h), SSH_PORT),
             "HostKey %s/ssh_host_ed25519_key" % hd,
@@ -511,6 +562,7 @@ class Testbed:
         os.chmod(d / "root", 0o700)
         (d / "faults" / "faults.json").write_text("{}\n")
         self._build_dev(h, d, gpus)
+        write_user_space(d, DRIVER)
         shutil.copy(STALE_CONFIG, d / "faults" / "stale-drafter-config.json")
         r = d / "root"
         (r / ".profile").write_text(

@@ -26,6 +26,9 @@ CONTAINER = {
     "config_revert_s": "seconds (float): the drafter config is reverted to the stale guess that long after it changes",
     "readonly_models": "bool: /root/models mounted read-only",
     "port_in_use": "TCP port (int): something listens there",
+    "shm_mib": "MiB (int): /dev/shm of the container is remounted that small (default 8192)",
+    "missing_dev_line": 'device path, e.g. "/dev/nvidia1": pct config no longer prints the line passing it in',
+    "torch_cuda": 'CUDA version, e.g. "12.8": the venv gets a torch/version.py saying so (no torch: not importable)',
 }
 HOST = {
     "release_delay_s": "seconds (float, default 0.3): GPU memory lingers that long after a holder exits",
@@ -38,12 +41,14 @@ HOST = {
     "ssh_drop_after_s": "seconds (float): every SSH connection to the host is cut that long after it opened",
     "latency_ms": "ms (int): added round-trip time, through a lagproxy in front of sshd (inventory port changes)",
     "keep_env_supported": "bool (default true): false makes pct reject --keep-env like pve-container < 5.0.9",
+    "uvm_missing": "bool: /dev/nvidia-uvm and /dev/nvidia-uvm-tools are gone from the host (a reboot with no CUDA "
+                   "use on the host); the containers keep theirs",
 }
 
 FAKE_VLLM_LAYOUT = {"vllm_version", "vllm_build", "missing_extension", "no_fix_markers"}
 _FLOAT = {"crash_after_s", "load_s", "config_revert_s", "release_delay_s", "ssh_drop_after_s"}
-_INT = {"sigterm_ignoring_holder_mib", "port_in_use", "latency_ms", "oom_exit_code"}
-_BOOL = {"no_fix_markers", "readonly_models", "nvidia_smi_hang", "unreachable", "keep_env_supported"}
+_INT = {"sigterm_ignoring_holder_mib", "port_in_use", "latency_ms", "oom_exit_code", "shm_mib"}
+_BOOL = {"no_fix_markers", "readonly_models", "nvidia_smi_hang", "unreachable", "keep_env_supported", "uvm_missing"}
 
 M_HOLDER = "vpd-testbed-sigterm-holder"
 M_REVERT = "vpd-testbed-config-revert"
@@ -141,6 +146,12 @@ def validate(name, value, container):
         raise FaultError("oom_at_startup must be free_memory, cuda_oom, no_kv_cache or max_len")
     if name == "nvidia_smi_mismatch" and value not in ("containers", "everywhere"):
         raise FaultError("nvidia_smi_mismatch must be containers or everywhere")
+    if name == "missing_dev_line" and not (isinstance(value, str) and value.startswith("/dev/nvidia")):
+        raise FaultError('missing_dev_line needs a device path such as "/dev/nvidia1"')
+    if name == "torch_cuda" and not (isinstance(value, str) and __import__("re").fullmatch(r"\d{1,2}\.\d{1,2}", value)):
+        raise FaultError('torch_cuda needs a CUDA version such as "12.8"')
+    if name == "shm_mib" and value < 1:
+        raise FaultError("shm_mib needs a positive number of MiB")
     if name == "vllm_build" and value not in ("release", "pr40898"):
         raise FaultError("vllm_build must be release or pr40898")
     if name == "foreign_holder":
@@ -275,6 +286,24 @@ def apply(tb, host, vmid, name, value, old):
             _kill_ct_helper(tb, host, vmid, M_PORT)
             if value:
                 _start_ct_helper(tb, host, vmid, M_PORT, PORT_CODE, value, ready=_listens(int(value)))
+        elif name == "torch_cuda":
+            import glob
+            import shutil
+            for sp in glob.glob(str(tb.ctdir(host, vmid) / "root" / "ml-env" / "lib" / "python*" / "site-packages")):
+                d = os.path.join(sp, "torch")
+                if value:
+                    os.makedirs(d, exist_ok=True)
+                    with open(os.path.join(d, "version.py"), "w") as f:  # as torch writes it; no __init__.py
+                        f.write("__version__ = '2.8.0+cu%s'\ndebug = False\ncuda: Optional[str] = '%s'\n"
+                                % (value.replace(".", ""), value))
+                else:
+                    shutil.rmtree(d, ignore_errors=True)
+        elif name == "shm_mib":
+            if tb.init_pid(host, vmid):
+                r = tb.container_exec(host, vmid, ["mount", "-o", "remount,size=%dm" % (value or 8192), "/dev/shm"],
+                                      timeout=10)
+                if r.returncode:
+                    raise RuntimeError("shm_mib: %s" % r.stderr.strip())
         elif name == "readonly_models":
             if tb.init_pid(host, vmid):
                 script = "mountpoint -q /root/models && umount /root/models; true"
@@ -284,7 +313,27 @@ def apply(tb, host, vmid, name, value, old):
                 if r.returncode:
                     raise RuntimeError("readonly_models: %s" % r.stderr.strip())
         return
-    if name == "foreign_holder":
+    if name == "nvidia_smi_mismatch":
+        # "containers": their user-space driver is another version than the host's module (the NVML library
+        # version the fake nvidia-smi prints); "everywhere" is the host's own upgrade: the containers keep theirs
+        from .core import write_user_space
+        from .scripts.gpusim import DRIVER, MISMATCH_VERSION
+        for v in tb.spec[host]:
+            write_user_space(tb.ctdir(host, v), MISMATCH_VERSION if value == "containers" else DRIVER)
+    elif name == "uvm_missing":
+        flag = tb.hostdir(host) / "run" / "uvm_missing"
+        if value:
+            flag.write_text("1\n")
+        elif flag.exists():
+            flag.unlink()
+        pid = read_pid(tb.hostdir(host) / "sshd.pid")
+        if pid and pids_alive([pid]):  # the host's mount namespace: its /dev/nvidia-uvm* (core.host_dev_sh)
+            hd = tb.hostdir(host)
+            script = "".join("umount /dev/%s 2>/dev/null; " % n if value else
+                             "mountpoint -q /dev/%s || mount --bind %s/gpus/%s /dev/%s; " % (n, hd, n, n)
+                             for n in ("nvidia-uvm", "nvidia-uvm-tools")) + "true"
+            subprocess.run(["nsenter", "-t", str(pid), "-m", "--", "sh", "-c", script], timeout=10, check=True)
+    elif name == "foreign_holder":
         _stop_pidfile(tb, host, "foreign_holder")
         if value:
             p = _spawn_pidfile(tb, host, "foreign_holder", [tb.python, "-SE", "-c", FOREIGN_CODE, "vpd-foreign-holder",

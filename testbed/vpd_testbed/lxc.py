@@ -155,6 +155,8 @@ def write_config(ct_dir: Path, name: str, lxcpath: Path, rootfs: Path, hostdir: 
         "lxc.mount.entry = %s usr/bin/nvidia-smi none bind,ro,create=file" % (ct_dir / "nvidia-smi"),
         "lxc.mount.entry = %s etc/vpd-testbed none bind,ro,create=dir" % (ct_dir / "faults"),
         "lxc.mount.entry = %s root none bind,create=dir" % (ct_dir / "root"),
+        "lxc.mount.entry = %s usr/lib/x86_64-linux-gnu/nvidia/current none bind,ro,create=dir" % (ct_dir / "nvlib"),
+        "lxc.mount.entry = %s proc/driver none bind,ro,optional 0 0" % (hostdir / "procdriver"),
     ] + ["lxc.mount.entry = %s %s none bind,ro,create=dir" % (src, dst.lstrip("/")) for src, dst in binds] + [""]
     (cdir / "config").write_text("\n".join(lines))
     return {"lxcpath": str(lxcpath), "name": name, "log": str(ct_dir / "lxc.log"), "rootfs": str(rootfs)}

@@ -127,8 +127,10 @@ def test_nvml_version_mismatch_names_both_versions_and_not_a_wedged_driver(tb, d
     assert "Failed to initialize NVML: Driver/library version mismatch" in p.stderr
     err = " ".join(p.stderr.split())  # the fix may be wrapped
     assert "wedged" not in err
-    assert "the user-space NVIDIA driver in container 129 (libnvidia-ml) and the kernel module on pve1" in err
-    assert "`cat /proc/driver/nvidia/version` on pve1" in err and "--no-kernel-module" in err
+    # the gpu-plumbing check (issue 34) finds it before anything is stopped, with both versions read
+    assert "GPU PLUMBING driver-version-mismatch" in err and "nothing was stopped" in err
+    assert "expected: 550.54.15 (the kernel module on pve1)" in err and "found: 550.90 (user space" in err
+    assert "NVIDIA-Linux-x86_64-550.54.15.run --no-kernel-module" in err
     assert "reboot pve1 only if the host itself was just upgraded" in err
     p = deploy("--json", "status", "pve1/129")
     problems = p.json["rows"][0]["problems"]

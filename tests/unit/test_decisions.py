@@ -135,6 +135,7 @@ def healthy_script(pb, **over) -> dict:
         "acceptance": probe(good),
         "gate_record": {"ok": True, "launch_known": True},
         "note_failure": {"ok": True},
+        "plumbing": {"plumbing": {}},  # no facts: the gpu-plumbing check has nothing to compare (test_plumbing.py)
     }
     s.update(over)
     return s
@@ -163,7 +164,7 @@ def check_plan_is_program(planned, sess):
     for s in flat(planned):
         if s.action:
             known.setdefault(s.action, []).append(s.args)
-        elif s.host_argv:
+        if s.host_argv:  # a plain host command, or one a step runs beside its agent action (gpu-plumbing)
             known.setdefault(" ".join(s.host_argv[:2]), []).append({})
     volatile = {"token", "holder", "workstation", "pid", "pid_start", "wait_s", "renew", "failure", "break_token",
                 "verdict"}
@@ -176,7 +177,7 @@ def check_plan_is_program(planned, sess):
             f"{action} ran with {trimmed}, not as planned"
 
 
-FULL_UP = ["pct status", "lock", "status", "write_file", "verify", "gpus_free", "port_check", "launch", "wait_ready",
+FULL_UP = ["pct status", "lock", "status", "write_file", "verify", "sh -c", "plumbing", "gpus_free", "port_check", "launch", "wait_ready",
            "file_sha", "acceptance", "gate_record", "unlock"]
 
 
@@ -184,8 +185,8 @@ def test_up_on_an_empty_container_runs_the_plan_in_order_and_skips_stop(world):
     out, actions, _ = run_up(world, healthy_script(world[1]))
     assert out.ok and out.status == "up", out.error and out.error.render()
     assert actions == FULL_UP  # `stop` skipped: nothing to stop
-    assert [r.step for r in out.results] == ["container", "lock", "current", "drafter-config", "verify", "gpus-free",
-                                             "port-free", "launch", "wait-ready", "aux-layers", "drift", "acceptance",
+    assert [r.step for r in out.results] == ["container", "lock", "current", "drafter-config", "verify",
+                                             "gpu-plumbing", "gpus-free", "port-free", "launch", "wait-ready", "aux-layers", "drift", "acceptance",
                                              "gate-record"]
     assert out.info["acceptance"]["draft_acceptance_rate"] == pytest.approx(0.17, abs=0.002)
 
@@ -271,7 +272,7 @@ def test_guessed_config_fails_the_gate_falls_back_under_the_same_lock_and_is_rec
     assert "AL 1.14 of 16" in msg and "rate 0.9%" in msg and "position-0 acceptance 0.10 < 0.5" in msg
     assert "mean acceptance length 1.14 < 2.2" in msg and "guessed or stale config" in msg
     # one lock for both; the verdict recorded, the low-acceptance stop, the fallback's own steps (gated, recorded)
-    assert actions == FULL_UP[:-1] + ["stop", "status", "verify", "gpus_free", "port_check", "launch",
+    assert actions == FULL_UP[:-1] + ["stop", "status", "verify", "sh -c", "plumbing", "gpus_free", "port_check", "launch",
                                       "wait_ready", "acceptance", "gate_record", "unlock"]
     assert all(a["clean_gpus"] is False for n, a in sess.calls if n == "stop")
     recs = [a for n, a in sess.calls if n == "gate_record"]

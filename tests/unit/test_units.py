@@ -44,7 +44,8 @@ def test_plan_up_order_and_commands(pbs):
     inv, dflash, mtp = pbs
     plan = P.plan_up(dflash)
     names = [s.name for s in plan]
-    assert names == ["container", "lock", "current", "drafter-config", "verify", "stop", "gpus-free", "port-free",
+    assert names == ["container", "lock", "current", "drafter-config", "verify", "gpu-plumbing", "stop", "gpus-free",
+                     "port-free",
                      "launch", "wait-ready", "aux-layers", "drift", "acceptance", "gate-record",  # main
                      "acceptance", "gate-record",  # the same deployment runs, never gated: gate it now
                      "stop-low", "fallback",  # on low acceptance (the playbook falls back to qwen36-mtp)
@@ -53,12 +54,12 @@ def test_plan_up_order_and_commands(pbs):
     assert [s.phase for s in plan][-9:] == ["gate-running"] * 2 + ["on-low-acceptance"] * 2 + ["on-failure"] * 4 + \
         ["finally"]
     fb = next(s for s in plan if s.name == "fallback")
-    assert [s.name for s in fb.sub] == ["current", "verify", "stop", "gpus-free", "port-free", "launch",
+    assert [s.name for s in fb.sub] == ["current", "verify", "gpu-plumbing", "stop", "gpus-free", "port-free", "launch",
                                         "wait-ready", "acceptance", "gate-record", "acceptance", "gate-record",
                                         "stop-failed", "note-failure"]
     assert all(s.playbook == "qwen36-mtp" for s in fb.sub)
     assert [s.name for s in P.plan_up(mtp) if s.phase == "main"] == \
-        [n for n in names[:14] if n not in ("drafter-config", "drift", "aux-layers")]
+        [n for n in names[:15] if n not in ("drafter-config", "drift", "aux-layers")]
     assert P.plan_up(dflash) == P.plan_up(dflash)  # pure: same input, same plan
     rows = [s.as_dict(inv, "/root/ml-env/bin/python") for s in plan]
     assert rows[0]["command"] == "pct status 129" and rows[0]["ssh"] == "ssh -p 22 root@127.77.0.1"

@@ -131,5 +131,8 @@ def act_doctor(a):
         pid_ns = os.readlink("/proc/self/ns/pid")  # namespace inodes are global: the host compares its holders'
     except OSError:
         pid_ns = None
+    from .plumbing import facts as plumbing_facts  # the gpu-plumbing check's container side (a few stats)
+
     return {"processes": procs, "servers": servers, "holders": holders, "memory": mem, "stack": stack,
-            "state": read_state(a.get("state_dir") or DEFAULT_STATE_DIR), "now": now(), "pid_ns": pid_ns}
+            "state": read_state(a.get("state_dir") or DEFAULT_STATE_DIR), "now": now(), "pid_ns": pid_ns,
+            "plumbing": plumbing_facts()}

@@ -41,6 +41,7 @@ REQUIRED = {
     "install_vllm": ("ok",),
     "gate_record": ("ok",),
     "router": (),
+    "plumbing": ("plumbing",),
 }
 
 

@@ -64,6 +64,9 @@ def act_status(a):
     if failed:
         raise failed[0]
     res.pop("_fatal", None)
+    if a.get("plumbing"):  # the gpu-plumbing check's container facts (a few stats, no subprocess)
+        from .plumbing import facts
+        res["plumbing"] = facts()
     return res
 
 

@@ -60,7 +60,17 @@ def setup(ct):
     # links of the host's GPU files (same inode in every container of the host, and not mount points, so
     # fuser output looks like the real thing); /run holds the GPU simulator's socket for this container.
     bind(os.path.join(d, "dev"), "/dev")
-    sh("mount", "-t", "tmpfs", "-o", "mode=1777,size=256m", "vpd-shm", "/dev/shm")
+    sh("mount", "-t", "tmpfs", "-o", "mode=1777,size=%dm" % ct.get("shm_mib", 8192), "vpd-shm", "/dev/shm")
+    # the NVIDIA user space (core.write_user_space): CTDIR/nvlib at Debian's place for it, over an empty
+    # mount point that a read-only overlay adds to the machine's library directory
+    if os.path.isdir("/proc/driver") and os.path.isdir(os.path.join(hostdir, "procdriver")):
+        bind(os.path.join(hostdir, "procdriver"), "/proc/driver", ro=True)  # the module's version file
+    lib = "/usr/lib/x86_64-linux-gnu"
+    if os.path.isdir(os.path.join(d, "nvlib")) and os.path.isdir(lib):
+        stub = os.path.join(d, "nvlib-stub")
+        os.makedirs(os.path.join(stub, "nvidia", "current"), exist_ok=True)
+        sh("mount", "-t", "overlay", "overlay", "-o", "lowerdir=%s:%s" % (stub, lib), lib)
+        bind(os.path.join(d, "nvlib"), lib + "/nvidia/current")
     bind(os.path.join(d, "run"), "/run")
     # gpus=real (realgpu.py): the machine's real /dev/nvidia* nodes, bound over placeholders the test bed made
     for src, dst in ct.get("dev_binds", []):

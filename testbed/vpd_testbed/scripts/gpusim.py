@@ -20,7 +20,9 @@ import time
 
 MIB = 1 << 20
 NAME = "NVIDIA H100 80GB HBM3"
-MISMATCH_TEXT = "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 550.90\n"
+MISMATCH_VERSION = "550.90"  # the containers' user-space driver under nvidia_smi_mismatch=containers
+MISMATCH_TEXT = "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: %s\n" \
+    % MISMATCH_VERSION
 TOTAL = 81559
 DRIVER = "550.54.15"
 CUDA = "12.4"

@@ -160,9 +160,16 @@ def cmd_reboot(hostdir, host, args):
 def cmd_config(hostdir, host, args):
     vmid = get_ct(host, need_vmid(args, "pct config <vmid> [OPTIONS]"))
     path = os.path.join(hostdir, "pve", "nodes", host["name"], "lxc", "%d.conf" % vmid)
+    try:  # the container fault missing_dev_line: the line passing that device in is not printed
+        with open(os.path.join(hostdir, "ct%d" % vmid, "faults", "faults.json")) as f:
+            hide = json.load(f).get("missing_dev_line")
+    except (OSError, ValueError):
+        hide = None
     for line in open(path):
         if line.startswith("["):  # snapshot sections
             break
+        if hide and line.split(":", 1)[-1].strip().split(",")[0].split(" ")[0] == hide:
+            continue
         if line.strip() and not line.startswith("#"):
             sys.stdout.write(line)
     return 0

@@ -1,0 +1,63 @@
+"""Step `gpu-plumbing`: does the container see the GPUs its playbook assigns, through the right nodes, with the
+host's driver version, a CUDA the driver supports and enough /dev/shm? The host's facts in one exec over the
+operation's SSH connection, the container's over its agent session; orchestrator/plumbing.py decides."""
+
+from __future__ import annotations
+
+import time
+
+from .. import plumbing as PL
+from ..errors import DeployError
+from ..plan import Step
+from . import Context
+
+HOST_TIMEOUT_S = 25
+HOST_OUTPUT_MAX = 256 << 10
+
+
+def read_host(session, vmid: int, label: str = "gpu-plumbing") -> dict:
+    """The host's side (HOST_PLUMBING_SH): parsed, or {"error": ...} when it could not be read."""
+    from ..plan import plumbing_host_argv
+
+    try:
+        r = session.run(plumbing_host_argv(vmid), timeout=HOST_TIMEOUT_S,
+                        vmid=vmid, label=label, max_output=HOST_OUTPUT_MAX)
+    except DeployError as e:
+        return {"error": e.message}
+    if not r.ok:
+        return {"error": PL.clean((r.err or r.out).strip()[:300]) or f"exit {r.exited}"}
+    h = PL.parse_host(r.out)
+    if h["config_rc"] not in (0, None) or not h["config"]:
+        return {"error": f"`pct config {vmid}` failed: " + PL.clean(" ".join(h["config"])[:300])}
+    return h
+
+
+def check(ctx: Context, host_facts: dict | None, ct_facts: dict | None) -> list[dict]:
+    pb = ctx.pb
+    return PL.findings(None if not host_facts or host_facts.get("error") else host_facts, ct_facts,
+                       host_name=pb.host, vmid=pb.vmid, gpus=list(pb.gpus),
+                       tp=int(pb.serve.get("tensor_parallel_size") or 1))
+
+
+def run_check(ctx: Context, step: Step) -> tuple[list[dict], dict]:
+    """-> (findings, facts {host, container}); raises only when the container's agent cannot be reached."""
+    host = read_host(ctx.session, ctx.pb.vmid)
+    r = ctx.call(step)
+    ct = r.plumbing if isinstance(r.plumbing, dict) else {}
+    return check(ctx, host, ct), {"host": host, "container": ct}
+
+
+def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]:
+    t0 = time.monotonic()
+    found, facts = run_check(ctx, step)
+    herr = (facts["host"] or {}).get("error")
+    if found:
+        names = ", ".join(dict.fromkeys(f["problem"] for f in found))
+        ctx.fail(step.name, t0, f"{len(found)} GPU plumbing problem(s) in container {ctx.pb.vmid} ({names}); "
+                                "nothing was stopped\n" + PL.render(found),
+                 fix="; ".join(dict.fromkeys(f["fix"] for f in found)), findings=found)
+    note = f" (host side not read: {herr})" if herr else ""
+    if record:
+        ctx.record(step.name, True, f"container {ctx.pb.vmid} sees GPUs {list(ctx.pb.gpus)}, nvidia-uvm, the "
+                                    f"host's driver version and enough /dev/shm{note}", t0)
+    return found
