@@ -250,7 +250,7 @@ def test_layer_types_values_row_shows_what_is_on_disk_when_ok(models):
 
 
 def _status_with_smi(tmp_path, script, timeout_s):
-    """`status` as deploy sends it (early nvidia-smi in the first line, the program on the command line, -I -S), with
+    """`status` as deploy sends it (early nvidia-smi in the first line, -I -S), with
     a stand-in nvidia-smi first on PATH; -> (result, seconds, how many times nvidia-smi ran)."""
     import time
 
@@ -264,11 +264,13 @@ def _status_with_smi(tmp_path, script, timeout_s):
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     args = {"state_dir": str(state), "nvidia_smi_timeout_s": timeout_s}
-    prog = agent_stdin(None, None, None, early_smi=True).decode()
-    argv = agent_argv(sys.executable, "status", args, one_shot=True, program=prog)
+    # the program with the archive inline is over Linux's 128 KiB per argument: on stdin, as deploy sends it then
+    # (call.ARGV_PROGRAM_MAX); the early nvidia-smi is still its first line
+    prog = agent_stdin(None, None, None, early_smi=True)
+    argv = agent_argv(sys.executable, "status", args, one_shot=True)
     env = dict(os.environ, PATH="%s:%s" % (bin_dir, os.environ.get("PATH", "/usr/bin:/bin")))
     t0 = time.monotonic()
-    p = subprocess.run(argv, capture_output=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    p = subprocess.run(argv, capture_output=True, timeout=60, env=env, input=prog)
     took = time.monotonic() - t0
     res = [json.loads(ln)["result"] for ln in p.stdout.decode().splitlines() if ln.startswith('{"result"')]
     assert res, p.stderr.decode()
