@@ -24,12 +24,9 @@ from . import plan as P
 from .errors import DeployError, StepFailed, Unreachable, UsageError
 from .steps import Outcome, check_container, new_context
 from .remote import Fleet
-from .report import Progress
+from .report import FOLLOW_LINE_MAX, FOLLOW_MAX_BYTES, FOLLOW_MAX_LINES, Progress
 from .spec import Playbook, fetch_items
 
-FOLLOW_MAX_LINES = 20_000  # lines printed (and audited) in one follow, all attaches together
-FOLLOW_MAX_BYTES = 4 << 20  # their bytes
-FOLLOW_LINE_MAX = 2048  # one line
 FOLLOW_S = 60.0  # one attach call follows the runner this long; the next continues where it stopped
 DEFAULT_TIMEOUT_S = 6 * 3600.0  # the whole fetch; a 55 GB model at 30 MB/s takes about 30 min
 STALL_S = 60.0  # no byte for this long on a connection: it is retried (three times), then the fetch fails

@@ -22,7 +22,7 @@ from . import plan as P
 from .errors import DeployError, Unreachable
 from .steps import Outcome, check_container, new_context
 from .remote import Fleet
-from .report import Progress
+from .report import FOLLOW_LINE_MAX, FOLLOW_MAX_BYTES, FOLLOW_MAX_LINES, Progress
 from .spec import VERSION_RE, Playbook
 
 FOLLOW_S = 120.0  # one attach call follows the runner this long; the next call continues where it stopped
@@ -207,24 +207,42 @@ def _follow(ctx, run: _Runner, pb: Playbook, ist: dict, pos: int) -> dict:
     inst = pb.data["requires"]["install"]
     t0 = time.monotonic()
     limit = float(inst["timeout_s"]) + 900.0
-    state = {"phase": None}
+    state = {"phase": None, "lines": 0, "bytes": 0, "beat_at": 0.0}
 
     def on_event(ev):
-        if ev.get("event") != "install":
+        # as fetch's follow (issue 36 item 2): the whole follow prints and audits at most FOLLOW_MAX_LINES lines and
+        # FOLLOW_MAX_BYTES bytes, FOLLOW_LINE_MAX characters a line, a heartbeat at most once a second; odd fields
+        # are ignored, not a traceback
+        if not isinstance(ev, dict) or ev.get("event") != "install":
+            return
+        if state["lines"] >= FOLLOW_MAX_LINES or state["bytes"] >= FOLLOW_MAX_BYTES:
             return
         kind = ev.get("kind")
+        try:
+            elapsed = float(ev.get("elapsed") or 0)
+        except (TypeError, ValueError):
+            elapsed = 0.0
         if kind == "phase":
-            state["phase"] = ev.get("phase")
-            ctx.progress.say(ctx.where, f"     {ev.get('elapsed', 0):6.1f}s  phase {ev.get('phase')}")
+            state["phase"] = str(ev.get("phase"))[:100]
+            text = f"     {elapsed:6.1f}s  phase {state['phase']}"
         elif kind == "heartbeat":
-            ctx.progress.say(ctx.where, f"     {ev.get('elapsed', 0):6.1f}s  still in phase {ev.get('phase')} "
-                                        f"({ev.get('lines')} log lines so far): {ev.get('last') or '-'}")
+            if time.monotonic() - state["beat_at"] < 1.0:
+                return
+            state["beat_at"] = time.monotonic()
+            text = (f"     {elapsed:6.1f}s  still in phase {str(ev.get('phase'))[:100]} "
+                    f"({str(ev.get('lines'))[:20]} log lines so far): {str(ev.get('last') or '-')[:FOLLOW_LINE_MAX]}")
         elif kind == "line":
-            line = ev.get("line") or ""
-            if re.search(r"\b(ERROR|error:|Successfully installed|Installed \d+|Built )", line):
-                ctx.progress.say(ctx.where, "     | " + line)
-            else:
-                ctx.progress.detail(ctx.where, "| " + line)
+            text = str(ev.get("line") or "")[:FOLLOW_LINE_MAX]
+        else:
+            return
+        state["lines"] += 1
+        state["bytes"] += len(text)
+        if kind != "line":
+            ctx.progress.say(ctx.where, text)
+        elif re.search(r"\b(ERROR|error:|Successfully installed|Installed \d+|Built )", text):
+            ctx.progress.say(ctx.where, "     | " + text)
+        else:
+            ctx.progress.detail(ctx.where, "| " + text)
 
     while True:
         left = limit - (time.monotonic() - t0)
@@ -247,6 +265,13 @@ def _follow(ctx, run: _Runner, pb: Playbook, ist: dict, pos: int) -> dict:
         ist = res.get("install") or ist
         if res.get("done"):
             return res
+        if state["lines"] >= FOLLOW_MAX_LINES or state["bytes"] >= FOLLOW_MAX_BYTES:
+            raise InstallFailed(f"the container sent more install output than deploy follows ({state['lines']} lines, "
+                                f"{state['bytes']} bytes; limits {FOLLOW_MAX_LINES} lines, {FOLLOW_MAX_BYTES} bytes); "
+                                f"deploy stopped following, the install goes on in the container (runner pid "
+                                f"{ist.get('pid')}, log {ist.get('log')})", where=run.ctx.where,
+                                fix=f"look at the install's log in the container; deploy install-vllm {pb.name} "
+                                    "re-attaches to it and reports its result")
         if left <= follow:
             raise InstallFailed(f"the install has not ended {limit:.0f}s after deploy started following it "
                                 f"(phase {ist.get('phase')}); it goes on in the container", where=run.ctx.where,

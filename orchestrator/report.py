@@ -400,3 +400,10 @@ def check_rows(checks: list[dict], widths=None) -> list[list[str]]:
                      short(c.get("on_disk"), none="null" if field else "-"),
                      short(c.get("as_loaded"), none="null" if loaded else "-"), verdict, c.get("reason", "")])
     return rows
+
+
+# A detached runner followed over several attach calls (fetch, install-vllm): the container chooses how much it
+# sends, so the whole follow prints (and audits) at most this much, all attaches together (issue 36 item 2)
+FOLLOW_MAX_LINES = 20_000  # lines
+FOLLOW_MAX_BYTES = 4 << 20  # their bytes
+FOLLOW_LINE_MAX = 2048  # one line

@@ -276,19 +276,29 @@ def view(fleet: Fleet, pb: Playbook) -> dict:
         return dict(out, ok=False, state="unreachable", message=e.message)
     except DeployError as e:
         return dict(out, ok=False, state="error", message=e.message)
-    st = res.get("state") or {}
+    st = res.get("state") if isinstance(res.get("state"), dict) else {}
+    # the container's answer: only well-formed workers and circuits are read (issue 36, Low: a worker list of
+    # non-objects was a traceback)
+    workers = res.get("workers")
+    if workers is not None:
+        workers = [{"url": w["url"][:300], "healthy": w.get("healthy") is True, "load": w.get("load")}
+                   for w in (workers if isinstance(workers, list) else [])[:256]
+                   if isinstance(w, dict) and isinstance(w.get("url"), str)]
+    circuits = res.get("circuits")
+    circuits = ({k: v for k, v in list(circuits.items())[:256] if isinstance(k, str) and isinstance(v, str)}
+                if isinstance(circuits, dict) else None)
+    configured = st.get("workers") if isinstance(st.get("workers"), list) else []
     out.update(running=bool(res.get("running")), pid=res.get("pid"), supervisor=res.get("supervisor"),
-               unit=st.get("unit"), configured=st.get("workers") or [],
-               workers=res.get("workers"), readiness=res.get("readiness"), error=res.get("error"),
-               circuits=res.get("circuits") if isinstance(res.get("circuits"), dict) else None)
+               unit=st.get("unit"), configured=[c for c in configured if isinstance(c, str)],
+               workers=workers, readiness=res.get("readiness"), error=res.get("error"), circuits=circuits)
     if not res.get("installed"):
         out.update(ok=False, state="not deployed")
     elif not res.get("running"):
         out.update(ok=False, state="down")
-    elif res.get("workers") is None:
+    elif workers is None:
         out.update(ok=False, state="not answering")
     else:
-        healthy = [w["url"] for w in res["workers"] if w.get("healthy")]
+        healthy = [w["url"] for w in workers if w.get("healthy")]
         out.update(ok=bool(healthy), state="healthy" if healthy else "no healthy replica")
     return out
 

@@ -38,3 +38,33 @@ def test_follow_stops_after_the_total_cap():
     assert "more fetch output" in str(getattr(e.value, "message", e.value)) or "more fetch output" in repr(e.value.__dict__)
     assert ctx.progress.out <= fetch.FOLLOW_MAX_BYTES + 10 * fetch.FOLLOW_LINE_MAX
     assert r.calls < 100
+
+
+class InstallRunner(Runner):
+    def call(self, req, timeout=None, on_event=None):
+        self.calls += 1
+        assert self.calls < 500, "still following a flood"
+        for i in range(200):
+            on_event({"event": "install", "kind": "line", "line": "Successfully installed " + "x" * 100_000})
+            on_event({"event": "install", "kind": "heartbeat", "elapsed": "odd", "phase": ["x"], "last": "z" * 10**5})
+            on_event({"event": "install", "kind": "phase", "elapsed": None, "phase": "p" * 10_000})
+            on_event(["not", "an", "event"])
+        return {"ok": True, "done": False, "log_pos": self.calls}
+
+
+def test_install_follow_stops_after_the_same_total_cap_and_ignores_odd_fields(monkeypatch):
+    """The install-vllm follow (issue 36 item 2, install part): the same total caps, then a clear error."""
+    from orchestrator import install
+
+    monkeypatch.setattr(install, "agent_args", lambda pb, op, **kw: dict(kw, op=op))
+
+    r = InstallRunner()
+    ctx = SimpleNamespace(progress=Progress(), where="pve1/1")
+    r.ctx = ctx
+    pb = SimpleNamespace(name="p", runtime={"state_dir": "/x", "python": "/p", "vllm": "/v"},
+                         data={"requires": {"install": {"timeout_s": 6 * 3600, "heartbeat_s": 2}}})
+    with pytest.raises(install.InstallFailed) as e:
+        install._follow(ctx, r, pb, {"id": "a", "pid": 1}, 0)
+    assert "more install output than deploy follows" in e.value.message
+    assert ctx.progress.out <= fetch.FOLLOW_MAX_BYTES + 10 * fetch.FOLLOW_LINE_MAX
+    assert r.calls < 100

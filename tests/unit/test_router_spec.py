@@ -148,3 +148,16 @@ def test_router_in_json_schema():
     r = s["properties"]["router"]
     assert set(r["properties"]) >= {"host", "vmid", "listen", "port", "policy", "version", "install"}
     assert r["properties"]["policy"]["enum"][0] == "round_robin"
+
+
+def test_a_forged_router_view_of_odd_shapes_is_read_without_a_traceback(work, monkeypatch):
+    """Issue 36, Low: a worker list of non-objects, circuits of non-strings, a state that is not an object."""
+    pb = load(work, write(work, TWO, "router:\n  host: pve1\n  vmid: 130\n"))
+    forged = {"installed": True, "running": True, "state": ["x"], "circuits": {"http://10.0.0.11:8000": 1, "u": "open"},
+              "workers": [1, "x", None, {"url": 5}, {"url": "http://10.0.0.11:8000", "healthy": "yes"}]}
+    monkeypatch.setattr(R, "call", lambda *a, **k: forged)
+    v = R.view(None, pb)
+    assert v["workers"] == [{"url": "http://10.0.0.11:8000", "healthy": False, "load": None}]
+    assert v["circuits"] == {"u": "open"} and v["configured"] == [] and v["state"] == "no healthy replica"
+    inv = load_inventory(str(work / "hosts.yaml"))
+    assert R.compare(pb, inv, v, {"pve1/129"}) == ["pve1/129 serves but the router sees it unhealthy"]
