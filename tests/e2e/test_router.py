@@ -273,6 +273,9 @@ def test_three_hosts_spread_rolling_restart_under_load_kill_and_down(tb, deploy,
         if "circuits open" in str(answers[-1]):
             break
     assert "circuits open" in str(answers[-1]), answers[-5:]
+    # status reads the router's own breaker gauge (what /workers does not show, #158)
+    s = deploy("--json", "status", "qwen36-fleet", env=env)
+    assert "open" in (s.json["routers"][0]["circuits"] or {}).values(), s.json["routers"][0]
     p = deploy("--json", "restart", "qwen36-fleet", env=env, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     r = p.json["router"]
