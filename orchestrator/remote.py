@@ -573,7 +573,8 @@ def _ssh_exception():
     return paramiko_module().SSHException
 
 
-MAX_OUTPUT = 64 << 20  # bytes per stream of one remote command; far above any agent result
+MAX_OUTPUT = 64 << 20  # bytes of stdout of one remote command; far above any agent result
+MAX_ERR = 1 << 20  # bytes of its stderr: only read for an error message (as an agent session's; issue 36, Low)
 
 
 def _exec(transport, command: str, stdin: bytes | None, timeout: float, on_line=None,
@@ -586,13 +587,14 @@ def _exec(transport, command: str, stdin: bytes | None, timeout: float, on_line=
     OpenSSH: sshd opens a session channel with a zero window and grants it only once the exec is running, so stdin
     waits that round trip anyway; measured.)"""
     cap = max_bytes or MAX_OUTPUT
+    err_cap = min(cap, MAX_ERR)
     deadline = time.monotonic() + timeout
     chan = (spare or (lambda: None))() or transport.open_session(timeout=min(timeout, 30))
 
     def check(out, err):
-        if len(out) > cap or len(err) > cap:
-            raise OutputTooLarge(f"the command wrote more than {cap} bytes to {'stdout' if len(out) > cap else 'stderr'}"
-                                 f"; stopped reading: {command[:120]}",
+        if len(out) > cap or len(err) > err_cap:
+            raise OutputTooLarge(f"the command wrote more than {cap if len(out) > cap else err_cap} bytes to "
+                                 f"{'stdout' if len(out) > cap else 'stderr'}; stopped reading: {command[:120]}",
                                  fix="the remote side misbehaves (a runaway log?); check it directly")
         if time.monotonic() > deadline:
             raise RemoteTimeout(f"command did not finish within {timeout:g} s: {command[:200]}",

@@ -176,6 +176,14 @@ def test_output_is_capped_in_bytes(fleet):
     assert "more than 1048576 bytes to stdout" in ei.value.message and time.monotonic() - t0 < slack(10, below=30)
 
 
+def test_stderr_of_a_one_shot_command_is_capped_at_1_mib(fleet):
+    """Issue 36, Low: a one-shot exec's stderr (read only for an error message) has the session's 1 MiB cap, not
+    stdout's 64 MiB."""
+    with pytest.raises(OutputTooLarge) as ei:
+        fleet.session("pve1").run(["sh", "-c", "head -c 3000000 /dev/zero >&2"], timeout=30)
+    assert "more than 1048576 bytes to stderr" in ei.value.message
+
+
 def test_lines_the_reader_consumed_are_not_kept(fleet):
     seen = []
 
