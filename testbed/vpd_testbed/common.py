@@ -1,6 +1,7 @@
 """What the test bed's modules share (no imports of core or faults: no cycle)."""
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -62,3 +63,15 @@ def read_pid(path):
         return int(Path(path).read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def write_user_space(ctdir, version: str) -> None:
+    """The container's NVIDIA user-space libraries, as a driver .run installs them (empty stand-ins: nothing
+    loads them), in CTDIR/nvlib, seen at /usr/lib/x86_64-linux-gnu/nvidia/current (Debian's place for them)."""
+    d = Path(ctdir) / "nvlib"
+    d.mkdir(exist_ok=True)
+    for f in os.listdir(d):
+        if f.startswith(("libnvidia-ml.so.", "libcuda.so.")):
+            os.unlink(d / f)
+    for lib in ("libnvidia-ml.so.", "libcuda.so."):
+        (d / (lib + version)).write_text("")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import faults as _faults
 from .common import (DRAFTER, SSH_PORT, TestbedError, log_tail, pids_alive as _pids_alive,
-                     port_open as _port_open, read_pid as _read_pid, wait_until as _wait)
+                     port_open as _port_open, read_pid as _read_pid, wait_until as _wait, write_user_space)
 from .scripts import ctl
 from .scripts.gpusim import DRIVER
 
@@ -189,18 +189,6 @@ def _pct_conf(v: int, gpus, opt: dict, host_no: int = 1) -> str:
         lines += ["lxc.mount.entry: %s %s none bind,optional,create=file" % (d, d[1:]) for d in ctl_devs]
         lines += ["lxc.hook.autodev: /var/lib/lxc/%d/nvidia-autodev.sh" % v]
     return "\n".join(lines) + "\n"
-
-
-def write_user_space(ctdir, version: str) -> None:
-    """The container's NVIDIA user-space libraries, as a driver .run installs them (empty stand-ins: nothing
-    loads them), in CTDIR/nvlib, seen at /usr/lib/x86_64-linux-gnu/nvidia/current (Debian's place for them)."""
-    d = Path(ctdir) / "nvlib"
-    d.mkdir(exist_ok=True)
-    for f in os.listdir(d):
-        if f.startswith(("libnvidia-ml.so.", "libcuda.so.")):
-            os.unlink(d / f)
-    for lib in ("libnvidia-ml.so.", "libcuda.so."):
-        (d / (lib + version)).write_text("")
 
 
 def safetensors_header(hidden=5120, inter=17408, heads=32, kv=8, head_dim=128, layers=5, taps=5) -> bytes:

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 
-from .common import SSH_PORT, DRAFTER, pids_alive, port_open, read_pid, wait_until
+from .common import SSH_PORT, DRAFTER, pids_alive, port_open, read_pid, wait_until, write_user_space
 from .scripts import ctl
 
 CONTAINER = {
@@ -316,7 +316,6 @@ def apply(tb, host, vmid, name, value, old):
     if name == "nvidia_smi_mismatch":
         # "containers": their user-space driver is another version than the host's module (the NVML library
         # version the fake nvidia-smi prints); "everywhere" is the host's own upgrade: the containers keep theirs
-        from .core import write_user_space
         from .scripts.gpusim import DRIVER, MISMATCH_VERSION
         for v in tb.spec[host]:
             write_user_space(tb.ctdir(host, v), MISMATCH_VERSION if value == "containers" else DRIVER)
