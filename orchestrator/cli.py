@@ -401,9 +401,10 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
                                                 f"deploy up {pb.name}")
         opts = ops.Options(yes=yes, write_config=not skip_config_write, clean_gpus=clean_gpus, wait_lock_s=wait_lock,
                            confirm=_confirm, fetch=not no_fetch)
-        from .fetch import items as fetch_items, tokens as fetch_tokens
+        from .fetch import tokens as fetch_tokens
+        from .plan import fetch_args
 
-        fetch_tokens(pb, fetch_items(pb))  # an unset token variable stops here, before any connection
+        fetch_tokens(pb, fetch_args(pb))  # an unset token variable stops here, before any connection
         if pb.is_fleet:
             from . import fleet as F
 
@@ -771,9 +772,10 @@ def _write_fetch_manifests(fleet, pb, out_path):
     import json as _json
 
     from . import agent
-    from .fetch import dest_of, items, manifest_from_record
+    from .fetch import dest_of, manifest_from_record
+    from .plan import fetch_args
 
-    its = items(pb)
+    its = fetch_args(pb)
     res = agent.call(fleet.session(pb.host), pb.vmid, pb.runtime["python"], "fetch",
                      {"op": "records", "state_dir": pb.runtime["state_dir"], "dests": [dest_of(it) for it in its]},
                      timeout=30)

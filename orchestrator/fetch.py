@@ -25,12 +25,10 @@ from .errors import DeployError, StepFailed, Unreachable, UsageError
 from .steps import Outcome, check_container, new_context
 from .remote import Fleet
 from .report import FOLLOW_LINE_MAX, FOLLOW_MAX_BYTES, FOLLOW_MAX_LINES, Progress
-from .spec import Playbook, fetch_items
+from .spec import Playbook
 
 FOLLOW_S = 60.0  # one attach call follows the runner this long; the next continues where it stopped
-DEFAULT_TIMEOUT_S = 6 * 3600.0  # the whole fetch; a 55 GB model at 30 MB/s takes about 30 min
 STALL_S = 60.0  # no byte for this long on a connection: it is retried (three times), then the fetch fails
-DEFAULT_ENDPOINT = "https://huggingface.co"
 MANIFEST_NAME = "deploy-manifest.json"
 MANIFEST_FORMAT = "vllm-pve-deploy-manifest/1"
 
@@ -41,29 +39,6 @@ class FetchFailed(StepFailed):
 
 class ConnectionLost(Unreachable):
     pass
-
-
-def items(pb: Playbook) -> list[dict]:
-    """The playbook's fetch items, as the agent takes them (endpoint defaulted, the incoming directory of a
-    directory source)."""
-    out = []
-    for it in fetch_items(pb):
-        it = dict(it)
-        if it["hub"] and not it["source_path"]:
-            it["endpoint"] = (it["endpoint"] or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
-        if it["source_path"]:
-            it["incoming"] = incoming_dir(it)
-        out.append(it)
-    return out
-
-
-def incoming_dir(it: dict) -> str:
-    """Where a directory source is copied into the container: beside its destination (one file system, so the
-    verified files are moved into place by rename)."""
-    if it["dest_kind"] == "cache":
-        return os.path.join(it["hf_home"], "hub", "models--" + it["hub"].replace("/", "--"), ".deploy-incoming")
-    d = it["dest"].rstrip("/")
-    return os.path.join(os.path.dirname(d), f".{os.path.basename(d)}.deploy-fetch", "incoming")
 
 
 def dest_of(it: dict) -> str:
@@ -89,36 +64,6 @@ def tokens(pb: Playbook, its: list[dict]) -> dict:
     return out
 
 
-def describe(it: dict) -> str:
-    src = f"{it['hub']}@{it['revision']}" if it.get("hub") and not it.get("source_path") else \
-        f"{it['source_path']} (host)" + (f" = {it['hub']}@{it['revision']}" if it.get("hub") and it.get("revision") else "")
-    where = it["dest"] if it["dest_kind"] == "dir" else f"the hub cache in {it['hf_home']}"
-    return f"{it['role']} {src} -> {where}"
-
-
-def step_fetch(pb: Playbook, *, allow: bool = True) -> P.Step:
-    """The planned step of `up` (and what `deploy plan` shows)."""
-    its = items(pb)
-    runs = []
-    for it in its:
-        if it.get("source_path"):
-            runs.append(f"tar -C {shlex.quote(it['source_path'])} -cf - . | pct exec {pb.vmid} -- tar -C "
-                        f"{shlex.quote(it['incoming'])} -xf -   # on the host, only when something is missing")
-        else:
-            runs.append(f"GET {it['endpoint']}/api/models/{it['hub']}/revision/{it['revision']}?blobs=true   # the "
-                        "commit and every file's size and hash" + (f" (token from ${it['token_env']}, on stdin)"
-                                                                   if it.get("token_env") else ""))
-            runs.append(f"GET {it['endpoint']}/{it['hub']}/resolve/COMMIT/FILE (Range: bytes=N- to resume) -> "
-                        f"{'*.incomplete' if it['dest_kind'] == 'cache' else '.' + os.path.basename(it['dest']) + '.deploy-fetch/'}"
-                        "; verify sha256 / git blob id; move into place")
-    return P.Step("fetch", ("fetch what is missing, detached, verified against the hub's record: " if allow else
-                            "check that the weights are in place and verified (--no-fetch: refuse when not): ")
-                  + "; ".join(describe(it) for it in its), action="fetch",
-                  args={"op": "probe", "state_dir": pb.runtime["state_dir"], "items": its},
-                  timeout=DEFAULT_TIMEOUT_S + 600 if allow else 60, runs=runs, host=pb.host, vmid=pb.vmid,
-                  playbook=pb.name)
-
-
 class _Runner:
     """Agent calls for a fetch, each in a process of its own (the runner outlives them)."""
 
@@ -133,11 +78,11 @@ class _Runner:
                           secrets=secrets)
 
 
-def run(ctx, pb: Playbook, *, allow_start: bool = True, rehash: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+def run(ctx, pb: Playbook, *, allow_start: bool = True, rehash: bool = False, timeout_s: float = P.FETCH_TIMEOUT_S,
         step_name: str = "fetch") -> dict:
     """Probe; re-attach, report, start or do nothing; follow to the end. Returns {status, records, items}; raises
     FetchFailed / ConnectionLost with what to do."""
-    its = items(pb)
+    its = P.fetch_args(pb)
     secrets = tokens(pb, its)
     red = getattr(ctx.session.audit, "redact", None)
     for v in secrets.values():
@@ -350,16 +295,16 @@ def _when(at) -> str:
 
 
 def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = False,
-          timeout_s: float = DEFAULT_TIMEOUT_S) -> Outcome:
+          timeout_s: float = P.FETCH_TIMEOUT_S) -> Outcome:
     """deploy fetch PLAYBOOK: one target."""
     ctx = new_context(fleet, pb, progress)
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
     try:
-        if not items(pb):
+        if not P.fetch_args(pb):
             raise UsageError(f"{pb.name} names no source to fetch: model and speculative.drafter give only paths",
                              where=pb.path, fix="add model.hub + model.revision (or source: {path: HOST_DIR}) to the "
                                                 "playbook (docs/playbooks.md#fetch)")
-        for v in tokens(pb, items(pb)).values():
+        for v in tokens(pb, P.fetch_args(pb)).values():
             fleet.redact.add(v)
         check_container(ctx, P.step_container(pb))
         res = run(ctx, pb, rehash=rehash, timeout_s=timeout_s)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import dataclass, field
 
 from .agent import agent_argv
 from .remote import pct_exec_argv, shell_join
-from .spec import Inventory, Playbook
+from .spec import Inventory, Playbook, fetch_items
 
 
 # Run-time values the plan cannot know; Context.call fills them in (they are not secret).
@@ -552,14 +553,70 @@ def step_unlock(pb):
                 phase="finally", runs=[f"rm {_state(pb, 'lock')}   # only if it is still ours"], **_common(pb))
 
 
+# ------------------------------------------------------------------ fetch: `deploy fetch` and up's step `fetch`
+# (here, beside the other steps: fetch.py runs them and imports this; the planner imports nothing above it)
+
+FETCH_TIMEOUT_S = 6 * 3600.0  # the whole fetch; a 55 GB model at 30 MB/s takes about 30 min
+HUB_ENDPOINT = "https://huggingface.co"
+
+
+def fetch_args(pb: Playbook) -> list[dict]:
+    """The playbook's fetch items, as the agent takes them (endpoint defaulted, the incoming directory of a
+    directory source)."""
+    out = []
+    for it in fetch_items(pb):
+        it = dict(it)
+        if it["hub"] and not it["source_path"]:
+            it["endpoint"] = (it["endpoint"] or os.environ.get("HF_ENDPOINT") or HUB_ENDPOINT).rstrip("/")
+        if it["source_path"]:
+            it["incoming"] = _fetch_incoming_dir(it)
+        out.append(it)
+    return out
+
+
+def _fetch_incoming_dir(it: dict) -> str:
+    """Where a directory source is copied into the container: beside its destination (one file system, so the
+    verified files are moved into place by rename)."""
+    if it["dest_kind"] == "cache":
+        return os.path.join(it["hf_home"], "hub", "models--" + it["hub"].replace("/", "--"), ".deploy-incoming")
+    d = it["dest"].rstrip("/")
+    return os.path.join(os.path.dirname(d), f".{os.path.basename(d)}.deploy-fetch", "incoming")
+
+
+def _fetch_describe(it: dict) -> str:
+    src = f"{it['hub']}@{it['revision']}" if it.get("hub") and not it.get("source_path") else \
+        f"{it['source_path']} (host)" + (f" = {it['hub']}@{it['revision']}" if it.get("hub") and it.get("revision") else "")
+    where = it["dest"] if it["dest_kind"] == "dir" else f"the hub cache in {it['hf_home']}"
+    return f"{it['role']} {src} -> {where}"
+
+
+def step_fetch(pb: Playbook, *, allow: bool = True) -> Step:
+    """The planned step of `up` (and what `deploy plan` shows)."""
+    its = fetch_args(pb)
+    runs = []
+    for it in its:
+        if it.get("source_path"):
+            runs.append(f"tar -C {shlex.quote(it['source_path'])} -cf - . | pct exec {pb.vmid} -- tar -C "
+                        f"{shlex.quote(it['incoming'])} -xf -   # on the host, only when something is missing")
+        else:
+            runs.append(f"GET {it['endpoint']}/api/models/{it['hub']}/revision/{it['revision']}?blobs=true   # the "
+                        "commit and every file's size and hash" + (f" (token from ${it['token_env']}, on stdin)"
+                                                                   if it.get("token_env") else ""))
+            runs.append(f"GET {it['endpoint']}/{it['hub']}/resolve/COMMIT/FILE (Range: bytes=N- to resume) -> "
+                        f"{'*.incomplete' if it['dest_kind'] == 'cache' else '.' + os.path.basename(it['dest']) + '.deploy-fetch/'}"
+                        "; verify sha256 / git blob id; move into place")
+    return Step("fetch", ("fetch what is missing, detached, verified against the hub's record: " if allow else
+                            "check that the weights are in place and verified (--no-fetch: refuse when not): ")
+                  + "; ".join(_fetch_describe(it) for it in its), action="fetch",
+                  args={"op": "probe", "state_dir": pb.runtime["state_dir"], "items": its},
+                  timeout=FETCH_TIMEOUT_S + 600 if allow else 60, runs=runs, host=pb.host, vmid=pb.vmid,
+                  playbook=pb.name)
+
+
 def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, restart: bool = False) -> list[Step]:
     """current .. acceptance: what brings one playbook up once the container is known and locked."""
     steps = [step_current(pb)]
-    from .spec import fetch_items
-
     if fetch_items(pb):  # weights from the hub or a host directory: fetched (verified) before anything else
-        from .fetch import step_fetch
-
         steps.append(step_fetch(pb))
     if pb.drafter and write_config and drafter_config_path(pb):
         steps.append(step_write_config(pb))

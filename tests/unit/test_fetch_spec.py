@@ -6,6 +6,7 @@ import json
 import pytest
 
 from orchestrator import fetch as F
+from orchestrator import plan as P
 from orchestrator.errors import UsageError
 from orchestrator.spec import fetch_items, load_playbook
 from test_spec import edit, inv, line_of, problems, work  # noqa: F401 - the fixture
@@ -25,13 +26,13 @@ def test_hub_model_and_hub_id_drafter(work, monkeypatch):
     p = edit(work, "qwen36-dflash", "    path: /root/models/Qwen3.6-27B-DFlash\n",
              f"    hub_id: z-lab/Qwen3.6-27B-DFlash\n    revision: {COMMIT}\n    token_env: MY_HF_TOKEN\n")
     pb = load_playbook(p, inv(work))
-    its = F.items(pb)
+    its = P.fetch_args(pb)
     assert [(i["role"], i["hub"], i["revision"], i["dest_kind"], i["dest"]) for i in its] == [
         ("model", "Qwen/Qwen3.6-27B", "main", "dir", "/root/models/Qwen3.6-27B"),
         ("drafter", "z-lab/Qwen3.6-27B-DFlash", COMMIT, "cache", None)]
     assert its[0]["endpoint"] == "https://huggingface.co"
     monkeypatch.setenv("HF_ENDPOINT", "http://mirror.invalid:8080/")
-    assert F.items(pb)[0]["endpoint"] == "http://mirror.invalid:8080"
+    assert P.fetch_args(pb)[0]["endpoint"] == "http://mirror.invalid:8080"
     monkeypatch.delenv("MY_HF_TOKEN", raising=False)
     with pytest.raises(UsageError) as ei:
         F.tokens(pb, its)
