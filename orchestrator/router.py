@@ -173,7 +173,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
             _fail(pb, f"router not ready: {why}" + (f"\nlast lines of its log:\n{tail}" if tail else ""),
                   f"deploy status {pb.name} shows the replicas (they keep serving on their own addresses); "
                   "docs/troubleshooting.md#router")
-        out["circuits_reset"] = _reset_open_circuits(fleet, pb, progress, workers)
+        out["circuits_reset"] = _reset_open_circuits(fleet, pb, progress, workers, res)
         n = r["gate_requests_per_replica"] * len(workers)
         res = call(fleet, pb, "gate", timeout=180, workers=workers, model=pb.serve["served_model_name"],
                    requests=n, op_timeout=60)
@@ -205,19 +205,20 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
     return out
 
 
-def _reset_open_circuits(fleet: Fleet, pb: Playbook, progress: Progress, workers: list[str]) -> list[dict]:
+def _reset_open_circuits(fleet: Fleet, pb: Playbook, progress: Progress, workers: list[str],
+                         ready: dict) -> list[dict]:
     """Issue 41: the router's circuit breaker per worker (vllm-router defaults: 10 failures in 120 s open it for
     60 s) is opened by the requests that failed while a replica was down, e.g. across a plain (non-rolling)
     restart; the router then answers 503 "No available workers (all circuits open or unhealthy)" for up to 60 s
     although every replica serves and /workers calls it healthy. Waiting would cost clients that minute, so a worker
     whose circuit is not closed is re-added (remove_worker + add_worker: a new worker entry, a closed circuit;
-    measured: the next request is served at once), one at a time. -> [{url, circuit, readded, message}]."""
+    measured: the next request is served at once), one at a time. `ready`: the wait's answer, which carries the
+    breakers read once every worker was healthy. -> [{url, circuit, readded, message}]."""
     w = where(pb)
-    cb = call(fleet, pb, "circuits", timeout=30)
-    if not cb.get("ok"):
-        progress.say(w, f"router: circuit breakers not read ({cb.get('message')}); the gate below tells")
+    circuits = ready.get("circuits")
+    if not isinstance(circuits, dict):
+        progress.say(w, f"router: circuit breakers not read ({ready.get('circuits_error')}); the gate below tells")
         return []
-    circuits = cb.get("circuits") or {}
     done = []
     for url in workers:  # only the replicas deploy gave it: any other key the container reports is not read
         state = circuits.get(url)

@@ -339,7 +339,7 @@ class GateRecordResult(AgentResult):
 
 @dataclass
 class RouterResult(AgentResult):
-    """`router` (op: install, start, wait, view, gate, circuits, remove, add, drain_wait, stop; issue 29): the fields every op
+    """`router` (op: install, start, wait, view, gate, remove, add, drain_wait, stop; issue 29): the fields every op
     that has them gives the same type; the rest (per op) are in .extra."""
     ok: bool = None
     message: str = None

@@ -336,8 +336,9 @@ def _router_log_tail(st, n=30):
         return []
 
 
-def _router_view(a):
-    """The router's own view: {running, pid, supervisor, readiness, workers: [{url, healthy, load}]}."""
+def _router_view(a, circuits=True):
+    """The router's own view: {running, pid, supervisor, readiness, workers: [{url, healthy, load}], circuits}
+    (circuits=False: without the breaker gauge, for the wait's polls)."""
     st = _router_state(a)
     out = {"installed": bool(st), "state": st, "running": False}
     if not st:
@@ -366,9 +367,14 @@ def _router_view(a):
             out["error"] = "GET /workers: %s %s" % (code, (body or "")[:200])
         code, body = _router_http(a, "/readiness", timeout=float(a.get("timeout_s") or 5), st=st)
         out["readiness"] = {"status": code, "body": (body or "")[:300]}
-        cb = _router_circuits(a, st)
-        out["circuits"] = cb.get("circuits") if cb.get("ok") else None
+        if circuits:
+            out.update(_router_circuit_fields(a, st))
     return out
+
+
+def _router_circuit_fields(a, st):
+    cb = _router_circuits(a, st)
+    return {"circuits": cb["circuits"]} if cb["ok"] else {"circuits": None, "circuits_error": cb["message"]}
 
 
 CB_STATES = {0: "closed", 1: "open", 2: "half_open"}  # vllm_router_cb_state's values (measured, docs/router.md)
@@ -408,10 +414,10 @@ def _router_wait(a):
     want = set(a["workers"])
     last = {}
     while True:
-        last = _router_view(a)
+        last = _router_view(a, circuits=False)
         healthy = {w["url"] for w in last.get("workers") or [] if w.get("healthy")}
-        if last.get("running") and want <= healthy:
-            return dict(last, ready=True)
+        if last.get("running") and want <= healthy:  # ready: with the breakers as they stand (up re-adds open ones)
+            return dict(last, ready=True, **_router_circuit_fields(a, last["state"]))
         if not last.get("running") and now() - float((last.get("state") or {}).get("started_at") or 0) > 2:
             return dict(last, ready=False, reason="exited", log_tail=_router_log_tail(last.get("state")))
         if now() >= deadline:
@@ -471,8 +477,6 @@ def act_router(a):
         return _router_view(a)
     if op == "gate":
         return _router_gate(a)
-    if op == "circuits":
-        return _router_circuits(a)
     if op in ("remove", "add"):
         code, body = _router_http(a, "/%s_worker?url=%s" % ("remove" if op == "remove" else "add", a["url"]),
                                   method="POST", timeout=float(a.get("timeout_s") or 30))
