@@ -106,8 +106,9 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, par
     """Every target up (or restarted), in parallel. -> the fleet result (see result())."""
     _check_secrets(pb)
     t0 = time.monotonic()
-    if R.exposure_warning(pb):  # before anything runs, where it is read (issue 41); again in the router's result
-        progress.say(R.where(pb), "warning: " + R.exposure_warning(pb))
+    warning = R.exposure_warning(pb)
+    if warning:  # before anything runs, where it is read (issue 41); again in the router's result
+        progress.say(R.where(pb), "warning: " + warning)
     opts = ops.Options(**{**opts.__dict__, "confirm": None})  # no prompt from several threads: -y replaces
     outs = run_each(pb.members, lambda m: ops.up(fleet, m, progress, opts, restart=restart), parallel)
     res = result(pb, "restart" if restart else "up", outs, t0, parallel=parallel)

@@ -25,8 +25,8 @@ from .report import own
 SCHEMA = "vllm-pve-deploy/status/v1"
 NO_RUNTIME = "no vLLM runtime"
 from .spec import DEFAULT_STATE_DIR  # noqa: F401 (one spelling; ops.py imports it from status)
+from .spec import NAME as _PLAYBOOK_NAME  # the playbook-name grammar
 DEFAULT_PYTHON = "/root/ml-env/bin/python"
-NAME_PATTERN = r"[a-z0-9][a-z0-9-]{0,62}"  # spec.NAME: the playbook-name grammar
 FATAL_BULK = {"fatal_regex": [f["regex"] for f in vf.FATAL]}  # last_error: the line naming the cause
 
 
@@ -204,9 +204,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
     if key:
         fleet.redact.add(key)
     try:
-        r = agent.call(fleet.session(host), vmid, python, "status",
-                       {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout, "plumbing": True},
-                       timeout=smi_timeout + 15,
+        args = {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout, "plumbing": True}
+        r = agent.call(fleet.session(host), vmid, python, "status", args, timeout=smi_timeout + 15,
                        secrets={"api_key": key} if key else None, bulk=FATAL_BULK)
         st = r.state or {}
         # The state file is the container's word: it names the playbook, and only a LOCAL playbook of that name
@@ -218,9 +217,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             # key-protected, and our own playbook names the local variable holding its key: ask again, with it
             key = os.environ[local]
             fleet.redact.add(key)
-            r = agent.call(fleet.session(host), vmid, python, "status",
-                           {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout, "plumbing": True},
-                       timeout=smi_timeout + 15,
+            r = agent.call(fleet.session(host), vmid, python, "status", args, timeout=smi_timeout + 15,
                            secrets={"api_key": key}, bulk=FATAL_BULK)
     except AgentError as e:
         if runtime.get("implicit") and e.message.startswith("cannot run "):
@@ -733,7 +730,7 @@ def gate_of(inv, name: str | None, cache: dict) -> dict | None:
 
     # the name comes from the container's state: a name in the spec's playbook-name grammar, looked up only
     # among the user's own playbooks, never a path (a FIFO or /dev/tty there would block the watch; issue 36 item 6)
-    if not isinstance(name, str) or not _re.fullmatch(NAME_PATTERN, name):
+    if not isinstance(name, str) or not _re.fullmatch(_PLAYBOOK_NAME["pattern"], name):
         return None
     if name not in cache:
         try:
