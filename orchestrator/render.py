@@ -1,5 +1,5 @@
 """Rendering for people: plans, outcomes of up/restart/down/install, and verify tables (beside report.py, which
-has the table engine, progress lines and JSON). cli.py calls these; nothing here runs anything remote."""
+has the table engine, progress lines and JSON). cli/ calls these; nothing here runs anything remote."""
 
 from __future__ import annotations
 

@@ -1,0 +1,318 @@
+"""`deploy`: the site and its tools: compare, discover, doctor, init, schema, docs, unlock. Click commands only."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from ..errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, DeployError
+from .base import CONTEXT, _confirm, complete_playbooks, complete_targets, json_option, main, refuse_json, run_guarded
+
+
+# ------------------------------------------------------------------ compare
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy compare qwen36-dflash qwen36-mtp -y
+  deploy compare qwen36-dflash qwen36-mtp --rounds 5 --prompts my-prompts.txt -y
+  deploy --json compare qwen36-dflash qwen36-mtp --keep qwen36-mtp -y
+  deploy compare qwen36-dflash qwen36-mtp --concurrency 1,8,32 --plot sweep.png -y""")
+@click.argument("playbook_a", shell_complete=complete_playbooks)
+@click.argument("playbook_b", shell_complete=complete_playbooks)
+@click.option("--prompts", "prompts_file", default=None, metavar="FILE",
+              help="One prompt per line (default: PLAYBOOK_A's acceptance.probe.prompts).")
+@click.option("--rounds", type=click.IntRange(1, 1000), default=None,
+              help="Times each prompt is sent (default: PLAYBOOK_A's acceptance.probe.rounds).")
+@click.option("--max-tokens", type=click.IntRange(1, 1_000_000), default=None,
+              help="Output tokens per request (default: PLAYBOOK_A's acceptance.probe.max_tokens).")
+@click.option("--keep", default=None, metavar="PLAYBOOK", help="Leave this one running (default: the winner).")
+@click.option("--concurrency", "levels", default="1,4,16", show_default=True, metavar="N,N,...",
+              callback=lambda _c, p, v: _levels(p, v), help="Concurrent requests per level of the sweep.")
+@click.option("--plot", "plot_file", default=None, metavar="FILE",
+              help="Also write the sweep as a chart (.png, .svg or .pdf; needs matplotlib: the [plot] extra).")
+@click.option("-y", "--yes", is_flag=True, help="Replace what runs on the container without asking.")
+@click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
+              help="Wait this long for another deploy's lock instead of failing at once.")
+@json_option
+@click.pass_obj
+def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep, levels, plot_file, yes, wait_lock):
+    """Which of two playbooks serves faster on one container: bring each up, time the same prompts, compare.
+
+    Both playbooks must target the same host and container. Each is brought up with its own gates (its
+    fallback is not used: the playbook itself is measured, or it failed), then a concurrency sweep runs (each
+    level: that many clients streaming the prompts, every request timed): output tokens/s, TTFT and inter-token
+    latency p50/p99 and the acceptance length per level, the winner per level, a terminal chart (and --plot a
+    chart file). Draft acceptance and per-position acceptance over the whole sweep from /metrics deltas. The
+    overall winner is the faster at the first level (`--keep` picks another); it is left running. Exit 0 when a
+    winner was measured and left running.
+    """
+    def go():
+        from .. import compare as C
+        from .. import ops
+        from ..errors import UsageError
+        from ..remote import Fleet
+
+        inv = obj.inventory()
+        from ..spec import load_playbook
+        a, b = load_playbook(playbook_a, inv), load_playbook(playbook_b, inv)
+        C.check_pair(a, b)
+        if plot_file:
+            C.check_plot(plot_file)
+        if keep and keep not in (a.name, b.name):
+            raise UsageError(f"--keep {keep} is neither {a.name} nor {b.name}", fix=f"--keep {a.name}")
+        probe = a.data["acceptance"]["probe"]
+        prompts = C.read_prompts(prompts_file) if prompts_file else list(probe["prompts"])
+        rounds_ = rounds or probe["rounds"]
+        if not yes and not _confirm(f"compare replaces whatever runs on {a.host}/{a.vmid} with {a.name}, then "
+                                    f"{b.name}; continue?"):
+            raise UsageError("not confirmed; nothing was changed",
+                             fix=f"deploy compare {a.name} {b.name} -y (in scripts)")
+        with Fleet(inv) as fleet:
+            res = C.compare(fleet, a, b, obj.progress(), ops.Options(yes=True, wait_lock_s=wait_lock),
+                            prompts=prompts, rounds=rounds_, max_tokens=max_tokens or probe["max_tokens"],
+                            timeout_s=probe["timeout_s"] * 2, keep=keep, levels=levels)
+        if plot_file and any(r.get("levels") for r in res["results"]):
+            res["plot"] = C.plot(res, plot_file)
+        if obj.json:
+            from ..report import dump_json
+            dump_json(res)
+        else:
+            for line in C.render(res):
+                click.echo(line)
+            if res.get("plot"):
+                click.echo(f"chart: {res['plot']}")
+        sys.exit(EXIT_OK if res["ok"] else EXIT_FAILED)
+    run_guarded(go, obj)
+
+
+def _levels(param, value):
+    try:
+        levels = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(not 1 <= n <= 1024 for n in levels) or len(set(levels)) != len(levels):
+        raise click.BadParameter(f"{value!r}: comma-separated distinct numbers of concurrent requests, 1..1024 "
+                                 "(e.g. 1,4,16)", param=param)
+    return sorted(levels)
+
+
+# ------------------------------------------------------------------ discover
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy discover pve1                          # a host of the inventory: print what it has
+  deploy discover root@10.1.2.5 --name pve1     # a host not in the inventory yet
+  deploy discover pve1 --write                  # merge into the inventory (shows the diff, asks first)
+  deploy discover pve1 --json""")
+@click.argument("host", metavar="HOST")
+@click.option("--write", is_flag=True, help="Merge into the inventory file: show the diff, ask, keep a backup.")
+@click.option("-y", "--yes", is_flag=True, help="With --write: do not ask.")
+@click.option("--name", default=None, metavar="NAME", help="Inventory name for a host given by address.")
+@click.option("--user", default=None, metavar="USER", help="SSH user for an address (default root).")
+@click.option("--identity-file", default=None, metavar="PATH", help="Private key for an address.")
+@click.option("--known-hosts", default=None, metavar="PATH", help="known_hosts for an address "
+              "(default ~/.ssh/known_hosts).")
+@click.option("--accept-new-host-key", is_flag=True,
+              help="For an address not in the inventory: trust and record a host key seen for the first time.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, metavar="S", help="Per-command deadline.")
+@json_option
+@click.pass_obj
+def discover(obj, host, write, yes, name, user, identity_file, known_hosts, accept_new_host_key, timeout):
+    """Read a Proxmox host as it is and print its inventory entry: every container (running or not), the GPUs
+    passed into each (devN, lxc.mount.entry, cgroup `c 195:*` = every GPU; shared GPUs flagged), and for
+    running containers their address and the vLLM runtimes inside (Python, vLLM and transformers versions).
+
+    HOST is an inventory host name or [user@]address[:port]. One SSH connection, read-only: nothing is
+    written on the host. Host keys follow the inventory's policy; an address not in the inventory refuses
+    unknown keys unless --accept-new-host-key.
+    """
+    def go():
+        from ..discover import run_discover
+
+        sys.exit(run_discover(obj, host, write=write, yes=yes, accept_new=accept_new_host_key,
+                              identity_file=identity_file, known_hosts=known_hosts, user=user, name=name,
+                              timeout=timeout))
+    run_guarded(go, obj)
+
+
+# ------------------------------------------------------------------ doctor
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy doctor pve1/129           # the vLLM someone started by hand there
+  deploy doctor                    # every container with a vLLM runtime in the inventory
+  deploy doctor pve1 --json""")
+@click.argument("targets", nargs=-1, metavar="[HOST|HOST/VMID|PLAYBOOK]...", shell_complete=complete_targets)
+@click.option("--budget", type=float, default=12.0, show_default=True, metavar="S",
+              help="Time for the in-container examination (the `import vllm` check gets at most 8 s of it).")
+@json_option
+@click.pass_obj
+def doctor(obj, targets, budget):
+    """Read-only diagnosis of a vLLM that deploy did not start (or did): its processes (argv,
+    --speculative-config, GPUs held, parent/child tree), the drafter config it read checked against the pinned
+    configs of the playbooks and the target model's config, the vLLM build (version, the two DFlash fixes,
+    compiled extensions), GPU holders, and draft acceptance from /metrics. Names each failure class of the
+    field report it finds (guessed config, stale write, missing fix, incomplete build, leftover holder, low
+    acceptance) with its cause and the deploy command that fixes it. Changes nothing.
+
+    Exit: 0 nothing found, 1 something found, 3 some host unreachable.
+    """
+    def go():
+        from ..doctor import run_doctor
+
+        sys.exit(run_doctor(obj, targets, budget))
+    run_guarded(go, obj)
+
+
+# ------------------------------------------------------------------ init, schema
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy init                    # hosts.yaml and playbooks/ in the current directory
+  deploy init ~/pve && cd ~/pve  # or in a directory of their own
+  deploy init --force            # replace files that differ (each kept as FILE.bak-<UTC time>-<random>)""")
+@click.argument("directory", default=".", type=click.Path(file_okay=False))
+@click.option("--force", is_flag=True, help="Replace files that differ, keeping a backup of each.")
+@json_option
+@click.pass_obj
+def init(obj, directory, force):
+    """Write an inventory and the shipped playbooks into DIRECTORY (default: here) to edit.
+
+    Writes DIRECTORY/hosts.yaml (an inert, commented example: uncomment and set your host) and
+    DIRECTORY/playbooks/ (the playbooks, their pinned drafter configs and JSON Schemas for editors). `deploy`
+    run in DIRECTORY then finds both (see `deploy --help` for the search order). Existing files that differ are
+    left alone unless --force; identical ones are not rewritten.
+    """
+    def go():
+        from ..report import dump_json
+        from ..scaffold import init as do_init
+
+        out = do_init(directory, force)
+        if obj.json:
+            dump_json({"ok": True, **out})
+            return
+        for f in out["written"]:
+            click.echo(f"wrote {f}")
+        for f in out["backups"]:
+            click.echo(f"kept the previous file as {f}")
+        if out["unchanged"]:
+            click.echo(f"{len(out['unchanged'])} file(s) already as shipped, left alone")
+        click.echo(f"next: edit {os.path.join(directory, 'hosts.yaml')} (uncomment the example, set address and "
+                   f"key), then deploy plan qwen36-dflash")
+    run_guarded(go, obj)
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy schema playbook > playbook.schema.json
+  deploy schema inventory""")
+@click.argument("kind", type=click.Choice(["playbook", "inventory"]))
+@click.pass_obj
+def schema(obj, kind):
+    """Print the JSON Schema of a playbook or the inventory (generated from the validator's own schema).
+
+    The shipped playbooks and `deploy init`'s files carry a `# yaml-language-server: $schema=...` first line
+    that points editors (VS Code's YAML extension, neovim's yamlls) at playbooks/schemas/. The schema checks
+    shapes, types, ranges and unknown keys; `deploy plan` adds the cross-checks (target in the inventory,
+    pinned sha256) with FILE:LINE:COL.
+    """
+    from ..scaffold import schema_text
+
+    click.echo(schema_text(kind), nl=False)
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy docs                         # the pages shipped with deploy
+  deploy docs quickstart
+  deploy docs cli#status              # one section
+  deploy docs troubleshooting | less""")
+@click.argument("topic", required=False, metavar="[TOPIC[#SECTION]]")
+@click.pass_obj
+def docs(obj, topic):
+    """Print a documentation page shipped with deploy (offline; the same pages as docs/ in the repository).
+
+    Without TOPIC: the list of pages. TOPIC#SECTION prints one section (the anchor of its heading, as in the
+    links of the pages and of deploy's messages: playbooks#requires).
+    """
+    def go():
+        from ..scaffold import docs_text
+
+        refuse_json(obj, "docs")
+        click.echo(docs_text(topic), nl=False)
+    run_guarded(go, obj)
+
+
+# ------------------------------------------------------------------ unlock
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("target", metavar="HOST/VMID|PLAYBOOK")
+@click.option("-y", "--yes", is_flag=True, help="Break the lock without asking (for scripts).")
+@json_option
+@click.pass_obj
+def unlock(obj, target, yes):
+    """Show who holds a container's deploy lock, and break it after a confirmation.
+
+    A running deploy renews its lock every 15 s; a lock that is not renewed expires within 60 s, and one held by
+    a dead deploy process on this workstation is broken by the next deploy at once. Use unlock for the rest: a
+    deploy on a lost laptop, when you cannot wait a minute. Breaking the lock of a deploy that still runs lets
+    two deploys act on one container: check the holder first.
+
+    \b
+    Examples:
+      deploy unlock pve1/129
+      deploy unlock qwen36-dflash -y
+    """
+    def go():
+        from .. import ops
+        from ..remote import Fleet
+        from ..report import dump_json
+        from ..status import resolve_targets
+
+        inv = obj.inventory()
+        scope = resolve_targets(inv, [target])
+        if len(scope) != 1:
+            raise DeployError(f"{target} names {len(scope)} containers; unlock takes one", fix="deploy unlock HOST/VMID")
+        host, vmid, rt = scope[0]
+
+        def confirm(h):
+            click.echo(f"{host}/{vmid} is locked by {ops.describe_holder(h)}" +
+                       (f"; workstation {h.get('workstation')}, pid {h.get('pid')}" if h.get("workstation") else "") +
+                       (" (a dead process on this workstation)" if h.get("dead_here") else ""), err=True)
+            return yes or _confirm("Break this lock?")
+
+        with Fleet(inv) as fleet:
+            r = ops.unlock(fleet, host, vmid, rt, confirm, obj.progress())
+        if obj.json:
+            dump_json({"where": f"{host}/{vmid}", **r})
+        elif r["state"] == "free":
+            click.echo(f"{host}/{vmid}: no deploy lock is held.")
+        elif r["state"] == "broken":
+            click.echo(f"{host}/{vmid}: lock broken (it was held by {r['holder'].get('holder')}).")
+        elif r["state"] == "kept":
+            click.echo(f"{host}/{vmid}: not confirmed; the lock was left in place" +
+                       ("" if sys.stdin.isatty() else " (pass -y in scripts)"), err=True)
+        else:
+            click.echo(f"{host}/{vmid}: the lock changed hands meanwhile; nothing was broken" +
+                       (f" (now held by {r['now'].get('holder')})" if r.get("now") else ""), err=True)
+        sys.exit(EXIT_OK if r["state"] in ("free", "broken") else EXIT_FAILED)
+    run_guarded(go, obj)

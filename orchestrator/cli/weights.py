@@ -1,0 +1,215 @@
+"""`deploy`: the container's software and weights: install-vllm, fetch, manifest, apply-config. Click commands only."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from ..errors import EXIT_CODES_HELP, EXIT_OK, UsageError
+from .base import (CONTEXT, _confirm, _fleet_exit, _outcome_exit, _outcomes_exit, complete_playbooks, json_option, load,
+                   main, run_guarded)
+
+
+# ------------------------------------------------------------------ install-vllm
+
+
+@main.command("install-vllm", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("playbook", shell_complete=complete_playbooks)
+@click.option("-y", "--yes", is_flag=True,
+              help="Install even while the playbook is serving (the serving process is not touched).")
+@click.option("--rollback", is_flag=True, help="Switch the runtime back to the vLLM it had before the last switch.")
+@click.option("--force", is_flag=True, help="Install again even when requires.vllm is already the verified runtime.")
+@json_option
+@click.pass_obj
+def install_vllm(obj, playbook, yes, rollback, force):
+    """Install the vLLM the playbook needs (requires.vllm) into its container, verified, without a gap.
+
+    The install goes into a fresh venv next to the runtime (RUNTIME.versions/), with uv when the container has
+    it, else pip; it runs detached from the SSH session (a dropped connection does not stop a long build: run
+    the command again to re-attach and get the result). It is verified there (version, the DFlash fix markers,
+    compiled extensions, an import in a subprocess, every file against the distribution's RECORD), and only then
+    is the runtime venv switched to it: the previous vLLM stays usable until the new one is verified. Reaching
+    requires.install.timeout_s is "build not finished", never success. A serving vLLM is not touched (asked
+    first; -y to proceed): the next `deploy up`/`restart` starts the new build.
+
+    The shipped playbooks name no requires.vllm: add it to your copy first (deploy init; deploy docs
+    playbooks#requires), e.g. `requires: {vllm: "0.34.0"}`, as my-dflash below.
+
+    \b
+    Examples:
+      deploy install-vllm my-dflash                # my-dflash.yaml: a copy with requires.vllm
+      deploy install-vllm my-dflash -y
+      deploy install-vllm my-dflash --rollback
+      deploy --json install-vllm my-dflash
+    """
+    def go():
+        from ..install import install
+        from ..remote import Fleet
+
+        inv, pb = load(obj, playbook)
+        if not rollback and not pb.data["requires"].get("vllm"):
+            raise UsageError(f"{pb.name} does not say which vLLM it needs (requires.vllm); nothing was run",
+                             where=pb.path, fix="add requires.vllm to the playbook: a version (\"0.34.0\"), "
+                                                "git+https://github.com/ORG/vllm@BRANCH, a wheel URL or a wheel path "
+                                                "in the container (deploy docs playbooks#requires); the shipped "
+                                                "playbooks name none: copy one (deploy init) and add it")
+        if not pb.is_fleet:
+            with Fleet(inv) as fleet:
+                out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm, force=force, rollback=rollback)
+            _outcome_exit(obj, out)
+        # a playbook with targets: each target in turn (a build per container), every outcome reported
+        outs = []
+        with Fleet(inv) as fleet:
+            for m in pb.members:
+                outs.append(install(fleet, m, obj.progress(), yes=yes, confirm=_confirm, force=force,
+                                    rollback=rollback))
+        _outcomes_exit(obj, outs)
+    run_guarded(go, obj)
+
+
+# ------------------------------------------------------------------ fetch, manifest
+
+
+@main.command("fetch", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("playbook", shell_complete=complete_playbooks)
+@click.option("--verify", "rehash", is_flag=True,
+              help="Also re-hash every file already in place (sha256 / git blob id) instead of trusting the record.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=6 * 3600.0, show_default=True,
+              metavar="SECONDS", help="The fetch's time limit (a partial download is kept: the next run resumes).")
+@click.option("--manifest", "manifest_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="After the fetch, write the verified record of each item as a manifest (FILE, or FILE.ROLE.json "
+                   "for several): copy it beside the files for source: {path: HOST_DIR}.")
+@json_option
+@click.pass_obj
+def fetch(obj, playbook, rehash, timeout_s, manifest_out):
+    """Fetch the playbook's model and drafter weights into its container, at the pinned revision, verified.
+
+    The download runs in the container, detached from the SSH session: a dropped connection does not stop
+    it, and running the command again re-attaches and reports. It resumes partial files (HTTP Range), checks
+    the space before it starts, prints bytes, rate and ETA per file and in total, and verifies every file
+    against the hub's record (sha256 for LFS files, the git blob id for the others) before moving anything
+    into place. Already fetched and verified: nothing to do. A `source: {path: HOST_DIR}` is copied from the
+    Proxmox host instead and verified against its deploy-manifest.json.
+
+    \b
+    Examples:
+      deploy fetch qwen36-dflash
+      deploy fetch qwen36-dflash --timeout 7200    # the token: export the variable named in token_env first
+      deploy fetch qwen36-dflash --verify
+      deploy fetch qwen36-dflash --manifest /tmp/qwen36.manifest.json
+      deploy --json fetch qwen36-dflash
+    """
+    def go():
+        from ..fetch import fetch as do_fetch
+        from ..remote import Fleet
+
+        inv, pb = load(obj, playbook)
+        outs = []
+        with Fleet(inv) as fleet:
+            for m in pb.members:
+                outs.append(do_fetch(fleet, m, obj.progress(), rehash=rehash, timeout_s=timeout_s))
+                if manifest_out and outs[-1].ok:
+                    _write_fetch_manifests(fleet, m, manifest_out)
+        if len(outs) == 1:
+            _outcome_exit(obj, outs[0])
+        _outcomes_exit(obj, outs)
+    run_guarded(go, obj)
+
+
+def _write_fetch_manifests(fleet, pb, out_path):
+    import json as _json
+
+    from .. import agent
+    from ..fetch import dest_of, manifest_from_record
+    from ..plan import fetch_args
+
+    its = fetch_args(pb)
+    res = agent.call(fleet.session(pb.host), pb.vmid, pb.runtime["python"], "fetch",
+                     {"op": "records", "state_dir": pb.runtime["state_dir"], "dests": [dest_of(it) for it in its]},
+                     timeout=30)
+    for it in its:
+        rec = (res.get("records") or {}).get(dest_of(it))
+        if not rec:
+            continue
+        path = out_path if len(its) == 1 else f"{os.path.splitext(out_path)[0]}.{it['role']}.json"
+        with open(path, "w") as fh:
+            _json.dump(manifest_from_record(rec), fh, indent=1)
+            fh.write("\n")
+        click.echo(f"wrote {path}: the manifest of {it['role']} ({len(rec.get('files') or [])} files)", err=True)
+
+
+@main.command("manifest", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--hub", default=None, metavar="ORG/NAME", help="Record the repository the files come from.")
+@click.option("--revision", default=None, metavar="REV", help="Record the revision (a 40-hex commit names the "
+                                                              "snapshot in a hub cache destination).")
+@json_option
+@click.pass_obj
+def manifest(obj, directory, hub, revision):
+    """Write DIRECTORY/deploy-manifest.json: every file with its size and sha256.
+
+    For air-gapped sites: put the weights in a directory on the Proxmox host with this manifest, and name it in
+    the playbook as `source: {path: DIRECTORY}` (model or speculative.drafter); deploy fetch copies it into the
+    container and verifies every file against the manifest. Runs on this machine; nothing is sent anywhere.
+
+    \b
+    Example:
+      deploy manifest /srv/models/Qwen3.6-27B --hub Qwen/Qwen3.6-27B --revision 0123456789abcdef0123456789abcdef01234567
+    """
+    def go():
+        from ..fetch import write_manifest
+        from ..report import dump_json
+
+        if not os.path.isdir(directory):
+            raise UsageError(f"{directory} is not a directory; nothing was written",
+                             fix="give the directory that holds the model's files")
+        res = write_manifest(directory, hub, revision)
+        if obj.json:
+            dump_json(res)
+        else:
+            click.echo(f"wrote {res['path']}: {res['files']} files, {res['bytes']} bytes")
+        sys.exit(EXIT_OK)
+    run_guarded(go, obj)
+
+
+@main.command("apply-config", context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("playbook", shell_complete=complete_playbooks)
+@json_option
+@click.pass_obj
+def apply_config(obj, playbook):
+    """Install the playbook's pinned drafter config (only if its sha256 differs), read it back, verify it.
+
+    A timestamped backup of the replaced file is kept beside it (config.json.bak-YYYYmmddTHHMMSSZ).
+
+    \b
+    Example:
+      deploy apply-config qwen36-dflash
+    """
+    def go():
+        from .. import ops
+        from ..remote import Fleet
+
+        from .. import plan as P
+
+        inv, pb = load(obj, playbook)
+        if not pb.drafter or not P.drafter_config_path(pb):
+            raise UsageError(f"{pb.name} has no drafter config to install (method {pb.spec['method']}); nothing was "
+                             "run", where=pb.path,
+                             fix=f"apply-config is for a playbook with a drafter (method dflash); deploy up {pb.name} "
+                                 "brings this one up")
+        if pb.is_fleet:  # each target's container, in parallel (one connection per host), a line per target
+            import time
+
+            from .. import fleet as F
+
+            t0 = time.monotonic()
+            with Fleet(inv) as fleet:
+                progress = F.SharedProgress(verbose=obj.verbose)
+                outs = F.run_each(pb.members, lambda m: ops.apply_config(fleet, m, progress), None)
+            _fleet_exit(obj, F.result(pb, "apply-config", outs, t0))
+        with Fleet(inv) as fleet:
+            out = ops.apply_config(fleet, pb, obj.progress())
+        _outcome_exit(obj, out)
+    run_guarded(go, obj)
