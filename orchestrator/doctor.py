@@ -600,11 +600,11 @@ def plumbing_findings(session, ct_facts, host: str, vmid: int, target: dict | No
     container side from the doctor action's own result. Without a playbook for the container, the GPUs it is
     given in pct config stand for the assigned ones. Findings in doctor's {class, cause, fix, evidence} form."""
     from . import plumbing as PL
-    from .steps.plumbing import read_host
+
 
     if not isinstance(ct_facts, dict):  # an older agent: nothing to compare
         return []
-    h = read_host(session, vmid, label="doctor")
+    h = PL.read_host(session, vmid, label="doctor")
     row["gpu_plumbing_host_error"] = h.get("error")
     host_facts = None if h.get("error") else h
     gpus = (target or {}).get("gpus")

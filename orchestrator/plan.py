@@ -16,6 +16,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from .agent import agent_argv
+from . import plumbing as PL
 from .remote import pct_exec_argv, shell_join
 from .spec import Inventory, Playbook, fetch_items
 
@@ -330,19 +331,12 @@ def step_write_config(pb):
                 **_common(pb))
 
 
-def plumbing_host_argv(vmid: int) -> list[str]:
-    """The gpu-plumbing check's one host exec (orchestrator/plumbing.py HOST_PLUMBING_SH), read-only."""
-    from .plumbing import HOST_PLUMBING_SH
-
-    return ["sh", "-c", HOST_PLUMBING_SH, "sh", str(int(vmid))]
-
-
 def step_plumbing(pb):
     """The gpu-plumbing check (orchestrator/plumbing.py; docs/gpu-containers.md): read-only, host and container."""
     return Step("gpu-plumbing", "the container sees its GPUs: pct config lines, host and container /dev/nvidia* "
                                 "(majors), nvidia-uvm, driver version in user space = the host's module, the "
                                 "driver's CUDA >= torch's, /dev/shm for tensor parallelism",
-                action="plumbing", args={}, timeout=30, host_argv=plumbing_host_argv(pb.vmid),
+                action="plumbing", args={}, timeout=30, host_argv=PL.host_argv(pb.vmid),
                 runs=[f"pct config {pb.vmid}; grep nvidia /proc/devices; stat /dev/nvidia*; "
                       "cat /proc/driver/nvidia/version; nvidia-smi   # on the host, one exec",
                       f"stat /dev/nvidia*; ls /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.* libcuda.so.*; "

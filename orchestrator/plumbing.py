@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+from .errors import DeployError
 from .remote import shell_word
 
 CHECK = "gpu-plumbing"
@@ -378,7 +379,7 @@ def findings(host: dict | None, ct: dict | None, *, host_name: str, vmid: int, g
     need = shm_required_mib(tp)
     if ct is not None and c["shm_mib"] is not None and c["shm_mib"] < need:
         _f(out, "shm-too-small", f"{host_name}/{v}: /dev/shm", f"at least {need} MiB for tensor_parallel_size "
-           f"{tp}" + (f" (1 GiB per GPU)" if tp > 1 else ""), f"{c['shm_mib']} MiB",
+           f"{tp}" + (" (1 GiB per GPU)" if tp > 1 else ""), f"{c['shm_mib']} MiB",
            f"in container {v}: mount -o remount,size={max(need // GIB, 1)}G /dev/shm (now), and to keep it: "
            f"a line `tmpfs /dev/shm tmpfs defaults,size={max(need // GIB, 1)}G 0 0` in the container's "
            f"/etc/fstab (or lxc.mount.entry: tmpfs dev/shm tmpfs size={max(need // GIB, 1)}G,nosuid,nodev,"
@@ -409,3 +410,27 @@ def render(found: list[dict]) -> str:
         lines.append(f"  why:      {f['cause']}")
         lines.append(f"  fix:      {f['fix']}")
     return "\n".join(lines)
+
+
+def host_argv(vmid: int) -> list[str]:
+    """The gpu-plumbing check's one host exec (HOST_PLUMBING_SH), read-only."""
+    return ["sh", "-c", HOST_PLUMBING_SH, "sh", str(int(vmid))]
+
+
+HOST_TIMEOUT_S = 25
+HOST_OUTPUT_MAX = 256 << 10
+
+
+def read_host(session, vmid: int, label: str = "gpu-plumbing") -> dict:
+    """The host's side (HOST_PLUMBING_SH): parsed, or {"error": ...} when it could not be read."""
+    try:
+        r = session.run(host_argv(vmid), timeout=HOST_TIMEOUT_S,
+                        vmid=vmid, label=label, max_output=HOST_OUTPUT_MAX)
+    except DeployError as e:
+        return {"error": e.message}
+    if not r.ok:
+        return {"error": clean((r.err or r.out).strip()[:300]) or f"exit {r.exited}"}
+    h = parse_host(r.out)
+    if h["config_rc"] not in (0, None) or not h["config"]:
+        return {"error": f"`pct config {vmid}` failed: " + clean(" ".join(h["config"])[:300])}
+    return h

@@ -7,30 +7,9 @@ from __future__ import annotations
 import time
 
 from .. import plumbing as PL
-from ..errors import DeployError
+from ..plumbing import read_host
 from ..plan import Step
 from . import Context
-
-HOST_TIMEOUT_S = 25
-HOST_OUTPUT_MAX = 256 << 10
-
-
-def read_host(session, vmid: int, label: str = "gpu-plumbing") -> dict:
-    """The host's side (HOST_PLUMBING_SH): parsed, or {"error": ...} when it could not be read."""
-    from ..plan import plumbing_host_argv
-
-    try:
-        r = session.run(plumbing_host_argv(vmid), timeout=HOST_TIMEOUT_S,
-                        vmid=vmid, label=label, max_output=HOST_OUTPUT_MAX)
-    except DeployError as e:
-        return {"error": e.message}
-    if not r.ok:
-        return {"error": PL.clean((r.err or r.out).strip()[:300]) or f"exit {r.exited}"}
-    h = PL.parse_host(r.out)
-    if h["config_rc"] not in (0, None) or not h["config"]:
-        return {"error": f"`pct config {vmid}` failed: " + PL.clean(" ".join(h["config"])[:300])}
-    return h
-
 
 def check(ctx: Context, host_facts: dict | None, ct_facts: dict | None) -> list[dict]:
     pb = ctx.pb
