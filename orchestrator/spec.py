@@ -15,7 +15,7 @@ from pathlib import Path
 from yaml.nodes import MappingNode
 
 from .errors import SpecError, UsageError
-from .locate import find_playbook, list_playbooks  # noqa: F401 - list_playbooks is part of this module's API
+from .locate import find_playbook, list_playbooks
 from .schema import (ABS_PATH, Bool, Field, Float, FreeMap, Int, List, Map, Problems, Str, compose_file,
                      node_of)
 
@@ -642,6 +642,21 @@ def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tupl
     _raise(problems, *([fallback_problems] if fallback_problems else []))
     _members(pb, inventory)
     return pb
+
+
+def playbooks_targeting(host: str, vmid: int, inventory: Inventory | None = None) -> list[tuple[str, Playbook]]:
+    """(name as `deploy` takes it, playbook) of the local playbooks (list_playbooks' order) whose target, or one of
+    whose targets, is HOST/VMID; one that does not load (broken, or refused by the inventory) is left out: this
+    only names playbooks for a message or a fix command."""
+    out = []
+    for name in list_playbooks():
+        try:
+            pb = load_playbook(name, inventory)
+        except (SpecError, UsageError, OSError):
+            continue
+        if any(t["host"] == host and t["vmid"] == vmid for t in pb.targets):
+            out.append((name, pb))
+    return out
 
 
 def _check_playbook(pb: Playbook, inv: Inventory | None, problems: Problems) -> None:

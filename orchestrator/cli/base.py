@@ -144,18 +144,10 @@ def not_a_container(inv, playbook: str) -> None:
     m = re.fullmatch(r"([^/\s]+)/(\d+)", playbook)
     if not m or os.path.exists(playbook) or m.group(1) not in inv.hosts:
         return
-    from ..locate import list_playbooks
-    from ..spec import SpecError, load_playbook
+    from ..spec import playbooks_targeting
 
     cmd = click.get_current_context().info_name or "COMMAND"
-    mine = []
-    for n in list_playbooks():
-        try:
-            pb = load_playbook(n, inv)
-        except (SpecError, UsageError, OSError):
-            continue
-        if any(t["host"] == m.group(1) and t["vmid"] == int(m.group(2)) for t in pb.targets):
-            mine.append((n, pb.is_fleet))
+    mine = [(n, pb.is_fleet) for n, pb in playbooks_targeting(m.group(1), int(m.group(2)), inv)]
     which = ", ".join(n for n, _ in mine) or "none here"
     fixes = [f"deploy {cmd} {n}" + (f" {playbook}" if fleet else "") for n, fleet in mine]
     raise UsageError(f"{playbook} is a container, not a playbook: deploy {cmd} takes the PLAYBOOK (playbooks that "

@@ -153,23 +153,10 @@ def gpus_free(ctx: Context, step: Step) -> GpusFreeResult:
 
 
 def playbooks_targeting(host: str, vmid: int) -> list[str]:
-    """The local playbooks whose target (or one of whose targets) is HOST/VMID: their names, for a fix command.
-    Read from the playbook files (no inventory check: a name is all the fix needs)."""
-    import yaml
+    """The names of the local playbooks that target HOST/VMID, for a fix command (spec.playbooks_targeting)."""
+    from ..spec import playbooks_targeting as targeting
 
-    from ..locate import find_playbook, list_playbooks
-
-    out = []
-    for name in list_playbooks():
-        try:
-            with open(find_playbook(name), encoding="utf-8") as fh:
-                data = yaml.safe_load(fh.read(1 << 20)) or {}
-        except (OSError, yaml.YAMLError, Exception):  # noqa: BLE001 - a broken playbook is just not named
-            continue
-        targets = data.get("targets") or ([data.get("target")] if data.get("target") else [])
-        if any(isinstance(t, dict) and t.get("host") == host and t.get("vmid") == vmid for t in targets):
-            out.append(data.get("name") or name)
-    return out
+    return [name for name, _pb in targeting(host, vmid)]
 
 
 def host_holders(ctx: Context, gpus: list[int]) -> list[dict]:
