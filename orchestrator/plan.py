@@ -16,6 +16,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from .agent import agent_argv
+from .agent.container.protocol import SMI_MEMORY_ARGS
 from . import plumbing as PL
 from .remote import pct_exec_argv, shell_join
 from .spec import Inventory, Playbook, fetch_items
@@ -251,7 +252,8 @@ def _common(pb: Playbook):
     return dict(host=pb.host, vmid=pb.vmid, playbook=pb.name)
 
 
-NVIDIA_SMI_QUERY = "nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits"
+# shown in the plan: the agent runs nvidia-smi with exactly these arguments (agent/container/protocol.py)
+NVIDIA_SMI_QUERY = shlex.join(["nvidia-smi", *SMI_MEMORY_ARGS])
 
 
 def _devs(gpus) -> str:

@@ -167,7 +167,7 @@ def act_gpus_free(a):
         mem = read_gpu_memory(smi_timeout)
         if "error" in mem:
             return {"verdict": "nvidia_smi_" + mem["error"], "message": mem["message"],
-                    "command": "nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits",
+                    "command": " ".join(("nvidia-smi",) + SMI_MEMORY_ARGS),
                     "timeout_s": smi_timeout, "before": first, "seconds": round(now() - t0, 3)}
         readings = {str(g): mem["gpus"].get(g) for g in gpus}
         missing = [g for g in gpus if mem["gpus"].get(g) is None]
