@@ -63,6 +63,12 @@ def tunnel_command(host, address: str, port: int) -> str:
     return f"ssh -N -L {port}:{address}:{port}{extra}{ident} {target}"
 
 
+def base_url(address: str, port: int) -> str:
+    """http://ADDRESS:PORT (an IPv6 address in brackets): the one spelling of a server's URL, for the client URL
+    below (+ /v1) and the router's replica URLs."""
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+
+
 def endpoint(host, container, port: int) -> dict:
     """{url, address, routable, tunnel, local_url}: `url` is None when the inventory has no address for the
     container; then `note` says how to record it. With a tunnel, `local_url` is what to open once it runs."""
@@ -71,12 +77,11 @@ def endpoint(host, container, port: int) -> dict:
         return {"url": None, "address": None, "port": port, "routable": None, "tunnel": None, "local_url": None,
                 "note": f"address unknown: none in the inventory; deploy discover {host.name} --write reads it, "
                         "or set address:"}
-    shown = f"[{address}]" if ":" in address else address
-    url = f"http://{shown}:{port}/v1"
+    url = base_url(address, port) + "/v1"
     r = routable(address)
     tunnel = None if r else tunnel_command(host, address, port)
     return {"url": url, "address": address, "port": port, "routable": r, "tunnel": tunnel,
-            "local_url": f"http://127.0.0.1:{port}/v1" if tunnel else None, "note": None}
+            "local_url": base_url("127.0.0.1", port) + "/v1" if tunnel else None, "note": None}
 
 
 def container_endpoint(inv, host_name: str, vmid: int, port: int) -> dict:

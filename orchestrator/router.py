@@ -15,7 +15,7 @@ import os
 import time
 
 from . import agent
-from .endpoint import container_endpoint
+from .endpoint import base_url, container_endpoint
 from .errors import DeployError, Unreachable
 from .remote import Fleet
 from .report import Progress
@@ -49,8 +49,7 @@ def replica_url(inv, pb: Playbook, member: Playbook) -> str:
     if not addr:
         raise RouterFailed(f"{member.host}/{member.vmid} has no address in the inventory: the router cannot reach it",
                            where=f"{member.host}/{member.vmid}", fix=f"deploy discover {member.host} --write")
-    shown = f"[{addr}]" if ":" in addr else addr
-    return f"http://{shown}:{member.serve['port']}"
+    return base_url(addr, member.serve["port"])
 
 
 def state_dir(pb: Playbook) -> str:
