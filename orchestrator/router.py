@@ -228,7 +228,7 @@ def _reset_open_circuits(fleet: Fleet, pb: Playbook, progress: Progress, workers
         rm = call(fleet, pb, "remove", timeout=40, url=url)
         add = call(fleet, pb, "add", timeout=150, url=url, op_timeout=130)
         ok = bool(add.get("ok")) or "already exists" in str(add.get("message"))
-        msg = (f"re-added: circuit closed" if ok else
+        msg = ("re-added: circuit closed" if ok else
                f"re-adding failed: remove_worker {rm.get('status')} {str(rm.get('message'))[:200]}, add_worker "
                f"{add.get('status')} {str(add.get('message'))[:200]}")
         progress.say(w, f"router: {url}: {msg}")
