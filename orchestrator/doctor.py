@@ -601,7 +601,6 @@ def plumbing_findings(session, ct_facts, host: str, vmid: int, target: dict | No
     given in pct config stand for the assigned ones. Findings in doctor's {class, cause, fix, evidence} form."""
     from . import plumbing as PL
 
-
     if not isinstance(ct_facts, dict):  # an older agent: nothing to compare
         return []
     h = PL.read_host(session, vmid, label="doctor")

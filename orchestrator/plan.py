@@ -15,9 +15,9 @@ import os
 import shlex
 from dataclasses import dataclass, field
 
+from . import plumbing as PL
 from .agent import agent_argv
 from .agent.container.protocol import SMI_MEMORY_ARGS
-from . import plumbing as PL
 from .remote import pct_exec_argv, shell_join
 from .spec import Inventory, Playbook, fetch_items
 

@@ -107,7 +107,7 @@ def render_plan(as_json, inv, pb, steps, emit=True):
 def shared_gpu_warnings(inv, pb) -> list[str]:
     """From the inventory alone (plan runs nothing): other containers of the same host given any of the playbook's
     GPUs, with the playbooks that target them (issue 26: a deployment there makes gpus-free fail)."""
-    from .steps.gpu import playbooks_targeting
+    from .spec import playbooks_targeting
 
     host = inv.hosts.get(pb.host)
     out = []
@@ -115,7 +115,7 @@ def shared_gpu_warnings(inv, pb) -> list[str]:
         shared = sorted(set(c.gpus or []) & set(pb.gpus))
         if c.vmid == pb.vmid or not shared:
             continue
-        names = [n for n in playbooks_targeting(pb.host, c.vmid) if n != pb.name]
+        names = [n for n, other in playbooks_targeting(pb.host, c.vmid) if other.name != pb.name]
         out.append(f"GPU(s) {', '.join(map(str, shared))} of {pb.host}/{pb.vmid} are also given to {pb.host}/{c.vmid}"
                    + (f" (targeted by {', '.join(names)})" if names else "")
                    + f": while a vLLM runs there, gpus-free fails (deploy status {pb.host}/{c.vmid} shows it"

@@ -34,4 +34,3 @@ def _add_testbed():
 
 
 _add_testbed()
-

@@ -1,4 +1,4 @@
-"""`deploy`: deploy monitor: export, metrics, render. Click commands only."""
+"""`deploy monitor`: export, metrics, render. Click commands only."""
 
 from __future__ import annotations
 

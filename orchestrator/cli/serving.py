@@ -1,4 +1,4 @@
-"""`deploy`: What serves: endpoint (and its tunnel), status, logs. Click commands only."""
+"""`deploy`: what serves: endpoint (and its tunnel), status, logs. Click commands only."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from ..facts import nvml_mismatch_fix
 from ..plan import Step
 from . import Context
 from ..remote import shell_word
+from ..spec import playbooks_targeting
 
 
 def fmt_mem(readings: dict | None) -> str:
@@ -125,7 +126,7 @@ def gpus_free(ctx: Context, step: Step) -> GpusFreeResult:
     # held outside: nothing in this container holds the devices
     others = other_containers_sharing(ctx, r.busy or step.args["gpus"])
     for o in others:
-        o["playbooks"] = playbooks_targeting(ctx.pb.host, o["vmid"])
+        o["playbooks"] = [name for name, _pb in playbooks_targeting(ctx.pb.host, o["vmid"])]
     holders = host_holders(ctx, r.busy or step.args["gpus"])
     extra = ("; other running containers on this host given the busy GPU(s): " +
              ", ".join(f"{o['vmid']} ({o['name']}, GPUs {o['gpus']}"
@@ -150,13 +151,6 @@ def gpus_free(ctx: Context, step: Step) -> GpusFreeResult:
     ctx.fail(step.name, t0, f"GPU memory is held OUTSIDE this container ({busy} > {thr} MiB after "
                             f"{r.seconds:.0f}s, and no process in container {ctx.pb.vmid} holds /dev/nvidia*)"
                             + extra, fix=fix, result=r, others=others, host_holders=holders)
-
-
-def playbooks_targeting(host: str, vmid: int) -> list[str]:
-    """The names of the local playbooks that target HOST/VMID, for a fix command (spec.playbooks_targeting)."""
-    from ..spec import playbooks_targeting as targeting
-
-    return [name for name, _pb in targeting(host, vmid)]
 
 
 def host_holders(ctx: Context, gpus: list[int]) -> list[dict]:

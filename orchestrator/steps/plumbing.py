@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 from .. import plumbing as PL
-from ..plumbing import read_host
 from ..plan import Step
 from . import Context
 
@@ -20,7 +19,7 @@ def check(ctx: Context, host_facts: dict | None, ct_facts: dict | None) -> list[
 
 def run_check(ctx: Context, step: Step) -> tuple[list[dict], dict]:
     """-> (findings, facts {host, container}); raises only when the container's agent cannot be reached."""
-    host = read_host(ctx.session, ctx.pb.vmid)
+    host = PL.read_host(ctx.session, ctx.pb.vmid)
     r = ctx.call(step)
     ct = r.plumbing if isinstance(r.plumbing, dict) else {}
     return check(ctx, host, ct), {"host": host, "container": ct}
