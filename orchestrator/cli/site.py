@@ -1,4 +1,4 @@
-"""`deploy`: the site and its tools: compare, discover, doctor, init, schema, docs, unlock. Click commands only."""
+"""`deploy`: the site and its tools: compare, discover, doctor, init, schema, docs, unlock, prepare. Click commands only."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import sys
 
 import click
 
-from ..errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, DeployError
+from ..errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, DeployError, UsageError
+from ..render import _echo_wrapped
 from .base import CONTEXT, _confirm, complete_playbooks, complete_targets, json_option, main, refuse_json, run_guarded
 
 
@@ -315,4 +316,86 @@ def unlock(obj, target, yes):
             click.echo(f"{host}/{vmid}: the lock changed hands meanwhile; nothing was broken" +
                        (f" (now held by {r['now'].get('holder')})" if r.get("now") else ""), err=True)
         sys.exit(EXIT_OK if r["state"] in ("free", "broken") else EXIT_FAILED)
+    run_guarded(go, obj)
+
+
+# ------------------------------------------------------------------ prepare
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
+@click.argument("target", metavar="HOST/VMID", shell_complete=complete_targets)
+@click.option("--gpus", metavar="LIST", help="GPU indices to pass in (0-3, 0,1); default: what the playbook that "
+                                             "targets the container assigns.")
+@click.option("--driver-run", metavar="HOST_PATH", help="The NVIDIA-Linux-x86_64-VERSION.run on the host (the one "
+              "the host was installed with): its user space goes into the container (--no-kernel-module).")
+@click.option("--style", type=click.Choice(["dev", "raw"]), default=None,
+              help="devN: lines (pct set; Proxmox VE 8.1+) or raw lxc.mount.entry/cgroup lines (default: what the "
+                   "config already uses, else what the host supports).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (every host command) and change nothing.")
+@click.option("-y", "--yes", is_flag=True, help="Restart the container without asking (for scripts).")
+@json_option
+@click.pass_obj
+def prepare(obj, target, gpus, driver_run, style, dry_run, yes):
+    """Make a container GPU-ready: device lines, a restart when confirmed, the host's driver in user space.
+
+    Planned first and read back: a backup of /etc/pve/lxc/VMID.conf on the host, the missing lines added
+    (never removed), `pct config` read again, a restart only when you confirm (a vLLM running there is named),
+    the user-space driver from a .run you name, then the gpu-plumbing check and the container's nvidia-smi.
+    The host itself is only read (a missing /dev/nvidia-uvm is reported with its fix); another container's
+    config is never touched. Exit 0: ready; 1: something is left (named); 2: refused, nothing changed.
+
+    \b
+    Examples:
+      deploy prepare pve1/130 --gpus 0-3 --dry-run
+      deploy prepare pve1/130 --gpus 0-3 -y
+      deploy prepare pve1/129 --driver-run /root/NVIDIA-Linux-x86_64-550.54.15.run -y
+    """
+    def go():
+        from .. import prepare as P
+        from ..remote import Fleet
+        from ..report import dump_json
+        from ..spec import list_playbooks, load_playbook, playbooks_targeting
+        from ..status import resolve_targets
+
+        inv = obj.inventory()
+        if "/" not in target or not target.split("/", 1)[1].isdigit():
+            raise UsageError(f"{target!r}: deploy prepare takes HOST/VMID (one container of the inventory)",
+                             fix="deploy prepare pve1/129 --gpus 0-3 --dry-run")
+        host, vmid, rt = resolve_targets(inv, [target])[0]
+        mine = playbooks_targeting(host, vmid, inv)
+        assigned = sorted({tuple(t["gpus"]) for _, pb in mine for t in pb.targets
+                           if t["host"] == host and t["vmid"] == vmid})
+        if gpus is None:
+            if len(assigned) != 1:
+                raise UsageError(f"{target}: say which GPUs (--gpus): " +
+                                 ("no playbook targets it" if not assigned else
+                                  f"its playbooks assign different GPUs: {', '.join(map(str, assigned))}"),
+                                 fix=f"deploy prepare {target} --gpus 0-3")
+            want = list(assigned[0])
+        else:
+            want = P.parse_gpus(gpus)
+            short = [(n, sorted(set(t["gpus"]) - set(want))) for n, pb in mine for t in pb.targets
+                     if t["host"] == host and t["vmid"] == vmid and set(t["gpus"]) - set(want)]
+            if short:
+                raise UsageError(f"{target}: playbook {short[0][0]} runs there on GPUs that --gpus {gpus} leaves "
+                                 f"out ({short[0][1]}); prepare adds lines and would leave that playbook short",
+                                 fix=f"deploy prepare {target} (its playbook's GPUs), or change the playbook")
+        others = []
+        for name in list_playbooks():
+            try:
+                pb = load_playbook(name, inv)
+            except Exception:  # noqa: BLE001 - a broken playbook elsewhere is not this command's business
+                continue
+            others += [(name, t["vmid"], list(t["gpus"])) for t in pb.targets if t["host"] == host and
+                       t["vmid"] != vmid]
+        tps = {int(pb.serve.get("tensor_parallel_size") or 1) for _, pb in mine}
+        with Fleet(inv) as fleet:
+            res = P.Prepare(fleet, inv, host, vmid, rt, want, driver_run=driver_run, style=style, yes=yes,
+                            confirm=_confirm, progress=None if obj.json else obj.progress(),
+                            tp=max(tps) if tps else 1, others=others).run(dry_run=dry_run)
+        if obj.json:
+            dump_json(res)
+        else:
+            _echo_wrapped(P.render(res))
+        sys.exit(EXIT_OK if res["ok"] or res["dry_run"] and not res["findings"] else EXIT_FAILED)
     run_guarded(go, obj)

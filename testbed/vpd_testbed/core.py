@@ -137,6 +137,55 @@ def _mac(host_no: int, v: int) -> str:
 
 
 SIM_NODE_TEXT = "vpd-testbed-node c %d:%d\n"
+BACKUPS = "vllm-pve-deploy-backups"  # what deploy prepare keeps in the host's /root (orchestrator/prepare.py)
+
+# the host's pveversion (pve_version, a host fault, changes what it says)
+PVEVERSION = r"""#!/bin/sh
+V=$(sed -n 's/.*"pve_version": *"\([0-9.]*\)".*/\1/p' %(hd)s/faults.json 2>/dev/null)
+V=${V:-8.2.4}
+case "$1" in
+  -v|--verbose) echo "proxmox-ve: $V (running kernel: 6.8.8-2-pve)"
+                echo "pve-manager: $V (running version: $V/faa83925c9641325)"
+                echo "pve-container: $( [ "${V%%%%.*}" -ge 8 ] && echo 5.1.12 || echo 4.4-6)";;
+  *) echo "pve-manager/$V/faa83925c9641325 (running kernel: 6.8.8-2-pve)";;
+esac
+"""
+
+# a stand-in for NVIDIA's driver installer (a makeself archive users run with sh): user space only, into the
+# container's nvlib (core.write_user_space's place); without --no-kernel-module it fails as in a container
+DRIVER_RUN = r"""#!/bin/sh
+# vllm-pve-deploy test bed: stand-in for NVIDIA-Linux-x86_64-%(v)s.run
+V=%(v)s
+kmod=1
+for a; do
+  case "$a" in
+    --no-kernel-module) kmod=0;;
+    --version|-v) echo "NVIDIA-Linux-x86_64-$V"; exit 0;;
+  esac
+done
+if [ $kmod = 1 ]; then
+  echo "ERROR: Unable to load the kernel module 'nvidia.ko'. (in a container: pass --no-kernel-module)" >&2
+  exit 1
+fi
+D=/usr/lib/x86_64-linux-gnu/nvidia/current
+[ -d "$D" ] || { echo "ERROR: no $D to install into" >&2; exit 1; }
+rm -f "$D"/libnvidia-ml.so.* "$D"/libcuda.so.*
+: > "$D/libnvidia-ml.so.$V" && : > "$D/libcuda.so.$V" || exit 1
+echo "Installation of the NVIDIA Accelerated Graphics Driver for Linux-x86_64 (version: $V) is now complete."
+"""
+
+
+def etc_pve_sh(hd) -> str:
+    """hostinit.sh lines: /etc/pve of the simulated host (its pve/ directory, /etc/pve/lxc -> nodes/HOST/lxc as on
+    Proxmox). A read-only overlay adds the mount point to the machine's /etc, its submounts bound back."""
+    return ("mkdir -p %(hd)s/run/realetc\n"
+            "mount --rbind /etc %(hd)s/run/realetc\n"
+            "esubs=$(awk '$5 ~ \"^/etc/\" {print $5}' /proc/self/mountinfo)\n"
+            "mount -t overlay overlay -o lowerdir=%(hd)s/etcstub:/etc /etc\n"
+            "for m in $esubs; do [ -e \"$m\" ] && mount --rbind \"%(hd)s/run/realetc${m#/etc}\" \"$m\"; done\n"
+            "mount --bind %(hd)s/pve /etc/pve\n") % {"hd": hd}
+
+
 MODULE_VERSION_TEXT = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  %s  Tue Mar  5 22:23:56 UTC 2024\n"
                        "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
 UVM_MAJOR = 508  # the pct config's lxc.cgroup2.devices.allow for it says the same
@@ -497,16 +546,22 @@ class Testbed:
         smi = hd / "cbin" / "nvidia-smi"
         smi.write_text("#!%s -SE\n%s\nimport sys\nsys.exit(main(%r))\n"
                        % (self.python, (SCRIPTS / "nvidia_smi.py").read_text(), str(hd / "gpu.sock")))
-        for f in (pct, smi):
+        (hd / "sbin" / "pveversion").write_text(PVEVERSION % {"hd": hd})
+        (hd / "home" / ("NVIDIA-Linux-x86_64-%s.run" % DRIVER)).write_text(DRIVER_RUN % {"v": DRIVER})
+        for f in (pct, smi, hd / "sbin" / "pveversion"):
             os.chmod(f, 0o755)
         if any(self.options.get(h, {}).get(v, {}).get("gpus") == "real" for v in vm):
             from . import realgpu
             realgpu.host_nvidia_smi(hd)  # the machine's real nvidia-smi in place of the fake (gpus=real)
         lxc = hd / "pve" / "nodes" / h / "lxc"
         lxc.mkdir(parents=True)
+        os.symlink("nodes/%s/lxc" % h, hd / "pve" / "lxc")
+        (hd / "etcstub" / "pve").mkdir(parents=True)
+        (hd / "pristine").mkdir()
         for v, g in vm.items():
-            (lxc / ("%d.conf" % v)).write_text(_pct_conf(v, g, self.options.get(h, {}).get(v, {}),
-                                                          self.hosts.index(h) + 1))
+            conf = _pct_conf(v, g, self.options.get(h, {}).get(v, {}), self.hosts.index(h) + 1)
+            (lxc / ("%d.conf" % v)).write_text(conf)
+            (hd / "pristine" / ("%d.conf" % v)).write_text(conf)  # what reset() puts back
             self._build_container(h, v, g, py, self.options.get(h, {}).get(v, {}))
         # the host's own mount namespace: our pct and nvidia-smi, the simulated /dev/nvidia*, then sshd
         real_gpus = any(self.options.get(h, {}).get(v, {}).get("gpus") == "real" for v in vm)
@@ -517,9 +572,10 @@ class Testbed:
             "mount -t overlay overlay -o lowerdir=%(hd)s/sbin:/usr/sbin /usr/sbin\n"
             "mount -t overlay overlay -o lowerdir=%(hd)s/cbin:/usr/bin /usr/bin\n"
             "mount --bind %(hd)s/home /root\n"
+            "%(etc)s"
             "%(dev)s"
             "exec /usr/sbin/sshd -D -f %(hd)s/sshd_config -E %(hd)s/sshd.log\n"
-            % {"hd": hd, "dev": "" if real_gpus else host_dev_sh(hd, sim_nodes(self.ngpus))})
+            % {"hd": hd, "dev": "" if real_gpus else host_dev_sh(hd, sim_nodes(self.ngpus)), "etc": etc_pve_sh(hd)})
         (hd / "sshd_config").write_text("\n".join([
             "ListenAddress %s:%d" % (self.address(h), SSH_PORT),
             "HostKey %s/ssh_host_ed25519_key" % hd,
@@ -1131,7 +1187,20 @@ class Testbed:
         self.clear_faults()
         victims = []
         for h in self.hosts:
+            hd = self.root / h
+            shutil.rmtree(hd / "home" / BACKUPS, ignore_errors=True)
             for v in self.spec[h]:
+                conf = hd / "pve" / "nodes" / h / "lxc" / ("%d.conf" % v)
+                pristine = hd / "pristine" / ("%d.conf" % v)
+                if pristine.exists() and conf.read_text() != pristine.read_text():  # deploy prepare changed it
+                    conf.write_text(pristine.read_text())
+                want = ctl.conf_nvidia(str(hd), v)
+                if want is not None and self.init_pid(h, v) and not self.lxc_of(h, v) and \
+                        sorted(want) != sorted(n for n in os.listdir(self.ctdir(h, v) / "dev") if n.startswith("nvidia")):
+                    self.stop_container(h, v)  # started again below: its /dev as the config says
+                if not self.lxc_of(h, v) and sorted(os.listdir(self.ctdir(h, v) / "nvlib")) != \
+                        ["libcuda.so." + DRIVER, "libnvidia-ml.so." + DRIVER]:
+                    write_user_space(self.ctdir(h, v), DRIVER)
                 if not self.init_pid(h, v):
                     self.start_container(h, v)
                 elif self.lxc_of(h, v):  # systemd and its services stay; deploy's units go

@@ -41,6 +41,8 @@ HOST = {
     "ssh_drop_after_s": "seconds (float): every SSH connection to the host is cut that long after it opened",
     "latency_ms": "ms (int): added round-trip time, through a lagproxy in front of sshd (inventory port changes)",
     "keep_env_supported": "bool (default true): false makes pct reject --keep-env like pve-container < 5.0.9",
+    "pve_version": 'version, e.g. "8.0.4" (default "8.2.4"): what pveversion prints; below 8.1 pve-container has no '
+                   "devN: keys (pct set refuses them)",
     "uvm_missing": "bool: /dev/nvidia-uvm and /dev/nvidia-uvm-tools are gone from the host (a reboot with no CUDA "
                    "use on the host); the containers keep theirs",
 }
@@ -150,6 +152,9 @@ def validate(name, value, container):
         raise FaultError('missing_dev_line needs a device path such as "/dev/nvidia1"')
     if name == "torch_cuda" and not (isinstance(value, str) and __import__("re").fullmatch(r"\d{1,2}\.\d{1,2}", value)):
         raise FaultError('torch_cuda needs a CUDA version such as "12.8"')
+    if name == "pve_version" and not (isinstance(value, str) and __import__("re").fullmatch(r"\d+\.\d+(\.\d+)?",
+                                                                                            value)):
+        raise FaultError('pve_version needs a version such as "8.0.4"')
     if name == "shm_mib" and value < 1:
         raise FaultError("shm_mib needs a positive number of MiB")
     if name == "vllm_build" and value not in ("release", "pr40898"):

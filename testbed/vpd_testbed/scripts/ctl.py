@@ -47,6 +47,83 @@ def lxc_of(hostdir, vmid):
     return lxcct.info(lxcct.load_ct(ctdir(hostdir, vmid)))
 
 
+def host_node_missing(hostdir, path):
+    """A device path missing on the simulated host: /dev/nvidia* are the host's GPU files (uvm_missing, a host
+    fault, hides nvidia-uvm*); any other path is looked up as it is."""
+    if not path.startswith("/dev/nvidia"):
+        return not os.path.exists(path)
+    name = path[len("/dev/"):]
+    if "/" in name or not os.path.exists(os.path.join(hostdir, "gpus", name)):
+        return True
+    return name.startswith("nvidia-uvm") and os.path.exists(os.path.join(hostdir, "run", "uvm_missing"))
+
+
+def conf_nvidia(hostdir, vmid):
+    """The /dev/nvidia* nodes the container's pct config passes in: {name: "dev" | "bind" | "optional"}, or None
+    when a hook makes the nodes (lxc.hook.autodev) or the container has the machine's real GPUs."""
+    host = load_host(hostdir)
+    path = os.path.join(hostdir, "pve", "nodes", host["name"], "lxc", "%d.conf" % int(vmid))
+    out = {}
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return None
+    for ln in lines:
+        if ln.startswith("["):
+            break
+        k, _, v = ln.partition(":")
+        k, v = k.strip(), v.strip()
+        if k == "lxc.hook.autodev":
+            return None
+        if k.startswith("dev") and k[3:].isdigit():
+            p = v.split(",")[0]
+            p = p[len("path="):] if p.startswith("path=") else p
+            if p.startswith("/dev/nvidia"):
+                out[p[len("/dev/"):]] = "dev"
+        elif k == "lxc.mount.entry":
+            f = v.split()
+            if len(f) >= 4 and f[0].startswith("/dev/nvidia"):
+                out[f[0][len("/dev/"):]] = "optional" if "optional" in f[3].split(",") else "bind"
+    return out
+
+
+def sync_devices(hostdir, vmid):
+    """At each start, like pve-container and lxc-start: the container's /dev/nvidia* become what its config passes
+    in. A devN: or non-optional bind of a node the host lacks fails the start; an optional bind of one leaves the
+    empty file create=file makes. A node the config no longer passes in goes."""
+    d = os.path.join(ctdir(hostdir, vmid), "dev")
+    try:
+        with open(os.path.join(ctdir(hostdir, vmid), "ct.json")) as f:
+            if json.load(f).get("gpus_real"):
+                return
+    except (OSError, ValueError):
+        pass
+    want = conf_nvidia(hostdir, vmid)
+    if want is None or not os.path.isdir(d):
+        return
+    for name, how in sorted(want.items()):
+        if how != "optional" and host_node_missing(hostdir, "/dev/" + name):
+            raise RuntimeError("Device /dev/%s does not exist" % name if how == "dev" else
+                               "lxc-start: failed to mount /dev/%s onto dev/%s" % (name, name))
+    for name in os.listdir(d):
+        if name.startswith("nvidia") and name not in want:
+            os.unlink(os.path.join(d, name))
+    for name, how in want.items():
+        src, dst = os.path.join(hostdir, "gpus", name), os.path.join(d, name)
+        if host_node_missing(hostdir, "/dev/" + name):
+            if os.path.lexists(dst):
+                os.unlink(dst)
+            open(dst, "w").close()  # create=file: an empty regular file where the node should be
+            continue
+        try:
+            if os.path.samefile(src, dst):
+                continue
+            os.unlink(dst)
+        except OSError:
+            pass
+        os.link(src, dst)
+
+
 def init_pid(hostdir, vmid):
     """PID (root namespace) of the container's init, or None when the container is stopped."""
     d = ctdir(hostdir, vmid)
@@ -139,6 +216,7 @@ def _start(hostdir, vmid, python, root_ns_pid=None, timeout=20.0):
     lx = lxc_of(hostdir, vmid)
     if lx:
         return _lxcct().start(lx)
+    sync_devices(hostdir, vmid)
     ctjson = os.path.join(d, "ct.json")
     here = os.path.join(os.path.dirname(os.path.abspath(hostdir)), "bin")  # the state dir's copy
     argv = ["unshare", "--pid", "--mount", "--net", "--uts", "--ipc", "--fork", "--mount-proc",

@@ -23,6 +23,9 @@ NAME = "NVIDIA H100 80GB HBM3"
 MISMATCH_VERSION = "550.90"  # the containers' user-space driver under nvidia_smi_mismatch=containers
 MISMATCH_TEXT = "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: %s\n" \
     % MISMATCH_VERSION
+NO_LIB_TEXT = ("NVIDIA-SMI couldn't find libnvidia-ml.so library in your system. Please make sure that the NVIDIA "
+               "Display Driver is properly installed and present in your system.\nPlease also try adding directory "
+               "that contains libnvidia-ml.so to your system PATH.\n")
 TOTAL = 81559
 DRIVER = "550.54.15"
 CUDA = "12.4"
@@ -303,7 +306,32 @@ class Sim:
         return "\n".join(o) + "\n"
 
     # ---- server ----------------------------------------------------------------------------------
-    def handle(self, conn, gpus, in_container):
+    def ct_view(self, vmid, gpus):
+        """A container's GPUs (the /dev/nvidia<i> in its /dev that are the host's files: its pct config at its
+        last start, ctl.sync_devices) and its user-space driver version (the libnvidia-ml.so.* in its nvlib)."""
+        d = os.path.join(self.hostdir, "ct%s" % vmid)
+        try:
+            with open(os.path.join(d, "ct.json")) as f:
+                if json.load(f).get("gpus_real"):
+                    return gpus, None
+        except (OSError, ValueError):
+            pass
+        seen = []
+        for i in range(self.ngpus):
+            try:
+                if os.path.samefile(os.path.join(d, "dev", "nvidia%d" % i),
+                                    os.path.join(self.hostdir, "gpus", "nvidia%d" % i)):
+                    seen.append(i)
+            except OSError:
+                pass
+        try:
+            libs = [f[len("libnvidia-ml.so."):] for f in os.listdir(os.path.join(d, "nvlib"))
+                    if f.startswith("libnvidia-ml.so.")]
+        except OSError:
+            libs = None  # no nvlib directory (gpus=real): not this simulator's business
+        return (seen if os.path.isdir(os.path.join(d, "dev")) else gpus), libs
+
+    def handle(self, conn, gpus, in_container, vmid=None):
         try:
             f = conn.makefile("rb")
             line = f.readline()
@@ -329,9 +357,16 @@ class Sim:
                         if r and not conn.recv(1):
                             return
                 mismatch = self.faults().get("nvidia_smi_mismatch")
-                if mismatch == "everywhere" or (mismatch == "containers" and in_container):
+                libs = None
+                if vmid is not None:
+                    gpus, libs = self.ct_view(vmid, gpus)
+                if mismatch == "everywhere":
                     # what nvidia-smi 550 prints (stdout, exit 18) when libnvidia-ml and the kernel module differ
                     rc, out, err = 18, MISMATCH_TEXT, ""
+                elif libs is not None and not libs:
+                    rc, out, err = 12, NO_LIB_TEXT, ""
+                elif libs and DRIVER not in libs:  # the container's user space differs from the module
+                    rc, out, err = 18, MISMATCH_TEXT.replace(MISMATCH_VERSION, sorted(libs)[-1]), ""
                 else:
                     rc, out, err = self.smi([str(a) for a in req.get("argv", [])], gpus, in_container)
                 resp = {"rc": rc, "out": out, "err": err}
@@ -344,7 +379,7 @@ class Sim:
         finally:
             conn.close()
 
-    def serve(self, path, gpus, in_container):
+    def serve(self, path, gpus, in_container, vmid=None):
         try:
             os.unlink(path)
         except OSError:
@@ -357,7 +392,7 @@ class Sim:
         def loop():
             while True:
                 conn, _ = s.accept()
-                threading.Thread(target=self.handle, args=(conn, gpus, in_container), daemon=True).start()
+                threading.Thread(target=self.handle, args=(conn, gpus, in_container, vmid), daemon=True).start()
 
         threading.Thread(target=loop, daemon=True).start()
 
@@ -367,7 +402,7 @@ def main():
     sim = Sim(hostdir)
     sim.serve(os.path.join(hostdir, "gpu.sock"), list(range(sim.ngpus)), False)
     for vmid, c in sim.host["containers"].items():
-        sim.serve(os.path.join(hostdir, "ct%s" % vmid, "run", "nvidia-sim.sock"), sorted(c["gpus"]), True)
+        sim.serve(os.path.join(hostdir, "ct%s" % vmid, "run", "nvidia-sim.sock"), sorted(c["gpus"]), True, vmid)
     with open(os.path.join(hostdir, "gpusim.ready"), "w") as f:
         f.write("%d\n" % os.getpid())
     sim.background()

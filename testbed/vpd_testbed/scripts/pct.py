@@ -1,7 +1,7 @@
 """The simulated host's /usr/sbin/pct (stdlib only, run with python3 -SE; see docs/testbed.md).
 
 Behaves like Proxmox VE's pct for the sub-commands the deploy tool uses: list, status, exec, start, stop,
-shutdown, config, push, pull. Errors go to stderr with exit status 255, like pct's `die`.
+shutdown, reboot, config, set (devN only, as `deploy prepare` uses it), push, pull. Errors go to stderr with exit status 255, like pct's `die`.
 """
 import json
 import os
@@ -157,9 +157,13 @@ def cmd_reboot(hostdir, host, args):
     return cmd_start(hostdir, host, [str(vmid)])
 
 
+def conf_path(hostdir, host, vmid):
+    return os.path.join(hostdir, "pve", "nodes", host["name"], "lxc", "%d.conf" % vmid)
+
+
 def cmd_config(hostdir, host, args):
     vmid = get_ct(host, need_vmid(args, "pct config <vmid> [OPTIONS]"))
-    path = os.path.join(hostdir, "pve", "nodes", host["name"], "lxc", "%d.conf" % vmid)
+    path = conf_path(hostdir, host, vmid)
     try:  # the container fault missing_dev_line: the line passing that device in is not printed
         with open(os.path.join(hostdir, "ct%d" % vmid, "faults", "faults.json")) as f:
             hide = json.load(f).get("missing_dev_line")
@@ -172,6 +176,77 @@ def cmd_config(hostdir, host, args):
             continue
         if line.strip() and not line.startswith("#"):
             sys.stdout.write(line)
+    return 0
+
+
+def old_pve(hostdir):
+    """pve_version (a host fault) below 8.1: a pve-container without devN: keys."""
+    v = str(host_faults(hostdir).get("pve_version") or "8.2.4")
+    return tuple(int(x) for x in v.split(".")[:2]) < (8, 1)
+
+
+def cmd_set(hostdir, host, args):
+    """pct set VMID --devN PATH[,opts] ... [--delete devN[,devM]]: like pve-container, the config is rewritten
+    with its keys sorted (raw lxc.* keys after them, snapshot sections untouched); the host path must exist."""
+    usage = "pct set <vmid> [OPTIONS]"
+    if not args:
+        die("400 not enough arguments\n" + usage)
+    vmid = get_ct(host, args[0])
+    sets, delete = {}, []
+    i = 1
+    while i < len(args):
+        a = args[i].lstrip("-")
+        if not args[i].startswith("-"):
+            die("400 too many arguments\n" + usage)
+        k, eq, v = a.partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                die("Option %s requires an argument\n400 unable to parse option\n%s" % (k, usage))
+            i += 1
+            v = args[i]
+        if k == "delete":
+            delete += [x.strip() for x in v.split(",") if x.strip()]
+        elif k.startswith("dev") and k[3:].isdigit() and int(k[3:]) < 256 and not old_pve(hostdir):
+            path = v.split(",")[0]
+            path = path[len("path="):] if path.startswith("path=") else path
+            if not path.startswith("/dev/"):
+                die("400 Parameter verification failed.\n%s: invalid format - not a device path\n" % k)
+            if ctl.host_node_missing(hostdir, path):
+                die("400 Parameter verification failed.\n%s: Path %s does not exist\n" % (k, path))
+            sets[k] = v
+        else:
+            die("Unknown option: %s\n400 unable to parse option\n%s" % (k, usage))
+        i += 1
+    path = conf_path(hostdir, host, vmid)
+    text = open(path).read()
+    cut = len(text)
+    for m in ("\n[",):
+        j = text.find(m)
+        if j >= 0:
+            cut = j + 1
+    if text.startswith("["):
+        cut = 0
+    main_, rest = text[:cut], text[cut:]
+    comments, keys, raw = [], {}, []
+    for ln in main_.splitlines():
+        if not ln.strip():
+            continue
+        if ln.startswith("#"):
+            comments.append(ln)
+            continue
+        k, _, v = ln.partition(":")
+        if k.strip().startswith("lxc."):
+            raw.append(ln)
+        else:
+            keys[k.strip()] = v.strip()
+    for k in delete:
+        keys.pop(k, None)
+    keys.update(sets)
+    out = comments + ["%s: %s" % (k, keys[k]) for k in sorted(keys)] + raw
+    tmp = path + ".tmp.%d" % os.getpid()
+    with open(tmp, "w") as f:
+        f.write("\n".join(out) + "\n" + (("\n" + rest.lstrip("\n")) if rest else ""))
+    os.rename(tmp, path)
     return 0
 
 
@@ -245,7 +320,7 @@ def cmd_pull(hostdir, host, args):
 
 
 COMMANDS = {"list": cmd_list, "status": cmd_status, "exec": cmd_exec, "start": cmd_start, "stop": cmd_stop,
-            "shutdown": cmd_shutdown, "reboot": cmd_reboot, "config": cmd_config, "push": cmd_push, "pull": cmd_pull}
+            "shutdown": cmd_shutdown, "reboot": cmd_reboot, "config": cmd_config, "set": cmd_set, "push": cmd_push, "pull": cmd_pull}
 
 
 def main(hostdir, argv):

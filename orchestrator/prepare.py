@@ -1,0 +1,472 @@
+"""`deploy prepare HOST/VMID`: make a container GPU-ready, planned first, every change read back (issue 34 part 2).
+
+What it changes, and only that (docs/gpu-containers.md, "deploy prepare"):
+- the container's own `/etc/pve/lxc/VMID.conf`: a line for each GPU node it lacks: `devN:` entries through
+  `pct set` where pve-container has them (Proxmox 8.1+, or the config already uses them), else raw
+  `lxc.mount.entry` binds plus an `lxc.cgroup2.devices.allow` rule for each major the host really uses. A backup
+  first (BACKUP_DIR on the host), the result read back with `pct config` (every planned line there, every line
+  that was there still there). Lines are only added, never removed: an old rule for a stale major is named, not
+  deleted;
+- a restart of that container (`pct reboot`, or `pct start` when it is stopped) only when confirmed, naming a vLLM
+  that runs there;
+- the user-space driver in the container, from a `.run` file the user names on the host, of the host module's
+  exact version (`--no-kernel-module --silent`), checked afterwards by the container's nvidia-smi.
+The host side is otherwise read-only: no `fuser`, no install, no module load on the host (a missing
+/dev/nvidia-uvm is refused with its fix). Another container's config is never touched; GPUs a running vLLM in
+another container holds (by its playbook) are refused.
+
+plan() is pure (facts in, changes out); run() gathers the facts over the command's one SSH connection, applies,
+reads back and checks with the gpu-plumbing check (plumbing.findings).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+
+from . import plumbing as PL
+from .errors import DeployError, UsageError
+from .remote import shell_join, shell_word
+
+BACKUP_DIR = "/root/vllm-pve-deploy-backups"
+DEV_MIN_PVE = (8, 1)  # pve-container's devN: keys came with Proxmox VE 8.1 (../shared/domain/lxc-gpu-plumbing.md)
+RUN_RE = re.compile(r"NVIDIA-Linux-[A-Za-z0-9_]+-(\d{2,4}\.\d{1,4}(?:\.\d{1,4})?)(?:-[A-Za-z0-9_.-]+)?\.run")
+HOST_PATH_RE = re.compile(r"/[A-Za-z0-9._+/-]{1,400}")
+RUN_IN_CT = "/tmp/vpd-nvidia-driver.run"
+
+PROBE_SH = r"""
+V="$1"; R="$2"
+echo "@@ pve"; pveversion 2>/dev/null | head -n 1 | head -c 200; echo
+echo "@@ status"; pct status "$V" 2>&1 | head -n 1 | head -c 200; echo
+echo "@@ conf"; C=/etc/pve/lxc/$V.conf; if [ -f "$C" ]; then head -c 65536 "$C"; fi
+echo "@@ run"; if [ -n "$R" ]; then if [ -f "$R" ]; then echo "file $(stat -c %s "$R")"; else echo missing; fi; fi
+exit 0
+"""
+# the container's vLLM processes, by their command lines (text to show, never to run)
+VLLM_PS = r"""for d in /proc/[0-9]*; do c=$(tr '\0' ' ' < "$d/cmdline" 2>/dev/null); set -f; set -- $c; set +f
+case "$1 $2" in
+  "vllm serve"|*"/vllm serve") echo "${d#/proc/} $c";;
+  *python*" -m") case "$3" in vllm.entrypoints*) echo "${d#/proc/} $c";; esac;;
+esac; done | head -n 5 | cut -c1-200"""
+WRITE_SH = r"""
+C="$1"; OLD="$2"
+[ "$(sha256sum "$C" | cut -d' ' -f1)" = "$OLD" ] || { echo "$C changed since it was read"; exit 3; }
+cat > "$C.vpd-new" && mv -f "$C.vpd-new" "$C"
+"""
+BACKUP_SH = r"""
+C="$1"; B="$2"
+mkdir -p -m 0700 "${B%/*}" && cp -p "$C" "$B" && cmp -s "$C" "$B" && sha256sum "$B" | cut -d' ' -f1
+"""
+
+
+def parse_gpus(text: str) -> list[int]:
+    """"0-3" / "0,2" / "1" -> sorted indices; UsageError for anything else."""
+    out = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d{1,2})(?:-(\d{1,2}))?", part)
+        if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
+            raise UsageError(f"--gpus {text!r}: expected indices like 0-3 or 0,1", fix="deploy prepare HOST/VMID --gpus 0-3")
+        out.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
+    return sorted(out)
+
+
+def parse_probe(text: str) -> dict:
+    out = {"pve": None, "running": None, "conf": "", "run": None}
+    sec, conf = None, []
+    for ln in (text or "").splitlines():
+        if ln.startswith("@@ "):
+            sec = ln[3:].strip()
+            continue
+        if sec == "pve" and ln.strip() and out["pve"] is None:
+            m = re.search(r"pve-manager/(\d+)\.(\d+)", ln)
+            out["pve"] = (int(m.group(1)), int(m.group(2))) if m else None
+        elif sec == "status" and ln.strip():
+            out["running"] = ln.strip() == "status: running"
+        elif sec == "conf":
+            conf.append(ln)
+        elif sec == "run" and ln.strip():
+            out["run"] = ln.strip()
+    out["conf"] = "\n".join(conf).strip("\n") + "\n" if conf else ""
+    return out
+
+
+def wanted_nodes(gpus: list[int]) -> list[str]:
+    return [f"/dev/nvidia{g}" for g in gpus] + ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+
+
+def plan(host_facts: dict, probe: dict, *, host: str, vmid: int, gpus: list[int], style: str | None = None) -> dict:
+    """-> {style, why_style, missing, blockers: [finding], set_argv, add_lines, notes, conf_new}: the config change
+    that passes every wanted node in (nothing when all are). Pure."""
+    cfg = PL.parse_config(host_facts["config"])
+    nodes = host_facts.get("nodes") or {}
+    want = wanted_nodes(gpus)
+    blockers = [f for f in PL.findings(host_facts, None, host_name=host, vmid=vmid, gpus=gpus)
+                if f["problem"] in ("uvm-missing-on-host", "host-node-missing")]
+    raw_used = bool(cfg["mounts"] or any(a["major"] not in ("*",) for a in cfg["allow"])) and not cfg["dev"]
+    pve = probe.get("pve")
+    if style:
+        why = f"--style {style}"
+    elif cfg["dev"]:
+        style, why = "dev", "the config already passes GPUs with devN: lines"
+    elif raw_used:
+        style, why = "raw", "the config already passes GPUs with lxc.mount.entry lines (one style per config)"
+    elif pve and pve >= DEV_MIN_PVE:
+        style, why = "dev", f"Proxmox VE {pve[0]}.{pve[1]} has pve-container's devN: keys"
+    else:
+        style, why = "raw", ("pveversion not found: raw lxc lines work on every version" if not pve else
+                             f"Proxmox VE {pve[0]}.{pve[1]} is older than 8.1: no devN: keys")
+    missing = [p for p in want if p not in cfg["dev"] and p not in cfg["mounts"]]
+    res = {"style": style, "why_style": why, "missing": missing, "blockers": blockers, "set_argv": None,
+           "add_lines": [], "notes": [], "conf_new": None}
+    if style == "dev":
+        used = {int(m.group(1)) for ln in host_facts["config"] if (m := re.match(r"dev(\d+):", ln))}
+        argv, n = ["pct", "set", str(int(vmid))], 0
+        for p in missing:
+            while n in used:
+                n += 1
+            used.add(n)
+            argv += [f"--dev{n}", p]
+            res["add_lines"].append(f"dev{n}: {p}")
+        res["set_argv"] = argv if missing else None
+    else:
+        add, majors = [], set()
+        for p in want:
+            node = nodes.get(p) or {}
+            mj = node.get("major")
+            if mj is not None and not PL.allowed(cfg, mj, node.get("minor")) and mj not in majors:
+                majors.add(mj)
+                add.append(f"lxc.cgroup2.devices.allow: c {mj}:* rwm")
+        add += [f"lxc.mount.entry: {p} {p[1:]} none bind,optional,create=file" for p in missing]
+        host_majors = {str(n["major"]) for p, n in nodes.items() if n.get("major") is not None}
+        for a in cfg["allow"]:
+            if a["major"] != "*" and a["major"] not in host_majors and int(a["major"]) in (243, 234, 235, 236, 237) + \
+                    tuple(range(500, 512)):
+                res["notes"].append(f"left in place: `{a['line']}` (no /dev/nvidia* node on the host has major "
+                                    f"{a['major']} now: a stale rule from before a driver update; remove it by hand "
+                                    "if nothing else uses it)")
+        res["add_lines"] = add
+        if add:
+            res["conf_new"] = insert_lines(probe.get("conf") or "", add)
+    return res
+
+
+def insert_lines(conf: str, lines: list[str]) -> str:
+    """The config with `lines` added at the end of its main section (before the first [snapshot] section)."""
+    text = conf if conf.endswith("\n") or not conf else conf + "\n"
+    m = re.search(r"^\[", text, re.M)
+    head, tail = (text[: m.start()], text[m.start():]) if m else (text, "")
+    head = head.rstrip("\n") + "\n" if head.strip() else ""
+    return head + "".join(ln + "\n" for ln in lines) + ("\n" + tail if tail else "")
+
+
+def check_driver_run(path: str | None, module: str | None) -> str | None:
+    """--driver-run PATH -> None when usable, else why not (the version its name says vs the host's module)."""
+    if path is None:
+        return None
+    if not HOST_PATH_RE.fullmatch(path) or "/../" in path + "/":
+        return f"--driver-run {path!r}: expected an absolute path on the host (letters, digits, ._+-/)"
+    m = RUN_RE.fullmatch(path.rsplit("/", 1)[-1])
+    if not m:
+        return (f"--driver-run {path}: the name does not say its version (NVIDIA-Linux-x86_64-VERSION.run), so it "
+                f"cannot be checked against the host's kernel module {module or '(unknown)'}")
+    if module and m.group(1) != module:
+        return (f"--driver-run {path} is driver {m.group(1)}, the host's kernel module is {module}: the user space "
+                f"must be exactly {module} (else NVML's Driver/library version mismatch)")
+    return None
+
+
+def parse_smi(out: str) -> dict:
+    """The container's `nvidia-smi --query-gpu=index,driver_version --format=csv,noheader` -> {gpus, versions, error}."""
+    gpus, versions, err = [], set(), None
+    for ln in (out or "").splitlines()[:64]:
+        f = [x.strip() for x in ln.split(",")]
+        if len(f) == 2 and f[0].isdigit() and PL.VERSION_RE.fullmatch(f[1]):
+            gpus.append(int(f[0]))
+            versions.add(f[1])
+        elif ln.strip() and err is None:
+            err = PL.clean(ln, 200)
+    return {"gpus": gpus, "versions": sorted(versions), "error": err if not gpus else None}
+
+
+SMI_ARGV = ["nvidia-smi", "--query-gpu=index,driver_version", "--format=csv,noheader"]
+
+
+def container_smi(session, vmid: int) -> dict:
+    try:
+        r = session.ct(vmid, SMI_ARGV, timeout=30, label="prepare: nvidia-smi", max_output=64 << 10)
+    except DeployError as e:
+        return {"gpus": [], "versions": [], "error": PL.clean(e.message, 200)}
+    s = parse_smi(r.out)
+    if r.exited == 127 or (not s["gpus"] and not s["error"]):
+        s["error"] = PL.clean((r.err or r.out).strip() or f"exit {r.exited}", 200)
+    return s
+
+
+def vllm_in(session, vmid: int) -> list[str]:
+    try:
+        r = session.ct(vmid, ["sh", "-c", VLLM_PS], timeout=20, label="prepare: vllm processes", max_output=8192)
+    except DeployError:
+        return []
+    return [PL.clean(ln, 160) for ln in r.out.splitlines() if ln.strip()][:5] if r.ok else []
+
+
+class Prepare:
+    """One `deploy prepare`: facts, plan, and (unless dry_run) the changes, in order; the result as a dict."""
+
+    def __init__(self, fleet, inv, host: str, vmid: int, runtime: dict, gpus: list[int], *, driver_run=None,
+                 style=None, yes=False, confirm=None, progress=None, tp: int = 1, others=()):
+        self.fleet, self.inv, self.host, self.vmid = fleet, inv, host, int(vmid)
+        self.runtime, self.gpus, self.driver_run, self.style = runtime or {}, gpus, driver_run, style
+        self.yes, self.confirm, self.progress, self.tp, self.others = yes, confirm, progress, tp, list(others)
+        self.conf = f"/etc/pve/lxc/{self.vmid}.conf"
+        self.res = {"where": f"{host}/{self.vmid}", "gpus": gpus, "ok": False, "dry_run": False, "plan": [],
+                    "applied": [], "pending": [], "backup": None, "restore": None, "notes": [], "findings": [],
+                    "container_nvidia_smi": None}
+
+    def say(self, msg):
+        if self.progress is not None:
+            self.progress.say(f"{self.host}/{self.vmid}", msg)
+
+    def step(self, name, command, why):
+        self.res["plan"].append({"step": name, "command": command, "why": why})
+
+    # ---------------------------------------------------------------- facts and plan
+    def gather(self):
+        if self.driver_run is not None and not HOST_PATH_RE.fullmatch(self.driver_run) or \
+                "/../" in (self.driver_run or "") + "/":
+            raise UsageError(check_driver_run(self.driver_run, None) + "; nothing was run", fix="--driver-run "
+                             "/root/NVIDIA-Linux-x86_64-VERSION.run (an absolute path on the host)")
+        s = self.session = self.fleet.session(self.host)
+        self.hf = PL.read_host(s, self.vmid, label="prepare: host facts")
+        if self.hf.get("error"):
+            raise DeployError(f"cannot read the host side of {self.host}/{self.vmid}: {self.hf['error']}",
+                              where=f"{self.host}/{self.vmid}", fix=f"pct config {self.vmid} on {self.host}")
+        r = s.run(["sh", "-c", PROBE_SH, "sh", str(self.vmid), self.driver_run or ""], timeout=30,
+                  vmid=self.vmid, label="prepare: probe", max_output=128 << 10)
+        self.pr = parse_probe(r.out)
+        self.running = bool(self.pr["running"])
+        self.module = self.hf.get("module_version") or self.hf.get("smi_driver")
+        why = check_driver_run(self.driver_run, self.module)
+        if why is None and self.driver_run and not str(self.pr["run"] or "").startswith("file "):
+            why = f"--driver-run {self.driver_run}: no such file on {self.host}"
+        if why:
+            raise UsageError(why + "; nothing was changed",
+                             fix=f"the .run the host was installed with: NVIDIA-Linux-x86_64-{self.module or 'VERSION'}"
+                                 f".run (download.nvidia.com/XFree86/Linux-x86_64/{self.module or 'VERSION'}/)")
+        # GPUs a running vLLM in another container of this host serves (by its playbook): never shared silently
+        for name, other, ogpus in self.others:
+            both = sorted(set(ogpus) & set(self.gpus))
+            if not both:
+                continue
+            procs = vllm_in(s, other)
+            if procs:
+                raise UsageError(f"GPU(s) {both} are served by playbook {name} in container {self.host}/{other} "
+                                 f"(vLLM running: {procs[0]}); passing them into {self.vmid} too would let two "
+                                 "containers load onto the same GPUs; nothing was changed",
+                                 where=f"{self.host}/{self.vmid}",
+                                 fix=f"choose other GPUs (--gpus), or deploy down {name} first")
+            self.res["notes"].append(f"GPU(s) {both} are also assigned by playbook {name} to {self.host}/{other} "
+                                     "(not running now): do not run both at once")
+        self.pl = plan(self.hf, self.pr, host=self.host, vmid=self.vmid, gpus=self.gpus, style=self.style)
+        self.res.update(style=self.pl["style"], why_style=self.pl["why_style"], missing=self.pl["missing"],
+                        add_lines=self.pl["add_lines"], blockers=self.pl["blockers"],
+                        running=self.running, module_version=self.module)
+        self.res["notes"] += self.pl["notes"]
+        self.smi = container_smi(s, self.vmid) if self.running else None
+        self.res["container_nvidia_smi"] = self.smi
+
+    def make_plan(self, stamp: str):
+        v = self.vmid
+        self.backup = f"{BACKUP_DIR}/{v}.conf.{stamp}"
+        changing = bool(self.pl["add_lines"])
+        if changing:
+            self.step("backup", f"cp -p {self.conf} {self.backup}", "a copy of the config before it changes")
+            if self.pl["style"] == "dev":
+                self.step("config", shell_join(self.pl["set_argv"]), f"devN: lines ({self.pl['why_style']})")
+            else:
+                self.step("config", f"append to {self.conf}: " + "; ".join(self.pl["add_lines"]),
+                          f"raw lxc lines ({self.pl['why_style']}); written only if the file did not change since "
+                          "it was read")
+            self.step("read back", f"pct config {v}", "every line above there, every line that was there kept")
+        verb = "pct reboot" if self.running else "pct start"
+        if changing or not self.running:
+            self.step("restart", f"{verb} {v}", "the container sees new device lines only at its start; asked "
+                                                "first (-y: without asking)")
+        if self.driver_run:
+            run = shell_word(self.driver_run)
+            self.step("driver", f"pct push {v} {run} {RUN_IN_CT}; pct exec {v} -- sh {RUN_IN_CT} "
+                                f"--no-kernel-module --silent; pct exec {v} -- rm -f {RUN_IN_CT}",
+                      f"the user-space driver {self.module} (the host's kernel module), no kernel module")
+        self.step("check", f"gpu-plumbing check and pct exec {v} -- {shell_join(SMI_ARGV)}",
+                  f"GPUs {self.gpus} seen, driver {self.module} in user space")
+
+    # ---------------------------------------------------------------- changes
+    def apply_config(self):
+        s, v = self.session, self.vmid
+        r = s.run(["sh", "-c", BACKUP_SH, "sh", self.conf, self.backup], timeout=30, vmid=v, label="prepare: backup")
+        if not r.ok or not re.fullmatch(r"[0-9a-f]{64}", r.out.strip()):
+            raise DeployError(f"backup of {self.conf} to {self.backup} failed: {PL.clean(r.err or r.out)}; nothing "
+                              "was changed", where=f"{self.host}/{v}", fix=f"check {BACKUP_DIR} on {self.host}")
+        self.res["backup"] = self.backup
+        self.res["restore"] = f"cp {self.backup} {self.conf} (on {self.host}), then pct reboot {v}"
+        self.res["applied"].append(f"backup {self.backup}")
+        before = list(self.hf["config"])
+        if self.pl["style"] == "dev":
+            r = s.run(self.pl["set_argv"], timeout=60, vmid=v, label="prepare: pct set")
+            if not r.ok:
+                raise DeployError(f"`{shell_join(self.pl['set_argv'])}` failed on {self.host}: "
+                                  f"{PL.clean(r.err or r.out, 400)}; the config is as it was (backup {self.backup})",
+                                  where=f"{self.host}/{v} {self.conf}",
+                                  fix="--style raw writes lxc.mount.entry lines instead (pve-container without devN:)")
+        else:
+            old = hashlib.sha256(self.pr["conf"].encode()).hexdigest()
+            r = s.run(["sh", "-c", WRITE_SH, "sh", self.conf, old], stdin=self.pl["conf_new"], timeout=30, vmid=v,
+                      label="prepare: write config")
+            if not r.ok:
+                raise DeployError(f"writing {self.conf} failed: {PL.clean(r.err or r.out, 400)}; the config is as it "
+                                  f"was (backup {self.backup})", where=f"{self.host}/{v} {self.conf}",
+                                  fix=f"deploy prepare {self.host}/{v} again")
+        self.res["applied"].append("config: " + "; ".join(self.pl["add_lines"]))
+        after = PL.read_host(s, v, label="prepare: read back")
+        if after.get("error"):
+            raise DeployError(f"read back of {self.conf} failed: {after['error']}", where=f"{self.host}/{v}",
+                              fix=self.res["restore"])
+        cfg = PL.parse_config(after["config"])
+        lost = [ln for ln in before if ln not in after["config"]]
+        absent = [p for p in self.pl["missing"] if p not in cfg["dev"] and p not in cfg["mounts"]]
+        if lost or absent:
+            raise DeployError(f"read back of {self.conf} (pct config {v}) does not show the change: " +
+                              (f"no line passing {', '.join(absent)} in" if absent else "") +
+                              ("; " if lost and absent else "") +
+                              (f"lines that were there are gone: {'; '.join(lost[:5])}" if lost else ""),
+                              where=f"{self.host}/{v} {self.conf}", fix=f"restore it: {self.res['restore']}")
+        self.hf = after
+        self.res["applied"].append(f"read back: pct config {v} passes in {', '.join(self.pl['missing'])}")
+
+    def restart(self, changed: bool):
+        s, v = self.session, self.vmid
+        if self.running and not changed:
+            return True
+        procs = vllm_in(s, v) if self.running else []
+        verb = "reboot" if self.running else "start"
+        what = (f"Restart container {self.host}/{v} now (pct reboot)?" if self.running else
+                f"Start container {self.host}/{v} now (pct start)?")
+        if procs:
+            what += f" vLLM runs there and stops with it: {procs[0]}"
+            self.res["notes"].append(f"vLLM was running in {self.host}/{v}: {procs[0]}")
+        if not (self.yes or (self.confirm and self.confirm(what))):
+            self.res["pending"].append(f"pct {verb} {v} on {self.host} (not confirmed: the container sees the new "
+                                       "lines at its next start; pass -y to do it)")
+            return False
+        self.say(f"pct {verb}")
+        r = s.run(["pct", verb, str(v)], timeout=180, vmid=v, label=f"prepare: pct {verb}")
+        if not r.ok:
+            raise DeployError(f"pct {verb} {v} failed on {self.host}: {PL.clean(r.err or r.out, 400)}",
+                              where=f"{self.host}/{v}",
+                              fix=f"see the message; the config backup: {self.res['restore'] or 'none made'}")
+        self.running = True
+        self.res["applied"].append(f"pct {verb} {v}")
+        return True
+
+    def install_driver(self):
+        s, v = self.session, self.vmid
+        self.say(f"installing the user-space driver {self.module} from {self.driver_run}")
+        push = ["pct", "push", str(v), self.driver_run, RUN_IN_CT, "--perms", "0700"]
+        inst = ["sh", RUN_IN_CT, "--no-kernel-module", "--silent"]
+        for argv, run in ((push, lambda: s.run(push, timeout=300, vmid=v, label="prepare: push driver")),
+                          (["pct", "exec", str(v), "--"] + inst,
+                           lambda: s.ct(v, inst, timeout=900, label="prepare: driver install", max_output=1 << 20))):
+            r = run()
+            if not r.ok:
+                s.ct(v, ["rm", "-f", RUN_IN_CT], timeout=30, label="prepare: rm")
+                tail = PL.clean((r.err or r.out).strip()[-400:], 400)
+                raise DeployError(f"`{shell_join(argv)}` failed (exit {r.exited}): {tail}",
+                                  where=f"{self.host}/{v}", fix="see the installer's message; in the container its "
+                                                                "log is /var/log/nvidia-installer.log")
+        s.ct(v, ["rm", "-f", RUN_IN_CT], timeout=30, label="prepare: rm")
+        self.res["applied"].append(f"driver {self.module} user space from {self.driver_run}")
+
+    def final_check(self):
+        s, v = self.session, self.vmid
+        self.smi = container_smi(s, v)
+        self.res["container_nvidia_smi"] = self.smi
+        ct = None
+        try:
+            from . import agent
+            from .status import DEFAULT_PYTHON
+
+            r = agent.call(s, v, self.runtime.get("python") or DEFAULT_PYTHON, "plumbing", {}, timeout=30)
+            ct = r.plumbing if isinstance(r.plumbing, dict) else None
+        except DeployError as e:
+            self.res["notes"].append(f"the container side of the gpu-plumbing check was not read ({e.message}); "
+                                     "nvidia-smi in the container stands in for it")
+        host = PL.read_host(s, v, label="prepare: check")
+        found = PL.findings(None if host.get("error") else host, ct, host_name=self.host, vmid=v, gpus=self.gpus,
+                            tp=self.tp)
+        sm = self.smi
+        if sm["error"] or sm["versions"] != [self.module] or len(sm["gpus"]) != len(self.gpus):
+            PL._f(found, "container-nvidia-smi", f"{self.host}/{v}: nvidia-smi",
+                  f"{len(self.gpus)} GPU(s) listed, driver {self.module}",
+                  sm["error"] or f"{len(sm['gpus'])} GPU(s), driver {', '.join(sm['versions']) or '?'}",
+                  f"deploy prepare {self.host}/{v} --gpus {','.join(map(str, self.gpus))}" +
+                  ("" if self.driver_run else f" --driver-run /root/NVIDIA-Linux-x86_64-{self.module}.run") + " -y",
+                  "what vLLM will see: the container's own nvidia-smi")
+        uniq = {}
+        for f in found:
+            uniq.setdefault((f["problem"], f["where"]), f)
+        self.res["findings"] = list(uniq.values())
+
+    def run(self, dry_run: bool = False) -> dict:
+        self.gather()
+        self.make_plan(time.strftime("%Y%m%d-%H%M%S"))
+        if self.pl["blockers"]:
+            self.res["findings"] = self.pl["blockers"]
+            self.res["pending"].append("the host side first (see the findings): prepare changes nothing on the host")
+            return self.res
+        if dry_run:
+            self.res["dry_run"] = True
+            return self.res
+        changed = bool(self.pl["add_lines"])
+        if changed:
+            self.apply_config()
+        started = self.restart(changed)
+        if started and self.driver_run:
+            self.install_driver()
+        elif not started and self.driver_run:
+            self.res["pending"].append("driver install (the container is not restarted)")
+        if self.running:
+            self.final_check()
+        self.res["ok"] = not self.res["pending"] and not self.res["findings"]
+        return self.res
+
+
+def render(res: dict) -> str:
+    """The result for a person (the output layer makes it terminal-safe)."""
+    out = [f"prepare {res['where']}: GPUs {res['gpus']}, style {res.get('style')} ({res.get('why_style')})"]
+    if res.get("missing"):
+        out.append(f"  missing from the config: {', '.join(res['missing'])}")
+    else:
+        out.append("  the config already passes every node in")
+    out.append("plan:" if res["dry_run"] or not res["applied"] else "plan (run):")
+    for n, st in enumerate(res["plan"], 1):
+        out.append(f"  {n}. {st['step']:<10} {st['command']}")
+        out.append(f"     {'':<10} ({st['why']})")
+    for a in res["applied"]:
+        out.append(f"done:    {a}")
+    for p in res["pending"]:
+        out.append(f"PENDING: {p}")
+    for n in res["notes"]:
+        out.append(f"note:    {n}")
+    if res.get("backup"):
+        out.append(f"backup:  {res['backup']}; to undo: {res['restore']}")
+    if res["findings"]:
+        out.append(PL.render(res["findings"]))
+    if res["dry_run"]:
+        out.append("dry run: nothing was changed")
+    elif res["ok"]:
+        sm = res.get("container_nvidia_smi") or {}
+        out.append(f"OK: {res['where']} sees GPUs {res['gpus']} (its nvidia-smi lists {len(sm.get('gpus') or [])}, "
+                   f"driver {', '.join(sm.get('versions') or [])}); next: deploy up PLAYBOOK")
+    return "\n".join(out)
