@@ -63,6 +63,7 @@ NOT_RUN = {
     "discover": "connects to the address it is given, which may be outside the test bed (its own tests run it)",
     "doctor": "diagnoses a vLLM started by hand, with a time budget per container (its own tests run it)",
     "unlock": "removes a container lock (its own tests run it)",
+    "prepare": "changes a container's config and restarts it (tests/e2e/test_prepare.py runs it)",
     "--write": "edits the inventory",
     ("testbed", "up"): "the suite's test bed is already up (tests/testbed/ runs it)",
     ("testbed", "down"): "would tear down the suite's test bed (tests/testbed/ runs it)",
