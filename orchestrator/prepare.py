@@ -21,6 +21,7 @@ reads back and checks with the gpu-plumbing check (plumbing.findings).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 import time
@@ -39,7 +40,7 @@ PROBE_SH = r"""
 V="$1"; R="$2"
 echo "@@ pve"; pveversion 2>/dev/null | head -n 1 | head -c 200; echo
 echo "@@ status"; pct status "$V" 2>&1 | head -n 1 | head -c 200; echo
-echo "@@ conf"; C=/etc/pve/lxc/$V.conf; if [ -f "$C" ]; then head -c 65536 "$C"; fi
+echo "@@ conf"; C=/etc/pve/lxc/$V.conf; if [ -f "$C" ]; then head -c 262144 "$C" | base64 -w0; fi; echo
 echo "@@ run"; if [ -n "$R" ]; then if [ -f "$R" ]; then echo "file $(stat -c %s "$R")"; else echo missing; fi; fi
 exit 0
 """
@@ -84,11 +85,14 @@ def parse_probe(text: str) -> dict:
             out["pve"] = (int(m.group(1)), int(m.group(2))) if m else None
         elif sec == "status" and ln.strip():
             out["running"] = ln.strip() == "status: running"
-        elif sec == "conf":
-            conf.append(ln)
+        elif sec == "conf" and ln.strip():
+            conf.append(ln.strip())
         elif sec == "run" and ln.strip():
             out["run"] = ln.strip()
-    out["conf"] = "\n".join(conf).strip("\n") + "\n" if conf else ""
+    try:  # the file exactly as it is (base64 on the wire): what is written back is it plus the new lines
+        out["conf"] = base64.b64decode("".join(conf), validate=True).decode("utf-8") if conf else ""
+    except (ValueError, UnicodeDecodeError):
+        out["conf"] = ""
     return out
 
 
@@ -244,7 +248,7 @@ class Prepare:
             raise DeployError(f"cannot read the host side of {self.host}/{self.vmid}: {self.hf['error']}",
                               where=f"{self.host}/{self.vmid}", fix=f"pct config {self.vmid} on {self.host}")
         r = s.run(["sh", "-c", PROBE_SH, "sh", str(self.vmid), self.driver_run or ""], timeout=30,
-                  vmid=self.vmid, label="prepare: probe", max_output=128 << 10)
+                  vmid=self.vmid, label="prepare: probe", max_output=512 << 10)
         self.pr = parse_probe(r.out)
         self.running = bool(self.pr["running"])
         self.module = self.hf.get("module_version") or self.hf.get("smi_driver")
