@@ -175,6 +175,35 @@ echo "Installation of the NVIDIA Accelerated Graphics Driver for Linux-x86_64 (v
 """
 
 
+TEMPLATE = "debian-12-standard_12.7-1_amd64.tar.gz"  # the `local` storage's one template (pct create)
+
+
+def write_template(path, extra=None):
+    """A container template as `pct create` takes it: a tar archive of a root file system. The test bed uses its
+    ./root/ (the rest of a container's file system is this machine's); extra: {relative path under root/: bytes}."""
+    import io
+    import tarfile
+    files = {".profile": ('# vllm-pve-deploy test bed container (from the template)\n'
+                          'if [ -n "$BASH_VERSION" ] && [ -f "$HOME/.bashrc" ]; then . "$HOME/.bashrc"; fi\n'
+                          'export PATH="/root/ml-env/bin:$PATH"\n').encode(),
+             ".bashrc": b"# vllm-pve-deploy test bed container (from the template)\n", **(extra or {})}
+    tmp = str(path) + ".tmp"
+    with tarfile.open(tmp, "w:gz") as t:
+        for d in ("./etc", "./root"):
+            ti = tarfile.TarInfo(d)
+            ti.type, ti.mode = tarfile.DIRTYPE, 0o700 if d == "./root" else 0o755
+            t.addfile(ti)
+        ti = tarfile.TarInfo("./etc/os-release")
+        data = b'PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"\nID=debian\nVERSION_ID="12"\n'
+        ti.size = len(data)
+        t.addfile(ti, io.BytesIO(data))
+        for rel, data in sorted(files.items()):
+            ti = tarfile.TarInfo("./root/" + rel)
+            ti.size, ti.mode = len(data), 0o755 if rel.endswith(".sh") else 0o644
+            t.addfile(ti, io.BytesIO(data))
+    os.replace(tmp, path)
+
+
 def etc_pve_sh(hd) -> str:
     """hostinit.sh lines: /etc/pve of the simulated host (its pve/ directory, /etc/pve/lxc -> nodes/HOST/lxc as on
     Proxmox). A read-only overlay adds the mount point to the machine's /etc, its submounts bound back."""
@@ -356,7 +385,7 @@ class Testbed:
         return self.root / host
 
     def ctdir(self, host: str, vmid: int) -> Path:
-        if int(vmid) not in self.spec.get(host, {}):
+        if int(vmid) not in self.spec.get(host, {}) and int(vmid) not in self.created_containers(host):
             raise TestbedError("unknown container %s/%s" % (host, vmid))
         return self.root / host / ("ct%d" % int(vmid))
 
@@ -553,6 +582,7 @@ class Testbed:
         if any(self.options.get(h, {}).get(v, {}).get("gpus") == "real" for v in vm):
             from . import realgpu
             realgpu.host_nvidia_smi(hd)  # the machine's real nvidia-smi in place of the fake (gpus=real)
+        self._write_create_kit(h, hd, py)
         lxc = hd / "pve" / "nodes" / h / "lxc"
         lxc.mkdir(parents=True)
         os.symlink("nodes/%s/lxc" % h, hd / "pve" / "lxc")
@@ -597,6 +627,50 @@ class Testbed:
             "SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "Subsystem sftp internal-sftp",
             ""]))
+
+    def _write_create_kit(self, h, hd: Path, py):
+        """What the host's `pct create` needs (scripts/pct.py): create.json (the binds of this machine's Python, the
+        network's free range) and the template of its `local` storage, HOSTDIR/vz/template/cache/TEMPLATE (a real
+        tar archive; its ./root/ becomes the new container's /root)."""
+        fake = hd / "ct0"
+        binds = [[src, os.path.relpath(dst, fake)] for src, dst in self._python_binds(fake, py)]
+        binds += [[src, os.path.join("root", SITE_DIR[len("/root/"):], str(n))] for n, src in enumerate(py["site"])]
+        (hd / "create.json").write_text(json.dumps({
+            "cbin": str(hd / "cbin"), "binds_rel": binds, "host_no": self.hosts.index(h) + 1, "subnet": self.subnet,
+            "lan_first": LAN_FIRST, "lan_last": LAN_LAST}, indent=1))
+        cache = hd / "vz" / "template" / "cache"
+        cache.mkdir(parents=True)
+        write_template(cache / TEMPLATE)
+
+    def created_containers(self, host: str) -> list:
+        """VMIDs the host's `pct create` made (not in the test bed's spec), lowest first."""
+        try:
+            cs = json.loads((self.root / host / "host.json").read_text())["containers"]
+        except (OSError, ValueError, KeyError):
+            return []
+        return sorted(int(v) for v, c in cs.items() if c.get("created_by_pct") and int(v) not in self.spec[host])
+
+    def _remove_created(self, host: str):
+        """reset(): the containers `pct create` made go (stopped, their directory, config and host.json entry)."""
+        hd = self.root / host
+        for v in self.created_containers(host):
+            ctl.stop(str(hd), v)
+            shutil.rmtree(hd / ("ct%d" % v), ignore_errors=True)
+            try:
+                (hd / "pve" / "nodes" / host / "lxc" / ("%d.conf" % v)).unlink()
+            except OSError:
+                pass
+            hj = json.loads((hd / "host.json").read_text())
+            hj["containers"].pop(str(v), None)
+            (hd / "host.json.tmp").write_text(json.dumps(hj, indent=1))
+            os.replace(hd / "host.json.tmp", hd / "host.json")
+        tpl = hd / "vz" / "template" / "cache"
+        if tpl.is_dir():
+            for e in tpl.iterdir():
+                if e.name != TEMPLATE:
+                    e.unlink()
+            if not (tpl / TEMPLATE).exists():
+                write_template(tpl / TEMPLATE)
 
     def _build_container(self, h, vmid, gpus, py, opt=None):
         d = self.ctdir(h, vmid)
@@ -1188,6 +1262,7 @@ class Testbed:
         victims = []
         for h in self.hosts:
             hd = self.root / h
+            self._remove_created(h)
             shutil.rmtree(hd / "home" / BACKUPS, ignore_errors=True)
             for v in self.spec[h]:
                 conf = hd / "pve" / "nodes" / h / "lxc" / ("%d.conf" % v)

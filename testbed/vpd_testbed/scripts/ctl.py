@@ -87,6 +87,48 @@ def conf_nvidia(hostdir, vmid):
     return out
 
 
+def make_ct_dirs(d):
+    """A new container's directory, as `pct create` leaves it (the test bed's _build_container does the same for
+    the containers it builds): root/ tmp/ faults/ run/lock, a /dev with the basic nodes and no GPU, an empty
+    NVIDIA user space (nvlib/: no driver libraries until one is installed)."""
+    for sub in ("root", "tmp", "faults", "nvlib", os.path.join("run", "lock"), os.path.join("dev", "shm"),
+                os.path.join("dev", "pts")):
+        os.makedirs(os.path.join(d, sub))
+    os.chmod(os.path.join(d, "tmp"), 0o1777)
+    os.chmod(os.path.join(d, "root"), 0o700)
+    os.chmod(os.path.join(d, "run", "lock"), 0o1777)
+    with open(os.path.join(d, "faults", "faults.json"), "w") as f:
+        f.write("{}\n")
+    dev = os.path.join(d, "dev")
+    for name, (ma, mi) in {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8),
+                           "urandom": (1, 9), "tty": (5, 0)}.items():
+        os.mknod(os.path.join(dev, name), 0o666 | 0o020000, os.makedev(ma, mi))
+        os.chmod(os.path.join(dev, name), 0o666)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
+        os.symlink(target, os.path.join(dev, name))
+    os.chmod(dev, 0o755)
+
+
+def ensure_ct_socket(hostdir, vmid):
+    """The container's nvidia-smi socket (served by the host's GPU simulator; asked for when pct create made the
+    container after the simulator started)."""
+    path = os.path.join(ctdir(hostdir, vmid), "run", "nvidia-sim.sock")
+    if os.path.exists(path):
+        return
+    import socket
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    try:
+        s.connect(os.path.join(hostdir, "gpu.sock"))
+        s.sendall((json.dumps({"op": "serve_ct", "vmid": int(vmid)}) + "\n").encode())
+        s.recv(4096)
+    except OSError:
+        pass
+    finally:
+        s.close()
+
+
 def sync_devices(hostdir, vmid):
     """At each start, like pve-container and lxc-start: the container's /dev/nvidia* become what its config passes
     in. A devN: or non-optional bind of a node the host lacks fails the start; an optional bind of one leaves the

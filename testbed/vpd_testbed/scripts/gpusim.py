@@ -345,6 +345,10 @@ class Sim:
                     self.live = {}
                 self.scan()
                 resp = {"rc": 0, "out": "", "err": ""}
+            elif op == "serve_ct":  # a container `pct create` made after the simulator started
+                v = str(int(req["vmid"]))
+                self.serve(os.path.join(self.hostdir, "ct%s" % v, "run", "nvidia-sim.sock"), [], True, v)
+                resp = {"rc": 0, "out": "", "err": ""}
             elif op == "state":
                 used, live = self.scan()
                 resp = {"rc": 0, "used": used,

@@ -1,7 +1,8 @@
 """The simulated host's /usr/sbin/pct (stdlib only, run with python3 -SE; see docs/testbed.md).
 
 Behaves like Proxmox VE's pct for the sub-commands the deploy tool uses: list, status, exec, start, stop,
-shutdown, reboot, config, set (devN only, as `deploy prepare` uses it), push, pull. Errors go to stderr with exit status 255, like pct's `die`.
+shutdown, reboot, config, set (devN only, as `deploy prepare` uses it), create (as `deploy prepare --create`
+uses it: a namespace container from a template archive), push, pull. Errors go to stderr with exit status 255, like pct's `die`.
 """
 import json
 import os
@@ -121,6 +122,8 @@ def cmd_start(hostdir, host, args):
         rootpid = int(open(os.path.join(hostdir, "gpusim.ready")).read().split()[0])
     except (OSError, ValueError, IndexError):
         pass
+    if host["containers"][str(vmid)].get("created_by_pct"):
+        ctl.ensure_ct_socket(hostdir, vmid)
     try:
         ctl.start(hostdir, vmid, sys.executable, root_ns_pid=rootpid)
     except RuntimeError as e:
@@ -270,6 +273,138 @@ def _split_opts(args, names, usage):
         i += 1
     return pos, opts
 
+CREATE_OPTS = ("hostname", "memory", "swap", "cores", "rootfs", "net0", "onboot", "features", "unprivileged",
+               "ostype", "start", "arch")
+
+
+def _volume_path(hostdir, volid):
+    """local:vztmpl/NAME -> the file of the test bed's `local` storage (HOSTDIR/vz is the host's /var/lib/vz)."""
+    store, _, rest = volid.partition(":")
+    if not rest:
+        return volid if volid.startswith("/") else None
+    if store != "local":
+        die("storage '%s' does not exist" % store)
+    if not rest.startswith("vztmpl/") or "/" in rest[len("vztmpl/"):] or rest.endswith("/"):
+        die("unable to parse volume ID '%s'" % volid)
+    return os.path.join(hostdir, "vz", "template", "cache", rest[len("vztmpl/"):])
+
+
+def _extract_root(archive, dest):
+    """The template's ./root/ into the container's /root (the rest of its file system is this machine's, in the
+    test bed); only plain files, directories and symlinks, nothing outside root/."""
+    import tarfile
+    n = 0
+    with tarfile.open(archive) as t:
+        for m in t:
+            name = m.name[2:] if m.name.startswith("./") else m.name
+            if not (name == "root" or name.startswith("root/")) or ".." in name.split("/"):
+                continue
+            rel = name[len("root"):].lstrip("/")
+            target = os.path.join(dest, rel) if rel else dest
+            if m.isdir():
+                os.makedirs(target, exist_ok=True)
+                os.chmod(target, m.mode & 0o7777 or 0o755)
+            elif m.isfile():
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with t.extractfile(m) as src, open(target, "wb") as out:
+                    out.write(src.read())
+                os.chmod(target, m.mode & 0o7777)
+            elif m.issym():
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.symlink(m.linkname, target)
+            else:
+                continue
+            n += m.size if m.isfile() else 0
+    return n
+
+
+def _lan_cidr(hostdir, ip):
+    """ip= of net0: a static address as it is (with /24 when it has no prefix), dhcp: the lowest free address of the
+    test bed's /24 (what its DHCP server would hand out)."""
+    with open(os.path.join(hostdir, "create.json")) as f:
+        tpl = json.load(f)
+    if ip and ip != "dhcp":
+        return ip if "/" in ip else ip + "/24"
+    root = os.path.dirname(hostdir)
+    used = set()
+    for h in os.listdir(root):
+        hd = os.path.join(root, h)
+        for d in (os.listdir(hd) if os.path.isdir(hd) else []):
+            try:
+                with open(os.path.join(hd, d, "ct.json")) as f:
+                    used.add(json.load(f)["net"]["cidr"].split("/")[0])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+    for n in range(tpl["lan_first"], tpl["lan_last"] + 1):
+        if tpl["subnet"] + str(n) not in used:
+            return "%s%d/24" % (tpl["subnet"], n)
+    die("no free address on the test bed's network (dhcp)")
+
+
+def cmd_create(hostdir, host, args):
+    """pct create VMID OSTEMPLATE [--hostname ... --memory ... --cores ... --rootfs STORAGE:GB --net0 ... --onboot
+    --features ... --unprivileged ...]: a stopped container with the template's /root, a config as Proxmox writes
+    it (keys sorted) and no GPU lines; an existing VMID or a missing template is refused as pct refuses them."""
+    usage = "pct create <vmid> <ostemplate> [OPTIONS]"
+    pos, opts = _split_opts(args, CREATE_OPTS, usage)
+    if len(pos) != 2:
+        die("400 not enough arguments\n" + usage)
+    vmid_s, tpl = pos
+    if not vmid_s.isdigit() or not (100 <= int(vmid_s) <= 999999999):
+        die("400 Parameter verification failed.\nvmid: invalid format - value does not look like a valid VM ID\n")
+    vmid = int(vmid_s)
+    if str(vmid) in host["containers"] or os.path.exists(ctl.ctdir(hostdir, vmid)):
+        die("unable to create CT %d - CT %d already exists on node '%s'" % (vmid, vmid, host["name"]))
+    archive = _volume_path(hostdir, tpl)
+    if not archive or not os.path.isfile(archive):
+        die("unable to create CT %d - volume '%s' does not exist" % (vmid, tpl))
+    rootfs = opts.get("rootfs", "local-lvm:8")
+    store, _, size = rootfs.partition(":")
+    if store not in ("local", "local-lvm") or not size.isdigit():
+        die("unable to create CT %d - storage '%s' does not exist" % (vmid, store) if store not in
+            ("local", "local-lvm") else "400 Parameter verification failed.\nrootfs: invalid format - %s\n" % rootfs)
+    for k in ("memory", "swap", "cores"):
+        if k in opts and not opts[k].isdigit():
+            die("400 Parameter verification failed.\n%s: type check ('integer') failed - got '%s'\n" % (k, opts[k]))
+    with open(os.path.join(hostdir, "create.json")) as f:
+        t = json.load(f)
+    net = dict(kv.split("=", 1) for kv in opts.get("net0", "name=eth0,bridge=vmbr0,ip=dhcp").split(",") if "=" in kv)
+    cidr = _lan_cidr(hostdir, net.get("ip"))
+    mac = "BC:24:11:%02X:%02X:%02X" % (t["host_no"] % 256, vmid // 256 % 256, vmid % 256)
+    name = opts.get("hostname") or "CT%d" % vmid
+    d = ctl.ctdir(hostdir, vmid)
+    sys.stdout.write("  Logical volume \"vm-%d-disk-0\" created.\n" % vmid)
+    ctl.make_ct_dirs(d)
+    sys.stdout.write("extracting archive '/var/lib/vz/template/cache/%s'\n" % os.path.basename(archive))
+    n = _extract_root(archive, os.path.join(d, "root"))
+    sys.stdout.write("Total bytes read: %d\nDetected container architecture: amd64\n" % n)
+    binds = [[src, os.path.join(d, rel)] for src, rel in t["binds_rel"]]
+    ct = {"ctdir": d, "hostdir": hostdir, "cbin": t["cbin"], "name": name, "gpus": [], "binds": binds,
+          "net": {"port": "p%dc%d" % (t["host_no"], vmid), "cidr": cidr, "mac": mac}, "created_by_pct": True}
+    with open(os.path.join(d, "ct.json"), "w") as f:
+        json.dump(ct, f, indent=1)
+    keys = {"arch": opts.get("arch", "amd64"), "cores": opts.get("cores", "1"), "hostname": name,
+            "memory": opts.get("memory", "512"), "swap": opts.get("swap", "512"),
+            "net0": "name=%s,bridge=%s,hwaddr=%s,ip=%s,type=veth" % (net.get("name", "eth0"),
+                                                                    net.get("bridge", "vmbr0"), mac,
+                                                                    net.get("ip", "dhcp")),
+            "ostype": opts.get("ostype", "debian"), "rootfs": "%s:vm-%d-disk-0,size=%sG" % (store, vmid, size)}
+    for k in ("onboot", "features", "unprivileged"):
+        if k in opts:
+            keys[k] = opts[k]
+    tmp = conf_path(hostdir, host, vmid) + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("".join("%s: %s\n" % (k, keys[k]) for k in sorted(keys)))
+    os.rename(tmp, conf_path(hostdir, host, vmid))
+    host["containers"][str(vmid)] = {"name": name, "gpus": [], "created_by_pct": True}
+    with open(os.path.join(hostdir, "host.json.tmp"), "w") as f:
+        json.dump(host, f, indent=1)
+    os.rename(os.path.join(hostdir, "host.json.tmp"), os.path.join(hostdir, "host.json"))
+    sys.stdout.write("Creating SSH host keys from the template... done\n")
+    if opts.get("start") == "1":
+        return cmd_start(hostdir, host, [str(vmid)])
+    return 0
+
 
 def cmd_push(hostdir, host, args):
     usage = "pct push <vmid> <file> <destination> [OPTIONS]"
@@ -320,7 +455,7 @@ def cmd_pull(hostdir, host, args):
 
 
 COMMANDS = {"list": cmd_list, "status": cmd_status, "exec": cmd_exec, "start": cmd_start, "stop": cmd_stop,
-            "shutdown": cmd_shutdown, "reboot": cmd_reboot, "config": cmd_config, "set": cmd_set, "push": cmd_push, "pull": cmd_pull}
+            "shutdown": cmd_shutdown, "reboot": cmd_reboot, "config": cmd_config, "set": cmd_set, "create": cmd_create, "push": cmd_push, "pull": cmd_pull}
 
 
 def main(hostdir, argv):
