@@ -1,6 +1,8 @@
 """`deploy prepare HOST/VMID`: make a container GPU-ready, planned first, every change read back (issue 34 part 2).
 
 What it changes, and only that (docs/gpu-containers.md, "deploy prepare"):
+- with --create: a new container (`pct create VMID TEMPLATE ...`, refused when VMID exists), read back with
+  `pct config`, started without asking (nothing of anyone's runs in it yet);
 - the container's own `/etc/pve/lxc/VMID.conf`: a line for each GPU node it lacks: `devN:` entries through
   `pct set` where pve-container has them (Proxmox 8.1+, or the config already uses them), else raw
   `lxc.mount.entry` binds plus an `lxc.cgroup2.devices.allow` rule for each major the host really uses. A backup
@@ -11,6 +13,9 @@ What it changes, and only that (docs/gpu-containers.md, "deploy prepare"):
   that runs there;
 - the user-space driver in the container, from a `.run` file the user names on the host, of the host module's
   exact version (`--no-kernel-module --silent`), checked afterwards by the container's nvidia-smi.
+- then, for each playbook that targets the container: its runtime venv when missing (`python3 -m venv`),
+  `install-vllm` when it names requires.vllm, `fetch` when it names a hub or host source (install.py, fetch.py:
+  the same code paths as the commands; already done is a no-op).
 The host side is otherwise read-only: no `fuser`, no install, no module load on the host (a missing
 /dev/nvidia-uvm is refused with its fix). Another container's config is never touched; GPUs a running vLLM in
 another container holds (by its playbook) are refused.
@@ -35,12 +40,21 @@ DEV_MIN_PVE = (8, 1)  # pve-container's devN: keys came with Proxmox VE 8.1 (../
 RUN_RE = re.compile(r"NVIDIA-Linux-[A-Za-z0-9_]+-(\d{2,4}\.\d{1,4}(?:\.\d{1,4})?)(?:-[A-Za-z0-9_.-]+)?\.run")
 HOST_PATH_RE = re.compile(r"/[A-Za-z0-9._+/-]{1,400}")
 RUN_IN_CT = "/tmp/vpd-nvidia-driver.run"
+VOLID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}:vztmpl/[A-Za-z0-9][A-Za-z0-9_.+-]{0,200}")
+STORAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+HOSTNAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+NET_KEYS = ("name", "bridge", "ip", "gw", "ip6", "gw6", "hwaddr", "tag", "firewall", "mtu", "rate", "type")
+NET_VALUE_RE = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
+TEMPLATE_EXAMPLE = "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"
+CREATE_DEFAULTS = {"memory": 65536, "cores": 16, "storage": "local-lvm", "rootfs_gb": 200, "swap": 0,
+                   "unprivileged": True, "onboot": True, "features": "nesting=1"}
 
 PROBE_SH = r"""
 V="$1"; R="$2"
 echo "@@ pve"; pveversion 2>/dev/null | head -n 1 | head -c 200; echo
 echo "@@ status"; pct status "$V" 2>&1 | head -n 1 | head -c 200; echo
-echo "@@ conf"; C=/etc/pve/lxc/$V.conf; if [ -f "$C" ]; then head -c 262144 "$C" | base64 -w0; fi; echo
+C=/etc/pve/lxc/$V.conf; echo "@@ exists"; if [ -f "$C" ]; then echo yes; else echo no; fi
+echo "@@ conf"; if [ -f "$C" ]; then head -c 262144 "$C" | base64 -w0; fi; echo
 echo "@@ run"; if [ -n "$R" ]; then if [ -f "$R" ]; then echo "file $(stat -c %s "$R")"; else echo missing; fi; fi
 exit 0
 """
@@ -73,8 +87,46 @@ def parse_gpus(text: str) -> list[int]:
     return sorted(out)
 
 
+def check_create(opts: dict, vmid: int) -> dict:
+    """--create's options -> the same, checked and defaulted; UsageError (before anything runs) for a value that
+    is not what pct takes. Every value becomes one argv word, never shell text."""
+    o = {**CREATE_DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
+    fix = f"deploy prepare HOST/{vmid} --create --template {TEMPLATE_EXAMPLE} (pveam list local shows yours)"
+    if not o.get("template"):
+        raise UsageError("--create needs --template: the container template on the host's storage", fix=fix)
+    if not VOLID_RE.fullmatch(o["template"]):
+        raise UsageError(f"--template {o['template']!r}: expected STORAGE:vztmpl/FILE (letters, digits, ._+-)",
+                         fix=fix)
+    if not STORAGE_RE.fullmatch(str(o["storage"])):
+        raise UsageError(f"--storage {o['storage']!r}: expected a storage name (letters, digits, ._-)",
+                         fix="pvesm status lists the host's storages")
+    if not HOSTNAME_RE.fullmatch(str(o.get("hostname") or "")):
+        raise UsageError(f"hostname {o.get('hostname')!r}: expected a DNS label (letters, digits, -; at most 63)",
+                         fix="--hostname vllm-qwen, or the container's name in the inventory")
+    parts = []
+    for kv in str(o.get("net0") or "").split(","):
+        k, eq, v = kv.partition("=")
+        if not eq or k not in NET_KEYS or not NET_VALUE_RE.fullmatch(v):
+            raise UsageError(f"--net0 {o.get('net0')!r}: {kv!r} is not KEY=VALUE with KEY one of "
+                             f"{', '.join(NET_KEYS)}", fix="--net0 name=eth0,bridge=vmbr0,ip=10.1.2.31/24,gw=10.1.2.1")
+        parts.append(k)
+    if "bridge" not in parts or "ip" not in parts:
+        raise UsageError(f"--net0 {o.get('net0')!r}: say the bridge and the address (ip=dhcp or ip=ADDR/PREFIX)",
+                         fix="--net0 name=eth0,bridge=vmbr0,ip=dhcp")
+    return o
+
+
+def create_argv(vmid: int, o: dict) -> list[str]:
+    """`pct create` as deploy prepare --create runs it (o: check_create's result)."""
+    return ["pct", "create", str(int(vmid)), o["template"], "--hostname", o["hostname"],
+            "--memory", str(int(o["memory"])), "--swap", str(int(o["swap"])), "--cores", str(int(o["cores"])),
+            "--rootfs", f"{o['storage']}:{int(o['rootfs_gb'])}", "--net0", o["net0"],
+            "--onboot", "1" if o["onboot"] else "0", "--features", o["features"],
+            "--unprivileged", "1" if o["unprivileged"] else "0", "--ostype", "debian"]
+
+
 def parse_probe(text: str) -> dict:
-    out = {"pve": None, "running": None, "conf": "", "run": None}
+    out = {"pve": None, "running": None, "conf": "", "run": None, "exists": None}
     sec, conf = None, []
     for ln in (text or "").splitlines():
         if ln.startswith("@@ "):
@@ -85,6 +137,8 @@ def parse_probe(text: str) -> dict:
             out["pve"] = (int(m.group(1)), int(m.group(2))) if m else None
         elif sec == "status" and ln.strip():
             out["running"] = ln.strip() == "status: running"
+        elif sec == "exists" and ln.strip():
+            out["exists"] = ln.strip() == "yes"
         elif sec == "conf" and ln.strip():
             conf.append(ln.strip())
         elif sec == "run" and ln.strip():
@@ -156,6 +210,12 @@ def plan(host_facts: dict, probe: dict, *, host: str, vmid: int, gpus: list[int]
     return res
 
 
+def fetch_items_of(pb) -> list:
+    from .plan import fetch_args
+
+    return fetch_args(pb)
+
+
 def insert_lines(conf: str, lines: list[str]) -> str:
     """The config with `lines` added at the end of its main section (before the first [snapshot] section)."""
     text = conf if conf.endswith("\n") or not conf else conf + "\n"
@@ -220,14 +280,16 @@ class Prepare:
     """One `deploy prepare`: facts, plan, and (unless dry_run) the changes, in order; the result as a dict."""
 
     def __init__(self, fleet, inv, host: str, vmid: int, runtime: dict, gpus: list[int], *, driver_run=None,
-                 style=None, yes=False, confirm=None, progress=None, tp: int = 1, others=()):
+                 style=None, yes=False, confirm=None, progress=None, tp: int = 1, others=(), create=None,
+                 chain=()):
         self.fleet, self.inv, self.host, self.vmid = fleet, inv, host, int(vmid)
+        self.create, self.chain, self.created = create, list(chain), False
         self.runtime, self.gpus, self.driver_run, self.style = runtime or {}, gpus, driver_run, style
         self.yes, self.confirm, self.progress, self.tp, self.others = yes, confirm, progress, tp, list(others)
         self.conf = f"/etc/pve/lxc/{self.vmid}.conf"
         self.res = {"where": f"{host}/{self.vmid}", "gpus": gpus, "ok": False, "dry_run": False, "plan": [],
                     "applied": [], "pending": [], "backup": None, "restore": None, "notes": [], "findings": [],
-                    "container_nvidia_smi": None}
+                    "container_nvidia_smi": None, "created": False, "chain": []}
 
     def say(self, msg):
         if self.progress is not None:
@@ -243,13 +305,19 @@ class Prepare:
             raise UsageError(check_driver_run(self.driver_run, None) + "; nothing was run", fix="--driver-run "
                              "/root/NVIDIA-Linux-x86_64-VERSION.run (an absolute path on the host)")
         s = self.session = self.fleet.session(self.host)
-        self.hf = PL.read_host(s, self.vmid, label="prepare: host facts")
-        if self.hf.get("error"):
-            raise DeployError(f"cannot read the host side of {self.host}/{self.vmid}: {self.hf['error']}",
-                              where=f"{self.host}/{self.vmid}", fix=f"pct config {self.vmid} on {self.host}")
         r = s.run(["sh", "-c", PROBE_SH, "sh", str(self.vmid), self.driver_run or ""], timeout=30,
                   vmid=self.vmid, label="prepare: probe", max_output=512 << 10)
         self.pr = parse_probe(r.out)
+        where = f"{self.host}/{self.vmid}"
+        if self.create and self.pr["exists"]:
+            raise UsageError(f"{where} exists already ({self.conf}); --create only makes a new container, and never "
+                             "replaces one; nothing was changed", where=where,
+                             fix=f"deploy prepare {where} (without --create) makes that one GPU-ready")
+        if not self.create and self.pr["exists"] is False:
+            raise UsageError(f"there is no container {self.vmid} on {self.host} (no {self.conf}); nothing was changed",
+                             where=where, fix=f"deploy prepare {where} --create --template {TEMPLATE_EXAMPLE} "
+                                              "(pveam list local shows the host's templates)")
+        self.hf = self.read_host_facts("prepare: host facts")
         self.running = bool(self.pr["running"])
         self.module = self.hf.get("module_version") or self.hf.get("smi_driver")
         why = check_driver_run(self.driver_run, self.module)
@@ -281,12 +349,35 @@ class Prepare:
         self.smi = container_smi(s, self.vmid) if self.running else None
         self.res["container_nvidia_smi"] = self.smi
 
+    def read_host_facts(self, label: str) -> dict:
+        """The host side (plumbing.HOST_PLUMBING_SH). Before --create makes the container there is no config to
+        read: the host's nodes and driver only, with an empty config."""
+        if self.create and not self.created:
+            r = self.session.run(PL.host_argv(self.vmid), timeout=PL.HOST_TIMEOUT_S, vmid=self.vmid, label=label,
+                                 max_output=PL.HOST_OUTPUT_MAX)
+            hf = PL.parse_host(r.out)
+            hf["config"], hf["config_rc"] = [], 0
+            return hf
+        hf = PL.read_host(self.session, self.vmid, label=label)
+        if hf.get("error"):
+            raise DeployError(f"cannot read the host side of {self.host}/{self.vmid}: {hf['error']}",
+                              where=f"{self.host}/{self.vmid}", fix=f"pct config {self.vmid} on {self.host}")
+        return hf
+
     def make_plan(self, stamp: str):
         v = self.vmid
         self.backup = f"{BACKUP_DIR}/{v}.conf.{stamp}"
         changing = bool(self.pl["add_lines"])
+        if self.create and not self.created:
+            o = self.create
+            self.step("create", shell_join(create_argv(v, o)),
+                      f"a new container from {o['template']}: {o['cores']} cores, {o['memory']} MiB, "
+                      f"{o['rootfs_gb']} GB on {o['storage']}, {'un' if o['unprivileged'] else ''}privileged, "
+                      f"onboot {1 if o['onboot'] else 0}; refused by pct if {v} exists")
+            self.step("read back", f"pct config {v}", "the container is there, with what was asked")
         if changing:
-            self.step("backup", f"cp -p {self.conf} {self.backup}", "a copy of the config before it changes")
+            if not self.create:  # a new container's config is not replaced: nothing to back up
+                self.step("backup", f"cp -p {self.conf} {self.backup}", "a copy of the config before it changes")
             if self.pl["style"] == "dev":
                 self.step("config", shell_join(self.pl["set_argv"]), f"devN: lines ({self.pl['why_style']})")
             else:
@@ -295,7 +386,9 @@ class Prepare:
                           "it was read")
             self.step("read back", f"pct config {v}", "every line above there, every line that was there kept")
         verb = "pct reboot" if self.running else "pct start"
-        if changing or not self.running:
+        if self.create:
+            self.step("start", f"pct start {v}", "the new container (nothing runs there yet: not asked)")
+        elif changing or not self.running:
             self.step("restart", f"{verb} {v}", "the container sees new device lines only at its start; asked "
                                                 "first (-y: without asking)")
         if self.driver_run:
@@ -305,10 +398,59 @@ class Prepare:
                       f"the user-space driver {self.module} (the host's kernel module), no kernel module")
         self.step("check", f"gpu-plumbing check and pct exec {v} -- {shell_join(SMI_ARGV)}",
                   f"GPUs {self.gpus} seen, driver {self.module} in user space")
+        for name, pb in self.chain:
+            py = pb.runtime.get("python") or ""
+            if pb.data["requires"].get("vllm"):
+                root = py.rsplit("/bin/", 1)[0]
+                self.step("venv", f"pct exec {v} -- python3 -m venv {shell_word(root)} (only if {py} is missing)",
+                          f"the runtime venv of playbook {name}, for install-vllm to install into")
+                self.step("install", f"deploy install-vllm {name} (only if {pb.runtime.get('vllm')} is missing)",
+                          f"requires.vllm {pb.data['requires']['vllm']}, verified")
+            if fetch_items_of(pb):
+                self.step("fetch", f"deploy fetch {name}", "the playbook's weights, verified (already fetched: "
+                                                           "nothing)")
 
     # ---------------------------------------------------------------- changes
+    def do_create(self):
+        """pct create, read back; then the facts and the plan again, now of the container that exists."""
+        s, v = self.session, self.vmid
+        argv = create_argv(v, self.create)
+        self.say(f"pct create from {self.create['template']}")
+        r = s.run(argv, timeout=600, vmid=v, label="prepare: pct create", max_output=256 << 10)
+        if not r.ok:
+            raise DeployError(f"`{shell_join(argv)}` failed on {self.host} (exit {r.exited}): "
+                              f"{PL.clean((r.err or r.out).strip()[-400:], 400)}; no container was made by deploy",
+                              where=f"{self.host}/{v}",
+                              fix="pveam list local (the templates), pvesm status (the storages); then run again")
+        self.created = self.res["created"] = True
+        self.res["restore"] = f"pct destroy {v} (on {self.host}): removes the container this command made"
+        self.res["applied"].append(f"pct create {v} from {self.create['template']}")
+        self.hf = self.read_host_facts("prepare: read back")
+        cfg = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in self.hf["config"] if ":" in ln}
+        want = {"hostname": self.create["hostname"], "memory": str(int(self.create["memory"])),
+                "cores": str(int(self.create["cores"]))}
+        off = [f"{k}: {cfg.get(k)!r} (asked {w!r})" for k, w in want.items() if cfg.get(k) != w]
+        if off:
+            raise DeployError(f"read back of the new container {self.host}/{v} (pct config {v}) differs from what "
+                              f"was asked: {'; '.join(off)}", where=f"{self.host}/{v} {self.conf}",
+                              fix=f"pct config {v} on {self.host}; pct destroy {v} to start over")
+        self.res["applied"].append(f"read back: pct config {v} (hostname {want['hostname']}, {want['cores']} cores, "
+                                   f"{want['memory']} MiB)")
+        r = s.run(["sh", "-c", PROBE_SH, "sh", str(v), ""], timeout=30, vmid=v, label="prepare: probe",
+                  max_output=512 << 10)
+        self.pr = parse_probe(r.out)
+        self.running = False
+        before = self.pl["add_lines"]
+        self.pl = plan(self.hf, self.pr, host=self.host, vmid=v, gpus=self.gpus, style=self.pl["style"])
+        if self.pl["add_lines"] != before:
+            self.res["notes"].append("the device lines differ from the plan shown (the new config was not empty): "
+                                     + "; ".join(self.pl["add_lines"]))
+        self.res["add_lines"] = self.pl["add_lines"]
+
     def apply_config(self):
         s, v = self.session, self.vmid
+        if self.created:
+            return self._change_config(list(self.hf["config"]))
         r = s.run(["sh", "-c", BACKUP_SH, "sh", self.conf, self.backup], timeout=30, vmid=v, label="prepare: backup")
         if not r.ok or not re.fullmatch(r"[0-9a-f]{64}", r.out.strip()):
             raise DeployError(f"backup of {self.conf} to {self.backup} failed: {PL.clean(r.err or r.out)}; nothing "
@@ -316,7 +458,10 @@ class Prepare:
         self.res["backup"] = self.backup
         self.res["restore"] = f"cp {self.backup} {self.conf} (on {self.host}), then pct reboot {v}"
         self.res["applied"].append(f"backup {self.backup}")
-        before = list(self.hf["config"])
+        self._change_config(list(self.hf["config"]))
+
+    def _change_config(self, before):
+        s, v = self.session, self.vmid
         if self.pl["style"] == "dev":
             r = s.run(self.pl["set_argv"], timeout=60, vmid=v, label="prepare: pct set")
             if not r.ok:
@@ -360,7 +505,7 @@ class Prepare:
         if procs:
             what += f" vLLM runs there and stops with it: {procs[0]}"
             self.res["notes"].append(f"vLLM was running in {self.host}/{v}: {procs[0]}")
-        if not (self.yes or (self.confirm and self.confirm(what))):
+        if not (self.yes or self.created or (self.confirm and self.confirm(what))):
             self.res["pending"].append(f"pct {verb} {v} on {self.host} (not confirmed: the container sees the new "
                                        "lines at its next start; pass -y to do it)")
             return False
@@ -401,7 +546,8 @@ class Prepare:
             from . import agent
             from .status import DEFAULT_PYTHON
 
-            r = agent.call(s, v, self.runtime.get("python") or DEFAULT_PYTHON, "plumbing", {}, timeout=30)
+            py = "python3" if self.created else self.runtime.get("python") or DEFAULT_PYTHON  # new: no venv yet
+            r = agent.call(s, v, py, "plumbing", {}, timeout=30)
             ct = r.plumbing if isinstance(r.plumbing, dict) else None
         except DeployError as e:
             self.res["notes"].append(f"the container side of the gpu-plumbing check was not read ({e.message}); "
@@ -432,6 +578,8 @@ class Prepare:
         if dry_run:
             self.res["dry_run"] = True
             return self.res
+        if self.create:
+            self.do_create()
         changed = bool(self.pl["add_lines"])
         if changed:
             self.apply_config()
@@ -443,7 +591,71 @@ class Prepare:
         if self.running:
             self.final_check()
         self.res["ok"] = not self.res["pending"] and not self.res["findings"]
+        if self.res["ok"] and self.chain:
+            self.run_chain()
+            self.res["ok"] = all(c["ok"] for c in self.res["chain"])
         return self.res
+
+    # ---------------------------------------------------------------- then what the playbooks ask for
+    def run_chain(self):
+        """For each playbook that targets the container: its runtime venv when missing, install-vllm when it names
+        requires.vllm, fetch when it names a source; each through the command's own code path, in order; the
+        first failure stops the rest (named, with its fix)."""
+        from .fetch import fetch
+        from .install import install
+        from .report import Progress
+
+        progress = self.progress or Progress(quiet=True)
+        for name, pb in self.chain:
+            if pb.data["requires"].get("vllm"):
+                have = self.ensure_venv(name, pb)
+                if have is None:
+                    return
+                if have:
+                    self.res["notes"].append(f"{pb.runtime.get('vllm')} is there: install-vllm {name} left out "
+                                             f"(deploy install-vllm {name} installs requires.vllm over it)")
+                    continue
+                self.say(f"install-vllm {name}")
+                if not self.chained("install-vllm", name, install(self.fleet, pb, progress, yes=self.yes)):
+                    return
+            if fetch_items_of(pb):
+                self.say(f"fetch {name}")
+                if not self.chained("fetch", name, fetch(self.fleet, pb, progress)):
+                    return
+
+    def chained(self, step: str, name: str, out) -> bool:
+        e = out.error
+        self.res["chain"].append({"step": step, "playbook": name, "ok": bool(out.ok), "status": out.status,
+                                  "error": e.message if e else None, "fix": getattr(e, "fix", None) if e else None})
+        if out.ok:
+            self.res["applied"].append(f"{step} {name}: {out.status}")
+        return bool(out.ok)
+
+    def ensure_venv(self, name: str, pb):
+        """The playbook's runtime.python, made as a venv (python3 -m venv ROOT) when the container has none;
+        read back by running it. -> True: its vLLM is there already (install-vllm left to the user); False: no
+        vLLM yet (install it); None: the venv could not be made (named in the chain)."""
+        py = pb.runtime.get("python") or ""
+        root = py.rsplit("/bin/", 1)[0]
+        s, v = self.session, self.vmid
+        entry = {"step": "venv", "playbook": name, "ok": True, "status": "present", "error": None, "fix": None}
+        probe = s.ct(v, [py, "-c", "import sys; print(sys.prefix)"], timeout=30, label="prepare: runtime python")
+        if not probe.ok:
+            self.say(f"python3 -m venv {root}")
+            r = s.ct(v, ["python3", "-m", "venv", root], timeout=300, label="prepare: venv", max_output=64 << 10)
+            check = s.ct(v, [py, "-c", "import sys; print(sys.prefix)"], timeout=30, label="prepare: runtime python")
+            if not r.ok or not check.ok:
+                entry.update(ok=False, status="failed",
+                             error=f"python3 -m venv {root} in {self.host}/{v} failed: "
+                                   f"{PL.clean((r.err or r.out or check.err).strip()[-300:], 300)}",
+                             fix=f"pct exec {v} -- apt-get install -y python3-venv, then deploy prepare again")
+                self.res["chain"].append(entry)
+                return None
+            entry["status"] = "made"
+            self.res["applied"].append(f"venv {root} (python3 -m venv) for {name}")
+        self.res["chain"].append(entry)
+        vllm = pb.runtime.get("vllm")
+        return bool(vllm) and s.ct(v, ["test", "-x", vllm], timeout=30, label="prepare: runtime vllm").ok
 
 
 def render(res: dict) -> str:
@@ -459,6 +671,9 @@ def render(res: dict) -> str:
         out.append(f"     {'':<10} ({st['why']})")
     for a in res["applied"]:
         out.append(f"done:    {a}")
+    for c in res.get("chain") or []:
+        if not c["ok"]:
+            out.append(f"FAILED:  {c['step']} {c['playbook']}: {c['error']}" + (f"\n  fix: {c['fix']}" if c["fix"] else ""))
     for p in res["pending"]:
         out.append(f"PENDING: {p}")
     for n in res["notes"]:

@@ -325,22 +325,42 @@ def unlock(obj, target, yes):
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("target", metavar="HOST/VMID", shell_complete=complete_targets)
 @click.option("--gpus", metavar="LIST", help="GPU indices to pass in (0-3, 0,1); default: what the playbook that "
-                                             "targets the container assigns.")
+                                             "targets the container assigns, else the inventory's gpus for it.")
 @click.option("--driver-run", metavar="HOST_PATH", help="The NVIDIA-Linux-x86_64-VERSION.run on the host (the one "
               "the host was installed with): its user space goes into the container (--no-kernel-module).")
 @click.option("--style", type=click.Choice(["dev", "raw"]), default=None,
               help="devN: lines (pct set; Proxmox VE 8.1+) or raw lxc.mount.entry/cgroup lines (default: what the "
                    "config already uses, else what the host supports).")
+@click.option("--create", is_flag=True, help="Make the container first (pct create; refused when VMID exists). "
+              "Declare it in the inventory first: its vmid, name, gpus and address.")
+@click.option("--template", metavar="VOLID", help="With --create: the template, STORAGE:vztmpl/FILE "
+                                                  "(pveam list local).")
+@click.option("--hostname", metavar="NAME", help="With --create (default: the container's name in the inventory).")
+@click.option("--memory", type=click.IntRange(256, 1 << 22), metavar="MIB",
+              help="With --create: memory in MiB (default 65536).")
+@click.option("--cores", type=click.IntRange(1, 1024), help="With --create: CPU cores (default 16).")
+@click.option("--storage", metavar="NAME", help="With --create: the root disk's storage (default local-lvm).")
+@click.option("--rootfs-size", "rootfs_gb", type=click.IntRange(4, 1 << 16), metavar="GB",
+              help="With --create: the root disk in GB (default 200: room for the weights).")
+@click.option("--net0", metavar="SPEC", help="With --create: pct's net0 (default name=eth0,bridge=vmbr0 with "
+              "ip=ADDRESS/24 from the inventory, or ip=dhcp when it gives none).")
+@click.option("--privileged", is_flag=True, help="With --create: a privileged container (default: unprivileged).")
+@click.option("--no-install", is_flag=True, help="Stop after the GPUs: no venv, install-vllm or fetch for the "
+                                                 "playbooks that target the container.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (every host command) and change nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Restart the container without asking (for scripts).")
 @json_option
 @click.pass_obj
-def prepare(obj, target, gpus, driver_run, style, dry_run, yes):
+def prepare(obj, target, gpus, driver_run, style, create, template, hostname, memory, cores, storage, rootfs_gb,
+            net0, privileged, no_install, dry_run, yes):
     """Make a container GPU-ready: device lines, a restart when confirmed, the host's driver in user space.
 
     Planned first and read back: a backup of /etc/pve/lxc/VMID.conf on the host, the missing lines added
     (never removed), `pct config` read again, a restart only when you confirm (a vLLM running there is named),
     the user-space driver from a .run you name, then the gpu-plumbing check and the container's nvidia-smi.
+    With --create the container is made first (pct create, read back, started). Then, for each playbook
+    that targets it: its runtime venv when missing, install-vllm (requires.vllm) and fetch (a weights
+    source), so one command goes from a bare host to `deploy up`; --no-install stops after the GPUs.
     The host itself is only read (a missing /dev/nvidia-uvm is reported with its fix); another container's
     config is never touched. Exit 0: ready; 1: something is left (named); 2: refused, nothing changed.
 
@@ -349,6 +369,8 @@ def prepare(obj, target, gpus, driver_run, style, dry_run, yes):
       deploy prepare pve1/130 --gpus 0-3 --dry-run
       deploy prepare pve1/130 --gpus 0-3 -y
       deploy prepare pve1/129 --driver-run /root/NVIDIA-Linux-x86_64-550.54.15.run -y
+      deploy prepare pve1/131 --create --template local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst \\
+          --driver-run /root/NVIDIA-Linux-x86_64-550.54.15.run --dry-run
     """
     def go():
         from .. import prepare as P
@@ -365,7 +387,10 @@ def prepare(obj, target, gpus, driver_run, style, dry_run, yes):
         mine = playbooks_targeting(host, vmid, inv)
         assigned = sorted({tuple(t["gpus"]) for _, pb in mine for t in pb.targets
                            if t["host"] == host and t["vmid"] == vmid})
-        if gpus is None:
+        declared = inv.hosts[host].container(vmid)
+        if gpus is None and not assigned and declared is not None and declared.gpus:
+            want = list(declared.gpus)  # no playbook targets it yet: the GPUs the inventory gives it
+        elif gpus is None:
             if len(assigned) != 1:
                 raise UsageError(f"{target}: say which GPUs (--gpus): " +
                                  ("no playbook targets it" if not assigned else
@@ -389,10 +414,29 @@ def prepare(obj, target, gpus, driver_run, style, dry_run, yes):
             others += [(name, t["vmid"], list(t["gpus"])) for t in pb.targets if t["host"] == host and
                        t["vmid"] != vmid]
         tps = {int(pb.serve.get("tensor_parallel_size") or 1) for _, pb in mine}
+        create_opts = None
+        given = {"--template": template, "--hostname": hostname, "--memory": memory, "--cores": cores,
+                 "--storage": storage, "--rootfs-size": rootfs_gb, "--net0": net0,
+                 "--privileged": privileged or None}
+        if create:
+            ct = inv.hosts[host].container(vmid)
+            addr = ct.address if ct is not None else None
+            create_opts = P.check_create({
+                "template": template, "hostname": hostname or (ct.name if ct is not None else None) or f"ct{vmid}",
+                "memory": memory, "cores": cores, "storage": storage, "rootfs_gb": rootfs_gb,
+                "net0": net0 or "name=eth0,bridge=vmbr0,ip=" + (f"{addr}/24" if addr else "dhcp"),
+                "unprivileged": not privileged}, vmid)
+        elif any(v is not None for v in given.values()):
+            flag = next(k for k, v in given.items() if v is not None)
+            raise UsageError(f"{flag} is an option of --create (making a new container); {target} is prepared as "
+                             "it is", fix=f"deploy prepare {target} --create {flag} ..., or leave {flag} out")
+        chain = [] if no_install else [(name, m) for name, pb in mine for m in pb.members
+                                       if m.host == host and m.vmid == vmid]
         with Fleet(inv) as fleet:
             res = P.Prepare(fleet, inv, host, vmid, rt, want, driver_run=driver_run, style=style, yes=yes,
                             confirm=_confirm, progress=None if obj.json else obj.progress(),
-                            tp=max(tps) if tps else 1, others=others).run(dry_run=dry_run)
+                            tp=max(tps) if tps else 1, others=others, create=create_opts,
+                            chain=chain).run(dry_run=dry_run)
         if obj.json:
             dump_json(res)
         else:

@@ -63,3 +63,32 @@ def test_gpus_and_driver_run_parsing():
     assert "absolute path" in P.check_driver_run("/root/x.run;reboot", None)
     assert P.parse_smi("0, 550.54.15\n1, 550.54.15\n") == {"gpus": [0, 1], "versions": ["550.54.15"], "error": None}
     assert P.parse_smi("Failed to initialize NVML: Driver/library version mismatch\n")["error"].startswith("Failed")
+
+
+# ---- --create: every value one argv word, checked before anything runs -------------------------------------
+def test_check_create_defaults_and_argv():
+    from orchestrator.prepare import check_create, create_argv
+
+    o = check_create({"template": "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst", "hostname": "vllm-a",
+                      "net0": "name=eth0,bridge=vmbr0,ip=10.1.2.31/24,gw=10.1.2.1", "memory": None}, 131)
+    assert o["memory"] == 65536 and o["unprivileged"] and o["onboot"]
+    argv = create_argv(131, o)
+    assert argv[:4] == ["pct", "create", "131", "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"]
+    assert argv[argv.index("--net0") + 1] == "name=eth0,bridge=vmbr0,ip=10.1.2.31/24,gw=10.1.2.1"
+    assert argv[argv.index("--rootfs") + 1] == "local-lvm:200" and argv[argv.index("--unprivileged") + 1] == "1"
+
+
+def test_check_create_refuses_what_pct_would_not_take():
+    import pytest
+
+    from orchestrator.errors import UsageError
+    from orchestrator.prepare import check_create
+
+    good = {"template": "local:vztmpl/t.tar.zst", "hostname": "h", "net0": "bridge=vmbr0,ip=dhcp"}
+    check_create(good, 131)
+    for bad in ({"template": None}, {"template": "t.tar.zst"}, {"template": "local:vztmpl/a b"},
+                {"template": "local:iso/x.iso"}, {"hostname": "-x"}, {"hostname": "a" * 64},
+                {"net0": "bridge=vmbr0"}, {"net0": "ip=dhcp"}, {"net0": "bridge=vmbr0,ip=dhcp,evil=1"},
+                {"net0": "bridge=vmbr0,ip=$(id)"}, {"storage": "a/b"}):
+        with pytest.raises(UsageError):
+            check_create({**good, **bad}, 131)
