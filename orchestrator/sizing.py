@@ -245,7 +245,9 @@ class Sizing:
     reserve_mib: float | None = None
     kv_cache_mib: float | None = None
     kv_bytes_per_token: int | None = None  # per GPU, every attention layer
-    kv_tokens: int | None = None
+    kv_tokens: int | None = None  # what fits: tokens of every attention layer (linear layers: a fixed state)
+    kv_tokens_logged: int | None = None  # what vLLM logs as "GPU KV cache size" (see logged_bytes_per_token)
+    kv_logged_bytes_per_token: int | None = None
     request_mib: float | None = None  # one request of max_model_len tokens
     max_concurrency: float | None = None
     max_model_len_that_fits: int | None = None
@@ -264,6 +266,8 @@ class _Layout:
     full_per_token: int = 0
     sliding: list = field(default_factory=list)  # [(window, bytes per token)]
     fixed_per_seq: int = 0  # linear-attention state, per GPU
+    linear_layers: int = 0
+    slot_bytes: int = 0  # the largest attention layer's bytes per token (the page every layer group gets)
 
 
 def _kv_layout(cfg: dict, tp: int, kv_bytes: float, out: _Layout, notes: list, who: str, only_full: int | None = None):
@@ -272,7 +276,11 @@ def _kv_layout(cfg: dict, tp: int, kv_bytes: float, out: _Layout, notes: list, w
     per_layer = int(2 * math.ceil(nkv / tp) * head_dim(tc) * kv_bytes)
     kinds = [FULL] * only_full if only_full is not None else layer_kinds(tc)
     window = tc.get("sliding_window")
+    if any(k in (FULL, SLIDING) for k in kinds):
+        out.slot_bytes = max(out.slot_bytes, per_layer)
     for kind in kinds:
+        if kind == LINEAR:
+            out.linear_layers += 1
         if kind == FULL:
             out.bytes_per_token += per_layer
             out.full_per_token += per_layer
@@ -410,8 +418,15 @@ def size(inp: Inputs, *, fixes: bool = True) -> Sizing:
             if s.reserve_mib is not None:
                 s.notes.append(f"reserve (activation peak + non-torch + CUDA graphs) is an assumption: "
                                f"{s.reserve_mib:.0f} MiB per GPU")
+    if lay is not None and lay.bytes_per_token:
+        s.kv_logged_bytes_per_token = logged_bytes_per_token(lay)
     if lay is not None and s.kv_cache_mib is not None and lay.bytes_per_token:
         s.kv_tokens = max(0, int(s.kv_cache_mib * MIB // lay.bytes_per_token))
+        s.kv_tokens_logged = max(0, int(s.kv_cache_mib * MIB // s.kv_logged_bytes_per_token))
+        if s.kv_tokens_logged != s.kv_tokens:
+            s.notes.append(f"vLLM will log `GPU KV cache size: ~{s.kv_tokens_logged:,} tokens`, fewer than the "
+                           f"{s.kv_tokens:,} that fit: its hybrid allocator counts each of the "
+                           f"{lay.linear_layers} linear-attention layers as an attention-sized slot")
         if inp.max_model_len:
             req = _request_bytes(lay, inp.max_model_len, inp.k)
             s.request_mib = req / MIB
@@ -420,6 +435,17 @@ def size(inp: Inputs, *, fixes: bool = True) -> Sizing:
     s.unknown = _merge(s.unknown)
     _judge(s, inp, lay, fixes)
     return s
+
+
+def logged_bytes_per_token(lay: _Layout) -> int:
+    """Bytes per token in the figure vLLM logs as `GPU KV cache size: N tokens`. vLLM (v1 kv_cache_utils) gives
+    every layer group pages of one size and logs num_blocks // len(kv_cache_groups) * block_size; with
+    linear-attention (Mamba / Gated DeltaNet) layers each of them is one more attention-sized slot, so the logged
+    figure is the cache divided by (attention bytes per token + linear layers x the largest attention layer's).
+    Without linear layers this is just the attention bytes per token. Checked against a published log of
+    Qwen3.6-27B + DFlash at TP 2 (docs/playbooks.md#will-it-fit); vLLM's padding layers and block rounding are
+    not modelled (they lower its figure by a few per cent)."""
+    return lay.bytes_per_token + lay.linear_layers * lay.slot_bytes
 
 
 def _merge(items: list) -> list:
@@ -530,6 +556,8 @@ def table(s: Sizing) -> list[str]:
         rows.append(("KV cache per GPU", _gib(s.kv_cache_mib)))
     rows.append(("KV bytes per token per GPU", "?" if s.kv_bytes_per_token is None else f"{s.kv_bytes_per_token:,}"))
     rows.append(("KV cache tokens", "?" if s.kv_tokens is None else f"{s.kv_tokens:,}"))
+    if s.kv_tokens_logged is not None and s.kv_tokens_logged != s.kv_tokens:
+        rows.append(("  as vLLM logs it (GPU KV cache size)", f"{s.kv_tokens_logged:,}"))
     rows.append((f"max concurrency at max_model_len {s.max_model_len or '?'}",
                  "?" if s.max_concurrency is None else f"{s.max_concurrency:.2f}x"))
     rows.append(("longest max_model_len that fits",
@@ -665,7 +693,8 @@ def parse_reported(lines) -> dict:
 def compare(s: Sizing, reported: dict) -> dict:
     """{"rows": [{figure, predicted, reported, off, tolerance, within}], "off": [figures beyond tolerance]}."""
     rows = []
-    pred = {"weights_gib": None if s.weights_mib is None else s.weights_mib / 1024, "kv_tokens": s.kv_tokens}
+    pred = {"weights_gib": None if s.weights_mib is None else s.weights_mib / 1024,
+            "kv_tokens": s.kv_tokens_logged if s.kv_tokens_logged is not None else s.kv_tokens}
     for k in ("weights_gib", "kv_tokens"):
         p, r = pred[k], reported.get(k)
         if p is None or r is None or (k == "weights_gib" and s.mode == "cpu"):

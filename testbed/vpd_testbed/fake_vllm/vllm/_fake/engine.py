@@ -368,9 +368,23 @@ def _startup(ctx, state, status_w):
     per_tok = n_full * 2 * max(1, kv_heads // tp) * head_dim * 2
     if method == "dflash":
         per_tok += max(1, ctx.get("draft_layers") or 5) * 2 * max(1, 8 // tp) * 128 * 2
+    slot = max(2 * max(1, kv_heads // tp) * head_dim * 2, 2 * max(1, 8 // tp) * 128 * 2 if method == "dflash" else 0)
     if str(ctx["kv_cache_dtype"]).startswith("fp8"):
         per_tok //= 2
+        slot //= 2
     kv_tokens = int(avail * 2**30 // per_tok)
+    # what real vLLM logs (v1 kv_cache_utils): every layer group gets pages of one size and the figure is
+    # num_blocks // len(kv_cache_groups) * block_size. A hybrid target's linear-attention layers are groups too, and
+    # its attention block size grows until a page holds a linear layer's state (1568 tokens in a published vLLM log of a
+    # 27B Qwen hybrid model: club-3090 issue 1047); so the logged tokens are far fewer than the attention tokens that fit (kv_tokens).
+    n_linear = sum(1 for t in lts if t == "linear_attention") if lts else n_layers - n_full
+    logged = kv_tokens
+    if n_linear:
+        block = 1568
+        groups = n_full + n_linear + (max(1, ctx.get("draft_layers") or 5) if method == "dflash" else 0)
+        logged = int(avail * 2**30 // (block * slot)) // groups * block
+        logs.info("interface.py:911", f"Setting attention block size to {block} tokens to ensure that attention "
+                                      "page size is >= mamba page size.")
     max_len = ctx["max_len"]
     if max_len == -1:
         max_len = min(ctx["derived_len"], kv_tokens)
@@ -389,9 +403,9 @@ def _startup(ctx, state, status_w):
             f"See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.",
             frames=kv_frames)
     wlog("INFO", "gpu_worker.py:298", f"Available KV cache memory: {avail:.2f} GiB")
-    logs.info("kv_cache_utils.py:1087", f"GPU KV cache size: {kv_tokens:,} tokens")
+    logs.info("kv_cache_utils.py:1087", f"GPU KV cache size: {logged:,} tokens")
     logs.info("kv_cache_utils.py:1091", f"Maximum concurrency for {max_len:,} tokens per request: "
-                                        f"{kv_tokens / max_len:.2f}x")
+                                        f"{logged / max_len:.2f}x")
     for w in workers:
         w.send(f"mem {int(util * total_mib)}")
 
