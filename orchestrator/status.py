@@ -83,8 +83,8 @@ def _with_playbook_runtimes(inv, want):
     return [(h, v, rt if rt is not None else by_target.get((h, v))) for h, v, rt in want]
 
 
-def local_key_env(inv, playbook, host: str, vmid: int) -> str | None:
-    """serve.api_key_env of the local playbook named `playbook` if it targets HOST/VMID, else None. The name
+def local_playbook(inv, playbook, host: str, vmid: int):
+    """The member for HOST/VMID of the local playbook named `playbook`, if one targets it, else None. The name
     comes from the container (state.json), so it only selects among the operator's own playbooks."""
     from .spec import list_playbooks, load_playbook
 
@@ -100,8 +100,36 @@ def local_key_env(inv, playbook, host: str, vmid: int) -> str | None:
             continue
         for m in pb.members:
             if (m.host, m.vmid) == (host, vmid):
-                return m.serve.get("api_key_env") or None
+                return m
     return None
+
+
+def local_key_env(inv, playbook, host: str, vmid: int) -> str | None:
+    """serve.api_key_env of the local playbook named `playbook` if it targets HOST/VMID, else None."""
+    m = local_playbook(inv, playbook, host, vmid)
+    return (m.serve.get("api_key_env") or None) if m is not None else None
+
+
+def sizing_row(row: dict, lines, inv, st: dict, host: str, vmid: int) -> None:
+    """vLLM's own memory figures of the serving launch (kept at deploy up: memory.json), held to the sizing
+    model's prediction when the local playbook has sizing.target_config; a figure off by more than the tolerance
+    is a note (the model is wrong, not the deployment)."""
+    if not lines:
+        return
+    from . import sizing as Z
+
+    rep = Z.parse_reported([str(x) for x in lines][:12])
+    if not rep:
+        return
+    out = {"reported": rep, "rows": [], "off": [], "verdict": None}
+    m = local_playbook(inv, st.get("playbook"), host, vmid)
+    inp = Z.from_playbook(m) if m is not None else None
+    if inp is not None:
+        c = Z.compare(Z.size(inp, fixes=False), rep)
+        out.update(c)
+        if c["off"]:
+            row["notes"].append(Z.compare_line(c))
+    row["sizing"] = out
 
 
 def _iso(t: float) -> str:
@@ -322,6 +350,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             + (" and the container rebooted since" if sup.get("container_restarted") else "")
             + f"; last exit: {exit_text(sup.get('last_exit'))}; its acceptance since that restart is shown as recent")
     gate_row(row, r, st)
+    if st.get("alive"):
+        sizing_row(row, r.extra.get("memory_lines"), fleet.inventory, st, host, vmid)
     if r.last_error:
         row["last_error"] = r.last_error
     if st.get("drafter_path"):
@@ -566,7 +596,8 @@ def _row(host, vmid, **values) -> dict:
     row = {"host": host, "vmid": vmid, "reachable": True, "container": "unknown", "playbook": None, "pid": None,
            "process": "unknown", "health": None, "served_model": None, "method": None, "gpus": [],
            "acceptance": None, "drafter": None, "uptime_s": None, "last_error": None, "lock": None,
-           "url": None, "tunnel": None, "supervision": None, "gate": None, "rejected": None, "healthy": False,
+           "url": None, "tunnel": None, "supervision": None, "gate": None, "rejected": None, "sizing": None,
+           "healthy": False,
            "timed_out": False, "problems": [], "history": [],
            "notes": [], "weights": None, "gpu_plumbing": None}
     row.update(values)

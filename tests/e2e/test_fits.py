@@ -48,3 +48,31 @@ def test_plan_sizing_line_and_up_prints_predicted_vs_reported(tb, deploy, playbo
     c = json.loads(p.stdout)["info"]["sizing"]
     assert {r["figure"] for r in c["rows"]} == {"weights_gib", "kv_tokens"}
     assert c["reported"]["kv_tokens"] > 0 and c["reported"]["weights_gib"] > 0
+    # deploy status shows the same comparison for the launch serving now (its memory lines kept at up)
+    s = deploy("--json", "status", "pve1/129", env=playbooks.env)
+    row = json.loads(s.stdout)["rows"][0]
+    assert row["sizing"]["reported"] == c["reported"], row["sizing"]
+    assert [r["figure"] for r in row["sizing"]["rows"]] == [r["figure"] for r in c["rows"]]
+    assert row["sizing"]["off"] == [] and not any(n.startswith("sizing:") for n in row["notes"])
+
+
+def test_status_memory_lines_from_a_hostile_container_are_only_figures(tb, deploy, playbooks):
+    """memory.json is the container's word: junk, huge or mismatched content is shown as figures or not at all."""
+    p = deploy("up", "qwen36-mtp", env=playbooks.env)
+    assert p.returncode == 0, p.stderr
+    st = json.loads(tb.container_exec("pve1", 129, ["cat", "/var/lib/vllm-pve-deploy/state.json"]).stdout)
+    junk = {"pid": st["pid"], "started_at": st["started_at"],
+            "lines": ["Model loading took 1e999 GiB", {"x": 1}, "GPU KV cache size: 12,3,4 tokens \x1b[31m",
+                      "A" * 100000] + ["Available KV cache memory: 5.00 GiB"] * 50}
+    tb.container_exec("pve1", 129, ["sh", "-c", "cat > /var/lib/vllm-pve-deploy/memory.json"],
+                      input=json.dumps(junk))
+    s = deploy("--json", "status", "pve1/129", env=playbooks.env)
+    assert s.returncode == 0, s.stdout + s.stderr
+    row = json.loads(s.stdout)["rows"][0]
+    assert row["healthy"] and row["sizing"]["reported"]["kv_cache_gib"] == 5.0
+    # another launch's file (pid differs): not shown
+    junk["pid"] = st["pid"] + 1
+    tb.container_exec("pve1", 129, ["sh", "-c", "cat > /var/lib/vllm-pve-deploy/memory.json"],
+                      input=json.dumps(junk))
+    row = json.loads(deploy("--json", "status", "pve1/129", env=playbooks.env).stdout)["rows"][0]
+    assert row["sizing"] is None

@@ -6,7 +6,7 @@ import re
 import time
 
 from .core import emit, now
-from .files import _tail_lines
+from .files import _tail_lines, write_json_atomic
 from .net import http, listener_check, serving_host
 from .procs import alive
 from .state import read_exit_code, read_state
@@ -26,7 +26,7 @@ def act_wait_ready(a):
     phases = [(re.compile(p["regex"]), p["phase"]) for p in a["phases"]]
     aux_re = re.compile(a["aux_regex"])
     api_key = core.SECRETS.get("api_key")
-    last_lines, aux, seen_phases = [], None, []
+    last_lines, aux, seen_phases, mem_lines = [], None, [], []
     log = LogReader(st, log_path)
     t0 = now()
     ready_http = False
@@ -36,6 +36,8 @@ def act_wait_ready(a):
         nonlocal last_lines, aux
         for ln in lines:
             last_lines = (last_lines + [ln])[-40:]
+            if len(mem_lines) < 12 and any(k in ln for k in MEMORY_MARKS):
+                mem_lines.append(ln[-300:])
             for rx, ph in phases:
                 m = rx.search(ln)
                 if m and ph not in seen_phases:
@@ -108,6 +110,7 @@ def act_wait_ready(a):
                                 {"model": a["served_model_name"], "prompt": "Hello", "max_tokens": 8},
                                 timeout=60, api_key=api_key, host=host)
                 if st == 200:
+                    keep_memory_lines(a["state_dir"], state, mem_lines)
                     return {"ready": True, "seconds": round(now() - t0, 1), "models": models, "aux_layers": aux,
                             "phases": seen_phases}
                 if st in (401, 403):
@@ -120,6 +123,19 @@ def act_wait_ready(a):
             return {"ready": False, "reason": "timeout", "log_tail": last_lines[-15:], "phases": seen_phases,
                     "seconds": round(now() - t0, 1), "alive": alive(pid)}
         time.sleep(0.2)
+
+
+# vLLM's memory lines (weights, KV cache), kept for `deploy status` once the launch serves (issue 35)
+MEMORY_MARKS = ("Model loading took", "Available KV cache memory", "KV cache size:")
+
+
+def keep_memory_lines(state_dir, st, lines):
+    """STATE_DIR/memory.json: this launch's memory lines (its pid and start, so status shows only its own)."""
+    try:
+        write_json_atomic(state_dir.rstrip("/") + "/memory.json",
+                          {"pid": st.get("pid"), "started_at": st.get("started_at"), "lines": lines})
+    except (OSError, ValueError):
+        pass  # a figure for status, never a reason to fail the launch
 
 
 class LogReader:

@@ -114,6 +114,10 @@ def _status_rest(res, state_dir):
                 res["drafter_sha256"] = None
                 res["drafter_error"] = e.strerror
         res["supervision"] = sup = supervision(st)
+        mem = _read_json(os.path.join(state_dir, "memory.json"))
+        if isinstance(mem, dict) and mem.get("pid") == st.get("pid") and \
+                mem.get("started_at") == st.get("started_at") and isinstance(mem.get("lines"), list):
+            res["memory_lines"] = [str(x)[-300:] for x in mem["lines"][:12]]
         res["weights"] = serving_weights(st, state_dir)
         if not st.get("alive"):
             if st.get("unit"):
