@@ -665,14 +665,24 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
 
         found, facts = GP.run_check(ctx, P.step_plumbing(pb))
         out.info["gpu_plumbing"] = {"findings": found, "host_error": (facts["host"] or {}).get("error")}
+        fits = GP.sized_on_measured_gpus(ctx, facts["host"])
+        if fits:
+            out.info["fits"] = fits
+            ctx.progress.say(ctx.where, f"sizing on the measured GPUs: {fits['line']}")
         from .spec import fetch_items
 
         if fetch_items(pb):  # weights fetched by deploy fetch: the revision in place (from its record)
             from . import fetch as F
 
             out.info["revisions"] = F.records(ctx, pb)
-        out.ok = not r.failed and not found
+        refuse = bool(fits) and fits["level"] == "refuse"
+        out.ok = not r.failed and not found and not refuse
         out.status = "verified" if out.ok else "failed"
+        if refuse and not r.failed and not found:
+            out.error = StepFailed("sizing", f"{pb.name} does not fit on the GPUs as measured on {pb.host} "
+                                             f"({fits['gpu_mib']:.0f} MiB each): {fits['line']}", where=ctx.where,
+                                   fix=f"deploy size {pb.name} --gpu-mib {fits['gpu_mib']:.0f} --max-model-len N "
+                                       "--tp N --gmu F (docs/playbooks.md#will-it-fit)")
         if r.failed:
             out.error = StepFailed("verify", f"{len(r.failed)} check(s) failed"
                                    + (f"; {len(found)} GPU plumbing problem(s)" if found else ""), where=ctx.where,

@@ -36,7 +36,11 @@ done
 echo "@@ version"; head -c 400 /proc/driver/nvidia/version 2>/dev/null
 echo "@@ smi"
 T=""; command -v timeout >/dev/null 2>&1 && T="timeout -k 2 10"
+F=$(mktemp 2>/dev/null) && { $T nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits \
+  > "$F" 2>/dev/null & }
 $T nvidia-smi 2>&1 | head -c 4000 | grep -E 'Driver Version|CUDA Version|NVML|Failed' | head -n 4
+wait
+echo "@@ gpumem"; if [ -n "$F" ]; then head -n 64 "$F" | head -c 4000; rm -f "$F"; fi
 exit 0
 """
 
@@ -91,9 +95,10 @@ def driver_for_cuda(cuda: str) -> str | None:
 
 def parse_host(text: str) -> dict:
     """HOST_PLUMBING_SH output -> {config: [lines], config_rc, proc_devices: {name: major}, nodes: {path: node},
-    module_version, smi_driver, smi_cuda, smi_error}. A node: {kind: "char"|"file"|"other", major, minor}."""
+    module_version, smi_driver, smi_cuda, smi_error, gpu_mem: {index: {used, total}}}. A node: {kind: "char"|"file"|
+    "other", major, minor}."""
     out = {"config": [], "config_rc": None, "proc_devices": {}, "nodes": {}, "module_version": None,
-           "smi_driver": None, "smi_cuda": None, "smi_error": None}
+           "smi_driver": None, "smi_cuda": None, "smi_error": None, "gpu_mem": {}}
     sec = None
     for raw in (text or "").splitlines()[: MAX_LINES * 4]:
         ln = raw[:1000]
@@ -121,6 +126,10 @@ def parse_host(text: str) -> dict:
             m = MODULE_RE.search(ln)
             if m and not out["module_version"]:
                 out["module_version"] = m.group(1)
+        elif sec == "gpumem":  # the host's nvidia-smi: index, used MiB, total MiB (the sizing check's GPUs)
+            m = re.fullmatch(r"\s*(\d{1,3}),\s*(\d{1,9}),\s*(\d{1,9})\s*", ln)
+            if m and len(out["gpu_mem"]) < 64:
+                out["gpu_mem"][int(m.group(1))] = {"used": int(m.group(2)), "total": int(m.group(3))}
         elif sec == "smi":
             if (m := SMI_DRIVER_RE.search(ln)):
                 out["smi_driver"] = m.group(1)

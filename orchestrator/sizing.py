@@ -654,6 +654,26 @@ def check_playbook(pb) -> dict:
     return {"level": level, "line": line, "sizing": s.as_dict() if s else None}
 
 
+def check_measured(pb, gpu_mem: dict | None) -> dict | None:
+    """The sizing check on the GPUs as the host's nvidia-smi measures them ({index: {used, total}}, the
+    gpu-plumbing check's one host exec): the smallest total of the playbook's GPUs. None without a target config or
+    a reading of every assigned GPU. {"level", "line", "sizing", "gpu_mib"} as check_playbook."""
+    from dataclasses import replace
+
+    if pb.target_config is None or not gpu_mem:
+        return None
+    got = [gpu_mem.get(g) or gpu_mem.get(str(g)) for g in pb.gpus]
+    if not got or any(not isinstance(x, dict) or not x.get("total") for x in got):
+        return None
+    total = min(float(x["total"]) for x in got)
+    inp = from_playbook(pb, gpu_mib=total)
+    if inp is None:
+        return None
+    s = size(replace(inp, gpu_source=f"measured: nvidia-smi on {pb.host}, GPUs {list(pb.gpus)}"))
+    level, line = assess(pb, s)
+    return {"level": level, "line": line, "sizing": s.as_dict(), "gpu_mib": total}
+
+
 def refuse_if_certain(pb) -> None:
     """Raise CheckFailed (exit 1, nothing run) when a target of pb certainly does not fit (level refuse)."""
     from .errors import CheckFailed

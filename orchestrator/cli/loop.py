@@ -430,6 +430,8 @@ def verify(obj, playbook):
                 doc["revisions"] = out.info["revisions"]
             if "gpu_plumbing" in out.info:
                 doc["gpu_plumbing"] = out.info["gpu_plumbing"]
+            if "fits" in out.info:
+                doc["fits"] = out.info["fits"]
             docs.append(doc)
             if obj.json:
                 continue

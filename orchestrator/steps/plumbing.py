@@ -25,6 +25,15 @@ def run_check(ctx: Context, step: Step) -> tuple[list[dict], dict]:
     return check(ctx, host, ct), {"host": host, "container": ct}
 
 
+def sized_on_measured_gpus(ctx: Context, host_facts: dict | None) -> dict | None:
+    """The sizing check with the GPU memory the host's nvidia-smi just reported (sizing.check_measured)."""
+    from .. import sizing as Z
+
+    if not host_facts or host_facts.get("error"):
+        return None
+    return Z.check_measured(ctx.pb, host_facts.get("gpu_mem"))
+
+
 def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]:
     t0 = time.monotonic()
     found, facts = run_check(ctx, step)
@@ -35,6 +44,15 @@ def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]
                                 "nothing was stopped\n" + PL.render(found),
                  fix="; ".join(dict.fromkeys(f["fix"] for f in found)), findings=found)
     note = f" (host side not read: {herr})" if herr else ""
+    fits = sized_on_measured_gpus(ctx, facts["host"])
+    if fits and fits["level"] == "refuse":
+        ctx.fail(step.name, t0, f"{ctx.pb.name} does not fit on the GPUs as measured on {ctx.pb.host} "
+                                f"({fits['gpu_mib']:.0f} MiB each): {fits['line']}; nothing was stopped",
+                 fix=f"change the playbook as listed, or try values with deploy size {ctx.pb.name} --gpu-mib "
+                     f"{fits['gpu_mib']:.0f} --max-model-len N --tp N --gmu F (docs/playbooks.md#will-it-fit)",
+                 fits=fits)
+    if fits and fits["level"] == "warn":
+        ctx.progress.say(ctx.where, f"     warning: sizing on the measured GPUs: {fits['line']}")
     if record:
         ctx.record(step.name, True, f"container {ctx.pb.vmid} sees GPUs {list(ctx.pb.gpus)}, nvidia-uvm, the "
                                     f"host's driver version and enough /dev/shm{note}", t0)

@@ -45,11 +45,13 @@ HOST = {
                    "devN: keys (pct set refuses them)",
     "uvm_missing": "bool: /dev/nvidia-uvm and /dev/nvidia-uvm-tools are gone from the host (a reboot with no CUDA "
                    "use on the host); the containers keep theirs",
+    "gpu_total_mib": "MiB (int, default 81559): every GPU of the host reports this total memory (a smaller card: "
+                     "nvidia-smi everywhere, and the fake vLLM sizes itself from it)",
 }
 
 FAKE_VLLM_LAYOUT = {"vllm_version", "vllm_build", "missing_extension", "no_fix_markers"}
 _FLOAT = {"crash_after_s", "load_s", "config_revert_s", "release_delay_s", "ssh_drop_after_s"}
-_INT = {"sigterm_ignoring_holder_mib", "port_in_use", "latency_ms", "oom_exit_code", "shm_mib"}
+_INT = {"sigterm_ignoring_holder_mib", "port_in_use", "latency_ms", "oom_exit_code", "shm_mib", "gpu_total_mib"}
 _BOOL = {"no_fix_markers", "readonly_models", "nvidia_smi_hang", "unreachable", "keep_env_supported", "uvm_missing"}
 
 M_HOLDER = "vpd-testbed-sigterm-holder"

@@ -76,3 +76,27 @@ def test_status_memory_lines_from_a_hostile_container_are_only_figures(tb, deplo
                       input=json.dumps(junk))
     row = json.loads(deploy("--json", "status", "pve1/129", env=playbooks.env).stdout)["rows"][0]
     assert row["sizing"] is None
+
+
+def test_measured_gpus_refuse_before_anything_is_stopped_and_verify_says_so(tb, deploy, playbooks):
+    """No sizing.gpu_total_mib (an assumed 80 GB card: plan only warns); the host's nvidia-smi reports 16 GiB
+    cards (host fault gpu_total_mib): the gpu-plumbing step of up refuses with the numbers before anything is
+    stopped, and verify fails naming the same."""
+    _with_sizing(playbooks, 81559)
+    p = playbooks.dir / "qwen36-dflash.yaml"
+    p.write_text(p.read_text().replace("  gpu_total_mib: 81559\n", ""))
+    up = deploy("up", "qwen36-mtp", env=playbooks.env)  # something of ours serves on the GPUs
+    assert up.returncode == 0, up.stderr
+    pid = json.loads(tb.container_exec("pve1", 129, ["cat", "/var/lib/vllm-pve-deploy/state.json"]).stdout)["pid"]
+    tb.set_fault("pve1", None, "gpu_total_mib", 16384)
+    q = deploy("--json", "up", "qwen36-dflash", "-y", env=playbooks.env)  # -y: it may replace qwen36-mtp
+    assert q.returncode == 1, q.stdout + q.stderr
+    err = q.json["error"]
+    assert "does not fit on the GPUs as measured on pve1 (16384 MiB each)" in err["message"], err
+    assert "nothing was stopped" in err["message"] and "--gpu-mib 16384" in err["fix"]
+    st = json.loads(tb.container_exec("pve1", 129, ["cat", "/var/lib/vllm-pve-deploy/state.json"]).stdout)
+    assert st["pid"] == pid and st["playbook"] == "qwen36-mtp"  # the serving one was not touched
+    v = deploy("--json", "verify", "qwen36-dflash", env=playbooks.env)
+    assert v.returncode == 1, v.stdout + v.stderr
+    assert v.json["fits"]["level"] == "refuse" and v.json["fits"]["gpu_mib"] == 16384
+    assert "does not fit on the GPUs as measured" in v.json["error"]["message"]

@@ -52,6 +52,11 @@ class Sim:
         except (OSError, ValueError):
             return {}
 
+    def total(self):
+        """Each GPU's total MiB: the host fault gpu_total_mib, else an 80 GB card's figure."""
+        v = self.faults().get("gpu_total_mib")
+        return int(v) if isinstance(v, int) and v > 0 else TOTAL
+
     def uuid(self, i):
         h = hashlib.sha1(("%s/%d" % (self.host["name"], i)).encode()).hexdigest()
         return "GPU-%s-%s-%s-%s-%s" % (h[:8], h[8:12], h[12:16], h[16:20], h[20:32])
@@ -153,9 +158,9 @@ class Sim:
         if f == "memory.used":
             return str(used[i])
         if f == "memory.total":
-            return str(TOTAL)
+            return str(self.total())
         if f == "memory.free":
-            return str(max(0, TOTAL - used[i]))
+            return str(max(0, self.total() - used[i]))
         if f == "memory.reserved":
             return "0"
         if f == "utilization.gpu":
@@ -281,7 +286,7 @@ class Sim:
              "|" + "=" * 41 + "+" + "=" * 24 + "+" + "=" * 22 + "|"]
         for n, g in enumerate(gpus):
             o.append(row(("   %d  %s" % (g, NAME)).ljust(37) + "On  ", "   %s Off " % self.bus(g), "0".rjust(21) + " "))
-            mem = "%dMiB / %dMiB" % (used[g], TOTAL)
+            mem = "%dMiB / %dMiB" % (used[g], self.total())
             o.append(row(" N/A   32C    P0             71W /  700W ", " " + mem.rjust(22) + " ",
                          "0%".rjust(8) + "      Default "))
             o.append(row(" " * 41, " " * 24, "             Disabled "))
