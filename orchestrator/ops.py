@@ -679,10 +679,10 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
         out.ok = not r.failed and not found and not refuse
         out.status = "verified" if out.ok else "failed"
         if refuse and not r.failed and not found:
-            out.error = StepFailed("sizing", f"{pb.name} does not fit on the GPUs as measured on {pb.host} "
-                                             f"({fits['gpu_mib']:.0f} MiB each): {fits['line']}", where=ctx.where,
-                                   fix=f"deploy size {pb.name} --gpu-mib {fits['gpu_mib']:.0f} --max-model-len N "
-                                       "--tp N --gmu F (docs/playbooks.md#will-it-fit)")
+            from .sizing import measured_refusal
+
+            msg, fix = measured_refusal(pb, fits)
+            out.error = StepFailed("sizing", msg, where=ctx.where, fix=fix)
         if r.failed:
             out.error = StepFailed("verify", f"{len(r.failed)} check(s) failed"
                                    + (f"; {len(found)} GPU plumbing problem(s)" if found else ""), where=ctx.where,

@@ -430,8 +430,9 @@ HOST_TIMEOUT_S = 25
 HOST_OUTPUT_MAX = 256 << 10
 
 
-def read_host(session, vmid: int, label: str = "gpu-plumbing") -> dict:
-    """The host's side (HOST_PLUMBING_SH): parsed, or {"error": ...} when it could not be read."""
+def read_host(session, vmid: int, label: str = "gpu-plumbing", need_config: bool = True) -> dict:
+    """The host's side (HOST_PLUMBING_SH): parsed, or {"error": ...} when it could not be read. need_config=False:
+    a container that does not exist yet (deploy prepare --create) is no error: its config is empty."""
     try:
         r = session.run(host_argv(vmid), timeout=HOST_TIMEOUT_S,
                         vmid=vmid, label=label, max_output=HOST_OUTPUT_MAX)
@@ -440,6 +441,8 @@ def read_host(session, vmid: int, label: str = "gpu-plumbing") -> dict:
     if not r.ok:
         return {"error": clean((r.err or r.out).strip()[:300]) or f"exit {r.exited}"}
     h = parse_host(r.out)
-    if h["config_rc"] not in (0, None) or not h["config"]:
+    if not need_config:
+        h["config"], h["config_rc"] = [], 0
+    elif h["config_rc"] not in (0, None) or not h["config"]:
         return {"error": f"`pct config {vmid}` failed: " + clean(" ".join(h["config"])[:300])}
     return h

@@ -34,6 +34,7 @@ import time
 from . import plumbing as PL
 from .errors import DeployError, UsageError
 from .remote import shell_join, shell_word
+from .spec import fetch_items
 
 BACKUP_DIR = "/root/vllm-pve-deploy-backups"
 DEV_MIN_PVE = (8, 1)  # pve-container's devN: keys came with Proxmox VE 8.1 (../shared/domain/lxc-gpu-plumbing.md)
@@ -210,10 +211,9 @@ def plan(host_facts: dict, probe: dict, *, host: str, vmid: int, gpus: list[int]
     return res
 
 
-def fetch_items_of(pb) -> list:
-    from .plan import fetch_args
-
-    return fetch_args(pb)
+def venv_root(python: str) -> str:
+    """runtime.python ROOT/bin/python -> ROOT (the venv prepare makes when the container has none)."""
+    return python.rsplit("/bin/", 1)[0]
 
 
 def insert_lines(conf: str, lines: list[str]) -> str:
@@ -352,13 +352,7 @@ class Prepare:
     def read_host_facts(self, label: str) -> dict:
         """The host side (plumbing.HOST_PLUMBING_SH). Before --create makes the container there is no config to
         read: the host's nodes and driver only, with an empty config."""
-        if self.create and not self.created:
-            r = self.session.run(PL.host_argv(self.vmid), timeout=PL.HOST_TIMEOUT_S, vmid=self.vmid, label=label,
-                                 max_output=PL.HOST_OUTPUT_MAX)
-            hf = PL.parse_host(r.out)
-            hf["config"], hf["config_rc"] = [], 0
-            return hf
-        hf = PL.read_host(self.session, self.vmid, label=label)
+        hf = PL.read_host(self.session, self.vmid, label=label, need_config=not (self.create and not self.created))
         if hf.get("error"):
             raise DeployError(f"cannot read the host side of {self.host}/{self.vmid}: {hf['error']}",
                               where=f"{self.host}/{self.vmid}", fix=f"pct config {self.vmid} on {self.host}")
@@ -401,12 +395,12 @@ class Prepare:
         for name, pb in self.chain:
             py = pb.runtime.get("python") or ""
             if pb.data["requires"].get("vllm"):
-                root = py.rsplit("/bin/", 1)[0]
-                self.step("venv", f"pct exec {v} -- python3 -m venv {shell_word(root)} (only if {py} is missing)",
+                self.step("venv", f"pct exec {v} -- python3 -m venv {shell_word(venv_root(py))} (only if {py} is "
+                                  "missing)",
                           f"the runtime venv of playbook {name}, for install-vllm to install into")
                 self.step("install", f"deploy install-vllm {name} (only if {pb.runtime.get('vllm')} is missing)",
                           f"requires.vllm {pb.data['requires']['vllm']}, verified")
-            if fetch_items_of(pb):
+            if fetch_items(pb):
                 self.step("fetch", f"deploy fetch {name}", "the playbook's weights, verified (already fetched: "
                                                            "nothing)")
 
@@ -618,7 +612,7 @@ class Prepare:
                 self.say(f"install-vllm {name}")
                 if not self.chained("install-vllm", name, install(self.fleet, pb, progress, yes=self.yes)):
                     return
-            if fetch_items_of(pb):
+            if fetch_items(pb):
                 self.say(f"fetch {name}")
                 if not self.chained("fetch", name, fetch(self.fleet, pb, progress)):
                     return
@@ -636,14 +630,17 @@ class Prepare:
         read back by running it. -> True: its vLLM is there already (install-vllm left to the user); False: no
         vLLM yet (install it); None: the venv could not be made (named in the chain)."""
         py = pb.runtime.get("python") or ""
-        root = py.rsplit("/bin/", 1)[0]
+        root = venv_root(py)
         s, v = self.session, self.vmid
         entry = {"step": "venv", "playbook": name, "ok": True, "status": "present", "error": None, "fix": None}
-        probe = s.ct(v, [py, "-c", "import sys; print(sys.prefix)"], timeout=30, label="prepare: runtime python")
-        if not probe.ok:
+
+        def runs():
+            return s.ct(v, [py, "-c", "import sys; print(sys.prefix)"], timeout=30, label="prepare: runtime python")
+
+        if not runs().ok:
             self.say(f"python3 -m venv {root}")
             r = s.ct(v, ["python3", "-m", "venv", root], timeout=300, label="prepare: venv", max_output=64 << 10)
-            check = s.ct(v, [py, "-c", "import sys; print(sys.prefix)"], timeout=30, label="prepare: runtime python")
+            check = runs()
             if not r.ok or not check.ok:
                 entry.update(ok=False, status="failed",
                              error=f"python3 -m venv {root} in {self.host}/{v} failed: "

@@ -662,7 +662,7 @@ def check_measured(pb, gpu_mem: dict | None) -> dict | None:
 
     if pb.target_config is None or not gpu_mem:
         return None
-    got = [gpu_mem.get(g) or gpu_mem.get(str(g)) for g in pb.gpus]
+    got = [gpu_mem.get(g) for g in pb.gpus]
     if not got or any(not isinstance(x, dict) or not x.get("total") for x in got):
         return None
     total = min(float(x["total"]) for x in got)
@@ -672,6 +672,15 @@ def check_measured(pb, gpu_mem: dict | None) -> dict | None:
     s = size(replace(inp, gpu_source=f"measured: nvidia-smi on {pb.host}, GPUs {list(pb.gpus)}"))
     level, line = assess(pb, s)
     return {"level": level, "line": line, "sizing": s.as_dict(), "gpu_mib": total}
+
+
+def measured_refusal(pb, fits: dict) -> tuple[str, str]:
+    """(message, fix) of a playbook that does not fit on the GPUs as measured (check_measured level refuse): the
+    same words from up's gpu-plumbing step and from verify."""
+    return (f"{pb.name} does not fit on the GPUs as measured on {pb.host} ({fits['gpu_mib']:.0f} MiB each): "
+            f"{fits['line']}",
+            f"change the playbook as listed, or try values with deploy size {pb.name} --gpu-mib "
+            f"{fits['gpu_mib']:.0f} --max-model-len N --tp N --gmu F (docs/playbooks.md#will-it-fit)")
 
 
 def refuse_if_certain(pb) -> None:

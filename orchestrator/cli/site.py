@@ -419,10 +419,10 @@ def prepare(obj, target, gpus, driver_run, style, create, template, hostname, me
                  "--storage": storage, "--rootfs-size": rootfs_gb, "--net0": net0,
                  "--privileged": privileged or None}
         if create:
-            ct = inv.hosts[host].container(vmid)
-            addr = ct.address if ct is not None else None
+            addr = declared.address if declared is not None else None
             create_opts = P.check_create({
-                "template": template, "hostname": hostname or (ct.name if ct is not None else None) or f"ct{vmid}",
+                "template": template,
+                "hostname": hostname or (declared.name if declared is not None else None) or f"ct{vmid}",
                 "memory": memory, "cores": cores, "storage": storage, "rootfs_gb": rootfs_gb,
                 "net0": net0 or "name=eth0,bridge=vmbr0,ip=" + (f"{addr}/24" if addr else "dhcp"),
                 "unprivileged": not privileged}, vmid)

@@ -46,11 +46,10 @@ def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]
     note = f" (host side not read: {herr})" if herr else ""
     fits = sized_on_measured_gpus(ctx, facts["host"])
     if fits and fits["level"] == "refuse":
-        ctx.fail(step.name, t0, f"{ctx.pb.name} does not fit on the GPUs as measured on {ctx.pb.host} "
-                                f"({fits['gpu_mib']:.0f} MiB each): {fits['line']}; nothing was stopped",
-                 fix=f"change the playbook as listed, or try values with deploy size {ctx.pb.name} --gpu-mib "
-                     f"{fits['gpu_mib']:.0f} --max-model-len N --tp N --gmu F (docs/playbooks.md#will-it-fit)",
-                 fits=fits)
+        from ..sizing import measured_refusal
+
+        msg, fix = measured_refusal(ctx.pb, fits)
+        ctx.fail(step.name, t0, msg + "; nothing was stopped", fix=fix, fits=fits)
     if fits and fits["level"] == "warn":
         ctx.progress.say(ctx.where, f"     warning: sizing on the measured GPUs: {fits['line']}")
     if record:

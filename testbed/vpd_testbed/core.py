@@ -132,8 +132,8 @@ def _normalize_options(spec: dict, options) -> dict:
 
 
 def _mac(host_no: int, v: int) -> str:
-    """The container's eth0 MAC (its pct config's hwaddr): stable across restarts, unique in the test bed."""
-    return "BC:24:11:%02X:%02X:%02X" % (host_no % 256, v // 256 % 256, v % 256)
+    """The container's eth0 MAC (its pct config's hwaddr): the same rule as the host's pct create (ctl.mac)."""
+    return ctl.mac(host_no, v)
 
 
 SIM_NODE_TEXT = "vpd-testbed-node c %d:%d\n"
@@ -861,16 +861,7 @@ class Testbed:
 
     def _build_dev(self, h, d: Path, gpus):
         dev = d / "dev"
-        dev.mkdir()
-        for name, (ma, mi) in {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8),
-                               "urandom": (1, 9), "tty": (5, 0)}.items():
-            os.mknod(dev / name, 0o666 | 0o020000, os.makedev(ma, mi))
-            os.chmod(dev / name, 0o666)
-        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                             ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
-            os.symlink(target, dev / name)
-        (dev / "shm").mkdir()
-        (dev / "pts").mkdir()
+        ctl.make_basic_dev(str(dev))
         gd = self.root / h / "gpus"
         for i in gpus:
             os.link(gd / ("nvidia%d" % i), dev / ("nvidia%d" % i))

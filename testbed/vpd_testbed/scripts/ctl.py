@@ -87,19 +87,15 @@ def conf_nvidia(hostdir, vmid):
     return out
 
 
-def make_ct_dirs(d):
-    """A new container's directory, as `pct create` leaves it (the test bed's _build_container does the same for
-    the containers it builds): root/ tmp/ faults/ run/lock, a /dev with the basic nodes and no GPU, an empty
-    NVIDIA user space (nvlib/: no driver libraries until one is installed)."""
-    for sub in ("root", "tmp", "faults", "nvlib", os.path.join("run", "lock"), os.path.join("dev", "shm"),
-                os.path.join("dev", "pts")):
-        os.makedirs(os.path.join(d, sub))
-    os.chmod(os.path.join(d, "tmp"), 0o1777)
-    os.chmod(os.path.join(d, "root"), 0o700)
-    os.chmod(os.path.join(d, "run", "lock"), 0o1777)
-    with open(os.path.join(d, "faults", "faults.json"), "w") as f:
-        f.write("{}\n")
-    dev = os.path.join(d, "dev")
+def mac(host_no, vmid):
+    """A container's eth0 MAC (its pct config's hwaddr): stable across restarts, unique in the test bed."""
+    return "BC:24:11:%02X:%02X:%02X" % (host_no % 256, vmid // 256 % 256, vmid % 256)
+
+
+def make_basic_dev(dev):
+    """A container's /dev without GPUs: the basic character nodes, the fd links, shm/ and pts/."""
+    os.makedirs(os.path.join(dev, "shm"))
+    os.makedirs(os.path.join(dev, "pts"))
     for name, (ma, mi) in {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8),
                            "urandom": (1, 9), "tty": (5, 0)}.items():
         os.mknod(os.path.join(dev, name), 0o666 | 0o020000, os.makedev(ma, mi))
@@ -107,7 +103,21 @@ def make_ct_dirs(d):
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
         os.symlink(target, os.path.join(dev, name))
-    os.chmod(dev, 0o755)
+
+
+def make_ct_dirs(d):
+    """A new container's directory, as `pct create` leaves it: root/ tmp/ faults/ run/lock, a /dev with the basic
+    nodes and no GPU (make_basic_dev, as the test bed's own containers have), an empty NVIDIA user space (nvlib/:
+    no driver libraries until one is installed)."""
+    for sub in ("root", "tmp", "faults", "nvlib", os.path.join("run", "lock")):
+        os.makedirs(os.path.join(d, sub))
+    os.chmod(os.path.join(d, "tmp"), 0o1777)
+    os.chmod(os.path.join(d, "root"), 0o700)
+    os.chmod(os.path.join(d, "run", "lock"), 0o1777)
+    with open(os.path.join(d, "faults", "faults.json"), "w") as f:
+        f.write("{}\n")
+    make_basic_dev(os.path.join(d, "dev"))
+    os.chmod(os.path.join(d, "dev"), 0o755)
 
 
 def ensure_ct_socket(hostdir, vmid):

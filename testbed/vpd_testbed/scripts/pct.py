@@ -318,11 +318,9 @@ def _extract_root(archive, dest):
     return n
 
 
-def _lan_cidr(hostdir, ip):
+def _lan_cidr(hostdir, tpl, ip):
     """ip= of net0: a static address as it is (with /24 when it has no prefix), dhcp: the lowest free address of the
-    test bed's /24 (what its DHCP server would hand out)."""
-    with open(os.path.join(hostdir, "create.json")) as f:
-        tpl = json.load(f)
+    test bed's /24 (what its DHCP server would hand out); tpl: the host's create.json."""
     if ip and ip != "dhcp":
         return ip if "/" in ip else ip + "/24"
     root = os.path.dirname(hostdir)
@@ -369,8 +367,8 @@ def cmd_create(hostdir, host, args):
     with open(os.path.join(hostdir, "create.json")) as f:
         t = json.load(f)
     net = dict(kv.split("=", 1) for kv in opts.get("net0", "name=eth0,bridge=vmbr0,ip=dhcp").split(",") if "=" in kv)
-    cidr = _lan_cidr(hostdir, net.get("ip"))
-    mac = "BC:24:11:%02X:%02X:%02X" % (t["host_no"] % 256, vmid // 256 % 256, vmid % 256)
+    cidr = _lan_cidr(hostdir, t, net.get("ip"))
+    mac = ctl.mac(t["host_no"], vmid)
     name = opts.get("hostname") or "CT%d" % vmid
     d = ctl.ctdir(hostdir, vmid)
     sys.stdout.write("  Logical volume \"vm-%d-disk-0\" created.\n" % vmid)
