@@ -79,7 +79,7 @@ class _Runner:
 
 
 def run(ctx, pb: Playbook, *, allow_start: bool = True, rehash: bool = False, timeout_s: float = P.FETCH_TIMEOUT_S,
-        step_name: str = "fetch") -> dict:
+        step_name: str = "fetch", connections: int | None = None) -> dict:
     """Probe; re-attach, report, start or do nothing; follow to the end. Returns {status, records, items}; raises
     FetchFailed / ConnectionLost with what to do."""
     its = P.fetch_args(pb)
@@ -130,7 +130,8 @@ def run(ctx, pb: Playbook, *, allow_start: bool = True, rehash: bool = False, ti
     t1 = time.monotonic()
     try:
         started = r.call({"op": "start", "state_dir": sd, "items": start_items, "timeout_s": timeout_s,
-                          "stall_s": STALL_S}, timeout=120, secrets=secrets or None)
+                          "stall_s": STALL_S, **P.fetch_transfer(pb, connections)}, timeout=120,
+                         secrets=secrets or None)
     except Unreachable as e:
         raise ConnectionLost(f"lost the connection while starting the fetch ({e.message}); it may have started in the "
                              "container", where=ctx.where,
@@ -261,7 +262,8 @@ def progress_line(ev: dict) -> str:
     t_pct = 100.0 * ev["done"] / ev["total"] if ev.get("total") else 100.0
     return (f"{ev.get('role')} {ev.get('file')}: {size(ev['file_bytes'])} of {size(ev['file_total'])} ({f_pct:.0f}%), "
             f"{size(ev.get('file_rate') or 0)}/s, ETA {eta(ev.get('file_eta_s'))} | total {size(ev['done'])} of "
-            f"{size(ev['total'])} ({t_pct:.0f}%), {size(ev.get('rate') or 0)}/s, ETA {eta(ev.get('eta_s'))}")
+            f"{size(ev['total'])} ({t_pct:.0f}%), {size(ev.get('rate') or 0)}/s, ETA {eta(ev.get('eta_s'))}"
+            + (f", {ev['connections']} connections" if (ev.get("connections") or 0) > 1 else ""))
 
 
 def size(n) -> str:
@@ -295,7 +297,7 @@ def _when(at) -> str:
 
 
 def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = False,
-          timeout_s: float = P.FETCH_TIMEOUT_S) -> Outcome:
+          timeout_s: float = P.FETCH_TIMEOUT_S, connections: int | None = None) -> Outcome:
     """deploy fetch PLAYBOOK: one target."""
     ctx = new_context(fleet, pb, progress)
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
@@ -307,7 +309,7 @@ def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = Fals
         for v in tokens(pb, P.fetch_args(pb)).values():
             fleet.redact.add(v)
         check_container(ctx, P.step_container(pb))
-        res = run(ctx, pb, rehash=rehash, timeout_s=timeout_s)
+        res = run(ctx, pb, rehash=rehash, timeout_s=timeout_s, connections=connections)
         out.ok, out.status = True, res["status"]
         out.info = {"records": res.get("records") or []}
         return out

@@ -570,6 +570,14 @@ def fetch_args(pb: Playbook) -> list[dict]:
     return out
 
 
+def fetch_transfer(pb: Playbook, connections: int | None = None) -> dict:
+    """How the fetch runner downloads: connections (deploy fetch --connections wins over fetch.connections) and the
+    range size in bytes."""
+    f = pb.data.get("fetch") or {}
+    return {"connections": int(connections or f.get("connections") or 8),
+            "range_bytes": int(f.get("range_mib") or 64) << 20}
+
+
 def _fetch_incoming_dir(it: dict) -> str:
     """Where a directory source is copied into the container: beside its destination (one file system, so the
     verified files are moved into place by rename)."""
@@ -598,7 +606,10 @@ def step_fetch(pb: Playbook, *, allow: bool = True) -> Step:
             runs.append(f"GET {it['endpoint']}/api/models/{it['hub']}/revision/{it['revision']}?blobs=true   # the "
                         "commit and every file's size and hash" + (f" (token from ${it['token_env']}, on stdin)"
                                                                    if it.get("token_env") else ""))
-            runs.append(f"GET {it['endpoint']}/{it['hub']}/resolve/COMMIT/FILE (Range: bytes=N- to resume) -> "
+            tr = fetch_transfer(pb)
+            runs.append(f"GET {it['endpoint']}/{it['hub']}/resolve/COMMIT/FILE over up to {tr['connections']} "
+                        f"connections (files > {2 * (tr['range_bytes'] >> 20)} MiB in {tr['range_bytes'] >> 20} MiB "
+                        "ranges: Range: bytes=A-B, each resumable) -> "
                         f"{'*.incomplete' if it['dest_kind'] == 'cache' else '.' + os.path.basename(it['dest']) + '.deploy-fetch/'}"
                         "; verify sha256 / git blob id; move into place")
     return Step("fetch", ("fetch what is missing, detached, verified against the hub's record: " if allow else

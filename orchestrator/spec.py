@@ -104,6 +104,7 @@ def _method(value: str) -> str | None:
     return f"{value!r} is not one of {', '.join(map(repr, METHODS))}" + (f" (did you mean {near[0]!r}?)" if near else "")
 
 
+FETCH_DEFAULTS = {"connections": 8, "range_mib": 64}
 INSTALL_DEFAULTS = {"timeout_s": 3600.0, "installer": "auto", "python": None, "index_url": None, "find_links": [],
                     "no_index": False, "heartbeat_s": 30.0, "hashes": [], "allow_insecure": False}
 
@@ -343,6 +344,15 @@ PLAYBOOK = Map({
                                     doc="accept plain http:// (and git+http://) sources; refused otherwise"),
         }), default=lambda: dict(INSTALL_DEFAULTS)),
     }), default=lambda: {"vllm": None, "vllm_min_version": None, "fixes": [], "install": dict(INSTALL_DEFAULTS)}),
+    "fetch": Field(Map({
+        "connections": Field(Int(1, 64), default=8,
+                             doc="at most this many connections at once: several files together, and a large file "
+                                 "in byte ranges over several connections (a CDN caps each connection, not the "
+                                 "link); 1: one stream"),
+        "range_mib": Field(Int(1, 65536), default=64,
+                           doc="a file larger than two ranges of this many MiB comes in ranges, each resumable"),
+    }), default=lambda: dict(FETCH_DEFAULTS),
+        doc="how deploy fetch (and up's fetch step) downloads from the hub (docs/playbooks.md#fetch)"),
     "gpu": Field(Map({
         "free_threshold_mib": Field(Int(0, 1_000_000), default=1024),
         "free_timeout_s": Field(Float(0.5, 3600), default=60.0),

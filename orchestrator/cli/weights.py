@@ -78,16 +78,20 @@ def install_vllm(obj, playbook, yes, rollback, force):
               help="Also re-hash every file already in place (sha256 / git blob id) instead of trusting the record.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=6 * 3600.0, show_default=True,
               metavar="SECONDS", help="The fetch's time limit (a partial download is kept: the next run resumes).")
+@click.option("--connections", type=click.IntRange(1, 64), default=None, metavar="N",
+              help="At most N connections at once (several files together, large files in byte ranges); default: "
+                   "the playbook's fetch.connections (8). 1: one stream.")
 @click.option("--manifest", "manifest_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="After the fetch, write the verified record of each item as a manifest (FILE, or FILE.ROLE.json "
                    "for several): copy it beside the files for source: {path: HOST_DIR}.")
 @json_option
 @click.pass_obj
-def fetch(obj, playbook, rehash, timeout_s, manifest_out):
+def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out):
     """Fetch the playbook's model and drafter weights into its container, at the pinned revision, verified.
 
     The download runs in the container, detached from the SSH session: a dropped connection does not stop
-    it, and running the command again re-attaches and reports. It resumes partial files (HTTP Range), checks
+    it, and running the command again re-attaches and reports. Several files come at once and large files in
+    byte ranges over several connections (--connections); every range resumes where it stopped. It checks
     the space before it starts, prints bytes, rate and ETA per file and in total, and verifies every file
     against the hub's record (sha256 for LFS files, the git blob id for the others) before moving anything
     into place. Already fetched and verified: nothing to do. A `source: {path: HOST_DIR}` is copied from the
@@ -97,6 +101,7 @@ def fetch(obj, playbook, rehash, timeout_s, manifest_out):
     Examples:
       deploy fetch qwen36-dflash
       deploy fetch qwen36-dflash --timeout 7200    # the token: export the variable named in token_env first
+      deploy fetch qwen36-dflash --connections 16   # a fast link behind a CDN that caps each connection
       deploy fetch qwen36-dflash --verify
       deploy fetch qwen36-dflash --manifest /tmp/qwen36.manifest.json
       deploy --json fetch qwen36-dflash
@@ -109,7 +114,8 @@ def fetch(obj, playbook, rehash, timeout_s, manifest_out):
         outs = []
         with Fleet(inv) as fleet:
             for m in pb.members:
-                outs.append(do_fetch(fleet, m, obj.progress(), rehash=rehash, timeout_s=timeout_s))
+                outs.append(do_fetch(fleet, m, obj.progress(), rehash=rehash, timeout_s=timeout_s,
+                                     connections=connections))
                 if manifest_out and outs[-1].ok:
                     _write_fetch_manifests(fleet, m, manifest_out)
         if len(outs) == 1:

@@ -3,10 +3,8 @@ pinned to a commit: plan each file, download, verify it against the manifest, in
 launches the detached runner (fetch_runner.py), `attach` follows it."""
 
 import base64
-import errno
 import json
 import os
-import re
 import sys
 import time
 
@@ -15,10 +13,10 @@ from .files import (
     lock_held, UnsafeDirectory, _read_json, _tail_lines, new_runner_log, open_dir, runner_env, runner_gone, runner_id,
     spawn_runner, tail_file, take_runner_lock, unique_name, write_json_atomic)
 from .install import _agent_source
+from .transfer import partial_bytes
 from .weights import (
-    CHUNK, COMMIT_RE, FETCH_FINAL, FETCH_LOCK, FETCH_RECORDS, FETCH_STATE, FETCH_VAR, FetchError,
-    _existing_dir, _final_path, _fmt_bytes, _free, _hash_as, _item_dest, _partial, _record_path, _repo_dir,
-    _staging, fetch_record, in_place, ours, safe_dir, verify_file)
+    COMMIT_RE, FETCH_FINAL, FETCH_LOCK, FETCH_RECORDS, FETCH_STATE, FETCH_VAR, FetchError, _final_path, _hash_as,
+    _item_dest, _partial, _record_path, _repo_dir, _staging, fetch_record, in_place, ours, safe_dir)
 from . import core
 
 
@@ -171,11 +169,7 @@ def plan_item(item, listing, state_dir):
             have += f["size"]
             f["state"] = "in place"
             continue
-        try:
-            partial = os.path.getsize(part)
-        except OSError:
-            partial = 0
-        f["partial"] = min(partial, f["size"])
+        f["partial"] = partial_bytes(part, f["size"])
         need.append(f)
     return need, have
 
@@ -190,103 +184,6 @@ def _safe_staging(item, commit):
     safe_dir(st, "staging directory")
     if os.path.lexists(item["dest"]):
         safe_dir(item["dest"], "destination directory")
-
-
-def download(item, commit, f, token, deadline, stall_s, progress):
-    """One file into its .incomplete (resumed with Range), then verified, then renamed beside it (still staging)."""
-    from http.client import HTTPException
-    from urllib.parse import quote
-
-    part, done = _partial(item, commit, f)
-    os.makedirs(os.path.dirname(part), mode=0o755, exist_ok=True)
-    url = "%s/%s/resolve/%s/%s" % (item["endpoint"].rstrip("/"), item["hub"], commit, quote(f["name"]))
-    for attempt in range(3):
-        start = os.path.getsize(part) if os.path.exists(part) else 0
-        if start > f["size"]:
-            os.unlink(part)
-            start = 0
-        if start == f["size"]:
-            break
-        if now() >= deadline:
-            raise FetchError("time limit reached while downloading %s (%s of %s); the partial file is kept for "
-                             "the next run" % (f["name"], _fmt_bytes(start), _fmt_bytes(f["size"])), kind="timeout")
-        headers = {"Range": "bytes=%d-" % start} if start else {}
-        try:
-            r = _hub_request(item, url, token, stall_s, headers)
-        except Exception as e:  # noqa: BLE001
-            err = hub_error(item, e, token, f["name"])
-            if err.kind == "range":
-                os.unlink(part)
-            if err.kind == "network" and attempt < 2:
-                progress(f, start, note="network: %s; retrying" % err.message)
-                time.sleep(min(5.0, 1.0 + attempt * 2))
-                continue
-            raise err from None
-        with r:
-            repo_commit = r.headers.get("X-Repo-Commit")
-            if repo_commit and repo_commit != commit:
-                raise FetchError("%s: the hub answered %s for commit %s (X-Repo-Commit %s)" % (
-                    item["hub"], f["name"], commit, repo_commit))
-            if r.status == 206:
-                cr = r.headers.get("Content-Range") or ""
-                m = re.match(r"bytes (\d+)-", cr)
-                if not m or int(m.group(1)) != start:
-                    raise FetchError("%s: %s: asked to resume at byte %d, the server sent %r" % (
-                        item["hub"], f["name"], start, cr))
-                mode = "ab"
-            else:
-                start, mode = 0, "wb"  # the server ignored the Range: from the start
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "ab" else os.O_TRUNC),
-                         0o644)
-            got = start
-            try:
-                with os.fdopen(fd, mode) as out:
-                    while True:
-                        if now() >= deadline:
-                            out.flush()
-                            raise FetchError("time limit reached while downloading %s (%s of %s); the partial file "
-                                             "is kept for the next run" % (f["name"], _fmt_bytes(got),
-                                                                           _fmt_bytes(f["size"])), kind="timeout")
-                        try:
-                            chunk = r.read(CHUNK)
-                        except (OSError, ValueError, HTTPException) as e:  # a cut, a stall (socket timeout)
-                            chunk, cut = b"", e
-                        else:
-                            cut = None
-                        if not chunk:
-                            break
-                        try:
-                            out.write(chunk)
-                        except OSError as e:
-                            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                                raise FetchError(
-                                    "disk full at %s while writing %s (%s of %s written; %s free there now); the "
-                                    "partial file %s is kept for resume and nothing was moved into place" % (
-                                        _existing_dir(os.path.dirname(part)), f["name"], _fmt_bytes(got),
-                                        _fmt_bytes(f["size"]), _fmt_bytes(_free(os.path.dirname(part))), part),
-                                    fix="free space there (or point the playbook elsewhere), then run deploy fetch "
-                                        "again: it resumes", kind="disk") from None
-                            raise
-                        got += len(chunk)
-                        progress(f, got)
-            except OSError as e:  # the buffered file's last flush (on close) can be the write that finds the disk full
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise FetchError("disk full at %s while writing %s; the partial file %s is kept for resume and "
-                                     "nothing was moved into place" % (os.path.dirname(part), f["name"], part),
-                                     fix="free space there, then run deploy fetch again: it resumes",
-                                     kind="disk") from None
-                raise
-        if got < f["size"]:
-            progress(f, got, note="transfer cut at %s of %s%s; resuming" % (
-                _fmt_bytes(got), _fmt_bytes(f["size"]), " (%s)" % cut if cut else ""))
-            continue
-        break
-    have = os.path.getsize(part) if os.path.exists(part) else 0
-    if have != f["size"]:
-        raise FetchError("%s: %s is %d bytes after 3 attempts, the hub's record says %d; the partial file is kept "
-                         "for the next run" % (item["hub"], f["name"], have, f["size"]),
-                         fix="run deploy fetch again (it resumes); check the network", kind="network")
-    return verify_file(item, f, part, done)
 
 
 def install_item(item, commit, listing, state_dir, source):
@@ -402,7 +299,8 @@ def _fetch_start(a):
     items = [dict(it) for it in a["items"]]
     st = {"id": fid, "status": "running", "phase": "starting", "items": items, "log": os.path.join(state_dir, logname),
           "started_at": now(), "t0": now(), "timeout_s": float(a.get("timeout_s") or 21600),
-          "stall_s": float(a.get("stall_s") or 60), "reported": False, "done_bytes": 0, "total_bytes": None}
+          "stall_s": float(a.get("stall_s") or 60), "connections": int(a.get("connections") or 0) or None,
+          "range_bytes": int(a.get("range_bytes") or 0) or None, "reported": False, "done_bytes": 0, "total_bytes": None}
     write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)
     env = runner_env(FETCH_VAR, fid)
     for k in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):

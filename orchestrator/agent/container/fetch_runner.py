@@ -6,7 +6,8 @@ import os
 import time
 
 from .core import now
-from .fetch import download, gated_no_token, hub_info, install_item, plan_item
+from .fetch import _hub_request, gated_no_token, hub_error, hub_info, install_item, plan_item
+from .transfer import CONNECTIONS, RANGE_BYTES, Transfer
 from .files import _read_json, write_json_atomic
 from .procs import proc_starttime
 from .weights import (
@@ -97,49 +98,67 @@ def act_fetch_run(a):
         st.update(phase="download", total_bytes=total, done_bytes=done0)
         save()
         t_start, bytes_at_start = now(), done0
-        finished_bytes = [sum(have for _, _, _, have, _ in listings)]
+        finished = [sum(have for _, _, _, have, _ in listings)]
+        # directory sources: the copied files, verified in place (no download)
         for it, lst, need, have, token in listings:
+            if not it.get("source_path"):
+                continue
             for f in need:
                 st["file"] = f["name"]
-                f_t0, f_start = now(), f.get("partial", 0)
-                last = [0.0]
-
-                def progress(ff, got, note=None, f_t0=f_t0, f_start=f_start, it=it):
-                    t = now()
-                    if note:
-                        log("%s: %s: %s" % (it["role"], ff["name"], note))
-                    if t - last[0] < 0.5 and got < ff["size"] and not note:
-                        return
-                    last[0] = t
-                    done = finished_bytes[0] + got + sum(x.get("partial", 0) for x in need
-                                                         if x is not ff and x.get("state") != "verified")
-                    rate_f = (got - f_start) / max(t - f_t0, 1e-6)
-                    rate = (done - bytes_at_start) / max(t - t_start, 1e-6)
-                    st["done_bytes"] = done
-                    st["progress"] = {"role": it["role"], "file": ff["name"], "file_bytes": got,
-                                      "file_total": ff["size"], "file_rate": round(rate_f),
-                                      "file_eta_s": round((ff["size"] - got) / rate_f, 1) if rate_f > 0 else None,
-                                      "done": done, "total": total, "rate": round(rate),
-                                      "eta_s": round((total - done) / rate, 1) if rate > 0 else None}
-                    save()
-
-                if it.get("source_path"):
-                    part, dn = _partial(it, lst["commit"], f)
-                    src = os.path.join(it["incoming"], f["name"])
-                    if not os.path.isfile(src) or os.path.islink(src):
-                        raise FetchError("%s: %s is listed in the manifest but not in %s" % (
-                            it["role"], f["name"], it["source_path"]), fix="copy the complete directory, or write "
-                                                                          "the manifest again")
-                    os.makedirs(os.path.dirname(part), exist_ok=True)
-                    os.rename(src, part)
-                    got = verify_file(it, f, part, dn)
-                else:
-                    got = download(it, lst["commit"], f, token, deadline, stall, progress)
-                f["state"] = "verified"
-                f["partial"] = 0
-                finished_bytes[0] += f["size"]
+                part, dn = _partial(it, lst["commit"], f)
+                src = os.path.join(it["incoming"], f["name"])
+                if not os.path.isfile(src) or os.path.islink(src):
+                    raise FetchError("%s: %s is listed in the manifest but not in %s" % (
+                        it["role"], f["name"], it["source_path"]), fix="copy the complete directory, or write "
+                                                                      "the manifest again")
+                os.makedirs(os.path.dirname(part), exist_ok=True)
+                os.rename(src, part)
+                got = verify_file(it, f, part, dn)
+                f["state"], f["partial"] = "verified", 0
+                finished[0] += f["size"]
                 log("%s: %s verified (%s, %s %s)" % (it["role"], f["name"], _fmt_bytes(f["size"]),
                                                      "sha256" if f["sha256"] else "git blob", got[:12]))
+        # the hub: every file still to come, in parallel ranges (transfer.py)
+        work = [(it, lst["commit"], f, token) for it, lst, need, have, token in listings
+                if not it.get("source_path") for f in need]
+        if work:
+            conns = int(st.get("connections") or CONNECTIONS)
+            rbytes = int(st.get("range_bytes") or RANGE_BYTES)
+            big = sum(1 for _, _, f, _ in work if f["size"] > 2 * rbytes)
+            log("downloading %d file%s (%s) over up to %d connection%s%s" % (
+                len(work), "" if len(work) == 1 else "s", _fmt_bytes(sum(f["size"] for _, _, f, _ in work)), conns,
+                "" if conns == 1 else "s", ", %d in %s ranges" % (big, _fmt_bytes(rbytes)) if big else ""))
+
+            def on_progress(busy, n):
+                t = now()
+                done = finished[0] + tr.done_bytes()
+                rate = (done - bytes_at_start) / max(t - t_start, 1e-6)
+                pf = max(busy, key=lambda x: x.f["size"] - x.got()) if busy else None
+                prog = {"done": done, "total": total, "rate": round(rate), "connections": n,
+                        "files_active": len({id(x) for x in busy}),
+                        "eta_s": round((total - done) / rate, 1) if rate > 0 else None}
+                if pf is not None:
+                    got = pf.got()
+                    rate_f = (got - pf.got0) / max(t - pf.t0, 1e-6)
+                    prog.update(role=pf.item["role"], file=pf.f["name"], file_bytes=got, file_total=pf.f["size"],
+                                file_rate=round(rate_f),
+                                file_eta_s=round((pf.f["size"] - got) / rate_f, 1) if rate_f > 0 else None)
+                    st["file"] = pf.f["name"]
+                st["done_bytes"] = done
+                st["progress"] = prog
+                save()
+
+            def on_verified(pf, got):
+                pf.f["state"], pf.f["partial"] = "verified", 0
+                log("%s: %s verified (%s, %s %s)" % (pf.item["role"], pf.f["name"], _fmt_bytes(pf.f["size"]),
+                                                     "sha256" if pf.f["sha256"] else "git blob", got[:12]))
+
+            for it, lst, _, _, _ in listings:
+                it["commit"] = lst["commit"]
+            tr = Transfer(work, request=_hub_request, error=hub_error, connections=conns, range_bytes=rbytes,
+                          deadline=deadline, stall_s=stall, log=log, on_progress=on_progress,
+                          on_verified=on_verified)
+            tr.run()
         st["phase"] = "install"
         save()
         recs = []
