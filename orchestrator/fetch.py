@@ -88,9 +88,22 @@ def run(ctx, pb: Playbook, *, allow_start: bool = True, rehash: bool = False, ti
     for v in secrets.values():
         if red is not None:
             red.add(v)
+    t0 = time.monotonic()
+    shared = [it for it in its if it.get("store")]
+    if shared:  # once per host, into fetch.store; the container links to it (store.py)
+        from . import store as S
+
+        its = [it for it in its if not it.get("store")]
+        got = S.fetch_shared(ctx, pb, shared, secrets, allow_start=allow_start, rehash=rehash, timeout_s=timeout_s,
+                             transfer=P.fetch_transfer(pb, connections), step_name=step_name, follow=_follow,
+                             report=_report)
+        if not its:
+            ctx.record(step_name, True, got["summary"], t0, records=got["records"])
+            return {"status": "fetched" if "nothing downloaded" not in got["summary"] else "already fetched",
+                    "records": got["records"], "items": []}
+        ctx.record(step_name + "-store", True, got["summary"], t0, records=got["records"])
     r = _Runner(ctx, pb)
     sd = pb.runtime["state_dir"]
-    t0 = time.monotonic()
     probe = r.call({"op": "probe", "state_dir": sd, "items": its, "rehash": rehash}, timeout=3600 if rehash else 60)
     if not probe.get("ok"):
         ctx.fail(step_name, t0, probe.get("message", "probe failed"))
@@ -174,7 +187,7 @@ def _copy_from_host(ctx, pb: Playbook, it: dict) -> None:
     ctx.progress.detail(ctx.where, f"copied {src} in {time.monotonic() - t0:.1f}s")
 
 
-def _follow(ctx, r: _Runner, pb: Playbook, fst: dict, timeout_s: float, step_name: str) -> dict:
+def _follow(ctx, r, pb: Playbook, fst: dict, timeout_s: float, step_name: str, state_dir: str | None = None) -> dict:
     t0 = time.monotonic()
     limit = float(timeout_s) + 300.0
     pos = 0
@@ -213,7 +226,8 @@ def _follow(ctx, r: _Runner, pb: Playbook, fst: dict, timeout_s: float, step_nam
         left = limit - (time.monotonic() - t0)
         follow = max(1.0, min(FOLLOW_S, left))
         try:
-            res = r.call({"op": "attach", "state_dir": pb.runtime["state_dir"], "id": fst.get("id"), "log_pos": pos,
+            res = r.call({"op": "attach", "state_dir": state_dir or pb.runtime["state_dir"], "id": fst.get("id"),
+                          "log_pos": pos,
                           "follow_s": follow, "heartbeat_s": 2.0}, timeout=follow + 60, on_event=on_event)
         except KeyboardInterrupt:
             raise FetchFailed(step_name, f"interrupted: deploy stopped following; the fetch goes on in the container "
@@ -341,7 +355,7 @@ def _short(rec):
     if not rec:
         return None
     return {k: rec.get(k) for k in ("hub", "revision", "commit", "source", "dest", "verified_at", "files_n",
-                                    "total_bytes")}
+                                    "total_bytes", "store")}
 
 
 # ---------------------------------------------------------------- manifests (offline sources)

@@ -591,6 +591,8 @@ def _fetch_describe(it: dict) -> str:
     src = f"{it['hub']}@{it['revision']}" if it.get("hub") and not it.get("source_path") else \
         f"{it['source_path']} (host)" + (f" = {it['hub']}@{it['revision']}" if it.get("hub") and it.get("revision") else "")
     where = it["dest"] if it["dest_kind"] == "dir" else f"the hub cache in {it['hf_home']}"
+    if it.get("store"):
+        where += f" (links into the host's store {it['store']}, read-only at {it['mount']})"
     return f"{it['role']} {src} -> {where}"
 
 
@@ -599,7 +601,17 @@ def step_fetch(pb: Playbook, *, allow: bool = True) -> Step:
     its = fetch_args(pb)
     runs = []
     for it in its:
-        if it.get("source_path"):
+        if it.get("store"):
+            tr = fetch_transfer(pb)
+            runs.append(f"on {pb.host} (python3 - fetch; only what the store lacks; its lock: one download per host): "
+                        f"GET {it['endpoint']}/{it['hub']}/resolve/COMMIT/FILE over up to {tr['connections']} "
+                        f"connections -> {it['store']}/hub/models--{it['hub'].replace('/', '--')}/; verify sha256 / "
+                        "git blob id")
+            runs.append(f"pct exec {pb.vmid} -- link {it['dest']}/* -> {it['mount']}/hub/models--"
+                        f"{it['hub'].replace('/', '--')}/snapshots/COMMIT/* (the store, read-only at {it['mount']}: "
+                        f"mpN: {it['store']},mp={it['mount']},ro=1 from deploy prepare)"
+                        + ("; config.json a copy, pinned by write-config" if it["role"] == "drafter" else ""))
+        elif it.get("source_path"):
             runs.append(f"tar -C {shlex.quote(it['source_path'])} -cf - . | pct exec {pb.vmid} -- tar -C "
                         f"{shlex.quote(it['incoming'])} -xf -   # on the host, only when something is missing")
         else:

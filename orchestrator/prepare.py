@@ -211,6 +211,44 @@ def plan(host_facts: dict, probe: dict, *, host: str, vmid: int, gpus: list[int]
     return res
 
 
+def mount_plan(config: list[str], stores: list[tuple[str, str]], vmid: int) -> dict:
+    """The read-only mount point of each shared model store (fetch.store) the container lacks:
+    -> {lines: ["mpN: STORE,mp=MOUNT,ro=1"], set_argv, blockers: [message]}. An mpN that mounts STORE at MOUNT
+    without ro=1 gets ro=1 (same key); another volume at MOUNT is a blocker (never replaced). Pure."""
+    have = {}
+    for ln in config:
+        m = re.match(r"(mp\d+):\s*(.*)", ln)
+        if not m:
+            continue
+        parts = m.group(2).split(",")
+        opts = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+        have[m.group(1)] = {"volume": parts[0].strip(), "mp": opts.get("mp"), "ro": opts.get("ro") in ("1", "true"),
+                            "line": ln, "opts": parts[1:]}
+    used = {int(k[2:]) for k in have}
+    lines, argv, blockers = [], ["pct", "set", str(int(vmid))], []
+    n = 0
+    for store, mount in dict.fromkeys(stores):
+        at = [(k, h) for k, h in have.items() if h["mp"] == mount]
+        if at and at[0][1]["volume"] != store:
+            blockers.append(f"the container's {at[0][0]} mounts {at[0][1]['volume']} at {mount}, not the store "
+                            f"{store}: not replaced (`{at[0][1]['line']}`)")
+            continue
+        if at and at[0][1]["ro"]:
+            continue
+        if at:
+            key = at[0][0]
+            value = ",".join([store] + [o for o in at[0][1]["opts"] if not o.startswith("ro=")] + ["ro=1"])
+        else:
+            while n in used:
+                n += 1
+            used.add(n)
+            key, value = f"mp{n}", f"{store},mp={mount},ro=1"
+        lines.append(f"{key}: {value}")
+        argv += [f"--{key}", value]
+    return {"lines": lines, "set_argv": argv if lines else None, "blockers": blockers,
+            "stores": [s for s, _ in dict.fromkeys(stores)]}
+
+
 def venv_root(python: str) -> str:
     """runtime.python ROOT/bin/python -> ROOT (the venv prepare makes when the container has none)."""
     return python.rsplit("/bin/", 1)[0]
@@ -281,15 +319,15 @@ class Prepare:
 
     def __init__(self, fleet, inv, host: str, vmid: int, runtime: dict, gpus: list[int], *, driver_run=None,
                  style=None, yes=False, confirm=None, progress=None, tp: int = 1, others=(), create=None,
-                 chain=()):
+                 chain=(), stores=()):
         self.fleet, self.inv, self.host, self.vmid = fleet, inv, host, int(vmid)
-        self.create, self.chain, self.created = create, list(chain), False
+        self.create, self.chain, self.created, self.stores = create, list(chain), False, list(stores)
         self.runtime, self.gpus, self.driver_run, self.style = runtime or {}, gpus, driver_run, style
         self.yes, self.confirm, self.progress, self.tp, self.others = yes, confirm, progress, tp, list(others)
         self.conf = f"/etc/pve/lxc/{self.vmid}.conf"
         self.res = {"where": f"{host}/{self.vmid}", "gpus": gpus, "ok": False, "dry_run": False, "plan": [],
                     "applied": [], "pending": [], "backup": None, "restore": None, "notes": [], "findings": [],
-                    "container_nvidia_smi": None, "created": False, "chain": []}
+                    "container_nvidia_smi": None, "created": False, "chain": [], "mount_lines": []}
 
     def say(self, msg):
         if self.progress is not None:
@@ -346,8 +384,16 @@ class Prepare:
                         add_lines=self.pl["add_lines"], blockers=self.pl["blockers"],
                         running=self.running, module_version=self.module)
         self.res["notes"] += self.pl["notes"]
+        self.plan_mounts()
         self.smi = container_smi(s, self.vmid) if self.running else None
         self.res["container_nvidia_smi"] = self.smi
+
+    def plan_mounts(self):
+        self.mp = mount_plan(self.hf["config"], self.stores, self.vmid)
+        if self.mp["blockers"]:
+            raise UsageError("; ".join(self.mp["blockers"]) + "; nothing was changed", where=f"{self.host}/{self.vmid}",
+                             fix="set fetch.mount in the playbook to a free path, or remove that mount point")
+        self.res["mount_lines"] = self.mp["lines"]
 
     def read_host_facts(self, label: str) -> dict:
         """The host side (plumbing.HOST_PLUMBING_SH). Before --create makes the container there is no config to
@@ -361,7 +407,7 @@ class Prepare:
     def make_plan(self, stamp: str):
         v = self.vmid
         self.backup = f"{BACKUP_DIR}/{v}.conf.{stamp}"
-        changing = bool(self.pl["add_lines"])
+        changing = bool(self.pl["add_lines"] or self.mp["lines"])
         if self.create and not self.created:
             o = self.create
             self.step("create", shell_join(create_argv(v, o)),
@@ -372,12 +418,19 @@ class Prepare:
         if changing:
             if not self.create:  # a new container's config is not replaced: nothing to back up
                 self.step("backup", f"cp -p {self.conf} {self.backup}", "a copy of the config before it changes")
+            if self.mp["lines"]:
+                self.step("store", "mkdir -p -m 0755 " + " ".join(shell_word(x) for x in self.mp["stores"]),
+                          "the shared model store on the host (fetch.store), when missing: a bind mount needs it")
+                self.step("config", shell_join(self.mp["set_argv"]),
+                          "the store, read-only in the container (every container of the host reads one copy)")
+        if self.pl["add_lines"]:
             if self.pl["style"] == "dev":
                 self.step("config", shell_join(self.pl["set_argv"]), f"devN: lines ({self.pl['why_style']})")
             else:
                 self.step("config", f"append to {self.conf}: " + "; ".join(self.pl["add_lines"]),
                           f"raw lxc lines ({self.pl['why_style']}); written only if the file did not change since "
                           "it was read")
+        if changing:
             self.step("read back", f"pct config {v}", "every line above there, every line that was there kept")
         verb = "pct reboot" if self.running else "pct start"
         if self.create:
@@ -436,6 +489,7 @@ class Prepare:
         self.running = False
         before = self.pl["add_lines"]
         self.pl = plan(self.hf, self.pr, host=self.host, vmid=v, gpus=self.gpus, style=self.pl["style"])
+        self.plan_mounts()
         if self.pl["add_lines"] != before:
             self.res["notes"].append("the device lines differ from the plan shown (the new config was not empty): "
                                      + "; ".join(self.pl["add_lines"]))
@@ -444,7 +498,7 @@ class Prepare:
     def apply_config(self):
         s, v = self.session, self.vmid
         if self.created:
-            return self._change_config(list(self.hf["config"]))
+            return self._apply(list(self.hf["config"]))
         r = s.run(["sh", "-c", BACKUP_SH, "sh", self.conf, self.backup], timeout=30, vmid=v, label="prepare: backup")
         if not r.ok or not re.fullmatch(r"[0-9a-f]{64}", r.out.strip()):
             raise DeployError(f"backup of {self.conf} to {self.backup} failed: {PL.clean(r.err or r.out)}; nothing "
@@ -452,7 +506,41 @@ class Prepare:
         self.res["backup"] = self.backup
         self.res["restore"] = f"cp {self.backup} {self.conf} (on {self.host}), then pct reboot {v}"
         self.res["applied"].append(f"backup {self.backup}")
-        self._change_config(list(self.hf["config"]))
+        self._apply(list(self.hf["config"]))
+
+    def _apply(self, before):
+        if self.pl["add_lines"]:
+            self._change_config(before)
+        if self.mp["lines"]:
+            self._change_mounts(list(self.hf["config"]))
+
+    def _change_mounts(self, before):
+        s, v = self.session, self.vmid
+        r = s.run(["mkdir", "-p", "-m", "0755", *self.mp["stores"]], timeout=30, vmid=v, label="prepare: store dir")
+        if not r.ok:
+            raise DeployError(f"cannot make the store directory {', '.join(self.mp['stores'])} on {self.host}: "
+                              f"{PL.clean(r.err or r.out, 400)}; the config is as it was", where=self.host,
+                              fix="check fetch.store in the playbook (a directory on the host)")
+        r = s.run(self.mp["set_argv"], timeout=60, vmid=v, label="prepare: pct set mount point")
+        if not r.ok:
+            raise DeployError(f"`{shell_join(self.mp['set_argv'])}` failed on {self.host}: "
+                              f"{PL.clean(r.err or r.out, 400)}; the config is as it was (backup {self.backup})",
+                              where=f"{self.host}/{v} {self.conf}", fix="see pct's message")
+        self.res["applied"].append("config: " + "; ".join(self.mp["lines"]))
+        after = PL.read_host(s, v, label="prepare: read back")
+        if after.get("error"):
+            raise DeployError(f"read back of {self.conf} failed: {after['error']}", where=f"{self.host}/{v}",
+                              fix=self.res["restore"])
+        absent = [ln for ln in self.mp["lines"] if ln not in [x.strip() for x in after["config"]]]
+        lost = [ln for ln in before if ln not in after["config"] and not any(
+            ln.split(":", 1)[0] == a.split(":", 1)[0] for a in self.mp["lines"])]
+        if absent or lost:
+            raise DeployError(f"read back of {self.conf} (pct config {v}) does not show the change: " + "; ".join(
+                ([f"missing `{a}`" for a in absent]) + ([f"gone: `{x}`" for x in lost[:5]])),
+                where=f"{self.host}/{v} {self.conf}", fix=f"restore it: {self.res['restore']}")
+        self.hf = after
+        self.res["applied"].append(f"read back: pct config {v} mounts " + ", ".join(self.mp["stores"]) +
+                                   " read-only")
 
     def _change_config(self, before):
         s, v = self.session, self.vmid
@@ -574,7 +662,7 @@ class Prepare:
             return self.res
         if self.create:
             self.do_create()
-        changed = bool(self.pl["add_lines"])
+        changed = bool(self.pl["add_lines"] or self.mp["lines"])
         if changed:
             self.apply_config()
         started = self.restart(changed)
@@ -608,10 +696,10 @@ class Prepare:
                 if have:
                     self.res["notes"].append(f"{pb.runtime.get('vllm')} is there: install-vllm {name} left out "
                                              f"(deploy install-vllm {name} installs requires.vllm over it)")
-                    continue
-                self.say(f"install-vllm {name}")
-                if not self.chained("install-vllm", name, install(self.fleet, pb, progress, yes=self.yes)):
-                    return
+                else:
+                    self.say(f"install-vllm {name}")
+                    if not self.chained("install-vllm", name, install(self.fleet, pb, progress, yes=self.yes)):
+                        return
             if fetch_items(pb):
                 self.say(f"fetch {name}")
                 if not self.chained("fetch", name, fetch(self.fleet, pb, progress)):
@@ -662,6 +750,8 @@ def render(res: dict) -> str:
         out.append(f"  missing from the config: {', '.join(res['missing'])}")
     else:
         out.append("  the config already passes every node in")
+    for ln in res.get("mount_lines") or []:
+        out.append(f"  the shared model store, read-only: {ln}")
     out.append("plan:" if res["dry_run"] or not res["applied"] else "plan (run):")
     for n, st in enumerate(res["plan"], 1):
         out.append(f"  {n}. {st['step']:<10} {st['command']}")

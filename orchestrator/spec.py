@@ -104,7 +104,7 @@ def _method(value: str) -> str | None:
     return f"{value!r} is not one of {', '.join(map(repr, METHODS))}" + (f" (did you mean {near[0]!r}?)" if near else "")
 
 
-FETCH_DEFAULTS = {"connections": 8, "range_mib": 64}
+FETCH_DEFAULTS = {"connections": 8, "range_mib": 64, "store": None, "mount": "/models"}
 INSTALL_DEFAULTS = {"timeout_s": 3600.0, "installer": "auto", "python": None, "index_url": None, "find_links": [],
                     "no_index": False, "heartbeat_s": 30.0, "hashes": [], "allow_insecure": False}
 
@@ -351,6 +351,12 @@ PLAYBOOK = Map({
                                  "link); 1: one stream"),
         "range_mib": Field(Int(1, 65536), default=64,
                            doc="a file larger than two ranges of this many MiB comes in ranges, each resumable"),
+        "store": Field(Str(pattern=r"/[A-Za-z0-9._+/-]{1,400}", pattern_hint="an absolute directory on the "
+                                                                             "Proxmox host (letters, digits, . _ + - /)"),
+                       doc="a directory on the Proxmox host: each hub revision is fetched there once per host and "
+                           "every container on it reads it read-only through a mount point (docs/playbooks.md#store)"),
+        "mount": Field(Str(pattern=r"/[A-Za-z0-9._+/-]{1,400}", pattern_hint="an absolute path in the container"),
+                       default="/models", doc="where the containers see the store (mpN: STORE,mp=MOUNT,ro=1)"),
     }), default=lambda: dict(FETCH_DEFAULTS),
         doc="how deploy fetch (and up's fetch step) downloads from the hub (docs/playbooks.md#fetch)"),
     "gpu": Field(Map({
@@ -809,6 +815,7 @@ def _check_serving(pb: Playbook, serve: dict, spec: dict, acc: dict, problems: P
         _check_drafter(pb, drafter, spec, problems)
     _check_sizing(pb, problems)
     _check_fetch(pb.data["model"], "model", problems)
+    _check_store(pb, problems)
     req = pb.data["requires"]
     if req.get("vllm") and req.get("vllm_min_version"):
         from .vllm_facts import vtuple
@@ -910,6 +917,41 @@ def _check_fetch(m: dict, key: str, problems: Problems, hub_id: str | None = Non
                      "may stay: they are checked against the manifest)")
 
 
+STORE_FORBIDDEN = ("/", "/etc", "/proc", "/sys", "/dev", "/run", "/boot", "/usr", "/bin", "/sbin", "/lib", "/var/lib/vz",
+                   "/etc/pve", "/tmp", "/root")
+
+
+def _check_store(pb: Playbook, problems: Problems) -> None:
+    """fetch.store: a host directory of its own; the mount point clear of the directories deploy writes."""
+    f = pb.data.get("fetch") or {}
+    store, mount = f.get("store"), f.get("mount") or "/models"
+    if not store:
+        return
+    node = node_of(f, "store")
+    norm = os.path.normpath(store)
+    if ".." in store.split("/") or norm in STORE_FORBIDDEN or norm.startswith(("/etc/pve/", "/proc/", "/sys/", "/dev/")):
+        problems.add(node, "fetch.store", f"{store!r} is not a directory of its own on the host (a system directory, "
+                                          "or with ..): give one like /srv/vllm-models")
+    mnorm = os.path.normpath(mount)
+    if ".." in mount.split("/") or mnorm in ("/", "/root", "/etc", "/usr", "/proc", "/sys", "/dev", "/run", "/tmp",
+                                             "/var", "/var/lib"):
+        problems.add(node_of(f, "mount") or node, "fetch.mount", f"{mount!r}: give a directory of its own in the "
+                                                                  "container, like /models")
+    paths = [("model.path", pb.data["model"]["path"])]
+    d = pb.drafter
+    if d and d.get("path"):
+        paths.append(("speculative.drafter.path", d["path"]))
+    if d and d.get("hub_id") and (d.get("revision") or d.get("hub")) and not d.get("source"):
+        problems.add(node_of(d, "hub_id"), "speculative.drafter.hub_id",
+                     "with fetch.store the drafter comes from the host's store: give speculative.drafter.path (a "
+                     "directory in the container, which deploy links into the store) and hub instead of hub_id")
+    for key, p in paths + [("runtime.state_dir", pb.runtime["state_dir"])]:
+        pn = os.path.normpath(p)
+        if pn == mnorm or pn.startswith(mnorm.rstrip("/") + "/") or mnorm.startswith(pn.rstrip("/") + "/"):
+            problems.add(node_of(f, "mount") or node, "fetch.mount",
+                         f"{mount} overlaps {key} {p}: the store is mounted read-only there; deploy writes {key}")
+
+
 def fetch_items(pb: Playbook) -> list[dict]:
     """What deploy fetch (and up's fetch step) brings into the container: one item per fetched model/drafter.
     dest_kind dir: the files go into the directory (model.path, drafter.path); cache: into the hub cache under
@@ -924,6 +966,11 @@ def fetch_items(pb: Playbook) -> list[dict]:
             out.append(_item("drafter", "speculative.drafter", d, d["path"], "dir", None))
         else:
             out.append(_item("drafter", "speculative.drafter", d, None, "cache", d["hf_home"], hub=d["hub_id"]))
+    f = pb.data.get("fetch") or {}
+    if f.get("store"):  # hub sources into a directory: from the host's shared store (fetch.store)
+        for it in out:
+            if it["hub"] and not it["source_path"] and it["dest_kind"] == "dir":
+                it.update(store=f["store"], mount=f.get("mount") or "/models")
     return out
 
 

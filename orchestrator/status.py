@@ -667,6 +667,8 @@ def weights_text(ws: list) -> str:
     return "; ".join(f"{w.get('role')} {w.get('hub') or w.get('source') or 'files'}@"
                      + ((w.get("commit") or "")[:12] if not w.get("revision") or w["revision"] == w.get("commit")
                         else f"{w['revision']} ({(w.get('commit') or '')[:12]})") + f" at {w.get('dest')}"
+                     + (f" (shared store {w['source'][6:]} on the host, read-only)"
+                        if str(w.get("source") or "").startswith("store:") else "")
                      for w in ws)
 
 

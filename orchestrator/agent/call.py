@@ -76,7 +76,7 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
     AgentSession.call does the same over one agent process for many steps.
     streaming=True (`logs -f`): events are printed and dropped, so only the per-line cap applies."""
 
-    budget = EventBudget(action, f"{session.host.name}/{vmid}", streaming)
+    budget = EventBudget(action, session.host.name + ("" if vmid is None else f"/{vmid}"), streaming)
 
     def on_line(raw: bytes):
         """Events go to on_event and are not kept: a long `logs -f` holds only the line in progress."""
@@ -111,8 +111,10 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
             audit_argv = agent_argv(python, action, args, one_shot=True,
                                     program=f"<agent bootstrap, {len(program)} bytes>")
             program = None
-        res = session.ct(vmid, argv, stdin=program, audit_argv=audit_argv,
-                         timeout=max(1.0, deadline - time.monotonic()), label=f"agent:{action}", on_line=on_line)
+        kw = dict(stdin=program, audit_argv=audit_argv, timeout=max(1.0, deadline - time.monotonic()),
+                  label=f"agent:{action}", on_line=on_line)
+        # vmid None: on the Proxmox host itself (the shared model store's fetch; store.py), by the host's python3
+        res = session.ct(vmid, argv, **kw) if vmid is not None else session.run(argv, **kw)
         result = proto = need = None
         cached = True
         for line in res.out.splitlines():
@@ -133,7 +135,8 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
         if result is not None:
             archive.remember(key, cached)
         break
-    return interpret(result, proto, action, python, where=f"{session.host.name}/{vmid}", vmid=vmid,
+    return interpret(result, proto, action, python, where=session.host.name + ("" if vmid is None else f"/{vmid}"),
+                     vmid=vmid,
                      exited=res.exited, err=res.err.strip() or res.out.strip())
 
 

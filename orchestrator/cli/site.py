@@ -432,11 +432,14 @@ def prepare(obj, target, gpus, driver_run, style, create, template, hostname, me
                              "it is", fix=f"deploy prepare {target} --create {flag} ..., or leave {flag} out")
         chain = [] if no_install else [(name, m) for name, pb in mine for m in pb.members
                                        if m.host == host and m.vmid == vmid]
+        # the shared model stores its playbooks read (fetch.store): a read-only mount point each
+        stores = [(pb.data["fetch"]["store"], pb.data["fetch"].get("mount") or "/models") for _, pb in mine
+                  if (pb.data.get("fetch") or {}).get("store")]
         with Fleet(inv) as fleet:
             res = P.Prepare(fleet, inv, host, vmid, rt, want, driver_run=driver_run, style=style, yes=yes,
                             confirm=_confirm, progress=None if obj.json else obj.progress(),
                             tp=max(tps) if tps else 1, others=others, create=create_opts,
-                            chain=chain).run(dry_run=dry_run)
+                            chain=chain, stores=stores).run(dry_run=dry_run)
         if obj.json:
             dump_json(res)
         else:

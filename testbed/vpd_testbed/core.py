@@ -1264,6 +1264,10 @@ class Testbed:
                 if want is not None and self.init_pid(h, v) and not self.lxc_of(h, v) and \
                         sorted(want) != sorted(n for n in os.listdir(self.ctdir(h, v) / "dev") if n.startswith("nvidia")):
                     self.stop_container(h, v)  # started again below: its /dev as the config says
+                if self.init_pid(h, v) and not self.lxc_of(h, v) and \
+                        (_read_json_file(self.ctdir(h, v) / "ct.json") or {}).get("mounts", []) != \
+                        ctl.conf_mounts(str(hd), v):
+                    self.stop_container(h, v)  # a test's mount points (pct set --mpN): started again without them
                 if not self.lxc_of(h, v) and sorted(os.listdir(self.ctdir(h, v) / "nvlib")) != \
                         ["libcuda.so." + DRIVER, "libnvidia-ml.so." + DRIVER]:
                     write_user_space(self.ctdir(h, v), DRIVER)
@@ -1399,3 +1403,11 @@ class Testbed:
         shutil.rmtree(self.root, ignore_errors=True)
         if self.root.exists():
             raise TestbedError("could not remove %s" % self.root)
+
+
+def _read_json_file(path):
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None

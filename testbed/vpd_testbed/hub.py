@@ -7,17 +7,25 @@ Layout of ROOT (see make_repo):
   ROOT/repos/ORG/NAME/commits/COMMIT/...  the files of that commit
   ROOT/tokens.json                        ["hf_...", ...]: the valid tokens (others are refused with 401)
   ROOT/faults.json                        read on every request:
-      {"rate_bps": N}                     a slow link: every body is paced to N bytes/s
+      {"rate_bps": N}                     a slow connection: every body is paced to N bytes/s (each on its own)
+      {"link_bps": N}                     a slow link: all the bodies being sent at a time share N bytes/s, in fair
+                                          shares (they take turns on it); each also within rate_bps
       {"cut": {"FILE": BYTES}}            the next transfer of FILE stops after BYTES (connection closed), once
-      {"corrupt": ["FILE"]}               FILE is served with one byte flipped (size unchanged)
+      {"corrupt": ["FILE"]}               FILE is served with its first byte flipped (size unchanged)
+      {"corrupt_at": {"FILE": OFFSET}}    FILE is served with the byte at OFFSET flipped (size unchanged)
+      {"no_ranges": true}                 a server without ranges: Range is ignored (200, the whole file), no
+                                          Accept-Ranges
       {"down": true}                      every connection is closed without an answer
+  rate_bps and link_bps are read again during a transfer (at least every 0.2 s): a link can get fast or slow.
 
 Endpoints (shapes as huggingface.co answers them; huggingface_hub's snapshot_download works against it):
   GET /api/models/ORG/NAME[/revision/REV][?blobs=true]  {"id", "sha", "gated", "private", "siblings": [{"rfilename",
                                                           "size", "blobId", "lfs": {"sha256", "size", "pointerSize"}}]}
   GET|HEAD /ORG/NAME/resolve/REV/PATH                    LFS files: 302 to /cdn/SHA256 with X-Linked-Etag,
                                                           X-Linked-Size; others 200 with ETag = the git blob id.
-                                                          Always X-Repo-Commit. Range: bytes=N- -> 206.
+                                                          Always X-Repo-Commit. Range: bytes=N- and bytes=N-M
+                                                          -> 206 (M past the end: to the end), N past the end
+                                                          -> 416, M < N: ignored (200).
   errors: X-Error-Code RepoNotFound (401), GatedRepo (401 without token, 403 not accepted), RevisionNotFound (404),
           EntryNotFound (404); a token that is not valid: 401 "Invalid credentials in Authorization header".
 
@@ -31,6 +39,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
@@ -77,6 +86,8 @@ class Hub:
     def __init__(self, root):
         self.root = root
         self._cache = {}
+        self._link = threading.Lock()
+        self._link_next = 0.0  # when the shared link (link_bps) is free for the next slot
 
     def faults(self):
         try:
@@ -120,13 +131,26 @@ class Hub:
             for dp, _, fns in os.walk(cdir):
                 for fn in fns:
                     p = os.path.join(dp, fn)
+                    rel, size = os.path.relpath(p, cdir), os.path.getsize(p)
+                    blob, sha = hashlib.sha1(b"blob %d\0" % size), hashlib.sha256()
                     with open(p, "rb") as fh:
-                        data = fh.read()
-                    rel = os.path.relpath(p, cdir)
-                    out[rel] = {"path": p, "size": len(data), "blob": git_blob_sha1(data),
-                                "sha256": hashlib.sha256(data).hexdigest() if is_lfs(rel, len(data)) else None}
+                        for chunk in iter(lambda: fh.read(1 << 20), b""):
+                            blob.update(chunk)
+                            sha.update(chunk)
+                    out[rel] = {"path": p, "size": size, "blob": blob.hexdigest(),
+                                "sha256": sha.hexdigest() if is_lfs(rel, size) else None}
             self._cache[key] = out
         return self._cache[key]
+
+    def link_slot(self, n, bps):
+        """Wait for a slot of n bytes on the link all responses share: slots are handed out one after the other, so
+        the responses sending at a time take turns (a fair share each) and together stay within bps."""
+        with self._link:
+            now = time.monotonic()
+            t = max(now, self._link_next)
+            self._link_next = t + n / bps
+        if t > now:
+            time.sleep(t - now)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -274,7 +298,8 @@ class Handler(BaseHTTPRequestHandler):
         fi = self.hub.files(base, commit).get(name)
         if fi is None:
             return self.error(404, "EntryNotFound", "%s does not exist on \"%s\"" % (name, rev), head)
-        common = {"X-Repo-Commit": commit, "Accept-Ranges": "bytes"}
+        common = {"X-Repo-Commit": commit} if faults.get("no_ranges") else {"X-Repo-Commit": commit,
+                                                                            "Accept-Ranges": "bytes"}
         if fi["sha256"]:
             # absolute, like the hub's CDN URLs: clients follow only relative redirects on HEAD
             # the CDN is another host name for this same server (localhost vs 127.0.0.1): a client must not send
@@ -296,56 +321,84 @@ class Handler(BaseHTTPRequestHandler):
         self.body(fi, name, {"ETag": '"%s"' % fi["sha256"], "Accept-Ranges": "bytes"}, head, faults)
 
     def body(self, fi, name, headers, head, faults):
-        with open(fi["path"], "rb") as fh:
-            data = fh.read()
-        if name in (faults.get("corrupt") or []) and data:
-            data = bytes([data[0] ^ 0xFF]) + data[1:]
-        start, code = 0, 200
-        rng = self.headers.get("Range")
+        """The file (or the asked range of it), streamed from disk with the faults applied."""
+        size = fi["size"]
+        flip = {0} if name in (faults.get("corrupt") or []) else set()
+        at = (faults.get("corrupt_at") or {}).get(name)
+        flip.update(int(x) for x in (at if isinstance(at, list) else [] if at is None else [at]))
+        start, end, code = 0, size - 1, 200
+        rng = None if faults.get("no_ranges") else self.headers.get("Range")
+        if faults.get("no_ranges"):
+            headers = {k: v for k, v in headers.items() if k != "Accept-Ranges"}
         if rng:
             m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
-            if not m or int(m.group(1)) >= len(data) > 0:
-                return self.send(416, b"", {"Content-Range": "bytes */%d" % len(data)}, head)
-            start, code = int(m.group(1)), 206
-            end = int(m.group(2)) if m.group(2) else len(data) - 1
-            headers = dict(headers, **{"Content-Range": "bytes %d-%d/%d" % (start, end, len(data))})
-            data = data[start:end + 1]
+            if not m or int(m.group(1)) >= size > 0:
+                return self.send(416, b"", {"Content-Range": "bytes */%d" % size}, head)
+            if not m.group(2) or int(m.group(2)) >= int(m.group(1)):  # M < N: not a valid range, ignored
+                start, code = int(m.group(1)), 206
+                end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
+                headers = dict(headers, **{"Content-Range": "bytes %d-%d/%d" % (start, end, size)})
+        length = max(0, end - start + 1)
         self.send_response(code)
         for k, v in headers.items():
             self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Content-Length", str(length))
         self.send_header("Content-Type", "application/octet-stream")
         self.end_headers()
         if head:
             return
-        cut = None if head else self.hub.take_cut(name)
-        rate = float(faults.get("rate_bps") or 0)
-        sent, t0, step = 0, time.monotonic(), 16384
-        while sent < len(data):
-            if cut is not None and sent >= cut:
-                self.close_connection = True
-                self.wfile.flush()
-                self.connection.shutdown(socket.SHUT_RDWR)
-                return
-            n = step if cut is None else max(1, min(step, cut - sent))
-            try:
-                self.wfile.write(data[sent:sent + n])
-            except OSError:
-                return
-            sent += n
-            if rate:
-                ahead = sent / rate - (time.monotonic() - t0)
-                if ahead > 0:
-                    time.sleep(min(ahead, 1.0))
-                    rate = float(self.hub.faults().get("rate_bps") or 0)  # the link may get fast again
+        cut = self.hub.take_cut(name)
+        rate, link = float(faults.get("rate_bps") or 0), float(faults.get("link_bps") or 0)
+        sent, t0, base, checked = 0, time.monotonic(), 0, time.monotonic()
+        with open(fi["path"], "rb") as fh:
+            fh.seek(start)
+            while sent < length:
+                if cut is not None and sent >= cut:
+                    self.close_connection = True
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                # paced: small steps, so that a slow link sends smoothly and a cut lands where it is asked
+                step = 16384 if rate or link else 65536
+                n = min(step, length - sent) if cut is None else max(1, min(step, length - sent, cut - sent))
+                data = fh.read(n)
+                if len(data) < n:  # the file got shorter under us: end the connection, as a broken server would
+                    self.close_connection = True
+                    return
+                off = start + sent
+                hit = [i for i in flip if off <= i < off + n]
+                if hit:
+                    data = bytearray(data)
+                    for i in hit:
+                        data[i - off] ^= 0xFF
+                if link:
+                    self.hub.link_slot(n, link)
+                try:
+                    self.wfile.write(data)
+                except OSError:
+                    return
+                sent += n
+                if rate:
+                    ahead = (sent - base) / rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(min(ahead, 1.0))
+                if (rate or link) and time.monotonic() - checked >= 0.2:  # the link may get fast (or slow) again
+                    f = self.hub.faults()
+                    checked, link = time.monotonic(), float(f.get("link_bps") or 0)
+                    if float(f.get("rate_bps") or 0) != rate:
+                        rate, t0, base = float(f.get("rate_bps") or 0), checked, sent
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 64  # many parallel downloads connect at once (the default backlog is 5)
 
 
 def serve(root, port, address="127.0.0.1"):
     if not address.startswith("127."):
         raise SystemExit("the test bed hub listens on 127.0.0.0/8 only")
     Handler.hub = Hub(root)
-    srv = ThreadingHTTPServer((address, int(port)), Handler)
-    srv.daemon_threads = True
+    srv = Server((address, int(port)), Handler)
     with open(os.path.join(root, "hub.ready"), "w") as fh:
         fh.write("%d\n" % os.getpid())
     srv.serve_forever()

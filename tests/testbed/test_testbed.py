@@ -105,6 +105,69 @@ def test_pct_config_lists_gpus(tb):
     assert "lxc.cgroup2.devices.allow: c 195:* rwm" in lines
 
 
+def test_pct_mount_points(tb, tmp_path):
+    """pct set --mpN: a bind mount of a host directory, in the config as pve-container writes it, mounted at each
+    start (read-only with ro=1; a change while the container runs counts from its next start); bad values are
+    refused with pct's messages and leave the config as it was."""
+    ro, rw = tmp_path / "store", tb.root / "pve1" / "mp-rw"  # under /tmp: hidden in the container but by the mount
+    ro.mkdir()
+    rw.mkdir()
+    (ro / "weights.txt").write_text("w1\n")
+    try:
+        tb.stop_container("pve1", 130)
+        r = ssh(tb, "pve1", "pct set 130 --mp0 %s,ro=true,mp=/root/store --mp1 volume=%s,mp=/tmp/rw,backup=0"
+                % (ro, rw))
+        assert r.returncode == 0, r.stderr
+        conf = ssh(tb, "pve1", "pct config 130").stdout.splitlines()
+        assert "mp0: %s,mp=/root/store,ro=1" % ro in conf and "mp1: %s,mp=/tmp/rw,backup=0" % rw in conf
+        assert conf == sorted(k for k in conf if not k.startswith("lxc.")) + [k for k in conf if k.startswith("lxc.")]
+        r = ssh(tb, "pve1", "pct start 130")
+        assert r.returncode == 0, r.stderr
+        (ro / "late.txt").write_text("late\n")  # a bind mount: what the host writes later shows inside
+        r = tb.container_exec("pve1", 130, ["cat", "/root/store/weights.txt", "/root/store/late.txt"])
+        assert (r.returncode, r.stdout) == (0, "w1\nlate\n"), r.stderr
+        r = tb.container_exec("pve1", 130, ["sh", "-c", "echo x > /root/store/new"])
+        assert r.returncode != 0 and "Read-only file system" in r.stderr
+        assert not (ro / "new").exists()
+        r = tb.container_exec("pve1", 130, ["sh", "-c", "echo out > /tmp/rw/out.txt"])
+        assert r.returncode == 0, r.stderr
+        assert (rw / "out.txt").read_text() == "out\n"
+        # while it runs: the next start counts
+        assert ssh(tb, "pve1", "pct set 130 --delete mp0").returncode == 0
+        assert "mp0:" not in ssh(tb, "pve1", "pct config 130").stdout
+        assert tb.container_exec("pve1", 130, ["cat", "/root/store/weights.txt"]).stdout == "w1\n"
+        r = ssh(tb, "pve1", "pct reboot 130")
+        assert r.returncode == 0, r.stderr
+        r = tb.container_exec("pve1", 130, ["sh", "-c", "ls -A /root/store; cat /tmp/rw/out.txt"])
+        assert (r.returncode, r.stdout) == (0, "out\n"), r.stderr
+        before = ssh(tb, "pve1", "pct config 130").stdout
+        for opt, err in (
+                ("--mp2 %s,mp=models" % ro, "mp2: invalid format - format error\n"
+                                            "mp2.mp: mount point path 'models' is not absolute"),
+                ("--mp2 %s" % ro, "mp2: invalid format - format error\n"
+                                  "mp2.mp: property is missing and it is not optional"),
+                ("--mp2 %s,mp=/m,ro=maybe" % ro, "mp2: invalid format - format error\n"
+                                                 "mp2.ro: type check ('boolean') failed - got 'maybe'"),
+                ("--mp2 %s,mp=/m,size=1,rw=1" % ro, "mp2: invalid format - invalid key in comma-separated list "
+                                                    "property: rw"),
+                ("--mp2 %s/nonexistent,mp=/m" % ro, "mp2: directory '%s/nonexistent' does not exist" % ro)):
+            r = ssh(tb, "pve1", "pct set 130 %s" % opt)
+            assert (r.returncode, r.stderr) == (255, "400 Parameter verification failed.\n%s\n" % err), opt
+        assert ssh(tb, "pve1", "pct set 130 --mp256 %s,mp=/m" % ro).stderr.startswith("Unknown option: mp256\n")
+        assert ssh(tb, "pve1", "pct config 130").stdout == before
+        # the host directory gone before a start: the start fails as pve-container's does
+        rw.rename(rw.with_name("mp-rw.gone"))
+        tb.stop_container("pve1", 130)
+        r = ssh(tb, "pve1", "pct start 130")
+        assert (r.returncode, r.stderr) == (255, "startup for container '130' failed: directory '%s' does not exist\n"
+                                            % rw), r.stderr
+    finally:
+        tb.stop_container("pve1", 130)  # reset() puts the config back and starts it without the mount points
+        import shutil
+        shutil.rmtree(rw, ignore_errors=True)
+        shutil.rmtree(rw.with_name("mp-rw.gone"), ignore_errors=True)
+
+
 def test_exec_status_stdin_and_env_over_ssh(tb):
     r = ssh(tb, "pve1", "pct exec 129 -- sh -c 'cat; echo err >&2; exit 7'", input="line1\n'$(x)';\n")
     assert (r.returncode, r.stdout, r.stderr) == (7, "line1\n'$(x)';\n", "err\n")

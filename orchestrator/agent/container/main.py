@@ -25,7 +25,7 @@ ACTIONS = {
     "install_vllm": "install:act_install_vllm", "install_run": "runner:act_install_run",
     "gate_record": "gate:act_gate_record", "sweep": "probe:act_sweep", "fetch": "fetch:act_fetch",
     "fetch_run": "fetch_runner:act_fetch_run", "router": "router:act_router",
-    "drafter_scan": "scan:act_drafter_scan", "plumbing": "plumbing:act_plumbing",
+    "drafter_scan": "scan:act_drafter_scan", "plumbing": "plumbing:act_plumbing", "store": "store:act_store",
 }
 
 

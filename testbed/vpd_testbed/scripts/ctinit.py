@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 
-def sh(*argv):
-    r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def sh(*argv, fds=()):
+    r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=fds)
     if r.returncode:
         raise SystemExit("ctinit: %s failed: %s" % (" ".join(argv), r.stdout.decode(errors="replace")))
 
@@ -35,6 +35,14 @@ def bind(src, dst, ro=False, rec=False):
 def setup(ct):
     d = ct["ctdir"]
     hostdir = ct["hostdir"]
+    # mount points (pct set --mpN, ct["mounts"]): their host directories opened now, while this machine's /root
+    # and /tmp are still in view (the binds below hide them), and mounted last, so that /root and /tmp get them too
+    mps = []
+    for src, dst, ro in ct.get("mounts", []):
+        try:
+            mps.append((os.open(src, os.O_PATH | os.O_DIRECTORY), dst, ro))
+        except OSError as e:
+            raise SystemExit("ctinit: mount point %s: directory '%s': %s" % (dst, src, e.strerror))
     # /usr/bin: nvidia-smi (read-only overlay on top of the real /usr/bin)
     lower = ct["cbin"]
     if ct.get("hide_usr_bin"):  # a container without Python: whiteouts (0/0 char devices) hide these names
@@ -81,7 +89,17 @@ def setup(ct):
         os.makedirs(dst, exist_ok=True)
         bind(src, dst, ro=True)
     bind(os.path.join(d, "root"), "/root", rec=True)
-    bind(os.path.join(d, "tmp"), "/tmp", rec=True)  # last: the state dir (under /tmp) disappears here
+    bind(os.path.join(d, "tmp"), "/tmp", rec=True)  # the state dir (under /tmp) disappears here
+    for fd, dst, ro in mps:
+        try:
+            os.makedirs(dst, exist_ok=True)
+        except OSError as e:
+            raise SystemExit("ctinit: mount point %s: %s" % (dst, e.strerror))
+        # the directory by its descriptor (its path may be hidden now); -c: mount must not resolve it to that path
+        sh("mount", "--no-canonicalize", "--bind", "/proc/self/fd/%d" % fd, dst, fds=(fd,))
+        os.close(fd)
+        if ro:
+            sh("mount", "-o", "remount,bind,ro", dst)
     sh("ip", "link", "set", "lo", "up")
     try:
         socket.sethostname(ct["name"])

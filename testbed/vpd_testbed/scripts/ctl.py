@@ -87,6 +87,47 @@ def conf_nvidia(hostdir, vmid):
     return out
 
 
+def conf_mounts(hostdir, vmid):
+    """The bind mount points of the container's pct config (mpN: DIR,mp=PATH[,ro=1]...): [[DIR, PATH, ro]], parents
+    before what is mounted below them (pve-container mounts them sorted by path)."""
+    host = load_host(hostdir)
+    path = os.path.join(hostdir, "pve", "nodes", host["name"], "lxc", "%d.conf" % int(vmid))
+    out = []
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return out
+    for ln in lines:
+        if ln.startswith("["):
+            break
+        k, _, v = ln.partition(":")
+        if k.strip().startswith("mp") and k.strip()[2:].isdigit():
+            parts = v.strip().split(",")
+            o = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+            src = parts[0][len("volume="):] if parts[0].startswith("volume=") else parts[0]
+            if src.startswith("/") and o.get("mp"):
+                out.append([src, os.path.normpath(o["mp"]), o.get("ro") == "1"])
+    return sorted(out, key=lambda m: m[1])
+
+
+def sync_mounts(hostdir, vmid):
+    """At each start, like pve-container: the mount points of the container's config go into its ct.json ("mounts",
+    what ctinit.py mounts); a host directory that is gone fails the start."""
+    mounts = conf_mounts(hostdir, vmid)
+    for src, _, _ in mounts:
+        if not os.path.isdir(src):
+            raise RuntimeError("directory '%s' does not exist" % src)
+    path = os.path.join(ctdir(hostdir, vmid), "ct.json")
+    with open(path) as f:
+        ct = json.load(f)
+    if ct.get("mounts", []) == mounts:
+        return
+    ct["mounts"] = mounts
+    with open(path + ".tmp", "w") as f:
+        json.dump(ct, f, indent=1)
+    os.rename(path + ".tmp", path)
+
+
 def mac(host_no, vmid):
     """A container's eth0 MAC (its pct config's hwaddr): stable across restarts, unique in the test bed."""
     return "BC:24:11:%02X:%02X:%02X" % (host_no % 256, vmid // 256 % 256, vmid % 256)
@@ -269,6 +310,7 @@ def _start(hostdir, vmid, python, root_ns_pid=None, timeout=20.0):
     if lx:
         return _lxcct().start(lx)
     sync_devices(hostdir, vmid)
+    sync_mounts(hostdir, vmid)
     ctjson = os.path.join(d, "ct.json")
     here = os.path.join(os.path.dirname(os.path.abspath(hostdir)), "bin")  # the state dir's copy
     argv = ["unshare", "--pid", "--mount", "--net", "--uts", "--ipc", "--fork", "--mount-proc",

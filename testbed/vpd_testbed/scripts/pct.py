@@ -1,8 +1,19 @@
 """The simulated host's /usr/sbin/pct (stdlib only, run with python3 -SE; see docs/testbed.md).
 
 Behaves like Proxmox VE's pct for the sub-commands the deploy tool uses: list, status, exec, start, stop,
-shutdown, reboot, config, set (devN only, as `deploy prepare` uses it), create (as `deploy prepare --create`
+shutdown, reboot, config, set (devN and mpN, as `deploy prepare` uses them), create (as `deploy prepare --create`
 uses it: a namespace container from a template archive), push, pull. Errors go to stderr with exit status 255, like pct's `die`.
+
+Mount points: only bind mounts of host directories (`--mpN /HOST/DIR,mp=/PATH[,ro=1]...`; no storage volumes or
+devices, and not in the test bed's real LXC containers). pct set writes them into the config (a property string as
+pve-container prints it: the volume, mp=, then the other keys sorted, booleans as 0/1); each start mounts the
+config's mount points into the container (ctl.sync_mounts, ctinit.py), read-only with ro=1. Proxmox can hot-plug a
+bind mount into a running container; the test bed does not: a mount point set or deleted while the container runs
+takes effect at its next start. Unlike pve-container (which takes a relative mp= as relative to the container's
+root), the test bed refuses a relative mp=; and it refuses a host directory that does not exist at `pct set` already
+(pve-container finds that at the next start: "directory '/X' does not exist"). A mount point directory that the
+container lacks is made at start, on this machine's own file system where that is what the container sees (the
+test bed's containers share it outside /root, /tmp, /etc, /var/lib, /dev and /run).
 """
 import json
 import os
@@ -188,9 +199,62 @@ def old_pve(hostdir):
     return tuple(int(x) for x in v.split(".")[:2]) < (8, 1)
 
 
+MP_BOOLS = ("acl", "backup", "keepattrs", "quota", "replicate", "ro", "shared")
+MP_KEYS = ("volume", "mp", "size", "mountoptions", "idmap") + MP_BOOLS
+PVE_BOOL = {"1": "1", "on": "1", "yes": "1", "true": "1", "0": "0", "off": "0", "no": "0", "false": "0"}
+
+
+def _mp_string_bad(v):
+    """pve-container's pve-lxc-mp-string format (verify_lxc_mp_string): no /./ /../, no /. /.. at the end, no ../
+    at the start."""
+    return "/./" in v or "/../" in v or v.endswith(("/.", "/..")) or v.startswith("../")
+
+
+def parse_mp(key, value):
+    """--mpN's property string as pve-container parses it (PVE::JSONSchema::parse_property_string with $mp_desc, then
+    check_object): {key: value}, or die with its message (`mpN: invalid format - ...`, the sub-errors after it)."""
+    def bad(msg, errors=()):
+        die("400 Parameter verification failed.\n%s: invalid format - %s\n%s" % (
+            key, msg, "".join("%s.%s: %s\n" % e for e in sorted(errors))))
+    res = {}
+    for part in value.split(","):
+        if not part.strip():
+            continue
+        k, eq, v = part.partition("=")
+        if eq and k and v:
+            if k in res:
+                bad("duplicate key in comma-separated list property: %s" % k)
+            if k not in MP_KEYS:
+                bad("invalid key in comma-separated list property: %s" % k)
+            res[k] = PVE_BOOL.get(v.lower(), v) if k in MP_BOOLS else v
+        elif not eq:
+            if "volume" in res:
+                bad("duplicate key in comma-separated list property: volume")
+            res["volume"] = part
+        else:
+            bad("missing key in comma-separated list property")
+    errors = [(key, k, "property is missing and it is not optional") for k in ("mp", "volume") if k not in res]
+    errors += [(key, k, "type check ('boolean') failed - got '%s'" % res[k]) for k in MP_BOOLS
+               if k in res and res[k] not in ("0", "1")]
+    errors += [(key, k, "invalid format - %s contains illegal character sequences" % res[k]) for k in ("mp", "volume")
+               if k in res and _mp_string_bad(res[k])]
+    if "mp" in res and not errors and not res["mp"].startswith("/"):  # the test bed's rule, see the docstring
+        errors.append((key, "mp", "mount point path '%s' is not absolute" % res["mp"]))
+    if errors:
+        bad("format error", errors)
+    return res
+
+
+def print_mp(mp):
+    """pve-container's print_ct_mountpoint: the volume, then the required mp=, then the other keys sorted."""
+    return ",".join([mp["volume"], "mp=" + mp["mp"]] + ["%s=%s" % (k, mp[k]) for k in sorted(mp)
+                                                        if k not in ("volume", "mp")])
+
+
 def cmd_set(hostdir, host, args):
-    """pct set VMID --devN PATH[,opts] ... [--delete devN[,devM]]: like pve-container, the config is rewritten
-    with its keys sorted (raw lxc.* keys after them, snapshot sections untouched); the host path must exist."""
+    """pct set VMID --devN PATH[,opts] --mpN DIR,mp=PATH[,opts] ... [--delete devN[,mpM]]: like pve-container, the
+    config is rewritten with its keys sorted (raw lxc.* keys after them, snapshot sections untouched); the host path
+    must exist (for mpN: a directory, see the module docstring)."""
     usage = "pct set <vmid> [OPTIONS]"
     if not args:
         die("400 not enough arguments\n" + usage)
@@ -217,6 +281,16 @@ def cmd_set(hostdir, host, args):
             if ctl.host_node_missing(hostdir, path):
                 die("400 Parameter verification failed.\n%s: Path %s does not exist\n" % (k, path))
             sets[k] = v
+        elif k.startswith("mp") and k[2:].isdigit() and int(k[2:]) < 256 and str(int(k[2:])) == k[2:]:
+            mp = parse_mp(k, v)
+            if not mp["volume"].startswith("/") or mp["volume"].startswith("/dev/"):
+                die("%s: only bind mounts of host directories are simulated by the test bed, not %s" % (
+                    k, "storage volumes" if not mp["volume"].startswith("/") else "devices"))
+            if not os.path.isdir(mp["volume"]):
+                die("400 Parameter verification failed.\n%s: directory '%s' does not exist\n" % (k, mp["volume"]))
+            if ctl.lxc_of(hostdir, vmid):
+                die("%s: mount points are not simulated in the test bed's real LXC containers (CT %d)" % (k, vmid))
+            sets[k] = print_mp(mp)
         else:
             die("Unknown option: %s\n400 unable to parse option\n%s" % (k, usage))
         i += 1
