@@ -354,11 +354,13 @@ PLAYBOOK = Map({
         "store": Field(Str(pattern=r"/[A-Za-z0-9._+/-]{1,400}", pattern_hint="an absolute directory on the "
                                                                              "Proxmox host (letters, digits, . _ + - /)"),
                        doc="a directory on the Proxmox host: each hub revision is fetched there once per host and "
-                           "every container on it reads it read-only through a mount point (docs/playbooks.md#store)"),
+                           "every container on it reads it read-only through a mount point "
+                           "(docs/playbooks.md#store-one-copy-per-host)"),
         "mount": Field(Str(pattern=r"/[A-Za-z0-9._+/-]{1,400}", pattern_hint="an absolute path in the container"),
                        default="/models", doc="where the containers see the store (mpN: STORE,mp=MOUNT,ro=1)"),
     }), default=lambda: dict(FETCH_DEFAULTS),
-        doc="how deploy fetch (and up's fetch step) downloads from the hub (docs/playbooks.md#fetch)"),
+        doc="how deploy fetch (and up's fetch step) downloads from the hub "
+            "(docs/playbooks.md#connections-and-ranges-fetch)"),
     "gpu": Field(Map({
         "free_threshold_mib": Field(Int(0, 1_000_000), default=1024),
         "free_timeout_s": Field(Float(0.5, 3600), default=60.0),

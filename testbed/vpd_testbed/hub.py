@@ -349,6 +349,13 @@ class Handler(BaseHTTPRequestHandler):
             return
         cut = self.hub.take_cut(name)
         rate, link = float(faults.get("rate_bps") or 0), float(faults.get("link_bps") or 0)
+        try:
+            self._stream(fi, name, start, length, cut, rate, link, flip)
+        finally:  # what each body really sent: the log's "sent NAME BYTES" lines (bench/fetch_bench.py adds them up)
+            sys.stderr.write("%s sent %s %d\n" % (time.strftime("%H:%M:%S"), name, self._sent))
+
+    def _stream(self, fi, name, start, length, cut, rate, link, flip):
+        self._sent = 0
         sent, t0, base, checked = 0, time.monotonic(), 0, time.monotonic()
         with open(fi["path"], "rb") as fh:
             fh.seek(start)
@@ -378,6 +385,7 @@ class Handler(BaseHTTPRequestHandler):
                 except OSError:
                     return
                 sent += n
+                self._sent = sent
                 if rate:
                     ahead = (sent - base) / rate - (time.monotonic() - t0)
                     if ahead > 0:

@@ -187,6 +187,31 @@ def test_corrupted_file_is_named_and_nothing_installed(tb, hub, deploy, playbook
     assert p.returncode == 0, p.stderr
 
 
+def test_parallel_ranges_cut_range_resumed_and_bad_range_caught(tb, hub, deploy, playbooks):
+    """Issue 38: 1 MiB ranges, so the 3 MiB weights come as 3 ranges over several connections."""
+    playbook(playbooks, MODEL)
+    p = playbooks.dir / "qwen36-dflash.yaml"
+    p.write_text(p.read_text() + "\nfetch:\n  connections: 4\n  range_mib: 1\n")
+    # a bad byte in the last range: the whole-file hash catches it, named, both hashes
+    hub.fault(corrupt_at={WEIGHTS: (5 << 19)})
+    r = deploy("--json", "fetch", "qwen36-dflash", env=playbooks.env)
+    assert r.returncode == 1
+    msg = r.json["error"]["message"]
+    want = __import__("hashlib").sha256(hub.weights).hexdigest()
+    bad = bytearray(hub.weights)
+    bad[5 << 19] ^= 0xFF
+    assert WEIGHTS in msg and want in msg and __import__("hashlib").sha256(bad).hexdigest() in msg, msg
+    assert sh(tb, "test -e /root/models/Tiny-Target && echo yes || echo no") == "no"
+    # a range cut mid-way resumes from where it stopped; three ranges were asked for
+    hub.fault(cut={WEIGHTS: 300_000})
+    r = deploy("fetch", "qwen36-dflash", "--connections", "3", env=playbooks.env)
+    assert r.returncode == 0, r.stderr
+    assert "over up to 3 connections, 1 in 1.0 MiB ranges" in r.stderr, r.stderr
+    assert "transfer cut at" in r.stderr and "(in bytes" in r.stderr and "resuming" in r.stderr, r.stderr
+    assert sh(tb, f"sha256sum /root/models/Tiny-Target/{WEIGHTS}").split()[0] == want
+    assert sh(tb, "ls -a /root/models | grep -c deploy-fetch || true") == "0"
+
+
 def test_gated_token_messages_and_wrong_revision(tb, hub, deploy, playbooks):
     playbook(playbooks, drafter=drafter_block(hub, "z-lab/Gated-DFlash"))
     p = deploy("fetch", "qwen36-dflash", env=playbooks.env)
