@@ -620,7 +620,7 @@ def step_fetch(pb: Playbook, *, allow: bool = True) -> Step:
                                                                    if it.get("token_env") else ""))
             tr = fetch_transfer(pb)
             runs.append(f"GET {it['endpoint']}/{it['hub']}/resolve/COMMIT/FILE over up to {tr['connections']} "
-                        f"connections (files > {2 * (tr['range_bytes'] >> 20)} MiB in {tr['range_bytes'] >> 20} MiB "
+                        f"connections (files > {tr['range_bytes'] >> 20} MiB in {tr['range_bytes'] >> 20} MiB "
                         "ranges: Range: bytes=A-B, each resumable) -> "
                         f"{'*.incomplete' if it['dest_kind'] == 'cache' else '.' + os.path.basename(it['dest']) + '.deploy-fetch/'}"
                         "; verify sha256 / git blob id; move into place")

@@ -350,7 +350,7 @@ PLAYBOOK = Map({
                                  "in byte ranges over several connections (a CDN caps each connection, not the "
                                  "link); 1: one stream"),
         "range_mib": Field(Int(1, 65536), default=64,
-                           doc="a file larger than two ranges of this many MiB comes in ranges, each resumable"),
+                           doc="a file larger than this many MiB comes in ranges of this size, each resumable"),
         "store": Field(Str(pattern=r"/[A-Za-z0-9._+/-]{1,400}", pattern_hint="an absolute directory on the "
                                                                              "Proxmox host (letters, digits, . _ + - /)"),
                        doc="a directory on the Proxmox host: each hub revision is fetched there once per host and "

@@ -83,7 +83,8 @@ def staged(it, f):
 
 
 def test_split_ranges():
-    assert split(10, 5) == [[0, 10]]
+    assert split(5, 5) == [[0, 5]]
+    assert split(10, 5) == [[0, 5], [5, 10]]
     assert split(11, 5) == [[0, 5], [5, 10], [10, 11]]
     assert split(0, 5) == [[0, 0]]
 

@@ -124,7 +124,7 @@ def act_fetch_run(a):
         if work:
             conns = int(st.get("connections") or CONNECTIONS)
             rbytes = int(st.get("range_bytes") or RANGE_BYTES)
-            big = sum(1 for _, _, f, _ in work if f["size"] > 2 * rbytes)
+            big = sum(1 for _, _, f, _ in work if f["size"] > rbytes)
             log("downloading %d file%s (%s) over up to %d connection%s%s" % (
                 len(work), "" if len(work) == 1 else "s", _fmt_bytes(sum(f["size"] for _, _, f, _ in work)), conns,
                 "" if conns == 1 else "s", ", %d in %s ranges" % (big, _fmt_bytes(rbytes)) if big else ""))

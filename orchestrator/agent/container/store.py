@@ -81,8 +81,8 @@ def _link(a):
     if m is None or m["id"] != want:
         return {"ok": False, "kind": "mount",
                 "message": "%s in the container is not the host's store %s (%s)" % (
-                    mount, store, "no store there: no mount point, or the container has not been restarted since it "
-                                  "was added" if m is None else "another store's marker")}
+                    mount, store, "no store there: no mount point, the container not restarted since it was added, "
+                                  "or the store directory made anew on the host since the container started" if m is None else "another store's marker")}
     if not os.statvfs(mount).f_flag & os.ST_RDONLY:
         return {"ok": False, "kind": "writable",
                 "message": "the store %s is mounted read-write at %s: one container could change the weights every "

@@ -1,6 +1,6 @@
 """Parallel, ranged, resumable downloads (the fetch runner's transfer engine).
 
-Every file still to come is one or more units of work: a file larger than two ranges is cut into byte ranges, each
+Every file still to come is one or more units of work: a file larger than one range is cut into byte ranges, each
 fetched over its own connection (HTTP Range: bytes=A-B), written in place (pwrite) into FILE.incomplete; the others
 are one unit. At most `connections` units run at once, across all files, so several files come at the same time
 and a large one comes over several connections (a CDN caps each connection, not the link).
@@ -27,7 +27,7 @@ from .files import write_json_atomic
 from .weights import CHUNK, FetchError, _existing_dir, _fmt_bytes, _free, _partial, verify_file
 
 CONNECTIONS = 8  # the default number of connections (the playbook's fetch.connections)
-RANGE_BYTES = 64 << 20  # the default range (fetch.range_mib): a file of more than two is cut into ranges
+RANGE_BYTES = 64 << 20  # the default range (fetch.range_mib): a larger file is cut into ranges
 SIDECAR = ".ranges"
 TRIES = 3  # per range: a cut or a network error is retried where it stopped, then the fetch fails
 
@@ -41,8 +41,8 @@ def sidecar_of(part):
 
 
 def split(size, range_bytes):
-    """[[start, end), ...] covering SIZE bytes: one range for a file of at most two ranges."""
-    if size <= 2 * range_bytes:
+    """[[start, end), ...] covering SIZE bytes: one range for a file of at most one range."""
+    if size <= range_bytes:
         return [[0, size]]
     return [[a, min(a + range_bytes, size)] for a in range(0, size, range_bytes)]
 
@@ -113,7 +113,18 @@ class _File:
         t = now()
         if force or t - self.saved_at >= 1.0:
             self.saved_at = t
-            write_json_atomic(sidecar_of(self.part), {"size": self.f["size"], "ranges": self.ranges})
+            try:
+                write_json_atomic(sidecar_of(self.part), {"size": self.f["size"], "ranges": self.ranges})
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                d = os.path.dirname(self.part)
+                raise FetchError("disk full at %s while writing %s (%s of %s in; %s free there now); the partial file "
+                                 "%s is kept for resume and nothing was moved into place" % (
+                                     _existing_dir(d), self.f["name"], _fmt_bytes(self.got()),
+                                     _fmt_bytes(self.f["size"]), _fmt_bytes(_free(d)), self.part),
+                                 fix="free space there (or point the playbook elsewhere), then run deploy fetch "
+                                     "again: it resumes", kind="disk") from None
 
     def close(self):
         if self.fd is not None:
@@ -195,8 +206,8 @@ class Transfer:
             try:
                 if pf.fd is not None:
                     pf.save(force=True)
-            except OSError:
-                pass
+            except (OSError, FetchError):
+                pass  # the record stays as last saved: a resume re-fetches a little more, verified all the same
             pf.close()
         if self.failure is not None:
             raise self.failure
