@@ -402,6 +402,26 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 64  # many parallel downloads connect at once (the default backlog is 5)
 
 
+def start(root, log=None, timeout=20.0):
+    """This hub as a process of its own on a free port of 127.0.0.1 (the tests' and the bench's way): -> (Popen,
+    endpoint URL), once it answers (ROOT/hub.ready); its log lines go to LOG (a file), else nowhere."""
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = log if log is not None else subprocess.DEVNULL
+    p = subprocess.Popen([sys.executable, "-SE", os.path.abspath(__file__), str(root), str(port)], stdout=out,
+                         stderr=out, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(str(root), "hub.ready")):
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise RuntimeError("the test bed hub did not start (exit %s)" % p.poll())
+        time.sleep(0.05)
+    return p, "http://127.0.0.1:%d" % port
+
+
 def serve(root, port, address="127.0.0.1"):
     if not address.startswith("127."):
         raise SystemExit("the test bed hub listens on 127.0.0.0/8 only")

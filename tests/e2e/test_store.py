@@ -8,10 +8,7 @@ import hashlib
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -49,22 +46,14 @@ def hub(tmp_path):
         "drafter": hubmod.make_repo(str(root), DRAFT, {"config.json": STALE_CONFIG.read_bytes(),
                                                        "model.safetensors": safetensors_header()}),
     }
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = open(tmp_path / "hub.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-SE", hubmod.__file__, str(root), str(port)], stdout=log, stderr=log,
-                            start_new_session=True)
-    deadline = time.monotonic() + 20
-    while not (root / "hub.ready").exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    proc, endpoint = hubmod.start(root, log)
 
     class NS:
         pass
     ns = NS()
     ns.root, ns.commits, ns.weights, ns.log = root, commits, weights, tmp_path / "hub.log"
-    ns.endpoint = f"http://127.0.0.1:{port}"
+    ns.endpoint = endpoint
     ns.fault = lambda **kw: (root / "faults.json").write_text(json.dumps(kw))
     yield ns
     proc.kill()

@@ -6,9 +6,6 @@ range caught by the whole-file hash."""
 import hashlib
 import json
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -30,19 +27,12 @@ def hub(tmp_path):
     files = {"config.json": b'{"a": 1}\n', BIG: os.urandom(5 * MIB + 12345),
              "model-00002-of-00002.safetensors": os.urandom(MIB // 2), "tok/vocab.txt": b"a\nb\n"}
     commit = hubmod.make_repo(str(root), "acme/M", files)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, hubmod.__file__, str(root), str(port)], stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while not (root / "hub.ready").exists():
-        assert p.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    p, endpoint = hubmod.start(root)
 
     class NS:
         pass
     ns = NS()
-    ns.endpoint, ns.commit, ns.files, ns.root = f"http://127.0.0.1:{port}", commit, files, root
+    ns.endpoint, ns.commit, ns.files, ns.root = endpoint, commit, files, root
     ns.fault = lambda **kw: (root / "faults.json").write_text(json.dumps(kw))
     yield ns
     p.kill()
