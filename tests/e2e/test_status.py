@@ -251,6 +251,6 @@ def test_watch_shows_a_timestamp_and_history_with_the_gate_and_json_the_window(t
 
 
 def test_sparkline():
-    from orchestrator.status import sparkline
+    from orchestrator.status_render import sparkline
     assert sparkline([1.0, 2.0, 3.0, None]) == "▁▅█·"
     assert sparkline([]) == "" and sparkline([None, None]) == "··" and sparkline([5, 5]) == "▅▅"

@@ -12,7 +12,8 @@ import pytest
 
 from orchestrator.errors import DeployError, SpecError
 from orchestrator.report import Progress, SafeStream, check_rows, table, wrap
-from orchestrator.status import _row, render_table
+from orchestrator.status import _row
+from orchestrator.status_render import render_table
 from orchestrator.steps import StepFailed
 
 LONG_PATH = "/root/models/Qwen3.6-27B-DFlash-with-a-very-long-directory-name/snapshots/0123456789abcdef/config.json"
@@ -227,12 +228,10 @@ def test_status_on_an_empty_inventory_says_what_to_do(tmp_path):
 
 
 def test_every_playbook_problem_at_once_unknown_keys_included(tmp_path, monkeypatch):
-    import shutil
-
     from orchestrator.spec import load_playbook
+    from playbook_support import copy_playbooks
 
-    shutil.copytree(f"{REPO}/playbooks", tmp_path / "playbooks")
-    p = tmp_path / "playbooks" / "qwen36-dflash.yaml"
+    p = copy_playbooks(tmp_path / "playbooks") / "qwen36-dflash.yaml"
     text = p.read_text()
     text = re.sub(r"attention_backend: \S+", "attention_backend: flashinfer", text)
     text = re.sub(r"num_speculative_tokens: \d+", "num_speculative_tokens: 16", text)
@@ -306,7 +305,8 @@ def test_zombie_vllm_workers_are_not_foreign_processes():
 
 def test_a_slow_connect_is_timeout_a_refused_one_unreachable():
     from orchestrator.errors import RemoteTimeout, Unreachable
-    from orchestrator.status import _error_row, state_word
+    from orchestrator.status import _error_row
+    from orchestrator.status_render import state_word
 
     slow = Unreachable("no answer to the connection within 10 s (timed out)", where="pve1")
     slow.timed_out = True
