@@ -26,7 +26,8 @@ from .atomic import write_atomic
 from .errors import DeployError, StepFailed, Unreachable, UsageError
 from .steps import Outcome, check_container, new_context
 from .remote import Fleet
-from .report import FOLLOW_LINE_MAX, FOLLOW_MAX_BYTES, FOLLOW_MAX_LINES, Progress
+from .follow import Every, Job, follow
+from .report import FOLLOW_LINE_MAX, Progress
 from .spec import Playbook
 
 FOLLOW_S = 60.0  # one attach call follows the runner this long; the next continues where it stopped
@@ -188,73 +189,24 @@ def _copy_from_host(ctx, pb: Playbook, it: dict) -> None:
 
 
 def _follow(ctx, r, pb: Playbook, fst: dict, timeout_s: float, step_name: str, state_dir: str | None = None) -> dict:
-    t0 = time.monotonic()
-    limit = float(timeout_s) + 300.0
-    pos = 0
+    """Follow the fetch runner to its end (follow.py: the loop shared with install-vllm)."""
+    every = Every()
 
-    seen = {"lines": 0, "bytes": 0, "shown_at": 0.0}
-
-    def on_event(ev):
-        # the container chooses how much it sends: the whole follow prints at most FOLLOW_MAX_LINES lines and
-        # FOLLOW_MAX_BYTES bytes (terminal and audit log alike), progress at most once a second (issue 36 item 2)
-        if not isinstance(ev, dict) or ev.get("event") != "fetch":
-            return
-        if seen["lines"] >= FOLLOW_MAX_LINES or seen["bytes"] >= FOLLOW_MAX_BYTES:
-            return
+    def render(ev):
         if ev.get("kind") == "progress":
-            now = time.monotonic()
-            if now - seen["shown_at"] < 1.0:
-                return
-            seen["shown_at"] = now
-            try:
-                text = "     " + progress_line(ev)
-            except (KeyError, TypeError, ValueError, ZeroDivisionError):
-                return
-            seen["lines"] += 1
-            seen["bytes"] += len(text)
-            ctx.progress.say(ctx.where, text[:FOLLOW_LINE_MAX])
-        elif ev.get("kind") == "line":
+            return ("     " + progress_line(ev), True) if every.due() else None
+        if ev.get("kind") == "line":
             line = str(ev.get("line") or "")[:FOLLOW_LINE_MAX]
-            seen["lines"] += 1
-            seen["bytes"] += len(line)
-            if line.startswith("[deploy]"):
-                ctx.progress.say(ctx.where, "     " + line[len("[deploy] "):])
-            else:
-                ctx.progress.detail(ctx.where, "| " + line)
+            return ("     " + line[len("[deploy] "):], True) if line.startswith("[deploy]") else ("| " + line, False)
+        return None
 
-    while True:
-        left = limit - (time.monotonic() - t0)
-        follow = max(1.0, min(FOLLOW_S, left))
-        try:
-            res = r.call({"op": "attach", "state_dir": state_dir or pb.runtime["state_dir"], "id": fst.get("id"),
-                          "log_pos": pos,
-                          "follow_s": follow, "heartbeat_s": 2.0}, timeout=follow + 60, on_event=on_event)
-        except KeyboardInterrupt:
-            raise FetchFailed(step_name, f"interrupted: deploy stopped following; the fetch goes on in the container "
-                                         f"(runner pid {fst.get('pid')}, log {fst.get('log')})", where=ctx.where,
-                              fix=f"deploy fetch {pb.name} re-attaches to it and reports its result") from None
-        except Unreachable as e:
-            raise ConnectionLost(
-                f"lost the connection while following the fetch ({e.message}); the fetch goes on in the container "
-                f"(runner pid {fst.get('pid')}, log {fst.get('log')})", where=ctx.where,
-                fix=f"deploy fetch {pb.name} re-attaches to it and reports its result") from e
-        if not res.get("ok"):
-            raise FetchFailed(step_name, res.get("message", "attach failed"), where=ctx.where, fix=res.get("fix", ""))
-        pos = res.get("log_pos", pos)
-        fst = res.get("fetch") or fst
-        if res.get("done"):
-            return res
-        if seen["lines"] >= FOLLOW_MAX_LINES or seen["bytes"] >= FOLLOW_MAX_BYTES:
-            raise FetchFailed(step_name, f"the container sent more fetch output than deploy follows ({seen['lines']} "
-                                         f"lines, {seen['bytes']} bytes; limits {FOLLOW_MAX_LINES} lines, "
-                                         f"{FOLLOW_MAX_BYTES} bytes); deploy stopped following, the fetch goes on in "
-                                         f"the container (runner pid {fst.get('pid')}, log {fst.get('log')})",
-                              where=ctx.where, fix=f"look at the fetch's log in the container; deploy fetch {pb.name} "
-                                                   "re-attaches to it")
-        if left <= follow:
-            raise FetchFailed(step_name, f"the fetch has not ended {limit:.0f}s after deploy started following it; it "
-                                         "goes on in the container", where=ctx.where,
-                              fix=f"deploy fetch {pb.name} re-attaches to it")
+    job = Job("fetch", "fetch", f"deploy fetch {pb.name}", key="fetch",
+              failed=lambda msg, fix="": FetchFailed(step_name, msg, where=ctx.where, fix=fix),
+              lost=lambda msg, fix="": ConnectionLost(msg, where=ctx.where, fix=fix))
+    attach = lambda pos, follow_s, on_event: r.call(  # noqa: E731
+        {"op": "attach", "state_dir": state_dir or pb.runtime["state_dir"], "id": fst.get("id"), "log_pos": pos,
+         "follow_s": follow_s, "heartbeat_s": 2.0}, timeout=follow_s + 60, on_event=on_event)
+    return follow(ctx, attach, job, fst, limit_s=float(timeout_s) + 300.0, follow_s=FOLLOW_S, render=render)
 
 
 def _report(ctx, pb: Playbook, res: dict, step_name: str, t0: float) -> dict:

@@ -22,7 +22,8 @@ from . import plan as P
 from .errors import DeployError, Unreachable
 from .steps import Outcome, check_container, new_context
 from .remote import Fleet
-from .report import FOLLOW_LINE_MAX, FOLLOW_MAX_BYTES, FOLLOW_MAX_LINES, Progress
+from .follow import Every, Job, follow
+from .report import FOLLOW_LINE_MAX, Progress
 from .spec import VERSION_RE, Playbook
 
 FOLLOW_S = 120.0  # one attach call follows the runner this long; the next call continues where it stopped
@@ -157,11 +158,11 @@ def install(fleet: Fleet, pb: Playbook, progress: Progress, *, yes: bool = False
         if ist.get("status") == "running":
             progress.say(ctx.where, f"an install is in progress (started {_ago(ist)} ago, pid {ist.get('pid')}, "
                                     f"{ist.get('spec')}, phase {ist.get('phase')}): re-attaching")
-            res = _follow(ctx, run, pb, ist, 0)
+            res = _follow(ctx, run, pb, ist)
         elif final and not ist.get("reported") and ist.get("req") == want["req"]:
             progress.say(ctx.where, f"the install of {ist.get('spec')} started {_ago(ist)} ago ended while nobody "
                                     "was attached: its result")
-            res = _follow(ctx, run, pb, ist, 0)
+            res = _follow(ctx, run, pb, ist)
         else:
             cur = (probe.get("pointer") or {}).get("current")
             if (not force and ist.get("status") == "ok" and ist.get("req") == want["req"] and cur
@@ -194,88 +195,47 @@ def install(fleet: Fleet, pb: Playbook, progress: Progress, *, yes: bool = False
                 progress.say(ctx.where, f"install started with {started['installer']} (runner pid {started['pid']}, "
                                         f"detached): {want['req']} into {started['stage']}; log {started['log']}")
                 ist = {"id": started["id"], "pid": started["pid"], "log": started["log"], "spec": want["req"]}
-            res = _follow(ctx, run, pb, ist, 0)
+            res = _follow(ctx, run, pb, ist)
         return _report(ctx, pb, out, res)
     except DeployError as e:
         out.error = e
         return out
 
 
-def _follow(ctx, run: _Runner, pb: Playbook, ist: dict, pos: int) -> dict:
-    """attach calls until the runner reports an end; each is bounded (FOLLOW_S), the whole by the playbook's limit
-    plus the verification's. A lost connection leaves the runner running: say how to re-attach."""
+def _follow(ctx, run: _Runner, pb: Playbook, ist: dict) -> dict:
+    """attach calls until the runner reports an end (follow.py: the loop shared with fetch); each is bounded
+    (FOLLOW_S), the whole by the playbook's limit plus the verification's."""
     inst = pb.data["requires"]["install"]
-    t0 = time.monotonic()
-    limit = float(inst["timeout_s"]) + 900.0
-    state = {"phase": None, "lines": 0, "bytes": 0, "beat_at": 0.0}
+    beat = Every()
 
-    def on_event(ev):
-        # as fetch's follow (issue 36 item 2): the whole follow prints and audits at most FOLLOW_MAX_LINES lines and
-        # FOLLOW_MAX_BYTES bytes, FOLLOW_LINE_MAX characters a line, a heartbeat at most once a second; odd fields
-        # are ignored, not a traceback
-        if not isinstance(ev, dict) or ev.get("event") != "install":
-            return
-        if state["lines"] >= FOLLOW_MAX_LINES or state["bytes"] >= FOLLOW_MAX_BYTES:
-            return
+    def render(ev):
         kind = ev.get("kind")
         try:
             elapsed = float(ev.get("elapsed") or 0)
         except (TypeError, ValueError):
             elapsed = 0.0
         if kind == "phase":
-            state["phase"] = str(ev.get("phase"))[:100]
-            text = f"     {elapsed:6.1f}s  phase {state['phase']}"
-        elif kind == "heartbeat":
-            if time.monotonic() - state["beat_at"] < 1.0:
-                return
-            state["beat_at"] = time.monotonic()
-            text = (f"     {elapsed:6.1f}s  still in phase {str(ev.get('phase'))[:100]} "
-                    f"({str(ev.get('lines'))[:20]} log lines so far): {str(ev.get('last') or '-')[:FOLLOW_LINE_MAX]}")
-        elif kind == "line":
+            return f"     {elapsed:6.1f}s  phase {str(ev.get('phase'))[:100]}", True
+        if kind == "heartbeat":
+            if not beat.due():
+                return None
+            return (f"     {elapsed:6.1f}s  still in phase {str(ev.get('phase'))[:100]} "
+                    f"({str(ev.get('lines'))[:20]} log lines so far): {str(ev.get('last') or '-')[:FOLLOW_LINE_MAX]}",
+                    True)
+        if kind == "line":
             text = str(ev.get("line") or "")[:FOLLOW_LINE_MAX]
-        else:
-            return
-        state["lines"] += 1
-        state["bytes"] += len(text)
-        if kind != "line":
-            ctx.progress.say(ctx.where, text)
-        elif re.search(r"\b(ERROR|error:|Successfully installed|Installed \d+|Built )", text):
-            ctx.progress.say(ctx.where, "     | " + text)
-        else:
-            ctx.progress.detail(ctx.where, "| " + text)
+            if re.search(r"\b(ERROR|error:|Successfully installed|Installed \d+|Built )", text):
+                return "     | " + text, True
+            return "| " + text, False
+        return None
 
-    while True:
-        left = limit - (time.monotonic() - t0)
-        follow = max(1.0, min(FOLLOW_S, left))
-        try:
-            res = run.call(agent_args(pb, "attach", id=ist.get("id"), log_pos=pos, follow_s=follow),
-                           timeout=follow + 120, on_event=on_event)
-        except KeyboardInterrupt:
-            raise InstallFailed(f"interrupted: deploy stopped following; the install goes on in the container "
-                                f"(runner pid {ist.get('pid')}, log {ist.get('log')})", where=run.ctx.where,
-                                fix=f"deploy install-vllm {pb.name} re-attaches to it and reports its result") from None
-        except Unreachable as e:
-            raise ConnectionLost(
-                f"lost the connection while following the install ({e.message}); the install goes on in the "
-                f"container (runner pid {ist.get('pid')}, log {ist.get('log')})", where=run.ctx.where,
-                fix=f"deploy install-vllm {pb.name} re-attaches to it and reports its result") from e
-        if not res.get("ok"):
-            raise InstallFailed(res.get("message", "attach failed"), where=run.ctx.where, fix=res.get("fix", ""))
-        pos = res.get("log_pos", pos)
-        ist = res.get("install") or ist
-        if res.get("done"):
-            return res
-        if state["lines"] >= FOLLOW_MAX_LINES or state["bytes"] >= FOLLOW_MAX_BYTES:
-            raise InstallFailed(f"the container sent more install output than deploy follows ({state['lines']} lines, "
-                                f"{state['bytes']} bytes; limits {FOLLOW_MAX_LINES} lines, {FOLLOW_MAX_BYTES} bytes); "
-                                f"deploy stopped following, the install goes on in the container (runner pid "
-                                f"{ist.get('pid')}, log {ist.get('log')})", where=run.ctx.where,
-                                fix=f"look at the install's log in the container; deploy install-vllm {pb.name} "
-                                    "re-attaches to it and reports its result")
-        if left <= follow:
-            raise InstallFailed(f"the install has not ended {limit:.0f}s after deploy started following it "
-                                f"(phase {ist.get('phase')}); it goes on in the container", where=run.ctx.where,
-                                fix=f"deploy install-vllm {pb.name} re-attaches to it")
+    job = Job("install", "install", f"deploy install-vllm {pb.name}", key="install",
+              failed=lambda msg, fix="": InstallFailed(msg, where=run.ctx.where, fix=fix),
+              lost=lambda msg, fix="": ConnectionLost(msg, where=run.ctx.where, fix=fix))
+    attach = lambda p, follow_s, on_event: run.call(  # noqa: E731
+        agent_args(pb, "attach", id=ist.get("id"), log_pos=p, follow_s=follow_s), timeout=follow_s + 120,
+        on_event=on_event)
+    return follow(ctx, attach, job, ist, limit_s=float(inst["timeout_s"]) + 900.0, follow_s=FOLLOW_S, render=render)
 
 
 def _report(ctx, pb: Playbook, out: Outcome, res: dict) -> Outcome:

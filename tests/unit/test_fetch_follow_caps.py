@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator import fetch
+from orchestrator import fetch, report
 
 
 class Progress:
@@ -36,7 +36,7 @@ def test_follow_stops_after_the_total_cap():
     with pytest.raises(Exception) as e:
         fetch._follow(ctx, r, pb, {"id": "a", "pid": 1}, 6 * 3600, "fetch")
     assert "more fetch output" in str(getattr(e.value, "message", e.value)) or "more fetch output" in repr(e.value.__dict__)
-    assert ctx.progress.out <= fetch.FOLLOW_MAX_BYTES + 10 * fetch.FOLLOW_LINE_MAX
+    assert ctx.progress.out <= report.FOLLOW_MAX_BYTES + 10 * report.FOLLOW_LINE_MAX
     assert r.calls < 100
 
 
@@ -64,7 +64,7 @@ def test_install_follow_stops_after_the_same_total_cap_and_ignores_odd_fields(mo
     pb = SimpleNamespace(name="p", runtime={"state_dir": "/x", "python": "/p", "vllm": "/v"},
                          data={"requires": {"install": {"timeout_s": 6 * 3600, "heartbeat_s": 2}}})
     with pytest.raises(install.InstallFailed) as e:
-        install._follow(ctx, r, pb, {"id": "a", "pid": 1}, 0)
+        install._follow(ctx, r, pb, {"id": "a", "pid": 1})
     assert "more install output than deploy follows" in e.value.message
-    assert ctx.progress.out <= fetch.FOLLOW_MAX_BYTES + 10 * fetch.FOLLOW_LINE_MAX
+    assert ctx.progress.out <= report.FOLLOW_MAX_BYTES + 10 * report.FOLLOW_LINE_MAX
     assert r.calls < 100

@@ -6,11 +6,10 @@ import base64
 import json
 import os
 import sys
-import time
 
 from .core import clean, emit, now
 from .files import (
-    lock_held, UnsafeDirectory, _read_json, _tail_lines, new_runner_log, open_dir, runner_env, runner_gone, runner_id,
+    follow_runner, lock_held, UnsafeDirectory, _read_json, new_runner_log, open_dir, runner_env, runner_id,
     spawn_runner, tail_file, take_runner_lock, unique_name, write_json_atomic)
 from .install import _agent_source
 from .transfer import partial_bytes
@@ -324,30 +323,21 @@ def _fetch_start(a):
 
 
 def _fetch_follow(a):
-    """Progress events from fetch.json (bytes, rate, ETA per file and in total) until the runner ends or follow_s
-    passes; log lines (what the runner did) as events too."""
+    """Progress events from fetch.json (bytes, rate, ETA per file and in total, every heartbeat_s) until the runner
+    ends or follow_s passes; log lines (what the runner did) as events too (files.follow_runner)."""
     state_dir = a["state_dir"]
-    deadline = now() + float(a.get("follow_s") or 0)
     beat = float(a.get("heartbeat_s") or 2)
-    pos = int(a.get("log_pos") or 0)
-    last = 0.0
-    while True:
-        st = _fetch_state(state_dir)
-        gone = runner_gone("fetch", st, a)
-        if gone:
-            return gone
-        pos, lines = _tail_lines(st.get("log") or "", pos)
-        for ln in lines:
-            emit(event="fetch", kind="line", line=clean(ln))
-        if st.get("status") in FETCH_FINAL:
-            if not st.get("reported"):
-                st["reported"] = True
-                write_json_atomic(os.path.join(state_dir, FETCH_STATE), st)
-            return {"ok": True, "done": True, "fetch": st, "log_pos": pos,
-                    "log_tail": tail_file(st["log"], 20) if st.get("status") != "ok" else []}
-        if now() - last >= beat and st.get("progress"):
-            last = now()
+    last = [0.0]
+
+    def tick(st):
+        if now() - last[0] >= beat and st.get("progress"):
+            last[0] = now()
             emit(event="fetch", kind="progress", **st["progress"])
-        if now() >= deadline:
-            return {"ok": True, "done": False, "fetch": st, "log_pos": pos}
-        time.sleep(0.2)
+
+    return follow_runner(
+        a, "fetch", lambda: _fetch_state(state_dir),
+        lambda st: write_json_atomic(os.path.join(state_dir, FETCH_STATE), st), FETCH_FINAL,
+        lambda ln: emit(event="fetch", kind="line", line=clean(ln)),
+        lambda st, pos: {"ok": True, "done": True, "fetch": st, "log_pos": pos,
+                         "log_tail": tail_file(st["log"], 20) if st.get("status") != "ok" else []},
+        tick)

@@ -7,8 +7,9 @@ import errno
 import json
 import os
 import re
+import time
 
-from .core import ANSI
+from .core import ANSI, now
 from .protocol import DEFAULT_STATE_DIR
 
 
@@ -122,6 +123,32 @@ def runner_gone(kind, st, a):
     if a.get("id") and st.get("id") != a["id"]:
         return {"ok": False, "message": "%s %s was replaced by %s" % (kind, a["id"], st.get("id"))}
     return None
+
+
+def follow_runner(a, kind, read, save, final, on_line, finish, tick):
+    """The container's half of following a detached runner (the workstation's: orchestrator/follow.py): the new
+    lines of its log, in order, through on_line(line); tick(record) each round (progress, heartbeats) until its
+    record (read()) says it ended, then the record is marked reported (save(record)) and finish(record, log_pos)
+    answers; or follow_s (a["follow_s"]) passes: {"ok", "done": False, KIND: record, "log_pos"}."""
+    deadline = now() + float(a.get("follow_s") or 0)
+    pos = int(a.get("log_pos") or 0)
+    while True:
+        st = read()
+        gone = runner_gone(kind, st, a)
+        if gone:
+            return gone
+        pos, lines = _tail_lines(st.get("log") or "", pos)
+        for ln in lines:
+            on_line(ln)
+        if st.get("status") in final:
+            if not st.get("reported"):
+                st["reported"] = True
+                save(st)
+            return finish(st, pos)
+        tick(st)
+        if now() >= deadline:
+            return {"ok": True, "done": False, kind: st, "log_pos": pos}
+        time.sleep(0.2)
 
 
 def runner_env(var, rid):

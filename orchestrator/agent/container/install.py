@@ -10,13 +10,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 from . import core
 from .core import clean, emit, now
 from .files import (
-    lock_held,
-    UnsafeDirectory, _read_json, _tail_lines, new_runner_log, open_dir, runner_env, runner_gone, runner_id,
+    follow_runner, lock_held,
+    UnsafeDirectory, _read_json, new_runner_log, open_dir, runner_env, runner_id,
     spawn_runner, tail_file, take_runner_lock, unique_name, why_untrusted, write_json_atomic)
 from .state import read_state
 
@@ -324,45 +323,39 @@ def _protocol_line(ln):
 
 
 def _install_follow(a):
-    """Follow an install (events: phase changes, log lines, heartbeats) until it ends or follow_s passes."""
+    """Follow an install (events: phase changes, log lines, heartbeats every heartbeat_s without a phase) until it
+    ends or follow_s passes (files.follow_runner)."""
     state_dir = a["state_dir"]
-    deadline = now() + float(a.get("follow_s") or 0)
     beat = float(a.get("heartbeat_s") or 30)
-    pos = int(a.get("log_pos") or 0)
-    last_beat, phase, last_line, lines_n = now(), None, "", 0
-    while True:
-        st = install_status(state_dir)
-        gone = runner_gone("install", st, a)
-        if gone:
-            return gone
-        pos, lines = _tail_lines(st.get("log") or "", pos)
-        for ln in lines:  # phases come from the runner's own lines in the log: in order, none missed
-            if _protocol_line(ln):
-                continue
-            lines_n += 1
-            last_line = clean(ln)
-            m = PHASE_LINE.match(last_line)
-            if m:
-                phase = m.group(1)
-                emit(event="install", kind="phase", phase=phase, elapsed=float(m.group(2)))
-                last_beat = now()
-            else:
-                emit(event="install", kind="line", line=last_line)
-        if st.get("status") in INSTALL_FINAL:
-            if not st.get("reported"):
-                st["reported"] = True
-                _save_install(state_dir, st)
-            tail = [ln for ln in tail_file(st["log"], 31) if not _protocol_line(ln)][-30:] \
-                if st.get("status") != "ok" and st.get("log") else []
-            return {"ok": True, "done": True, "install": st, "log_pos": pos, "log_tail": tail,
-                    "pointer": _pointer(state_dir)}
-        if now() >= deadline:
-            return {"ok": True, "done": False, "install": st, "log_pos": pos}
-        if now() - last_beat >= beat:
-            last_beat = now()
-            emit(event="install", kind="heartbeat", phase=phase, elapsed=round(now() - st.get("t0", now()), 1),
-                 lines=lines_n, last=last_line)
-        time.sleep(0.2)
+    seen = {"beat": now(), "phase": None, "last": "", "n": 0}
+
+    def on_line(ln):  # phases come from the runner's own lines in the log: in order, none missed
+        if _protocol_line(ln):
+            return
+        seen["n"] += 1
+        seen["last"] = clean(ln)
+        m = PHASE_LINE.match(seen["last"])
+        if m:
+            seen["phase"] = m.group(1)
+            emit(event="install", kind="phase", phase=seen["phase"], elapsed=float(m.group(2)))
+            seen["beat"] = now()
+        else:
+            emit(event="install", kind="line", line=seen["last"])
+
+    def tick(st):
+        if now() - seen["beat"] >= beat:
+            seen["beat"] = now()
+            emit(event="install", kind="heartbeat", phase=seen["phase"], elapsed=round(now() - st.get("t0", now()), 1),
+                 lines=seen["n"], last=seen["last"])
+
+    def finish(st, pos):
+        tail = [ln for ln in tail_file(st["log"], 31) if not _protocol_line(ln)][-30:] \
+            if st.get("status") != "ok" and st.get("log") else []
+        return {"ok": True, "done": True, "install": st, "log_pos": pos, "log_tail": tail,
+                "pointer": _pointer(state_dir)}
+
+    return follow_runner(a, "install", lambda: install_status(state_dir), lambda st: _save_install(state_dir, st),
+                         INSTALL_FINAL, on_line, finish, tick)
 
 
 def _install_source_problem(a):
