@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .atomic import write_atomic
 from .errors import UsageError
 from .locate import shipped_dir
+from .spec_schema import json_schema
 
 KINDS = ("playbook", "inventory")
 INVENTORY_EXAMPLE = "hosts.example.yaml"  # in the shipped examples; `deploy init` writes it as hosts.yaml
@@ -15,8 +17,6 @@ MODELINE = "# yaml-language-server: $schema="
 
 
 def schema_text(kind: str) -> str:
-    from .spec import json_schema
-
     if kind not in KINDS:
         raise UsageError(f"unknown schema {kind!r}", fix="deploy schema playbook, or deploy schema inventory")
     return json.dumps(json_schema(kind), indent=2, sort_keys=False) + "\n"
@@ -92,8 +92,6 @@ def doc_topics() -> dict[str, Path]:
 
 def _slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to '-'."""
-    import re
-
     return re.sub(r"\s", "-", re.sub(r"[^\w\- ]", "", heading.strip().lower()))
 
 

@@ -1,18 +1,15 @@
 """`targets:` (replicas): validation of every target against the inventory (every problem at once, with its line),
 the per-target playbooks, the JSON Schema, and the fleet summary. Nothing remote runs."""
 
-import os
-import shutil
-
 import pytest
 
 from orchestrator import fleet as F
 from orchestrator import ops
 from orchestrator.errors import SpecError, Unreachable, UsageError
-from orchestrator.spec import json_schema, load_inventory, load_playbook
+from orchestrator.spec import load_inventory, load_playbook
+from orchestrator.spec_schema import json_schema
 from orchestrator.steps import StepFailed
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from playbook_support import ONE_TARGET as ONE, copy_playbooks, playbook_variant
 
 INVENTORY = """\
 hosts:
@@ -26,23 +23,16 @@ hosts:
       - {vmid: 129, gpus: [0, 1, 2, 3], runtime: {python: /opt/vllm/bin/python}}
 """
 
-ONE = "target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]\n"
-
 
 @pytest.fixture
 def work(tmp_path):
-    shutil.copytree(os.path.join(REPO, "playbooks"), tmp_path / "playbooks")
+    copy_playbooks(tmp_path / "playbooks")
     (tmp_path / "hosts.yaml").write_text(INVENTORY)
     return tmp_path
 
 
 def fleet_file(work, name, targets_yaml, base="qwen36-mtp"):
-    text = (work / "playbooks" / f"{base}.yaml").read_text()
-    assert ONE in text
-    text = text.replace(ONE, targets_yaml).replace(f"name: {base}", f"name: {name}")
-    p = work / "playbooks" / f"{name}.yaml"
-    p.write_text(text)
-    return str(p)
+    return playbook_variant(work / "playbooks", name, targets_yaml, base)
 
 
 def load(work, path):

@@ -11,7 +11,7 @@ from orchestrator.agent.container import install as A
 from orchestrator.agent.container.runner import switch_runtime
 from orchestrator.agent.container.stack import record_check
 from orchestrator.install import requirement
-from orchestrator.spec import _vllm_source
+from orchestrator.spec_schema import _vllm_source
 from vpd_testbed.fake_vllm import wheels
 
 

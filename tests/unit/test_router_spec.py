@@ -1,16 +1,13 @@
 """`router:` (issue 29): validation against the inventory (a container, never a Proxmox host; replicas reachable
 by address; no port clash), the router's argv, the status flags, the JSON Schema. Nothing remote runs."""
 
-import os
-import shutil
-
 import pytest
 
 from orchestrator import router as R
 from orchestrator.errors import SpecError
-from orchestrator.spec import json_schema, load_inventory, load_playbook
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from orchestrator.spec import load_inventory, load_playbook
+from orchestrator.spec_schema import json_schema
+from playbook_support import ONE_TARGET as ONE, copy_playbooks, playbook_variant
 
 INVENTORY = """\
 hosts:
@@ -26,23 +23,18 @@ hosts:
       - {vmid: 131, gpus: [0, 1, 2, 3]}
 """
 
-ONE = "target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]\n"
 TWO = "targets:\n  - {host: pve1, vmid: 129, gpus: [0, 1, 2, 3]}\n  - {host: pve2, vmid: 129, gpus: [0, 1, 2, 3]}\n"
 
 
 @pytest.fixture
 def work(tmp_path):
-    shutil.copytree(os.path.join(REPO, "playbooks"), tmp_path / "playbooks")
+    copy_playbooks(tmp_path / "playbooks")
     (tmp_path / "hosts.yaml").write_text(INVENTORY)
     return tmp_path
 
 
 def write(work, where_yaml, router_yaml, name="reps"):
-    text = (work / "playbooks" / "qwen36-mtp.yaml").read_text()
-    text = text.replace(ONE, where_yaml).replace("name: qwen36-mtp", f"name: {name}") + router_yaml
-    p = work / "playbooks" / f"{name}.yaml"
-    p.write_text(text)
-    return str(p)
+    return playbook_variant(work / "playbooks", name, where_yaml, append=router_yaml)
 
 
 def load(work, path):
