@@ -9,6 +9,7 @@ winner (or --keep) is left running.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 
@@ -269,13 +270,11 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 def check_plot(path: str) -> None:
     """--plot FILE: a suffix matplotlib writes, and matplotlib importable; a UsageError before anything runs."""
-    import os
-
     if not path.lower().endswith(PLOT_SUFFIXES):
         raise UsageError(f"--plot {path}: the file name must end in {', '.join(PLOT_SUFFIXES)}",
                          fix="deploy compare A B --plot sweep.png")
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 - lazy: optional (the plot extra); only whether it imports
     except ImportError:
         raise UsageError("--plot needs matplotlib, which is not installed",
                          fix="pip install 'vllm-pve-deploy[plot]' (or pip install matplotlib)") from None
@@ -287,9 +286,9 @@ def check_plot(path: str) -> None:
 def plot(res: dict, path: str) -> str:
     """The sweep as a chart file (matplotlib, Agg: no display): tokens/s, TTFT and ITL p50/p99, acceptance length,
     each against concurrency, one line per playbook. Returns the path."""
-    import matplotlib
+    import matplotlib  # lazy: optional (the plot extra), ~0.5 s with pyplot
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # before pyplot is imported
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))

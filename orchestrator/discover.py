@@ -22,12 +22,18 @@ import json
 import os
 import re
 
+import click
+import yaml
+
 from .agent.container import files as _agent_files
 from .atomic import write_atomic
-from .errors import DeployError, UsageError
+from .errors import EXIT_FAILED, EXIT_OK, DeployError, SpecError, UsageError
 from .facts import NVML_MISMATCH, parse_pct_list
+from .locate import find_inventory
+from .remote import AuditLog, HostSession, run_parallel
+from .report import Progress, dump_json, strip_controls
+from .spec import DEFAULT_STATE_DIR, HostSpec, load_inventory
 
-from .spec import DEFAULT_STATE_DIR
 NVIDIA_MAJOR = 195
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 
@@ -369,8 +375,6 @@ def resolve_host(inv, target: str, *, user: str | None, identity_file: str | Non
                  accept_new: bool, name: str | None):
     """-> (HostSpec, host name in the inventory or None). An inventory host name uses its own settings and
     host key policy; an address not in the inventory refuses unknown host keys unless accept_new."""
-    from .spec import HostSpec
-
     if inv is not None and target in inv.hosts:
         return inv.hosts[target], target
     known = ", ".join(inv.hosts) if inv is not None and inv.hosts else "none"
@@ -399,8 +403,6 @@ def resolve_host(inv, target: str, *, user: str | None, identity_file: str | Non
 
 def discover(session, *, timeout: float = 60.0, progress=None) -> dict:
     """Read the host (read-only) -> {containers: [...], host_gpus, shared_gpus, warnings}."""
-    from .remote import run_parallel
-
     say = progress or (lambda msg: None)
     r = session.run(["pct", "list"], timeout=timeout, label="discover")
     if not r.ok:
@@ -493,8 +495,6 @@ def _flow(items) -> str:
 
 def _q(s: str) -> str:
     """A YAML scalar that stays a string (quoted only when needed)."""
-    import yaml
-
     return yaml.safe_dump(s, default_style=None).strip().removesuffix("\n...").removesuffix("...").strip()
 
 
@@ -542,8 +542,6 @@ def container_yaml(c: dict, indent: int) -> list[str]:
 def one_line(text: str) -> str:
     """A generated YAML line whose comment carries container-reported text (versions, error output): line breaks
     escaped (\\n), so that text cannot start a line of YAML of its own; other controls removed."""
-    from .report import strip_controls
-
     return strip_controls(str(text).replace("\r\n", "\\n").replace("\n", "\\n").replace("\r", "\\r")
                           .replace("\x85", "\\n").replace("\u2028", "\\n").replace("\u2029", "\\n"))
 
@@ -551,8 +549,6 @@ def one_line(text: str) -> str:
 def host_yaml(host: dict, found: dict, indent: int = 2) -> list[str]:
     """The start of one `hosts:` list item: the keys of `host` but `containers` (in its order: the user's keys
     are kept as written) and what discover saw on the host, as comments."""
-    import yaml
-
     p = " " * indent
     lines = []
     for k, v in host.items():
@@ -622,8 +618,6 @@ def merge_host(existing: dict | None, found: dict, new_host: dict) -> dict:
 
 
 def container_yaml_merged(c: dict, indent: int) -> list[str]:
-    import yaml
-
     lines = container_yaml(c if not c.get("runtime_kept") else {**c, "runtime": None}, indent)
     p = " " * indent
     extra = dict(c.get("user_keys") or {})
@@ -640,8 +634,6 @@ def container_yaml_merged(c: dict, indent: int) -> list[str]:
 def merge_text(text: str | None, host_name: str, found: dict, new_host: dict) -> str:
     """The inventory file's new text: only the discovered host's list item is rewritten (or appended);
     everything else in the file, comments included, stays byte for byte."""
-    import yaml
-
     if not text or not text.strip():
         return render_inventory(new_host, found)
     root = yaml.compose(text)
@@ -693,8 +685,6 @@ def _host_block(host: dict, found: dict, indent: int) -> list[str]:
     for c in found["containers"]:
         lines += container_yaml_merged(c, indent + 4)
     for c in host.get("containers") or []:
-        import yaml
-
         dumped = yaml.safe_dump([c], default_flow_style=None, sort_keys=False, width=1000).rstrip("\n").splitlines()
         lines.append(f"{p}    # vmid {c.get('vmid')} is not in pct list any more; kept as written")
         lines += [f"{p}    {dl}" for dl in dumped]
@@ -711,9 +701,6 @@ def unified_diff(old: str, new: str, path: str) -> str:
 def write_inventory(path: str, text: str) -> str | None:
     """Write text to path (validated first, atomically, read back); keep the old file as PATH.bak-<UTC time>.
     -> the backup's path (None when there was no file)."""
-    from .errors import SpecError
-    from .spec import load_inventory
-
     def valid(tmp: str) -> None:
         try:
             load_inventory(tmp)
@@ -739,14 +726,6 @@ __all__ = ["parse_target", "parse_pct_config", "container_gpus", "parse_probe", 
 def run_discover(obj, target: str, *, write: bool, yes: bool, accept_new: bool, identity_file: str | None,
                  known_hosts: str | None, user: str | None, name: str | None, timeout: float) -> int:
     """`deploy discover`: read the host, print YAML (or JSON), optionally merge into the inventory file."""
-    import click
-
-    from .errors import EXIT_FAILED, EXIT_OK, UsageError
-    from .locate import find_inventory
-    from .remote import AuditLog, HostSession
-    from .report import Progress, dump_json
-    from .spec import load_inventory
-
     inv_path = None
     try:
         inv_path = find_inventory(obj.inventory_path)

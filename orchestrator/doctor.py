@@ -17,12 +17,25 @@ Classes (docs/domain/field-report.md, "What happened"):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import threading
 import time
 
+import click
+
+from . import agent
+from . import gate as G
+from . import plumbing as PL
 from . import vllm_facts as vf
-from .facts import nvml_mismatch_fix
+from .agent.protocol import FileShaResult
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, Unreachable
+from .facts import nvml_mismatch_fix, parse_pct_config_gpus
+from .remote import Fleet, run_parallel
+from .report import dump_json
+from .spec import list_playbooks, load_playbook
+from .status import resolve_targets
 
 CRITICAL = ("dflash_config.target_layer_ids", "dflash_config.mask_token_id", "layer_types", "sliding_window",
             "use_sliding_window", "bos_token_id", "block_size", "num_target_layers")
@@ -32,8 +45,6 @@ MIN_DRAFTS = 20  # fewer lifetime drafts say nothing either way
 def low_acceptance_verdict(life, p: dict | None):
     """The acceptance gate (orchestrator/gate.py) on a server's lifetime counters, with the playbook's thresholds
     (its `acceptance` section; `min_acceptance` is its old rate threshold): the failed verdict, or None."""
-    from . import gate as G
-
     if life is None or not life.draft_tokens:
         return None
     k = len(life.per_position) or (round(life.draft_tokens / life.drafts) if life.drafts else 1)
@@ -338,8 +349,6 @@ def idle_drafter_checks(pinned: list[dict], host: str, vmid: int, file_sha) -> l
     """With no server running (issue 26): the drafter configs the playbooks that target this container name (a
     local directory; a hub id is resolved by `deploy verify`), each compared with its pinned bytes, and what a
     server started now would do with it. file_sha(path) -> the agent's file_sha result."""
-    from .agent.protocol import FileShaResult
-
     out, here = [], f"{host}/{vmid}"
     for p in pinned:
         if not p.get("path") or here not in str(p.get("target") or "").split(", "):
@@ -455,9 +464,6 @@ def _t(ts) -> str:
 
 def pinned_configs(inv) -> tuple[list[dict], dict]:
     """Every valid playbook's pinned drafter config, and {(host, vmid): playbook info} for the fix commands."""
-    from .errors import DeployError
-    from .spec import list_playbooks, load_playbook
-
     pinned, targets = [], {}
     for name in list_playbooks():
         try:
@@ -475,28 +481,17 @@ def pinned_configs(inv) -> tuple[list[dict], dict]:
             targets.setdefault((m.host, m.vmid), {**info, "target": f"{m.host}/{m.vmid}", "gpus": list(m.gpus),
                                                   "tp": int(m.serve.get("tensor_parallel_size") or 1)})
         if pb.drafter and pb.drafter_config is not None:
-            import hashlib
-
             pinned.append({**info, "path": pb.drafter.get("path"), "hub_id": pb.drafter.get("hub_id"),
                            "config": pb.drafter_config, "sha256": hashlib.sha256(pb.drafter_bytes).hexdigest()})
     return pinned, targets
 
 
 def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
-    import click
-
-    from . import agent
-    from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, Unreachable
-    from .remote import Fleet, run_parallel
-    from .report import dump_json
-    from .status import resolve_targets
-
     inv = obj.inventory()
     scope = resolve_targets(inv, targets)
     pinned, by_target = pinned_configs(inv)
     t0 = time.monotonic()
     hosts_read: dict = {}
-    import threading
     lock = threading.Lock()
 
     def host_info(host):
@@ -599,8 +594,6 @@ def plumbing_findings(session, ct_facts, host: str, vmid: int, target: dict | No
     """The gpu-plumbing check (orchestrator/plumbing.py) for doctor: the host side in one exec per container, the
     container side from the doctor action's own result. Without a playbook for the container, the GPUs it is
     given in pct config stand for the assigned ones. Findings in doctor's {class, cause, fix, evidence} form."""
-    from . import plumbing as PL
-
     if not isinstance(ct_facts, dict):  # an older agent: nothing to compare
         return []
     h = PL.read_host(session, vmid, label="doctor")
@@ -608,8 +601,6 @@ def plumbing_findings(session, ct_facts, host: str, vmid: int, target: dict | No
     host_facts = None if h.get("error") else h
     gpus = (target or {}).get("gpus")
     if gpus is None:
-        from .facts import parse_pct_config_gpus
-
         gpus = parse_pct_config_gpus("\n".join((host_facts or {}).get("config") or []))
         if not gpus:  # no playbook and no GPU passed in: a container without GPUs, nothing to check
             row["gpu_plumbing"] = None

@@ -16,6 +16,7 @@ import yaml
 
 from . import vllm_facts as vf
 from .atomic import write_atomic
+from .gate import playbook_thresholds
 
 JOB = "vllm-pve-deploy"
 # vLLM's metric names, as the queries spell them (the families: vllm_facts.py)
@@ -54,8 +55,6 @@ def duration(text: str) -> str:
 
 def gate_thresholds(pb) -> dict:
     """{min_al, min_first, k, cliff}: the acceptance gate's (orchestrator/gate.py), from the playbook."""
-    from .gate import playbook_thresholds
-
     th = playbook_thresholds(pb)
     return {"k": th.k, "min_al": round(float(th.min_al), 3), "min_first": float(th.min_first), "cliff": bool(th.cliff)}
 

@@ -17,6 +17,7 @@ import time
 from .atomic import write_atomic
 from .errors import EXIT_OK, EXIT_UNREACHABLE, DeployError, UsageError
 from .monitor import VPD_FOREIGN, VPD_GATED, VPD_OPERATION, VPD_RESTARTS, VPD_START_LIMIT
+from .status import gather
 
 TIMESTAMP = "vpd_status_timestamp_seconds"
 REACHABLE = "vpd_status_reachable"
@@ -57,7 +58,7 @@ def in_progress(lock, now: float) -> bool:
     """Does a live deploy operation hold the container's lock? Not when there is none, its lease expired
     (`expires`, the container's clock: a killed deploy's lapses within one term, 60 s), or its holder is a deploy
     process on this workstation that no longer exists (ops.holder_dead, as the next deploy judges it)."""
-    from .ops import holder_dead
+    from .ops import holder_dead  # lazy: start-up time, ~60 ms (ops' own imports), only for a row with a lock
 
     if not isinstance(lock, dict) or not lock:
         return False
@@ -133,6 +134,7 @@ def series(rows: list[dict], *, now: float | None = None, times: dict | None = N
 
 def render(families: list[dict]) -> str:
     """Prometheus text exposition (prometheus_client's own writer: escaping, HELP/TYPE, counter naming)."""
+    # lazy: ~50 ms, imported while the agents run (status.gather warms prometheus_client.parser)
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -157,7 +159,7 @@ def render(families: list[dict]) -> str:
 
 def parse(text: str) -> dict:
     """{metric family name: [(labels, value)]} by prometheus_client's parser; ValueError when it is not valid."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.parser import text_string_to_metric_families  # lazy: ~50 ms, warmed by status.gather
 
     out: dict = {}
     for f in text_string_to_metric_families(text):
@@ -209,8 +211,6 @@ def write_textfile(path: str, text: str) -> dict:
 
 def gather_rows(inv, targets, deadline: float) -> tuple[list[dict], dict]:
     """status.gather with the state files' GPUs kept; -> (rows, {host: time gathered})."""
-    from .status import gather
-
     rows = gather(inv, targets, deadline=deadline, keep_gpus=True)
     t = time.time()
     return rows, {r["host"]: t for r in rows}

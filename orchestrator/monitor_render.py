@@ -16,6 +16,7 @@ import os
 import re
 import time
 import urllib.error
+from datetime import datetime, timezone
 import urllib.parse
 import urllib.request
 
@@ -74,7 +75,7 @@ def check_out(path: str) -> str:
     if not os.path.isdir(d):
         raise UsageError(f"--out {path}: the directory {d} does not exist")
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 - lazy: optional (the plot extra); only whether it imports
     except ImportError:
         raise UsageError("deploy monitor render needs matplotlib, which is not installed",
                          fix="pip install 'vllm-pve-deploy[plot]' (or pip install matplotlib)") from None
@@ -194,7 +195,7 @@ def fetch(dash: dict, base: str, *, since: float, step: float | None, scrape: fl
 
 
 def _formatter(unit: str):
-    from matplotlib.ticker import EngFormatter, PercentFormatter, ScalarFormatter
+    from matplotlib.ticker import EngFormatter, PercentFormatter, ScalarFormatter  # lazy: optional, ~0.5 s
 
     if unit == "percentunit":
         return PercentFormatter(1.0, decimals=0)
@@ -208,12 +209,11 @@ def _formatter(unit: str):
 
 def draw(data: dict, title: str, out: str, *, subtitle: str = "") -> None:
     """The panels on Grafana's 24-column grid (gridPos; one grid row = 30 px there), one picture."""
-    import matplotlib
+    import matplotlib  # lazy: optional (the plot extra), ~0.5 s with pyplot
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # before pyplot is imported
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
-    from datetime import datetime, timezone
 
     panels = data["panels"]
     rows = max((int((p["gridPos"].get("y") or 0)) + int(p["gridPos"].get("h") or 8)) for p in panels)
@@ -266,7 +266,7 @@ def draw(data: dict, title: str, out: str, *, subtitle: str = "") -> None:
         shown = lines if len(lines) <= cap else lines[:cap - 1]
         labels = [ln.get_label() for ln in shown]
         if len(lines) > len(shown):
-            from matplotlib.lines import Line2D
+            from matplotlib.lines import Line2D  # lazy: optional (the plot extra)
             shown = shown + [Line2D([], [], linestyle="none")]
             labels.append(f"+{len(lines) - len(labels)} more series")
         ax.legend(shown, labels, loc="upper left", bbox_to_anchor=(0, -0.2 / (ax.get_position().height * fh)), ncol=3, fontsize=7.5, frameon=False,

@@ -4,6 +4,7 @@ the tool computes the deltas."""
 import json
 import re
 import socket
+import threading
 
 from .core import emit, now
 from .files import tail_file
@@ -185,8 +186,6 @@ def stream_timed(port, body, timeout, api_key=None, host="127.0.0.1"):
 def act_sweep(a):
     """`deploy compare --concurrency`: for each level, /metrics before, `level` clients sending the prompts
     (streamed, each request timed) until each has sent its share, /metrics after."""
-    import threading
-
     (port, api_key, host, deadline), failed = _target(a)
     if failed:
         return failed

@@ -5,6 +5,7 @@ its view of the replicas, the gate through it, a drained stop."""
 import base64
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -175,7 +176,6 @@ def _router_install(a):
         # ours (a venv under our state dir, named by version): remove what a failed install left
         if os.path.islink(venv) or not os.path.exists(os.path.join(venv, "pyvenv.cfg")):
             return {"ok": False, "message": "%s exists and is not a venv deploy made: not touching it" % venv}
-        import shutil
         shutil.rmtree(venv)
     base, vpy = a["python"], os.path.join(venv, "bin", "python")
     # as install_vllm does: a venv without pip, filled by the base Python's pip (--python, pip >= 22.3); else
