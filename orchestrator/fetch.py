@@ -21,13 +21,12 @@ import time
 
 from . import agent
 from . import plan as P
+from . import store as S
 from .agent.container.weights import MANIFEST_FORMAT, MANIFEST_NAME
 from .atomic import write_atomic
 from .errors import DeployError, StepFailed, Unreachable, UsageError
-from .steps import Outcome, check_container, new_context
-from .remote import Fleet
 from .follow import Every, Job, follow
-from .report import FOLLOW_LINE_MAX, Progress
+from .report import FOLLOW_LINE_MAX
 from .spec import Playbook
 
 FOLLOW_S = 60.0  # one attach call follows the runner this long; the next continues where it stopped
@@ -65,6 +64,15 @@ def tokens(pb: Playbook, its: list[dict]) -> dict:
     return out
 
 
+def refusal(pb: Playbook) -> UsageError | None:
+    """Why deploy fetch (and its plan) cannot run for PB, or None."""
+    if P.fetch_args(pb):
+        return None
+    return UsageError(f"{pb.name} names no source to fetch: model and speculative.drafter give only paths",
+                      where=pb.path, fix="add model.hub + model.revision (or source: {path: HOST_DIR}) to the "
+                                         "playbook (docs/playbooks.md#fetch)")
+
+
 class _Runner:
     """Agent calls for a fetch, each in a process of its own (the runner outlives them)."""
 
@@ -79,11 +87,14 @@ class _Runner:
                           secrets=secrets)
 
 
-def run(ctx, pb: Playbook, *, allow_start: bool = True, rehash: bool = False, timeout_s: float = P.FETCH_TIMEOUT_S,
-        step_name: str = "fetch", connections: int | None = None) -> dict:
-    """Probe; re-attach, report, start or do nothing; follow to the end. Returns {status, records, items}; raises
-    FetchFailed / ConnectionLost with what to do."""
-    its = P.fetch_args(pb)
+def run(ctx, pb: Playbook, step: P.Step) -> dict:
+    """The step fetch (plan.step_fetch: its items, and how to drive it): probe; re-attach, report, start or do
+    nothing; follow to the end. Returns {status, records, items}; raises FetchFailed / ConnectionLost with what to
+    do."""
+    its, d, step_name = step.args["items"], step.drive, step.name
+    allow_start, rehash, timeout_s = d.get("allow_start", True), d.get("rehash", False), d.get("timeout_s",
+                                                                                              P.FETCH_TIMEOUT_S)
+    transfer = d.get("transfer") or P.fetch_transfer(pb)
     secrets = tokens(pb, its)
     red = getattr(ctx.session.audit, "redact", None)
     for v in secrets.values():
@@ -92,12 +103,9 @@ def run(ctx, pb: Playbook, *, allow_start: bool = True, rehash: bool = False, ti
     t0 = time.monotonic()
     shared = [it for it in its if it.get("store")]
     if shared:  # once per host, into fetch.store; the container links to it (store.py)
-        from . import store as S
-
         its = [it for it in its if not it.get("store")]
         got = S.fetch_shared(ctx, pb, shared, secrets, allow_start=allow_start, rehash=rehash, timeout_s=timeout_s,
-                             transfer=P.fetch_transfer(pb, connections), step_name=step_name, follow=_follow,
-                             report=_report)
+                             transfer=transfer, step_name=step_name, follow=_follow, report=_report)
         if not its:
             ctx.record(step_name, True, got["summary"], t0, records=got["records"])
             return {"status": "fetched" if "nothing downloaded" not in got["summary"] else "already fetched",
@@ -144,7 +152,7 @@ def run(ctx, pb: Playbook, *, allow_start: bool = True, rehash: bool = False, ti
     t1 = time.monotonic()
     try:
         started = r.call({"op": "start", "state_dir": sd, "items": start_items, "timeout_s": timeout_s,
-                          "stall_s": STALL_S, **P.fetch_transfer(pb, connections)}, timeout=120,
+                          "stall_s": STALL_S, **transfer}, timeout=120,
                          secrets=secrets or None)
     except Unreachable as e:
         raise ConnectionLost(f"lost the connection while starting the fetch ({e.message}); it may have started in the "
@@ -260,30 +268,6 @@ def _when(at) -> str:
     if not at:
         return "at an unknown time"
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(at)))
-
-
-def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = False,
-          timeout_s: float = P.FETCH_TIMEOUT_S, connections: int | None = None) -> Outcome:
-    """deploy fetch PLAYBOOK: one target."""
-    ctx = new_context(fleet, pb, progress)
-    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
-    try:
-        if not P.fetch_args(pb):
-            raise UsageError(f"{pb.name} names no source to fetch: model and speculative.drafter give only paths",
-                             where=pb.path, fix="add model.hub + model.revision (or source: {path: HOST_DIR}) to the "
-                                                "playbook (docs/playbooks.md#fetch)")
-        for v in tokens(pb, P.fetch_args(pb)).values():
-            fleet.redact.add(v)
-        check_container(ctx, P.step_container(pb))
-        res = run(ctx, pb, rehash=rehash, timeout_s=timeout_s, connections=connections)
-        out.ok, out.status = True, res["status"]
-        out.info = {"records": res.get("records") or []}
-        return out
-    except DeployError as e:
-        if isinstance(e, UsageError):
-            raise
-        out.error = e
-        return out
 
 
 def records(ctx, pb: Playbook) -> dict:

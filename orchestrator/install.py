@@ -13,21 +13,19 @@ while nobody watched, or nothing to do), follow the runner with bounded `attach`
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
 from . import agent
 from . import plan as P
-from .errors import DeployError, Unreachable
-from .steps import Outcome, check_container, new_context
-from .remote import Fleet
+from .errors import DeployError, Unreachable, UsageError
+from .steps import Outcome
 from .follow import Every, Job, follow
-from .report import FOLLOW_LINE_MAX, Progress
-from .spec import VERSION_RE, Playbook
+from .report import FOLLOW_LINE_MAX
+from .plan import install_args as agent_args, install_requirement as requirement
+from .spec import Playbook
 
 FOLLOW_S = 120.0  # one attach call follows the runner this long; the next call continues where it stopped
-FALLBACK_PYTHON = "/usr/bin/python3"  # runs the agent when the runtime venv does not exist yet
 
 
 class InstallFailed(DeployError):
@@ -36,22 +34,6 @@ class InstallFailed(DeployError):
 
 class ConnectionLost(Unreachable):
     pass
-
-
-def requirement(spec: str) -> dict:
-    """requires.vllm -> what the installer is given: {req, label, version (exact, or None), kind}."""
-    if re.fullmatch(VERSION_RE, spec):
-        return {"req": f"vllm=={spec}", "label": spec, "version": spec, "kind": "release"}
-    if spec.startswith("git+"):
-        ref = spec.rsplit("@", 1)[1] if "@" in spec.split("://", 1)[-1].split("/", 1)[-1] else "default"
-        # the bare URL: pip and uv read the name from the source; `vllm @ git+file:///...` is refused by older pip
-        return {"req": spec, "label": "git-" + ref, "version": None, "kind": "git"}
-    name = os.path.basename(spec.split("?", 1)[0])
-    m = re.match(r"vllm-([^-]+)-", name)
-    label = m.group(1) if m else name
-    if spec.startswith(("http://", "https://")):
-        return {"req": spec, "label": label, "version": None, "kind": "wheel-url"}
-    return {"req": spec, "label": label, "version": None, "kind": "wheel-file"}
 
 
 STALE_BRANCHES = {"40898": ("PR #40898 (DFlash sliding-window support) was never merged: its goals landed in "
@@ -74,28 +56,15 @@ def stale_source_warning(spec: str) -> str | None:
     return None
 
 
-def check_args(pb: Playbook, version: str | None) -> dict:
-    req = pb.data["requires"]
-    return {"version": version, "method": pb.spec["method"], "vllm_min_version": req.get("vllm_min_version"),
-            "fixes": req.get("fixes") or [], "layer_types": (pb.drafter_config or {}).get("layer_types") or []}
-
-
-def agent_args(pb: Playbook, op: str, **kw) -> dict:
-    req = pb.data["requires"]
-    inst = req["install"]
-    args = {"op": op, "python": pb.runtime["python"], "vllm": pb.runtime["vllm"], "state_dir": pb.runtime["state_dir"],
-            "heartbeat_s": inst["heartbeat_s"]}
-    if req.get("vllm"):
-        r = requirement(req["vllm"])
-        args.update(spec=req["vllm"], req=r["req"], label=r["label"], installer=inst["installer"],
-                    base_python=inst.get("python"), index_url=inst.get("index_url"),
-                    find_links=inst.get("find_links") or [], no_index=inst["no_index"], timeout_s=inst["timeout_s"],
-                    hashes=inst.get("hashes") or [],
-                    check=check_args(pb, r["version"]))
-    else:
-        args["check"] = check_args(pb, None)
-    args.update(kw)
-    return args
+def refusal(pb: Playbook, option: str = "") -> UsageError | None:
+    """Why deploy install-vllm (and its plan, and up --install-vllm) cannot run for PB, or None."""
+    if pb.data["requires"].get("vllm"):
+        return None
+    return UsageError(f"{option + ': ' if option else ''}{pb.name} does not say which vLLM it needs (requires.vllm); "
+                      "nothing was run", where=pb.path,
+                      fix="add requires.vllm to the playbook: a version (\"0.34.0\"), git+https://github.com/ORG/vllm@"
+                          "BRANCH, a wheel URL or a wheel path in the container (deploy docs playbooks#requires); the "
+                          "shipped playbooks name none: copy one (deploy init) and add it")
 
 
 class _Runner:
@@ -125,81 +94,77 @@ class _Runner:
             return agent.call(ctx.session, self.pb.vmid, self.python, "install_vllm", args, timeout=timeout,
                               on_event=on_event)
         except agent.AgentError as e:
-            if self.python == FALLBACK_PYTHON or not e.message.startswith("cannot run"):
+            if self.python == P.INSTALL_FALLBACK_PYTHON or not e.message.startswith("cannot run"):
                 raise
-            ctx.progress.detail(ctx.where, f"{self.python} is not there: the agent runs with {FALLBACK_PYTHON}")
-            self.python = FALLBACK_PYTHON
+            ctx.progress.detail(ctx.where, f"{self.python} is not there: the agent runs with {P.INSTALL_FALLBACK_PYTHON}")
+            self.python = P.INSTALL_FALLBACK_PYTHON
             return agent.call(ctx.session, self.pb.vmid, self.python, "install_vllm", args, timeout=timeout,
                               on_event=on_event)
 
 
-def install(fleet: Fleet, pb: Playbook, progress: Progress, *, yes: bool = False, confirm=None,
-            force: bool = False, rollback: bool = False) -> Outcome:
-    ctx = new_context(fleet, pb, progress)
-    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
-    try:
-        check_container(ctx, P.step_container(pb))
-        run = _Runner(ctx, pb)
+def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, confirm=None) -> Outcome:
+    """The step install-vllm (plan.step_install; force / rollback in its drive): probe, then start, re-attach,
+    report one that ended unwatched, or nothing to do; follow; report into `out` (a failed install: out.error)."""
+    force, rollback = bool(step.drive.get("force")), bool(step.drive.get("rollback"))
+    progress = ctx.progress
+    run = _Runner(ctx, pb)
+    t0 = time.monotonic()
+    probe = run.call(dict(step.args), timeout=60)  # the planned request
+    if not probe.get("ok"):
+        ctx.fail("probe", t0, probe.get("message", "probe failed"), fix=probe.get("fix", ""))
+    rt, ist, serving = probe["runtime"], probe.get("install") or {}, probe.get("serving")
+    ctx.record("probe", True, _describe_runtime(rt) + (f"; {serving['playbook']} is serving (pid {serving['pid']})"
+                                                      if serving else "; nothing of ours is serving"), t0,
+               runtime=rt, serving=serving, install=ist or None, pointer=probe.get("pointer"))
+    if rollback:
+        return _rollback(ctx, run, pb, out, serving, yes, confirm)
+    want = requirement(pb.data["requires"]["vllm"])
+    stale = stale_source_warning(pb.data["requires"]["vllm"])
+    if stale:
+        ctx.record("requires", None, "warning: " + stale, time.monotonic())
+    final = ist.get("status") in ("ok", "failed", "timeout", "killed")
+    if ist.get("status") == "running":
+        progress.say(ctx.where, f"an install is in progress (started {_ago(ist)} ago, pid {ist.get('pid')}, "
+                                f"{ist.get('spec')}, phase {ist.get('phase')}): re-attaching")
+        res = _follow(ctx, run, pb, ist)
+    elif final and not ist.get("reported") and ist.get("req") == want["req"]:
+        progress.say(ctx.where, f"the install of {ist.get('spec')} started {_ago(ist)} ago ended while nobody "
+                                "was attached: its result")
+        res = _follow(ctx, run, pb, ist)
+    else:
+        cur = (probe.get("pointer") or {}).get("current")
+        if (not force and ist.get("status") == "ok" and ist.get("req") == want["req"] and cur
+                and rt.get("target") == cur and (ist.get("switched") or {}).get("to") == cur):
+            ctx.record("install", True, f"already installed: {pb.data['requires']['vllm']} (vLLM "
+                                        f"{ist.get('version')}) in {rt.get('real')}, verified "
+                                        f"{_when(ist.get('finished_at'))}; nothing changed", time.monotonic())
+            out.ok, out.status = True, "already installed"
+            out.info = _info(rt, ist)
+            return out
+        if serving and not yes:
+            q = (f"{serving['playbook']} is serving from {rt['venv_root']} (pid {serving['pid']}). The new vLLM "
+                 f"goes into a new venv and {rt['venv_root']} is switched to it after verification; the serving "
+                 f"process is not touched, and the next `deploy up`/`restart` uses the new build. Proceed?")
+            if not (confirm and confirm(q)):
+                out.status = "declined"
+                raise InstallFailed(f"{serving['playbook']} is serving on {ctx.where} (pid {serving['pid']}); "
+                                    "nothing was installed", where=ctx.where,
+                                    fix=f"deploy install-vllm {pb.name} -y (the serving process is not touched)")
         t0 = time.monotonic()
-        probe = run.call(agent_args(pb, "probe"), timeout=60)
-        if not probe.get("ok"):
-            ctx.fail("probe", t0, probe.get("message", "probe failed"), fix=probe.get("fix", ""))
-        rt, ist, serving = probe["runtime"], probe.get("install") or {}, probe.get("serving")
-        ctx.record("probe", True, _describe_runtime(rt) + (f"; {serving['playbook']} is serving (pid {serving['pid']})"
-                                                          if serving else "; nothing of ours is serving"), t0,
-                   runtime=rt, serving=serving, install=ist or None, pointer=probe.get("pointer"))
-        if rollback:
-            return _rollback(ctx, run, pb, out, serving, yes, confirm)
-        want = requirement(pb.data["requires"]["vllm"])
-        stale = stale_source_warning(pb.data["requires"]["vllm"])
-        if stale:
-            ctx.record("requires", None, "warning: " + stale, time.monotonic())
-        final = ist.get("status") in ("ok", "failed", "timeout", "killed")
-        if ist.get("status") == "running":
-            progress.say(ctx.where, f"an install is in progress (started {_ago(ist)} ago, pid {ist.get('pid')}, "
-                                    f"{ist.get('spec')}, phase {ist.get('phase')}): re-attaching")
-            res = _follow(ctx, run, pb, ist)
-        elif final and not ist.get("reported") and ist.get("req") == want["req"]:
-            progress.say(ctx.where, f"the install of {ist.get('spec')} started {_ago(ist)} ago ended while nobody "
-                                    "was attached: its result")
-            res = _follow(ctx, run, pb, ist)
+        started = run.call(agent_args(pb, "start", follow_s=0), timeout=120)
+        if not started.get("ok"):
+            ctx.fail("install", t0, started.get("message", "the install did not start"),
+                     fix=started.get("fix", ""))
+        if not started.get("started"):
+            ist = started.get("install") or {}
+            progress.say(ctx.where, f"another install is in progress (pid {ist.get('pid')}, {ist.get('spec')}): "
+                                    "re-attaching to it")
         else:
-            cur = (probe.get("pointer") or {}).get("current")
-            if (not force and ist.get("status") == "ok" and ist.get("req") == want["req"] and cur
-                    and rt.get("target") == cur and (ist.get("switched") or {}).get("to") == cur):
-                ctx.record("install", True, f"already installed: {pb.data['requires']['vllm']} (vLLM "
-                                            f"{ist.get('version')}) in {rt.get('real')}, verified "
-                                            f"{_when(ist.get('finished_at'))}; nothing changed", time.monotonic())
-                out.ok, out.status = True, "already installed"
-                out.info = _info(rt, ist)
-                return out
-            if serving and not yes:
-                q = (f"{serving['playbook']} is serving from {rt['venv_root']} (pid {serving['pid']}). The new vLLM "
-                     f"goes into a new venv and {rt['venv_root']} is switched to it after verification; the serving "
-                     f"process is not touched, and the next `deploy up`/`restart` uses the new build. Proceed?")
-                if not (confirm and confirm(q)):
-                    out.status = "declined"
-                    raise InstallFailed(f"{serving['playbook']} is serving on {ctx.where} (pid {serving['pid']}); "
-                                        "nothing was installed", where=ctx.where,
-                                        fix=f"deploy install-vllm {pb.name} -y (the serving process is not touched)")
-            t0 = time.monotonic()
-            started = run.call(agent_args(pb, "start", follow_s=0), timeout=120)
-            if not started.get("ok"):
-                ctx.fail("install", t0, started.get("message", "the install did not start"),
-                         fix=started.get("fix", ""))
-            if not started.get("started"):
-                ist = started.get("install") or {}
-                progress.say(ctx.where, f"another install is in progress (pid {ist.get('pid')}, {ist.get('spec')}): "
-                                        "re-attaching to it")
-            else:
-                progress.say(ctx.where, f"install started with {started['installer']} (runner pid {started['pid']}, "
-                                        f"detached): {want['req']} into {started['stage']}; log {started['log']}")
-                ist = {"id": started["id"], "pid": started["pid"], "log": started["log"], "spec": want["req"]}
-            res = _follow(ctx, run, pb, ist)
-        return _report(ctx, pb, out, res)
-    except DeployError as e:
-        out.error = e
-        return out
+            progress.say(ctx.where, f"install started with {started['installer']} (runner pid {started['pid']}, "
+                                    f"detached): {want['req']} into {started['stage']}; log {started['log']}")
+            ist = {"id": started["id"], "pid": started["pid"], "log": started["log"], "spec": want["req"]}
+        res = _follow(ctx, run, pb, ist)
+    return _report(ctx, pb, out, res)
 
 
 def _follow(ctx, run: _Runner, pb: Playbook, ist: dict) -> dict:

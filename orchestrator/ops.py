@@ -19,6 +19,8 @@ from .report import Progress, sha
 from .spec import Playbook
 from .steps import (Context, Outcome, StepResult, check_container, holder_id, new_context,  # noqa: F401 (re-exported)
                     secrets_for)
+from . import fetch as F
+from . import install as I
 from .steps import drafter as D
 from .steps import gpu as G
 from .steps import vllm as V
@@ -200,7 +202,9 @@ class Run:
     launch_result: dict | None = None  # LaunchResult: the supervisor (systemd unit or none)
     stop_report: dict | None = None
     free: dict | None = None
+    fetched: dict | None = None  # what the step fetch found or fetched: {status, records, items}
     error: DeployError | None = None
+    guarded: bool = False  # the plan takes the container lock: a failure says what state it left
 
 
 def execute(run: Run, steps: list[P.Step]) -> Outcome:
@@ -210,6 +214,7 @@ def execute(run: Run, steps: list[P.Step]) -> Outcome:
     ctx, st = run.ctx, run.st
     phase = lambda name: [s for s in steps if s.phase == name]  # noqa: E731
     st.can_fall_back = bool(phase("on-low-acceptance"))
+    run.guarded = any(s.name == "lock" for s in steps)
     try:
         try:
             for step in phase("main"):
@@ -261,7 +266,8 @@ def _finish_failure(run: Run) -> None:
     if st.launched and isinstance(e, Unreachable):
         e.fix = (e.fix + "; " if e.fix else "") + ("vLLM was launched and is recorded in the state file in "
                                                    "the container: deploy status shows it, deploy down stops it")
-    if isinstance(e, StepFailed) and not e.state_left and not isinstance(e, LockHeld) and not st.unreachable:
+    if isinstance(e, StepFailed) and not e.state_left and not isinstance(e, LockHeld) and not st.unreachable \
+            and run.guarded:
         e.state_left = state_left_text(run)
 
 
@@ -269,7 +275,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart
        token: str | None = None) -> Outcome:
     ctx = new_context(fleet, pb, progress, token)
     steps = P.plan_up(pb, write_config=opts.write_config, clean_gpus=opts.clean_gpus, restart=restart,
-                      ask=opts.ask_before_kill(pb))
+                      ask=opts.ask_before_kill(pb), fetch=opts.fetch)
     run = Run(ctx, fleet, opts, Outcome(False, pb.name, ctx.where, "failed", ctx.results),
               P.RunState(restart=restart), time.monotonic())
     return execute(run, steps)
@@ -342,9 +348,13 @@ def r_current(run: Run, step: P.Step) -> None:
 
 
 def r_fetch(run: Run, step: P.Step) -> None:
-    from . import fetch as F
+    run.fetched = F.run(run.ctx, run.ctx.pb, step)
 
-    F.run(run.ctx, run.ctx.pb, allow_start=run.opts.fetch)
+
+def r_install(run: Run, step: P.Step) -> None:
+    I.run(run.ctx, run.ctx.pb, step, run.out, yes=run.opts.yes, confirm=run.opts.confirm)
+    if run.out.error is not None:  # the install ran and failed (its record and log are in the outcome)
+        raise run.out.error
 
 
 def r_write_config(run: Run, step: P.Step) -> None:
@@ -544,7 +554,7 @@ def r_clear_failure(run: Run, step: P.Step) -> None:
         pass
 
 
-RUNNERS = {"container": r_container, "lock": r_lock, "current": r_current, "fetch": r_fetch,
+RUNNERS = {"container": r_container, "lock": r_lock, "current": r_current, "fetch": r_fetch, "install-vllm": r_install,
            "drafter-config": r_write_config,
            "verify": r_verify, "gpu-plumbing": r_plumbing, "stop": r_stop, "gpus-free": r_gpus_free, "port-free": r_port, "launch": r_launch,
            "wait-ready": r_wait, "aux-layers": r_aux_layers, "drift": r_drift, "acceptance": r_acceptance,
@@ -655,6 +665,33 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
     return run.out
 
 
+def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = False,
+          timeout_s: float = P.FETCH_TIMEOUT_S, connections: int | None = None) -> Outcome:
+    """deploy fetch PLAYBOOK (one target): plan.plan_fetch, run by the executor."""
+    refused = F.refusal(pb)
+    if refused:
+        raise refused
+    for v in F.tokens(pb, P.fetch_args(pb)).values():  # an unset variable stops here, before any connection
+        fleet.redact.add(v)
+    ctx = new_context(fleet, pb, progress)
+    run = Run(ctx, fleet, Options(), Outcome(False, pb.name, ctx.where, "failed", ctx.results), P.RunState(),
+              time.monotonic())
+    execute(run, P.plan_fetch(pb, rehash=rehash, connections=connections, timeout_s=timeout_s))
+    if run.error is None:
+        run.out.ok, run.out.status = True, run.fetched["status"]
+        run.out.info = {"records": run.fetched.get("records") or []}
+    return run.out
+
+
+def install_vllm(fleet: Fleet, pb: Playbook, progress: Progress, *, yes: bool = False, confirm=None,
+                 force: bool = False, rollback: bool = False) -> Outcome:
+    """deploy install-vllm PLAYBOOK (one target): plan.plan_install, run by the executor."""
+    ctx = new_context(fleet, pb, progress)
+    run = Run(ctx, fleet, Options(yes=yes, confirm=confirm), Outcome(False, pb.name, ctx.where, "failed", ctx.results),
+              P.RunState(), time.monotonic())
+    return execute(run, P.plan_install(pb, force=force, rollback=rollback))
+
+
 def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome, VerifyResult]:
     ctx = new_context(fleet, pb, progress)
     out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
@@ -672,8 +709,6 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
         from .spec import fetch_items
 
         if fetch_items(pb):  # weights fetched by deploy fetch: the revision in place (from its record)
-            from . import fetch as F
-
             out.info["revisions"] = F.records(ctx, pb)
         refuse = bool(fits) and fits["level"] == "refuse"
         out.ok = not r.failed and not found and not refuse

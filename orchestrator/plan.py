@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from . import plumbing as PL
 from .agent import agent_argv
 from .agent.container.protocol import SMI_MEMORY_ARGS
 from .remote import pct_exec_argv, shell_join
-from .spec import Inventory, Playbook, fetch_items
+from .spec import VERSION_RE, Inventory, Playbook, fetch_items
 
 
 # Run-time values the plan cannot know; Context.call fills them in (they are not secret).
@@ -122,6 +123,7 @@ class Step:
     playbook: str = ""  # whose step (a fallback's steps name the fallback playbook)
     local: bool = False  # runs on this workstation only (checks a result already read)
     judge: dict = field(default_factory=dict)  # what the workstation judges the answer with (never sent)
+    drive: dict = field(default_factory=dict)  # how the workstation drives a step of several calls (never sent)
 
     def remote_argv(self, python: str) -> list[str]:
         """The argv on the Proxmox host (before SSH quoting)."""
@@ -596,13 +598,14 @@ def _fetch_describe(it: dict) -> str:
     return f"{it['role']} {src} -> {where}"
 
 
-def step_fetch(pb: Playbook, *, allow: bool = True) -> Step:
-    """The planned step of `up` (and what `deploy plan` shows)."""
+def step_fetch(pb: Playbook, *, allow: bool = True, rehash: bool = False, connections: int | None = None,
+               timeout_s: float = FETCH_TIMEOUT_S) -> Step:
+    """The step `fetch` of `up` and of `deploy fetch` (fetch.run drives it: probe, start or re-attach, follow)."""
     its = fetch_args(pb)
     runs = []
     for it in its:
         if it.get("store"):
-            tr = fetch_transfer(pb)
+            tr = fetch_transfer(pb, connections)
             runs.append(f"on {pb.host} (python3 - fetch; only what the store lacks; its lock: one download per host): "
                         f"GET {it['endpoint']}/{it['hub']}/resolve/COMMIT/FILE over up to {tr['connections']} "
                         f"connections -> {it['store']}/hub/models--{it['hub'].replace('/', '--')}/; verify sha256 / "
@@ -618,7 +621,7 @@ def step_fetch(pb: Playbook, *, allow: bool = True) -> Step:
             runs.append(f"GET {it['endpoint']}/api/models/{it['hub']}/revision/{it['revision']}?blobs=true   # the "
                         "commit and every file's size and hash" + (f" (token from ${it['token_env']}, on stdin)"
                                                                    if it.get("token_env") else ""))
-            tr = fetch_transfer(pb)
+            tr = fetch_transfer(pb, connections)
             runs.append(f"GET {it['endpoint']}/{it['hub']}/resolve/COMMIT/FILE over up to {tr['connections']} "
                         f"connections (files > {tr['range_bytes'] >> 20} MiB in {tr['range_bytes'] >> 20} MiB "
                         "ranges: Range: bytes=A-B, each resumable) -> "
@@ -627,16 +630,116 @@ def step_fetch(pb: Playbook, *, allow: bool = True) -> Step:
     return Step("fetch", ("fetch what is missing, detached, verified against the hub's record: " if allow else
                             "check that the weights are in place and verified (--no-fetch: refuse when not): ")
                   + "; ".join(_fetch_describe(it) for it in its), action="fetch",
-                  args={"op": "probe", "state_dir": pb.runtime["state_dir"], "items": its},
-                  timeout=FETCH_TIMEOUT_S + 600 if allow else 60, runs=runs, host=pb.host, vmid=pb.vmid,
-                  playbook=pb.name)
+                  args={"op": "probe", "state_dir": pb.runtime["state_dir"], "items": its, "rehash": rehash},
+                  timeout=timeout_s + 600 if allow else 60, runs=runs + (
+                      ["every file in place re-hashed (sha256 / git blob id), not trusted from its record"]
+                      if rehash else []), host=pb.host, vmid=pb.vmid, playbook=pb.name,
+                  drive={"allow_start": allow, "rehash": rehash, "timeout_s": timeout_s,
+                         "transfer": fetch_transfer(pb, connections)})
 
 
-def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, restart: bool = False) -> list[Step]:
+def plan_fetch(pb: Playbook, *, rehash: bool = False, connections: int | None = None,
+               timeout_s: float = FETCH_TIMEOUT_S) -> list[Step]:
+    """`deploy fetch`: the container runs, then the step fetch (no lock: the fetch runner takes its own, one
+    download per destination; a second deploy follows the running one)."""
+    return [step_container(pb), step_fetch(pb, rehash=rehash, connections=connections, timeout_s=timeout_s)]
+
+
+# ------------------------------------------------------------------ install-vllm: `deploy install-vllm`
+
+
+INSTALL_FALLBACK_PYTHON = "/usr/bin/python3"  # runs the agent when the runtime venv does not exist yet
+
+
+def install_requirement(spec: str) -> dict:
+    """requires.vllm -> what the installer is given: {req, label, version (exact, or None), kind}."""
+    if re.fullmatch(VERSION_RE, spec):
+        return {"req": f"vllm=={spec}", "label": spec, "version": spec, "kind": "release"}
+    if spec.startswith("git+"):
+        ref = spec.rsplit("@", 1)[1] if "@" in spec.split("://", 1)[-1].split("/", 1)[-1] else "default"
+        # the bare URL: pip and uv read the name from the source; `vllm @ git+file:///...` is refused by older pip
+        return {"req": spec, "label": "git-" + ref, "version": None, "kind": "git"}
+    name = os.path.basename(spec.split("?", 1)[0])
+    m = re.match(r"vllm-([^-]+)-", name)
+    label = m.group(1) if m else name
+    if spec.startswith(("http://", "https://")):
+        return {"req": spec, "label": label, "version": None, "kind": "wheel-url"}
+    return {"req": spec, "label": label, "version": None, "kind": "wheel-file"}
+
+
+def _install_check_args(pb: Playbook, version: str | None) -> dict:
+    req = pb.data["requires"]
+    return {"version": version, "method": pb.spec["method"], "vllm_min_version": req.get("vllm_min_version"),
+            "fixes": req.get("fixes") or [], "layer_types": (pb.drafter_config or {}).get("layer_types") or []}
+
+
+def install_args(pb: Playbook, op: str, **kw) -> dict:
+    """The request of agent action install_vllm (OP: probe, start, attach, rollback) for PB."""
+    req = pb.data["requires"]
+    inst = req["install"]
+    args = {"op": op, "python": pb.runtime["python"], "vllm": pb.runtime["vllm"], "state_dir": pb.runtime["state_dir"],
+            "heartbeat_s": inst["heartbeat_s"]}
+    if req.get("vllm"):
+        r = install_requirement(req["vllm"])
+        args.update(spec=req["vllm"], req=r["req"], label=r["label"], installer=inst["installer"],
+                    base_python=inst.get("python"), index_url=inst.get("index_url"),
+                    find_links=inst.get("find_links") or [], no_index=inst["no_index"], timeout_s=inst["timeout_s"],
+                    hashes=inst.get("hashes") or [],
+                    check=_install_check_args(pb, r["version"]))
+    else:
+        args["check"] = _install_check_args(pb, None)
+    args.update(kw)
+    return args
+
+
+def step_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -> Step:
+    """The step `install-vllm` (install.run drives it: probe, then start / re-attach / report / nothing to do, then
+    follow; or the rollback)."""
+    req, rt = pb.data["requires"], pb.runtime
+    inst = req["install"]
+    py = inst.get("python") or rt["python"]
+    venv = os.path.dirname(os.path.dirname(rt["python"]))
+    if rollback:
+        return Step("install-vllm", f"switch the runtime {venv} back to the venv it had before the last switch, then "
+                                    "verify the serving stack there", action="install_vllm",
+                    args=install_args(pb, "probe"), timeout=360,
+                    runs=[f"readlink {venv}; cat {_state(pb, 'runtime.json')}   # the previous venv",
+                          f"ln -sfn PREVIOUS {venv}.NEW; mv -T {venv}.NEW {venv}   # one rename",
+                          f"{rt['python']} -c 'import vllm' ...   # the stack checks of verify"],
+                    drive={"rollback": True, "force": force}, **_common(pb))
+    spec = req.get("vllm") or "?"
+    runner = "uv pip install (uv venv) when the container has uv, else python -m venv + pip"
+    return Step("install-vllm", f"install {spec} into a fresh venv beside {venv} ({venv}.versions/), detached, "
+                                f"verify it there, then switch {venv} to it (one rename); the previous venv stays",
+                action="install_vllm", args=install_args(pb, "probe"),
+                timeout=float(inst["timeout_s"]) + 1100,
+                runs=[f"pct exec {pb.vmid} -- {py} - install_vllm probe   # runtime link, a running or finished install, "
+                      "what serves (falls back to " + INSTALL_FALLBACK_PYTHON + " while the venv does not exist)",
+                      f"{runner}: {spec} -> {venv}.versions/LABEL-ID   # detached runner, log "
+                      f"{_state(pb, 'install-ID.log')}, limit requires.install.timeout_s = {inst['timeout_s']:g} s"
+                      + (f", --index-url {inst['index_url']}" if inst.get("index_url") else "")
+                      + (" --require-hashes" if inst.get("hashes") else ""),
+                      f"{venv}.versions/LABEL-ID/bin/python -c 'import vllm; import vllm._C'; check the fix markers, "
+                      "every file against the distribution's RECORD",
+                      f"ln -sfn {venv}.versions/LABEL-ID {venv}.NEW; mv -T {venv}.NEW {venv}   # only when verified",
+                      "a serving vLLM is not touched (asked first; -y): the next up/restart starts the new build"]
+                + ([] if not force else ["--force: installed again even when requires.vllm is the verified "
+                                         "runtime already"]),
+                drive={"rollback": False, "force": force}, **_common(pb))
+
+
+def plan_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -> list[Step]:
+    """`deploy install-vllm`: the container runs, then the step install-vllm (the install runner takes its own
+    lock; nothing that serves is stopped)."""
+    return [step_container(pb), step_install(pb, force=force, rollback=rollback)]
+
+
+def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, restart: bool = False,
+               fetch: bool = True) -> list[Step]:
     """current .. acceptance: what brings one playbook up once the container is known and locked."""
     steps = [step_current(pb)]
     if fetch_items(pb):  # weights from the hub or a host directory: fetched (verified) before anything else
-        steps.append(step_fetch(pb))
+        steps.append(step_fetch(pb, allow=fetch))
     if pb.drafter and write_config and drafter_config_path(pb):
         steps.append(step_write_config(pb))
     steps.append(step_verify(pb))
@@ -676,10 +779,11 @@ def failure_steps(pb: Playbook) -> list[Step]:
 
 
 def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None = None,
-            restart: bool = False, ask: bool = False) -> list[Step]:
-    """ask: with fuser -k planned, list the GPU holders deploy did not start and ask first (no -y)."""
+            restart: bool = False, ask: bool = False, fetch: bool = True) -> list[Step]:
+    """ask: with fuser -k planned, list the GPU holders deploy did not start and ask first (no -y). fetch=False (up
+    --no-fetch): the step fetch only checks that the weights are in place."""
     clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
-    steps = main_steps(pb, write_config=write_config, clean=clean, restart=restart)
+    steps = main_steps(pb, write_config=write_config, clean=clean, restart=restart, fetch=fetch)
     if clean and ask:
         i = next(k for k, s in enumerate(steps) if s.name == "stop")
         steps.insert(i, step_holders(pb, when=steps[i].when))
@@ -687,7 +791,8 @@ def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None 
     low = []
     if fb is not None:
         # never fuser here: the operator asked for a deployment, not for killing GPU holders
-        sub = main_steps(fb, write_config=write_config, clean=False) + gate_running_steps(fb) + failure_steps(fb)
+        sub = main_steps(fb, write_config=write_config, clean=False, fetch=fetch) + gate_running_steps(fb) + \
+            failure_steps(fb)
         low = [step_stop(pb, False, when=low_acceptance, name="stop-low", phase="on-low-acceptance"),
                Step("fallback", f"bring up {fb.name} under the same lock (its steps below; its own failure steps "
                                 f"run if one fails)", host=pb.host, vmid=pb.vmid, playbook=pb.name, local=True,

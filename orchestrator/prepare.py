@@ -683,8 +683,7 @@ class Prepare:
         """For each playbook that targets the container: its runtime venv when missing, install-vllm when it names
         requires.vllm, fetch when it names a source; each through the command's own code path, in order; the
         first failure stops the rest (named, with its fix)."""
-        from .fetch import fetch
-        from .install import install
+        from .ops import fetch, install_vllm as install
         from .report import Progress
 
         progress = self.progress or Progress(quiet=True)

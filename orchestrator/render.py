@@ -99,9 +99,11 @@ def render_plan(as_json, inv, pb, steps, emit=True):
             click.echo(f"\n{PHASE_TITLES.get(phase, phase)}:")
         n += 1
         _render_step(r, f"{n:2}.", py)
-    click.echo(f"\n{n} steps. The lock heartbeat runs beside them as its own command: `{rows[1]['command']}` with "
-               "renew=true. `deploy -v up` prints each step's commands as it runs them; --json gives this plan "
-               "for review tools.")
+    lock = next((r for r in rows if r["step"] == "lock"), None)
+    click.echo(f"\n{n} steps. " + (f"The lock heartbeat runs beside them as its own command: `{lock['command']}` with "
+                                   "renew=true. " if lock else "No container lock: the detached runner takes its own "
+                                   "(one at a time; a second deploy re-attaches). ")
+               + "`deploy -v` prints each step's commands as it runs them; --json gives this plan for review tools.")
 
 
 def shared_gpu_warnings(inv, pb) -> list[str]:

@@ -16,30 +16,48 @@ from .base import (CONTEXT, _confirm, _fleet_exit, _outcome_exit, _outcomes_exit
 # ------------------------------------------------------------------ plan
 
 
+PLANNED = ("up", "restart", "down", "fetch", "install-vllm", "apply-config")
+
+
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("playbook", shell_complete=complete_playbooks)
-@click.option("--restart", is_flag=True, help="Plan a restart (always stops first).")
+@click.option("--op", "op", type=click.Choice(PLANNED), default="up", show_default=True,
+              help="Which command's plan: every one of them runs its plan through the same executor.")
+@click.option("--restart", is_flag=True, help="Plan a restart (always stops first); the same as --op restart.")
 @click.option("--clean-gpus", is_flag=True, default=None, help="Include fuser -k on the container's GPUs.")
 @json_option
 @click.pass_obj
-def plan(obj, playbook, restart, clean_gpus):
-    """Print the ordered steps of `deploy up PLAYBOOK` and the exact remote commands, without running any.
+def plan(obj, playbook, op, restart, clean_gpus):
+    """Print the ordered steps of `deploy up PLAYBOOK` (or of --op fetch, install-vllm, down, restart,
+    apply-config) and the exact remote commands, without running any.
 
     \b
-    Example:
+    Examples:
       deploy plan qwen36-dflash
+      deploy plan qwen36-dflash --op install-vllm
+      deploy plan qwen36-dflash --op down
       deploy --json plan qwen36-mtp | jq '.steps[].command'
     """
     def go():
+        from .. import fetch as F
+        from .. import install as I
         from .. import plan as P
-
-        inv, pb = load(obj, playbook)
-        from ..ops import Options
+        from ..ops import Options, apply_config_refusal
         from ..sizing import refuse_if_certain
 
-        refuse_if_certain(pb)
-        render_plans(obj.json, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=restart,
-                                                       ask=Options(clean_gpus=clean_gpus).ask_before_kill(m)))
+        inv, pb = load(obj, playbook)
+        kind = "restart" if restart else op
+        if kind in ("up", "restart"):
+            refuse_if_certain(pb)
+        refusal = {"fetch": F.refusal, "install-vllm": I.refusal, "apply-config": apply_config_refusal}.get(kind)
+        if refusal and refusal(pb):
+            raise refusal(pb)
+        ask = lambda m: Options(clean_gpus=clean_gpus).ask_before_kill(m)  # noqa: E731
+        plans = {"up": lambda m: P.plan_up(m, clean_gpus=clean_gpus, ask=ask(m)),
+                 "restart": lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=True, ask=ask(m)),
+                 "down": lambda m: P.plan_down(m, clean_gpus=clean_gpus, ask=ask(m)),
+                 "fetch": P.plan_fetch, "install-vllm": P.plan_install, "apply-config": P.plan_apply_config}
+        render_plans(obj.json, inv, pb, plans[kind])
     run_guarded(go, obj)
 
 
@@ -200,11 +218,12 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
         if dry_run:
             return render_plans(obj.json, inv, pb, lambda m: P.plan_up(
                 m, write_config=not skip_config_write, clean_gpus=clean_gpus,
-                ask=ops.Options(clean_gpus=clean_gpus, yes=yes).ask_before_kill(m)))
-        if install_first and not pb.data["requires"].get("vllm"):
-            raise UsageError(f"--install-vllm: {pb.name} does not say which vLLM it needs (requires.vllm); "
-                             "nothing was run",
-                             where=pb.path, fix="add requires.vllm to the playbook (deploy docs playbooks#requires)")
+                ask=ops.Options(clean_gpus=clean_gpus, yes=yes).ask_before_kill(m), fetch=not no_fetch))
+        if install_first:
+            from ..install import refusal
+
+            if refusal(pb, "--install-vllm"):
+                raise refusal(pb, "--install-vllm")
         if install_first and pb.is_fleet:
             raise UsageError(f"--install-vllm: {pb.name} has targets; up --install-vllm takes a one-target playbook",
                              where=pb.path, fix=f"deploy install-vllm {pb.name} (each target in turn), then "
@@ -223,9 +242,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
             _fleet_exit(obj, res)
         with Fleet(inv) as fleet:
             if install_first:
-                from ..install import install
-
-                out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm)
+                out = ops.install_vllm(fleet, pb, obj.progress(), yes=yes, confirm=_confirm)
                 if not out.ok:
                     _outcome_exit(obj, out)
             out = ops.up(fleet, pb, obj.progress(), opts)

@@ -8,6 +8,7 @@ import sys
 import click
 
 from ..errors import EXIT_CODES_HELP, EXIT_OK, UsageError
+from ..render import render_plans
 from .base import (CONTEXT, _confirm, _fleet_exit, _outcome_exit, _outcomes_exit, complete_playbooks, json_option, load,
                    main, run_guarded)
 
@@ -21,9 +22,10 @@ from .base import (CONTEXT, _confirm, _fleet_exit, _outcome_exit, _outcomes_exit
               help="Install even while the playbook is serving (the serving process is not touched).")
 @click.option("--rollback", is_flag=True, help="Switch the runtime back to the vLLM it had before the last switch.")
 @click.option("--force", is_flag=True, help="Install again even when requires.vllm is already the verified runtime.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and run nothing (same as deploy plan --op install-vllm).")
 @json_option
 @click.pass_obj
-def install_vllm(obj, playbook, yes, rollback, force):
+def install_vllm(obj, playbook, yes, rollback, force, dry_run):
     """Install the vLLM the playbook needs (requires.vllm) into its container, verified, without a gap.
 
     The install goes into a fresh venv next to the runtime (RUNTIME.versions/), with uv when the container has
@@ -45,16 +47,16 @@ def install_vllm(obj, playbook, yes, rollback, force):
       deploy --json install-vllm my-dflash
     """
     def go():
-        from ..install import install
+        from ..install import refusal
+        from ..ops import install_vllm as install
+        from ..plan import plan_install
         from ..remote import Fleet
 
         inv, pb = load(obj, playbook)
-        if not rollback and not pb.data["requires"].get("vllm"):
-            raise UsageError(f"{pb.name} does not say which vLLM it needs (requires.vllm); nothing was run",
-                             where=pb.path, fix="add requires.vllm to the playbook: a version (\"0.34.0\"), "
-                                                "git+https://github.com/ORG/vllm@BRANCH, a wheel URL or a wheel path "
-                                                "in the container (deploy docs playbooks#requires); the shipped "
-                                                "playbooks name none: copy one (deploy init) and add it")
+        if not rollback and refusal(pb):
+            raise refusal(pb)
+        if dry_run:
+            return render_plans(obj.json, inv, pb, lambda m: plan_install(m, force=force, rollback=rollback))
         if not pb.is_fleet:
             with Fleet(inv) as fleet:
                 out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm, force=force, rollback=rollback)
@@ -84,9 +86,10 @@ def install_vllm(obj, playbook, yes, rollback, force):
 @click.option("--manifest", "manifest_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="After the fetch, write the verified record of each item as a manifest (FILE, or FILE.ROLE.json "
                    "for several): copy it beside the files for source: {path: HOST_DIR}.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and run nothing (same as deploy plan --op fetch).")
 @json_option
 @click.pass_obj
-def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out):
+def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
     """Fetch the playbook's model and drafter weights into its container, at the pinned revision, verified.
 
     The download runs in the container, detached from the SSH session: a dropped connection does not stop
@@ -107,10 +110,17 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out):
       deploy --json fetch qwen36-dflash
     """
     def go():
-        from ..fetch import fetch as do_fetch
+        from ..fetch import refusal
+        from ..ops import fetch as do_fetch
+        from ..plan import plan_fetch
         from ..remote import Fleet
 
         inv, pb = load(obj, playbook)
+        if dry_run:
+            if refusal(pb):
+                raise refusal(pb)
+            return render_plans(obj.json, inv, pb, lambda m: plan_fetch(m, rehash=rehash, connections=connections,
+                                                                        timeout_s=timeout_s))
         outs = []
         with Fleet(inv) as fleet:
             for m in pb.members:

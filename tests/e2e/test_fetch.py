@@ -100,6 +100,13 @@ def sh(tb, cmd):
 
 def test_fetch_then_up_rerun_and_revision_shown(tb, hub, deploy, playbooks):
     playbook(playbooks, MODEL, drafter_block(hub))
+    # issue 39: deploy fetch is a plan run by the executor: `deploy plan --op fetch` and `fetch --dry-run` show it
+    p = deploy("--json", "plan", "qwen36-dflash", "--op", "fetch", env=playbooks.env)
+    assert p.returncode == 0, p.stderr
+    assert [s["step"] for s in p.json["steps"]] == ["container", "fetch"], p.stdout
+    assert '"op":"probe"' in p.json["steps"][1]["command"] and TARGET in p.json["steps"][1]["command"]
+    d = deploy("fetch", "qwen36-dflash", "--dry-run", "--connections", "3", env=playbooks.env)
+    assert d.returncode == 0 and "over up to 3 connections" in d.stdout and "No container lock" in d.stdout, d.stdout
     p = deploy("fetch", "qwen36-dflash", env=playbooks.env)
     assert p.returncode == 0, p.stderr
     # the branch is resolved once, shown and recorded

@@ -73,6 +73,12 @@ def install_json(tb):
 
 def test_release_install_reinstall_and_rollback(tb, iv):
     iv.set("0.30.0")
+    # issue 39: install-vllm is a plan run by the executor; its probe request is the one the plan shows
+    p = iv.run("--json", "plan", "qwen36-dflash", "--op", "install-vllm")
+    assert p.returncode == 0 and [s["step"] for s in p.json["steps"]] == ["container", "install-vllm"], p.stdout
+    assert '"req":"vllm==0.30.0"' in p.json["steps"][1]["command"], p.json["steps"][1]
+    d = iv.run("install-vllm", "qwen36-dflash", "--dry-run")
+    assert d.returncode == 0 and "install 0.30.0 into a fresh venv" in d.stdout, d.stdout
     p = iv.run("install-vllm", "qwen36-dflash")
     assert p.returncode == 0, p.stderr
     assert "phase download" in p.stderr and "phase install" in p.stderr and "phase verify" in p.stderr
