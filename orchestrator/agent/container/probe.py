@@ -9,6 +9,7 @@ import threading
 from .core import emit, now
 from .files import tail_file
 from .net import HTTP_MAX_BYTES, http, listener_check, serving_host
+from .protocol import M_DRAFTS
 from .state import read_state
 from . import core
 
@@ -78,7 +79,7 @@ def act_acceptance(a):
             "rounds": rounds, "log_tail": tail_file(a.get("log_path"), 200) if a.get("log_path") else []}
 
 
-DRAFTS_LINE = re.compile(r"^vllm:spec_decode_num_drafts(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.M)
+DRAFTS_LINE = re.compile("^" + re.escape(M_DRAFTS) + r"(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.M)
 
 
 def drafts_total(text):

@@ -14,6 +14,13 @@ SMI_MEMORY_ARGS = ("--query-gpu=index,memory.used,memory.total", "--format=csv,n
 # vLLM log, agent cache); the one spelling of it, for the tool (spec.py's default) and the agent alike
 DEFAULT_STATE_DIR = "/var/lib/vllm-pve-deploy"
 
+# the vLLM metric families the agent reads itself (the acceptance probe's stop rule, the router's replica view and
+# drain wait); the tool's spelling is vllm_facts.py's M_*, held equal by a unit test. A counter's sample is the
+# family name + "_total"
+M_DRAFTS = "vllm:spec_decode_num_drafts"
+M_REQUEST_SUCCESS = "vllm:request_success"
+M_RUNNING = "vllm:num_requests_running"
+
 
 class ProtocolError(Exception):
     pass

@@ -14,6 +14,7 @@ from .core import clean, emit, now
 from .files import UnsafeDirectory, open_dir, read_state_file, remove_owned, write_json_atomic, write_owned
 from .net import http, listener_check
 from .procs import alive, proc_starttime
+from .protocol import M_REQUEST_SUCCESS, M_RUNNING
 from .state import signal_proven
 from .runner import _pip_ok
 from .stack import record_check
@@ -115,9 +116,9 @@ def _replica_metrics(url, timeout=5.0):
         return {"error": "GET %s/metrics: %s" % (url, code or text)}
     out = {"success": 0.0, "running": 0.0}
     for ln in text.splitlines():
-        if ln.startswith("vllm:request_success_total"):
+        if ln.startswith(M_REQUEST_SUCCESS + "_total"):
             out["success"] += float(ln.rsplit(" ", 1)[1])
-        elif ln.startswith("vllm:num_requests_running"):
+        elif ln.startswith(M_RUNNING):
             out["running"] += float(ln.rsplit(" ", 1)[1])
     return out
 
