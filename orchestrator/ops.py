@@ -377,8 +377,22 @@ def r_plumbing(run: Run, step: P.Step) -> None:
 
 
 def r_stop(run: Run, step: P.Step) -> None:
-    rep = run.stop_report = G.stop(run.ctx, step)
-    if rep.stopped and step.name == "stop":
+    """The three planned stops (one agent action `stop`), by phase: main (what ran before, for `state left:`),
+    on-low-acceptance (the rejected server, before the fallback), on-failure (a half-started server of this run:
+    best effort, described, never raised)."""
+    ctx, pb = run.ctx, run.ctx.pb
+    if step.phase == "on-failure":
+        run.st.changed.append(stop_after_failure(ctx, step))
+        return
+    if step.phase == "on-low-acceptance":
+        ctx.progress.say(ctx.where, f"{run.st.low}: stopping it and falling back to {pb.fallback.name}")
+        G.stop(ctx, step)
+        run.st.launched = False
+        run.out.status = "fell back"
+        run.out.error = StepFailed("acceptance", run.st.low, where=ctx.where, fix=low_fix_of(run.st.verdict, pb.name))
+        return
+    rep = run.stop_report = G.stop(ctx, step)
+    if rep.stopped:
         s = (run.cur.state if run.cur else None) or {}
         run.st.changed.append(f"the deployment that ran before ({s.get('playbook') or 'unknown'}, pid "
                               f"{s.get('pid')}) was stopped")
@@ -479,15 +493,6 @@ def _when(t) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "an unknown time"
 
 
-def r_stop_low(run: Run, step: P.Step) -> None:
-    ctx, pb = run.ctx, run.ctx.pb
-    ctx.progress.say(ctx.where, f"{run.st.low}: stopping it and falling back to {pb.fallback.name}")
-    G.stop(ctx, step)
-    run.st.launched = False
-    run.out.status = "fell back"
-    run.out.error = StepFailed("acceptance", run.st.low, where=ctx.where, fix=low_fix_of(run.st.verdict, pb.name))
-
-
 def r_fallback(run: Run, step: P.Step) -> None:
     """The fallback's own planned steps, under the lock this run holds, with their own outcome."""
     fb = run.ctx.pb.fallback
@@ -496,10 +501,6 @@ def r_fallback(run: Run, step: P.Step) -> None:
               Outcome(False, fb.name, ctx.where, "failed", ctx.results), P.RunState(), time.monotonic())
     run.out.fallback = execute(sub, step.sub)
     run.out.ok = False  # the requested deployment failed; the fallback's own outcome is reported beside it
-
-
-def r_stop_failed(run: Run, step: P.Step) -> None:
-    run.st.changed.append(stop_after_failure(run.ctx, step))
 
 
 def r_drift_check(run: Run, step: P.Step) -> None:
@@ -554,13 +555,23 @@ def r_clear_failure(run: Run, step: P.Step) -> None:
         pass
 
 
-RUNNERS = {"container": r_container, "lock": r_lock, "current": r_current, "fetch": r_fetch, "install-vllm": r_install,
-           "drafter-config": r_write_config,
-           "verify": r_verify, "gpu-plumbing": r_plumbing, "stop": r_stop, "gpus-free": r_gpus_free, "port-free": r_port, "launch": r_launch,
-           "wait-ready": r_wait, "aux-layers": r_aux_layers, "drift": r_drift, "acceptance": r_acceptance,
-           "gate-record": r_gate_record, "stop-low": r_stop_low, "fallback": r_fallback, "stop-failed": r_stop_failed,
-           "drift-check": r_drift_check, "read-back": r_read_back, "note-failure": r_note_failure,
-           "clear-failure": r_clear_failure, "holders": r_holders, "unlock": r_unlock}
+# One table: each planned step's name, its runner here, and the agent action it sends (None: a host command or a
+# workstation-only step); the agent's own table (agent/container/main.py ACTIONS) maps the action to its module.
+# tests/unit/test_plan_table.py holds every plan's steps against it.
+STEPS = {
+    "container": (r_container, None), "lock": (r_lock, "lock"), "current": (r_current, "status"),
+    "fetch": (r_fetch, "fetch"), "install-vllm": (r_install, "install_vllm"),
+    "drafter-config": (r_write_config, ("write_file", "hub_drafter")), "verify": (r_verify, "verify"),
+    "gpu-plumbing": (r_plumbing, "plumbing"), "holders": (r_holders, "gpu_read"),
+    "stop": (r_stop, "stop"), "stop-low": (r_stop, "stop"), "stop-failed": (r_stop, "stop"),
+    "gpus-free": (r_gpus_free, "gpus_free"), "port-free": (r_port, "port_check"), "launch": (r_launch, "launch"),
+    "wait-ready": (r_wait, "wait_ready"), "aux-layers": (r_aux_layers, None), "drift": (r_drift, "file_sha"),
+    "acceptance": (r_acceptance, "acceptance"), "gate-record": (r_gate_record, "gate_record"),
+    "fallback": (r_fallback, None), "drift-check": (r_drift_check, "file_sha"), "read-back": (r_read_back, "file_sha"),
+    "note-failure": (r_note_failure, "note_failure"), "clear-failure": (r_clear_failure, "note_failure"),
+    "unlock": (r_unlock, "unlock"),
+}
+RUNNERS = {name: runner for name, (runner, _) in STEPS.items()}
 
 
 def drift_instead(ctx: Context, step: P.Step, verified_sha: str, err: StepFailed) -> StepFailed:

@@ -1,7 +1,7 @@
 """Pure planning: (playbook, inventory, options) -> ordered steps. No I/O; this is what --dry-run prints.
 
 The plan is the program: the executor (ops.execute) is one loop over these Step objects and nothing else. Each
-step carries the runner that executes it (`name`, a key of ops.RUNNERS), a `phase` (main, on-low-acceptance,
+step carries the runner that executes it (`name`, a key of ops.STEPS: runner and agent action), a `phase` (main, on-low-acceptance,
 on-failure, finally), a `when` predicate over the run's state (a function of this module whose docstring is what
 `deploy plan` prints), and `runs`: the commands it amounts to on the host and in the container, written as the
 shell an operator would recognise. The planner reads nothing from disk or network: the Playbook holds its bytes
