@@ -105,6 +105,24 @@ def _al(window: str) -> str:
     return f"1 + rate({ACCEPTED}[{window}]) / rate({DRAFTS}[{window}])"
 
 
+def _each_playbook(chosen):
+    """(pb, member, target, the gate's thresholds) once per playbook of `chosen` (its first container)."""
+    seen = set()
+    for pb, member, t in chosen:
+        if pb.name not in seen:
+            seen.add(pb.name)
+            yield pb, member, t, gate_thresholds(pb)
+
+
+def _alert(name: str, expr: str, severity: str, summary: str, description: str, for_: str | None = None,
+           **labels) -> dict:
+    """One alerting rule, its keys in the rule file's order (`for` only when it waits)."""
+    rule = {"alert": name, "expr": expr, **({"for": for_} if for_ else {})}
+    rule["labels"] = {"severity": severity, **labels}
+    rule["annotations"] = {"summary": summary, "description": description}
+    return rule
+
+
 def rules(chosen, *, window: str, for_: str, down_for: str, status_exporter: bool = False) -> dict:
     """The rule file: recording rules for acceptance, and the alerts. status_exporter (export --node-exporter: the
     operator runs `deploy monitor metrics`): also VpdStatusMissing, when none of its series reach Prometheus."""
@@ -114,100 +132,71 @@ def rules(chosen, *, window: str, for_: str, down_for: str, status_exporter: boo
          "expr": f"rate({PER_POS}[{window}]) / ignoring(position) group_left rate({DRAFTS}[{window}])"},
         {"record": "vpd:generation_tokens_per_second", "expr": f"rate({GEN_TOKENS}[{window}])"},
     ]
-    alerts = [{
-        "alert": "VllmEndpointDown", "expr": f'up{{job="{JOB}"}} == 0', "for": down_for,
-        "labels": {"severity": "critical"},
-        "annotations": {"summary": "{{ $labels.playbook }} on {{ $labels.host }}/{{ $labels.vmid }} does not answer "
-                                   "/metrics",
-                        "description": "Prometheus cannot scrape {{ $labels.instance }}. deploy status "
-                                       "{{ $labels.playbook }}; deploy logs {{ $labels.host }}/{{ $labels.vmid }}"}}]
-    seen = set()
-    for pb, _member, _t in chosen:
-        if pb.name in seen:
-            continue
-        seen.add(pb.name)
-        th = gate_thresholds(pb)
+    alerts = [_alert("VllmEndpointDown", f'up{{job="{JOB}"}} == 0', "critical",
+                     "{{ $labels.playbook }} on {{ $labels.host }}/{{ $labels.vmid }} does not answer /metrics",
+                     "Prometheus cannot scrape {{ $labels.instance }}. deploy status {{ $labels.playbook }}; "
+                     "deploy logs {{ $labels.host }}/{{ $labels.vmid }}", for_=down_for)]
+    where = "{{ $labels.playbook }} on {{ $labels.host }}/{{ $labels.vmid }}"
+    for pb, _member, _t, th in _each_playbook(chosen):
         sel = f'playbook="{pb.name}"'
-        alerts.append({
-            "alert": "VllmAcceptanceLengthLow",
-            "expr": f"vpd:acceptance_length{{{sel}}} < {th['min_al']:g}", "for": for_,
-            "labels": {"severity": "warning", "gate_min_al": f"{th['min_al']:g}"},
-            "annotations": {"summary": f"{{{{ $labels.playbook }}}} on {{{{ $labels.host }}}}/{{{{ $labels.vmid }}}}: "
-                                       f"acceptance length {{{{ $value | printf \"%.2f\" }}}} under the gate's "
-                                       f"{th['min_al']:g} for {for_}",
-                            "description": "The drafter accepts too little: a stale or guessed drafter config, or a "
-                                           "different target model. deploy verify {{ $labels.playbook }}; "
-                                           "deploy apply-config {{ $labels.playbook }}"}})
-        alerts.append({
-            "alert": "VllmFirstPositionLow",
-            "expr": f'vpd:acceptance_per_position{{{sel},position="0"}} < {th["min_first"]:g}', "for": for_,
-            "labels": {"severity": "warning"},
-            "annotations": {"summary": f"{{{{ $labels.playbook }}}} on {{{{ $labels.host }}}}/{{{{ $labels.vmid }}}}: "
-                                       f"position-0 acceptance {{{{ $value | printf \"%.2f\" }}}} under "
-                                       f"{th['min_first']:g}",
-                            "description": "The first drafted token is rarely right: the drafter does not match "
-                                           "the target. deploy verify {{ $labels.playbook }}"}})
+        alerts.append(_alert(
+            "VllmAcceptanceLengthLow", f"vpd:acceptance_length{{{sel}}} < {th['min_al']:g}", "warning",
+            f"{where}: acceptance length {{{{ $value | printf \"%.2f\" }}}} under the gate's {th['min_al']:g} "
+            f"for {for_}",
+            "The drafter accepts too little: a stale or guessed drafter config, or a different target model. "
+            "deploy verify {{ $labels.playbook }}; deploy apply-config {{ $labels.playbook }}",
+            for_=for_, gate_min_al=f"{th['min_al']:g}"))
+        alerts.append(_alert(
+            "VllmFirstPositionLow", f'vpd:acceptance_per_position{{{sel},position="0"}} < {th["min_first"]:g}',
+            "warning", f"{where}: position-0 acceptance {{{{ $value | printf \"%.2f\" }}}} under {th['min_first']:g}",
+            "The first drafted token is rarely right: the drafter does not match the target. "
+            "deploy verify {{ $labels.playbook }}", for_=for_))
         if th["cliff"] and th["k"] >= 2:
             terms = [f'(vpd:acceptance_per_position{{{sel},position="{p}"}} <= {CLIFF_ZERO:g}) and on(instance) '
                      f'(vpd:acceptance_per_position{{{sel},position="{p - 1}"}} >= {CLIFF_BEFORE:g})'
                      for p in range(1, th["k"])]
-            alerts.append({
-                "alert": "VllmAcceptanceCliff", "expr": "\nor\n".join(terms), "for": for_,
-                "labels": {"severity": "warning"},
-                "annotations": {"summary": "{{ $labels.playbook }} on {{ $labels.host }}/{{ $labels.vmid }}: "
-                                           "acceptance falls to ~0 at draft position {{ $labels.position }}",
-                                "description": "A cliff in the per-position curve: sliding-window layers run as "
-                                               "full attention, or a missing sliding window in the drafter config. "
-                                               "deploy verify {{ $labels.playbook }}"}})
+            alerts.append(_alert(
+                "VllmAcceptanceCliff", "\nor\n".join(terms), "warning",
+                f"{where}: acceptance falls to ~0 at draft position {{{{ $labels.position }}}}",
+                "A cliff in the per-position curve: sliding-window layers run as full attention, or a missing "
+                "sliding window in the drafter config. deploy verify {{ $labels.playbook }}", for_=for_))
     alerts += [
-        {"alert": "VllmServerRestarted",
-         "expr": f'changes({START_TIME}{{job="{JOB}"}}[15m]) > 0 or increase({VPD_RESTARTS}[15m]) > 0',
-         "labels": {"severity": "warning"},
-         "annotations": {"summary": "vLLM on {{ $labels.host }}/{{ $labels.vmid }} restarted in the last 15 minutes",
-                         "description": "systemd restarted the server (or it was started again). "
-                                        "deploy logs {{ $labels.host }}/{{ $labels.vmid }}"}},
-        {"alert": "VllmStartLimitHit", "expr": f"{VPD_START_LIMIT} == 1",
-         "labels": {"severity": "critical"},
-         "annotations": {"summary": "{{ $labels.unit }} on {{ $labels.host }}/{{ $labels.vmid }} hit systemd's start "
-                                    "limit: it will not be restarted",
-                         "description": "The server crashed repeatedly. deploy logs {{ $labels.host }}/"
-                                        "{{ $labels.vmid }}; fix the cause, then deploy restart {{ $labels.playbook }}"}},
-        {"alert": "VllmNotGated", "expr": f"{VPD_GATED} == 0 unless on(host, vmid) {VPD_OPERATION} == 1",
-         "for": for_,
-         "labels": {"severity": "warning"},
-         "annotations": {"summary": "{{ $labels.playbook }} on {{ $labels.host }}/{{ $labels.vmid }} serves without "
-                                    "a passed acceptance gate",
-                         "description": "Started without the gate, or the gate's verdict is missing or failed. "
-                                        "deploy status {{ $labels.playbook }}"}},
-        {"alert": "GpuMemoryHeldOutsideDeployment", "expr": f"{VPD_FOREIGN} > 1024", "for": for_,
-         "labels": {"severity": "warning"},
-         "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.host }} (seen from container "
-                                    "{{ $labels.vmid }}): {{ $value }} MiB held outside any deployment of ours",
-                         "description": "Something else uses this GPU's memory (another container, a host process, "
-                                        "a server deploy did not start): the next start may not fit. deploy status "
-                                        "{{ $labels.host }}/{{ $labels.vmid }}; nvidia-smi on the host"}},
-        {"alert": "VpdStatusUnreachable", "expr": f"{VPD_REACHABLE} == 0", "for": down_for,
-         "labels": {"severity": "warning"},
-         "annotations": {"summary": "deploy monitor metrics cannot reach {{ $labels.host }}/{{ $labels.vmid }}",
-                         "description": "Its host did not answer over SSH (or timed out), so its vpd_* facts are "
-                                        "unknown. deploy status {{ $labels.host }}/{{ $labels.vmid }}"}},
-        {"alert": "VpdStatusStale", "expr": f"time() - {VPD_TIMESTAMP} > {STALE_S}",
-         "labels": {"severity": "warning"},
-         "annotations": {"summary": "deploy's facts about {{ $labels.host }} are {{ $value | printf \"%.0f\" }} s "
-                                    "old",
-                         "description": f"deploy monitor metrics has not refreshed them for over {STALE_S} s: its "
-                                        "timer stopped or fails. systemctl status vpd-metrics.timer "
-                                        "vpd-metrics.service; journalctl -u vpd-metrics.service"}},
+        _alert("VllmServerRestarted",
+               f'changes({START_TIME}{{job="{JOB}"}}[15m]) > 0 or increase({VPD_RESTARTS}[15m]) > 0', "warning",
+               "vLLM on {{ $labels.host }}/{{ $labels.vmid }} restarted in the last 15 minutes",
+               "systemd restarted the server (or it was started again). "
+               "deploy logs {{ $labels.host }}/{{ $labels.vmid }}"),
+        _alert("VllmStartLimitHit", f"{VPD_START_LIMIT} == 1", "critical",
+               "{{ $labels.unit }} on {{ $labels.host }}/{{ $labels.vmid }} hit systemd's start limit: it will not "
+               "be restarted",
+               "The server crashed repeatedly. deploy logs {{ $labels.host }}/{{ $labels.vmid }}; fix the cause, "
+               "then deploy restart {{ $labels.playbook }}"),
+        _alert("VllmNotGated", f"{VPD_GATED} == 0 unless on(host, vmid) {VPD_OPERATION} == 1", "warning",
+               f"{where} serves without a passed acceptance gate",
+               "Started without the gate, or the gate's verdict is missing or failed. "
+               "deploy status {{ $labels.playbook }}", for_=for_),
+        _alert("GpuMemoryHeldOutsideDeployment", f"{VPD_FOREIGN} > 1024", "warning",
+               "GPU {{ $labels.gpu }} of {{ $labels.host }} (seen from container {{ $labels.vmid }}): "
+               "{{ $value }} MiB held outside any deployment of ours",
+               "Something else uses this GPU's memory (another container, a host process, a server deploy did not "
+               "start): the next start may not fit. deploy status {{ $labels.host }}/{{ $labels.vmid }}; "
+               "nvidia-smi on the host", for_=for_),
+        _alert("VpdStatusUnreachable", f"{VPD_REACHABLE} == 0", "warning",
+               "deploy monitor metrics cannot reach {{ $labels.host }}/{{ $labels.vmid }}",
+               "Its host did not answer over SSH (or timed out), so its vpd_* facts are unknown. "
+               "deploy status {{ $labels.host }}/{{ $labels.vmid }}", for_=down_for),
+        _alert("VpdStatusStale", f"time() - {VPD_TIMESTAMP} > {STALE_S}", "warning",
+               "deploy's facts about {{ $labels.host }} are {{ $value | printf \"%.0f\" }} s old",
+               f"deploy monitor metrics has not refreshed them for over {STALE_S} s: its timer stopped or fails. "
+               "systemctl status vpd-metrics.timer vpd-metrics.service; journalctl -u vpd-metrics.service"),
     ]
     if status_exporter:
-        alerts.append({
-            "alert": "VpdStatusMissing", "expr": f"absent({VPD_TIMESTAMP})", "for": STALE_MISSING_FOR,
-            "labels": {"severity": "warning"},
-            "annotations": {"summary": "no series of deploy monitor metrics reach Prometheus",
-                            "description": "node_exporter's textfile collector serves no vllm-pve-deploy .prom file "
-                                           f"(job {STATUS_JOB}): the timer never wrote it, or writes elsewhere. "
-                                           "systemctl status vpd-metrics.timer; ls "
-                                           "/var/lib/prometheus/node-exporter"}})
+        alerts.append(_alert(
+            "VpdStatusMissing", f"absent({VPD_TIMESTAMP})", "warning",
+            "no series of deploy monitor metrics reach Prometheus",
+            "node_exporter's textfile collector serves no vllm-pve-deploy .prom file "
+            f"(job {STATUS_JOB}): the timer never wrote it, or writes elsewhere. "
+            "systemctl status vpd-metrics.timer; ls /var/lib/prometheus/node-exporter", for_=STALE_MISSING_FOR))
     return {"groups": [{"name": "vllm-pve-deploy-recording", "rules": rec},
                        {"name": "vllm-pve-deploy-alerts", "rules": alerts}]}
 
@@ -219,12 +208,7 @@ def rule_tests(chosen, *, for_: str, status_exporter: bool = False) -> dict:
                 f'method="{method}"')
     mins = _minutes(for_) + 15  # long enough for every `for` and rate window
     tests = []
-    seen = set()
-    for pb, member, t in chosen:
-        if pb.name in seen:
-            continue
-        seen.add(pb.name)
-        th = gate_thresholds(pb)
+    for pb, member, t, th in _each_playbook(chosen):
         k = th["k"]
         lab = inst(t["host"], str(t["vmid"]), pb.name, str(member.spec["method"]))
         # a broken drafter: 100 drafts/min, accepted tokens a tenth of the gate's, position 0 at 0.05

@@ -36,6 +36,16 @@ def _scrape(port, host, when=""):
     return text, None
 
 
+def _target_scraped(a):
+    """_target, then /metrics before the workload: ((port, api_key, host, deadline), the text, None), or
+    (..., None, the failed answer)."""
+    t, failed = _target(a)
+    if failed:
+        return t, None, failed
+    before, failed = _scrape(t[0], t[2])
+    return t, before, failed
+
+
 def _completion(a, prompt):
     """The body of one probe request: greedy, `max_tokens` long."""
     return {"model": a["model"], "prompt": prompt, "max_tokens": int(a["max_tokens"]), "temperature": 0}
@@ -43,10 +53,7 @@ def _completion(a, prompt):
 
 def act_acceptance(a):
     """Scrape /metrics, send the probe workload, scrape again; the caller computes the deltas."""
-    (port, api_key, host, deadline), failed = _target(a)
-    if failed:
-        return failed
-    before, failed = _scrape(port, host)
+    (port, api_key, host, deadline), before, failed = _target_scraped(a)
     if failed:
         return failed
     sent = ok = 0
@@ -97,10 +104,7 @@ def drafts_total(text):
 def act_speed(a):
     """`deploy compare`: the probe prompts, each request timed; /metrics scraped before and after.
     Output tokens come from each response's usage (what the server says it generated)."""
-    (port, api_key, host, deadline), failed = _target(a)
-    if failed:
-        return failed
-    before, failed = _scrape(port, host)
+    (port, api_key, host, deadline), before, failed = _target_scraped(a)
     if failed:
         return failed
     requests, errors = [], []

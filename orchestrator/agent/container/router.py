@@ -11,11 +11,11 @@ import subprocess
 import time
 
 from .core import clean, emit, now
-from .files import UnsafeDirectory, open_dir, read_state_file, remove_owned, write_json_atomic, write_owned
+from .files import UnsafeDirectory, open_dir, remove_owned, write_json_atomic, write_owned
 from .net import http, listener_check
 from .procs import alive, proc_starttime
 from .protocol import M_REQUEST_SUCCESS, M_RUNNING
-from .state import signal_proven
+from .state import read_json_state, signal_proven
 from .runner import _pip_ok
 from .stack import record_check
 from .systemd import UNIT_DIR, journal, systemctl, systemd_running, unit_quote, unit_show, unit_stop
@@ -48,14 +48,11 @@ def _router_state(a):
     names must be exactly this playbook's (`vllm-router-PLAYBOOK.service`), the pid a plain number. None when absent;
     {"corrupt": why, "path": ...} when it may not be used (nothing is then signalled, stopped or deleted)."""
     path = os.path.join(_router_dir(a), "router.json")
-    try:
-        st = json.loads(read_state_file(path).decode("utf-8", "replace"))
-        if not isinstance(st, dict):
-            raise ValueError("not a JSON object")
-    except FileNotFoundError:
+    st, err = read_json_state(path)
+    if err is not None:
+        return {"corrupt": clean(str(err))[:500], "path": path}
+    if st is None:
         return None
-    except (UnsafeDirectory, OSError, ValueError) as e:
-        return {"corrupt": clean(str(e))[:500], "path": path}
     unit, pid = st.get("unit"), st.get("pid")
     if unit is not None and unit != _router_unit(a):
         return {"corrupt": "it names the unit %r, not %s: not written by deploy, not used (fix: remove it)"

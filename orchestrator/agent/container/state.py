@@ -13,18 +13,26 @@ from .procs import alive, descends_from, pids, proc_env_has, proc_pgid, proc_sta
 from .systemd import systemd_running, unit_show
 
 
-def read_state(state_dir):
-    path = os.path.join(state_dir, "state.json")
+def read_json_state(path):
+    """A state file deploy wrote, as a JSON object, read by files.read_state_file's rules (its directory root's and
+    private, the file regular, root-owned, no symlinks): -> (the object, None); (None, None) when there is none;
+    (None, the exception) when it may not be used (unsafe, unreadable, not JSON, not an object)."""
     try:
         st = json.loads(read_state_file(path).decode("utf-8", "replace"))
-        if not isinstance(st, dict):
-            raise ValueError("not a JSON object")
     except FileNotFoundError:
+        return None, None
+    except (UnsafeDirectory, OSError, ValueError) as e:
+        return None, e
+    return (st, None) if isinstance(st, dict) else (None, ValueError("not a JSON object"))
+
+
+def read_state(state_dir):
+    path = os.path.join(state_dir, "state.json")
+    st, err = read_json_state(path)
+    if err is not None:
+        return {"corrupt": str(err), "path": path, **({"unsafe": True} if isinstance(err, UnsafeDirectory) else {})}
+    if st is None:
         return None
-    except UnsafeDirectory as e:
-        return {"corrupt": str(e), "path": path, "unsafe": True}
-    except (OSError, ValueError) as e:
-        return {"corrupt": str(e), "path": path}
     if st.get("unit") and systemd_running():
         # systemd may have restarted the server (or the container booted): the unit's MainPID is the process now
         u = st["unit_state"] = unit_show(st["unit"])
