@@ -45,13 +45,11 @@ STALE_BRANCHES = {"40898": ("PR #40898 (DFlash sliding-window support) was never
 def stale_source_warning(spec: str) -> str | None:
     """A requires.vllm that builds a stale PR branch (the drafter's model card still names #40898): why, and the
     release to use instead. None for anything else."""
-    import re as _re
-
     if not spec.startswith("git+"):
         return None
     ref = spec.rsplit("@", 1)[-1] if "@" in spec.split("://", 1)[-1] else ""
     for pr, why in STALE_BRANCHES.items():
-        if _re.search(rf"(^|[/_-])(pull/)?{pr}($|[/_-]|/head)", ref) or f"pull/{pr}" in spec:
+        if re.search(rf"(^|[/_-])(pull/)?{pr}($|[/_-]|/head)", ref) or f"pull/{pr}" in spec:
             return f"{spec}: {why}"
     return None
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from . import plan as P
 from .errors import (DeployError, Interrupted, LockHeld, StepFailed, Unreachable,  # noqa: F401 (LockHeld: re-exported)
                      UsageError)
-from .gate import gate_figures
+from .gate import Verdict, gate_figures
 from .agent.protocol import CurrentResult, GpusFreeResult, ReadyResult, StopResult, VerifyResult, WriteFileResult
 from .remote import Fleet, shell_word
 from .report import Progress, sha
-from .spec import Playbook
+from .spec import Playbook, fetch_items
 from .steps import (Context, Outcome, StepResult, check_container, holder_id, new_context,  # noqa: F401 (re-exported)
                     secrets_for)
 from . import fetch as F
@@ -24,6 +24,12 @@ from . import install as I
 from .steps import drafter as D
 from .steps import gpu as G
 from .steps import vllm as V
+from .steps.plumbing import gpu_plumbing
+from .endpoint import container_endpoint
+from .steps import plumbing as GP
+from .sizing import measured_refusal
+from . import agent
+from .status import DEFAULT_PYTHON, DEFAULT_STATE_DIR
 
 
 @dataclass
@@ -371,7 +377,6 @@ def r_verify(run: Run, step: P.Step) -> None:
 
 
 def r_plumbing(run: Run, step: P.Step) -> None:
-    from .steps.plumbing import gpu_plumbing
 
     gpu_plumbing(run.ctx, step)
 
@@ -482,7 +487,6 @@ def r_gate_record(run: Run, step: P.Step) -> None:
 
 
 def low_fix_of(verdict: dict | None, playbook: str) -> str:
-    from .gate import Verdict
 
     v = verdict or {}
     return low_fix(Verdict(False, reasons=v.get("reasons") or [], cliff_at=v.get("cliff_at"),
@@ -657,7 +661,6 @@ def _ep(ep: dict) -> dict:
 
 def url(pb: Playbook, inv=None) -> dict:
     """{url, tunnel, ...}: the container's real address from the inventory (endpoint.container_endpoint)."""
-    from .endpoint import container_endpoint
 
     return container_endpoint(inv, pb.host, pb.vmid, pb.serve["port"])
 
@@ -709,7 +712,6 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
     step = P.step_verify(pb)
     try:
         r = D.verify(ctx, step, record=False)
-        from .steps import plumbing as GP
 
         found, facts = GP.run_check(ctx, P.step_plumbing(pb))
         out.info["gpu_plumbing"] = {"findings": found, "host_error": (facts["host"] or {}).get("error")}
@@ -717,7 +719,6 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
         if fits:
             out.info["fits"] = fits
             ctx.progress.say(ctx.where, f"sizing on the measured GPUs: {fits['line']}")
-        from .spec import fetch_items
 
         if fetch_items(pb):  # weights fetched by deploy fetch: the revision in place (from its record)
             out.info["revisions"] = F.records(ctx, pb)
@@ -725,7 +726,6 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
         out.ok = not r.failed and not found and not refuse
         out.status = "verified" if out.ok else "failed"
         if refuse and not r.failed and not found:
-            from .sizing import measured_refusal
 
             msg, fix = measured_refusal(pb, fits)
             out.error = StepFailed("sizing", msg, where=ctx.where, fix=fix)
@@ -770,8 +770,6 @@ def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
 def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress: Progress) -> dict:
     """`deploy unlock`: show the holder of a container's lock; break it if confirm(holder) says yes.
     -> {"holder": ..., "broken": bool, "state": "free" | "broken" | "kept" | "changed"}"""
-    from . import agent
-    from .status import DEFAULT_PYTHON, DEFAULT_STATE_DIR
 
     sdir = runtime.get("state_dir") or DEFAULT_STATE_DIR
     python = runtime.get("python") or DEFAULT_PYTHON

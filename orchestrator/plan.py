@@ -17,7 +17,9 @@ import shlex
 from dataclasses import dataclass, field
 
 from . import plumbing as PL
-from .agent import agent_argv
+from . import vllm_facts as vf
+from .gate import playbook_thresholds
+from .agent import SESSION_BOOT, agent_argv
 from .agent.container.protocol import SMI_MEMORY_ARGS
 from .remote import pct_exec_argv, shell_join
 from .spec import VERSION_RE, Inventory, Playbook, fetch_items
@@ -148,7 +150,6 @@ class Step:
 
 def session_command(pb, python: str) -> str:
     """The one command that carries every agent step of an operation in this container (agent/AgentSession)."""
-    from .agent import SESSION_BOOT
 
     return shell_join(pct_exec_argv(pb.vmid, [python, "-c", SESSION_BOOT, "N"]))
 
@@ -473,7 +474,6 @@ def secret_env_names(pb: Playbook) -> list[str]:
 
 
 def step_wait(pb):
-    from . import vllm_facts as vf
 
     sp = state_paths(pb)
     return Step("wait-ready", "follow the log and /health until /v1/models lists the model and a completion "
@@ -504,7 +504,6 @@ def step_drift(pb, name="drift", title="re-read the drafter config's sha256 now 
 
 
 def step_acceptance(pb, when=None, phase="main"):
-    from .gate import playbook_thresholds
 
     p = pb.data["acceptance"]["probe"]
     th = playbook_thresholds(pb)

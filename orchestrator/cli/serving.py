@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ..errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, UsageError
+from ..errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, UsageError
 from .base import CONTEXT, Obj, complete_playbooks, complete_targets, json_option, load, main, refuse_json, run_guarded
 
 
@@ -57,7 +57,9 @@ def endpoint(obj, playbook, tunnel, local_port, where):
         if where is not None:
             rows = [r for r in rows if r["where"] == where]
         if tunnel:
-            sys.exit(_run_tunnel(obj, inv, pb, rows[0], local_port))
+            from ..foreground import run_tunnel
+
+            sys.exit(run_tunnel(inv, pb, rows[0], local_port, as_json=obj.json))
         if obj.json:
             from ..report import dump_json
             dump_json({"ok": all(r["url"] for r in rows), "playbook": pb.name, "endpoints": rows})
@@ -75,75 +77,6 @@ def endpoint(obj, playbook, tunnel, local_port, where):
                 click.echo(f"  {r['curl']}")
         sys.exit(EXIT_OK if all(r["url"] for r in rows) else EXIT_FAILED)
     run_guarded(go, obj)
-
-
-def _run_tunnel(obj, inv, pb, row, local_port) -> int:
-    """deploy endpoint --tunnel: forward until Ctrl-C / SIGTERM (0) or the connection drops (3)."""
-    import signal
-    import socket
-    import threading
-
-    from ..endpoint import Tunnel, curl_line
-    from ..errors import CheckFailed
-    from ..remote import AuditLog, HostSession
-
-    if not row["url"]:
-        raise CheckFailed(f"the address of {row['where']} is unknown, so there is nothing to tunnel to",
-                          where=row["where"], fix=row.get("note") or f"deploy discover {row['host']} --write")
-    host = inv.host(row["host"])
-    if local_port is None:  # the served port when it is free here, else any
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", row["port"]))
-                local_port = row["port"]
-            except OSError:
-                local_port = 0
-    session = HostSession(host, AuditLog())
-    conn = session.connect()
-    transport = conn.transport
-    remote = (row["address"], row["port"])
-    try:  # can the host reach it at all? (one TCP connection from the host, closed at once)
-        transport.open_channel("direct-tcpip", remote, ("127.0.0.1", 0), timeout=15).close()
-    except Exception as e:  # noqa: BLE001 - paramiko's ChannelException and friends: said with the fix
-        session.close()
-        raise CheckFailed(f"{host.name} cannot connect to {remote[0]}:{remote[1]} ({e})", where=row["where"],
-                          fix=f"is it serving? deploy status {pb.name}; is {remote[0]} the container's address? "
-                              f"deploy discover {host.name}") from None
-    tun = Tunnel(transport, remote, local_port,
-                 on_event=lambda kind, what: click.echo(f"tunnel: {what}", err=True) if kind == "error" else None)
-    try:
-        port = tun.start()
-    except OSError as e:
-        session.close()
-        raise UsageError(f"cannot listen on 127.0.0.1:{local_port}: {e.strerror or e}",
-                         fix="pick another --local-port (0: any free one)") from None
-    local = f"http://127.0.0.1:{port}/v1"
-    via = f"{host.user}@{host.ssh_config_alias or host.address}:{host.port}"
-    if obj.json:
-        import json as _json
-        click.echo(_json.dumps({"ok": True, "playbook": pb.name, "where": row["where"], "local_url": local,
-                                "url": row["url"], "via": via, "curl": curl_line(local, row["model"],
-                                                                                   row["api_key_env"])}), nl=True)
-    else:
-        click.echo(f"tunnel: {local} -> {remote[0]}:{remote[1]} ({pb.name} on {row['where']}) through {host.name} "
-                   f"({via}); Ctrl-C closes it")
-        click.echo(f"  {curl_line(local, row['model'], row['api_key_env'])}")
-    sys.stdout.flush()
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    code = EXIT_OK
-    while not stop.wait(0.5):
-        if not transport.is_active():
-            click.echo(f"tunnel: the SSH connection to {host.name} ({via}) was lost; deploy endpoint {pb.name} "
-                       "--tunnel opens a new one", err=True)
-            code = EXIT_UNREACHABLE
-            break
-    tun.close()
-    session.close()
-    if code == EXIT_OK:
-        click.echo(f"tunnel closed ({tun.connections} connection(s) carried)", err=True)
-    return code
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 from ..agent.protocol import GpusFreeResult, StopResult
+from ..doctor import HOST_HOLDERS_SH, parse_host_holders
 from ..errors import DeployError
-from ..facts import nvml_mismatch_fix
+from ..facts import nvml_mismatch_fix, parse_pct_config_gpus, parse_pct_list
 from ..plan import Step
 from . import Context
 from ..remote import shell_word
@@ -157,7 +158,6 @@ def gpus_free(ctx: Context, step: Step) -> GpusFreeResult:
 def host_holders(ctx: Context, gpus: list[int]) -> list[dict]:
     """Read-only, on the Proxmox host: the processes nvidia-smi says use the busy GPUs, outside this container
     (host PID, MiB, the container by its cgroup, or none: the host itself), as deploy doctor names them."""
-    from ..doctor import HOST_HOLDERS_SH, parse_host_holders
 
     try:
         r = ctx.session.run(["sh", "-c", HOST_HOLDERS_SH], timeout=25, label="gpus-free")
@@ -170,7 +170,6 @@ def host_holders(ctx: Context, gpus: list[int]) -> list[dict]:
 
 def other_containers_sharing(ctx: Context, gpus: list[int]) -> list[dict]:
     """From `pct list` and `pct config`: the other running containers that are given any of `gpus`."""
-    from ..facts import parse_pct_config_gpus, parse_pct_list
 
     s = ctx.session
     res = s.run(["pct", "list"], timeout=20)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from .. import plumbing as PL
+from .. import sizing as Z
 from ..plan import Step
 from . import Context
 
@@ -27,8 +28,6 @@ def run_check(ctx: Context, step: Step) -> tuple[list[dict], dict]:
 
 def sized_on_measured_gpus(ctx: Context, host_facts: dict | None) -> dict | None:
     """The sizing check with the GPU memory the host's nvidia-smi just reported (sizing.check_measured)."""
-    from .. import sizing as Z
-
     if not host_facts or host_facts.get("error"):
         return None
     return Z.check_measured(ctx.pb, host_facts.get("gpu_mem"))
@@ -46,9 +45,7 @@ def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]
     note = f" (host side not read: {herr})" if herr else ""
     fits = sized_on_measured_gpus(ctx, facts["host"])
     if fits and fits["level"] == "refuse":
-        from ..sizing import measured_refusal
-
-        msg, fix = measured_refusal(ctx.pb, fits)
+        msg, fix = Z.measured_refusal(ctx.pb, fits)
         ctx.fail(step.name, t0, msg + "; nothing was stopped", fix=fix, fits=fits)
     if fits and fits["level"] == "warn":
         ctx.progress.say(ctx.where, f"     warning: sizing on the measured GPUs: {fits['line']}")

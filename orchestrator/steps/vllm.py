@@ -9,6 +9,7 @@ import time
 from .. import gate as G
 from .. import vllm_facts as vf
 from ..agent.protocol import AcceptanceResult, LaunchResult, PortResult, ReadyResult
+from .. import sizing as Z
 from ..plan import Step
 from . import Context
 from ..remote import shell_word
@@ -242,8 +243,6 @@ def _predicted_vs_reported(ctx: Context, lines: list) -> dict | None:
     saying when it is off by more than the documented tolerance (the model is then wrong: ours)."""
     if getattr(ctx.pb, "target_config", None) is None:
         return None
-    from .. import sizing as Z
-
     try:
         inp = Z.from_playbook(ctx.pb)
         c = Z.compare(Z.size(inp), Z.parse_reported(lines))
