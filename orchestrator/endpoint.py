@@ -9,7 +9,12 @@ i.e. this machine sits on that network or a VPN to it). Otherwise the tunnel com
 from __future__ import annotations
 
 import ipaddress
+import json
+import select
+import shlex
+import socket
 import struct
+import threading
 
 
 def _routes(path: str = "/proc/net/route") -> list[tuple[int, int]] | None:
@@ -86,13 +91,24 @@ def endpoint(host, container, port: int) -> dict:
 
 def container_endpoint(inv, host_name: str, vmid: int, port: int) -> dict:
     """endpoint() of HOST_NAME/VMID's container from the inventory: the one place a deployment's (or a router's)
-    client URL is computed (ops.url, router.url and playbook_endpoints use it). A host not in the inventory gives
-    url None with a note."""
+    client URL is computed (through server_endpoint and router_endpoint). A host not in the inventory gives url
+    None with a note."""
     host = inv.hosts.get(host_name) if inv is not None else None
     if host is None:
         return {"url": None, "address": None, "port": port, "tunnel": None, "routable": None, "local_url": None,
                 "note": f"host {host_name} is not in the inventory"}
     return endpoint(host, host.container(vmid), port)
+
+
+def server_endpoint(inv, pb) -> dict:
+    """The client endpoint of a one-target playbook's vLLM server (a fleet's member): its container, serve.port."""
+    return container_endpoint(inv, pb.host, pb.vmid, pb.serve["port"])
+
+
+def router_endpoint(inv, pb) -> dict:
+    """The client endpoint of a playbook's router (router:): the router's container, router.port."""
+    r = pb.data["router"]
+    return container_endpoint(inv, r["host"], r["vmid"], r["port"])
 
 
 def describe(ep: dict) -> str:
@@ -108,9 +124,6 @@ def describe(ep: dict) -> str:
 def curl_line(url: str, model: str, api_key_env: str | None = None) -> str:
     """A `curl` that asks the endpoint for a short completion (the API key, when the playbook has one, from the
     same local environment variable the playbook names: it never appears in the line)."""
-    import json
-    import shlex
-
     body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 16})
     auth = f' -H "Authorization: Bearer ${api_key_env}"' if api_key_env else ""
     return f"curl -s {url}/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}"
@@ -119,24 +132,18 @@ def curl_line(url: str, model: str, api_key_env: str | None = None) -> str:
 def playbook_endpoints(inv, pb) -> list[dict]:
     """One row per target of the playbook: where, the endpoint (see endpoint()), the served model and a curl line;
     for a playbook with router: one row, the router's (role "router"; clients use the replicas' key through it)."""
-    rows = []
     r = pb.data.get("router")
     if r:
-        ep = container_endpoint(inv, r["host"], r["vmid"], r["port"])
         first = pb.member(f"{pb.targets[0]['host']}/{pb.targets[0]['vmid']}") if pb.is_fleet else pb
-        model, key = first.serve["served_model_name"], first.serve.get("api_key_env")
-        return [{"where": f"{r['host']}/{r['vmid']}", "host": r["host"], "vmid": r["vmid"], "role": "router", **ep,
-                 "model": model, "api_key_env": key,
-                 "curl": curl_line(ep["url"], model, key) if ep.get("url") else None}]
-    for t in pb.targets:
-        member = pb.member(f"{t['host']}/{t['vmid']}") if pb.is_fleet else pb
-        ep = container_endpoint(inv, t["host"], t["vmid"], member.serve["port"])
-        model = member.serve["served_model_name"]
-        key = member.serve.get("api_key_env")
-        rows.append({"where": f"{t['host']}/{t['vmid']}", "host": t["host"], "vmid": t["vmid"], "role": "replica", **ep,
-                     "model": model, "api_key_env": key,
-                     "curl": curl_line(ep["url"], model, key) if ep.get("url") else None})
-    return rows
+        return [_endpoint_row(r["host"], r["vmid"], "router", router_endpoint(inv, pb), first)]
+    members = [pb.member(f"{t['host']}/{t['vmid']}") for t in pb.targets] if pb.is_fleet else [pb]
+    return [_endpoint_row(m.host, m.vmid, "replica", server_endpoint(inv, m), m) for m in members]
+
+
+def _endpoint_row(host: str, vmid: int, role: str, ep: dict, member) -> dict:
+    model, key = member.serve["served_model_name"], member.serve.get("api_key_env")
+    return {"where": f"{host}/{vmid}", "host": host, "vmid": vmid, "role": role, **ep, "model": model,
+            "api_key_env": key, "curl": curl_line(ep["url"], model, key) if ep.get("url") else None}
 
 
 class Tunnel:
@@ -155,9 +162,6 @@ class Tunnel:
         self._stop = False
 
     def start(self) -> int:
-        import socket
-        import threading
-
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((self.bind, self.local_port))
@@ -169,9 +173,6 @@ class Tunnel:
         return self.local_port
 
     def _accept_loop(self):
-        import socket
-        import threading
-
         while not self._stop:
             try:
                 client, peer = self._sock.accept()
@@ -182,8 +183,6 @@ class Tunnel:
             threading.Thread(target=self._serve, args=(client, peer), name="tunnel-conn", daemon=True).start()
 
     def _serve(self, client, peer):
-        import select
-
         try:
             chan = self.transport.open_channel("direct-tcpip", self.remote, peer, timeout=15)
         except Exception as e:  # noqa: BLE001 - said, and the client sees its connection closed

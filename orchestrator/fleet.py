@@ -13,6 +13,7 @@ import time
 
 from . import ops
 from . import router as R
+from .endpoint import router_endpoint
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, Unreachable
 from .remote import Fleet
 from .report import Progress
@@ -122,7 +123,7 @@ def _router_up(fleet: Fleet, pb: Playbook, progress: Progress, res: dict) -> Non
     passed = [m for m, o in zip(pb.members, res["_outcomes"]) if o is not None and o.ok]
     rr = R.up(fleet, pb, progress, passed)
     if rr.get("ok"):
-        ep = R.url(fleet.inventory, pb)
+        ep = router_endpoint(fleet.inventory, pb)
         rr["url"] = ep.get("url")
         rr["endpoint"] = ep
     res["router"] = rr

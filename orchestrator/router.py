@@ -15,7 +15,7 @@ import os
 import time
 
 from . import agent
-from .endpoint import base_url, container_endpoint
+from .endpoint import base_url, router_endpoint
 from .errors import DeployError, Unreachable
 from .remote import Fleet
 from .report import Progress
@@ -349,6 +349,5 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress) -> dict:
 
 
 def url(fleet_inv, pb: Playbook) -> dict:
-    """The router's client URL (endpoint.container_endpoint of its container and port)."""
-    r = spec(pb)
-    return container_endpoint(fleet_inv, r["host"], r["vmid"], r["port"])
+    """The router's client endpoint: endpoint.router_endpoint (kept for status.py, which calls R.url)."""
+    return router_endpoint(fleet_inv, pb)

@@ -4,10 +4,11 @@ by address; no port clash), the router's argv, the status flags, the JSON Schema
 import pytest
 
 from orchestrator import router as R
+from orchestrator.endpoint import router_endpoint
 from orchestrator.errors import SpecError
 from orchestrator.spec import load_inventory, load_playbook
 from orchestrator.spec_schema import json_schema
-from playbook_support import ONE_TARGET as ONE, copy_playbooks, playbook_variant
+from playbook_support import ONE_TARGET as ONE, playbook_variant, playbook_work
 
 INVENTORY = """\
 hosts:
@@ -28,9 +29,7 @@ TWO = "targets:\n  - {host: pve1, vmid: 129, gpus: [0, 1, 2, 3]}\n  - {host: pve
 
 @pytest.fixture
 def work(tmp_path):
-    copy_playbooks(tmp_path / "playbooks")
-    (tmp_path / "hosts.yaml").write_text(INVENTORY)
-    return tmp_path
+    return playbook_work(tmp_path, INVENTORY)
 
 
 def write(work, where_yaml, router_yaml, name="reps"):
@@ -57,7 +56,7 @@ def test_router_defaults_and_urls(work):
     assert args[:8] == ["--host", "0.0.0.0", "--port", "30000", "--worker-urls", "http://10.0.0.11:8000",
                         "http://10.0.0.12:8000", "--policy"]
     assert "--health-check-interval-secs" in args and "2" in args
-    assert R.url(inv, pb)["url"] == "http://10.0.0.10:30000/v1"
+    assert router_endpoint(inv, pb)["url"] == "http://10.0.0.10:30000/v1"
 
 
 def test_router_refused_on_a_proxmox_host_and_without_targets(work):
