@@ -31,10 +31,14 @@ import hashlib
 import re
 import time
 
+from . import agent
+from . import ops
 from . import plumbing as PL
 from .errors import DeployError, UsageError
 from .remote import shell_join, shell_word
+from .report import Progress
 from .spec import fetch_items
+from .status import DEFAULT_PYTHON
 
 BACKUP_DIR = "/root/vllm-pve-deploy-backups"
 DEV_MIN_PVE = (8, 1)  # pve-container's devN: keys came with Proxmox VE 8.1 (../shared/domain/lxc-gpu-plumbing.md)
@@ -625,9 +629,6 @@ class Prepare:
         self.res["container_nvidia_smi"] = self.smi
         ct = None
         try:
-            from . import agent
-            from .status import DEFAULT_PYTHON
-
             py = "python3" if self.created else self.runtime.get("python") or DEFAULT_PYTHON  # new: no venv yet
             r = agent.call(s, v, py, "plumbing", {}, timeout=30)
             ct = r.plumbing if isinstance(r.plumbing, dict) else None
@@ -683,9 +684,6 @@ class Prepare:
         """For each playbook that targets the container: its runtime venv when missing, install-vllm when it names
         requires.vllm, fetch when it names a source; each through the command's own code path, in order; the
         first failure stops the rest (named, with its fix)."""
-        from .ops import fetch, install_vllm as install
-        from .report import Progress
-
         progress = self.progress or Progress(quiet=True)
         for name, pb in self.chain:
             if pb.data["requires"].get("vllm"):
@@ -697,11 +695,11 @@ class Prepare:
                                              f"(deploy install-vllm {name} installs requires.vllm over it)")
                 else:
                     self.say(f"install-vllm {name}")
-                    if not self.chained("install-vllm", name, install(self.fleet, pb, progress, yes=self.yes)):
+                    if not self.chained("install-vllm", name, ops.install_vllm(self.fleet, pb, progress, yes=self.yes)):
                         return
             if fetch_items(pb):
                 self.say(f"fetch {name}")
-                if not self.chained("fetch", name, fetch(self.fleet, pb, progress)):
+                if not self.chained("fetch", name, ops.fetch(self.fleet, pb, progress)):
                     return
 
     def chained(self, step: str, name: str, out) -> bool:

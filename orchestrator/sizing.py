@@ -35,8 +35,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+
+from .errors import CheckFailed
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -516,8 +519,6 @@ def _fixes(s: Sizing, inp: Inputs) -> None:
             need = (s.request_mib or 0) / 1024
             s.fixes.append(f"VLLM_CPU_KVCACHE_SPACE >= {math.ceil(need * (1 + TOLERANCE)):d} (GiB)")
         return
-    from dataclasses import replace
-
     for g in [x / 100 for x in range(int(inp.gmu * 100) + 1, 99)]:
         t = size(replace(inp, gmu=g), fixes=False)
         if t.verdict == "fits":
@@ -658,8 +659,6 @@ def check_measured(pb, gpu_mem: dict | None) -> dict | None:
     """The sizing check on the GPUs as the host's nvidia-smi measures them ({index: {used, total}}, the
     gpu-plumbing check's one host exec): the smallest total of the playbook's GPUs. None without a target config or
     a reading of every assigned GPU. {"level", "line", "sizing", "gpu_mib"} as check_playbook."""
-    from dataclasses import replace
-
     if pb.target_config is None or not gpu_mem:
         return None
     got = [gpu_mem.get(g) for g in pb.gpus]
@@ -685,8 +684,6 @@ def measured_refusal(pb, fits: dict) -> tuple[str, str]:
 
 def refuse_if_certain(pb) -> None:
     """Raise CheckFailed (exit 1, nothing run) when a target of pb certainly does not fit (level refuse)."""
-    from .errors import CheckFailed
-
     for m in (pb.members or [pb]):
         c = check_playbook(m)
         if c["level"] == "refuse":
@@ -698,11 +695,9 @@ def refuse_if_certain(pb) -> None:
 
 # ------------------------------------------------------------------ predicted vs reported (vLLM's own log lines)
 
-import re as _re  # noqa: E402
-
-REPORTED = {"weights_gib": _re.compile(r"Model loading took ([0-9.]+) GiB"),
-            "kv_cache_gib": _re.compile(r"Available KV cache memory: ([0-9.]+) GiB"),
-            "kv_tokens": _re.compile(r"(?:GPU|CPU) KV cache size: ([0-9,]+) tokens")}
+REPORTED = {"weights_gib": re.compile(r"Model loading took ([0-9.]+) GiB"),
+            "kv_cache_gib": re.compile(r"Available KV cache memory: ([0-9.]+) GiB"),
+            "kv_tokens": re.compile(r"(?:GPU|CPU) KV cache size: ([0-9,]+) tokens")}
 # the tolerances a prediction is held to (docs/playbooks.md#will-it-fit): beyond them the model is wrong (ours)
 REPORT_TOLERANCE = {"weights_gib": 0.10, "kv_tokens": 0.15, "kv_tokens_cpu": 0.01}
 

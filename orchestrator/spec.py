@@ -21,7 +21,6 @@ from . import spec_schema
 from .errors import SpecError, UsageError
 from .locate import find_playbook, list_playbooks, shipped_dir
 from .schema import Problems, compose_file, node_of
-from .sizing import NotUnderstood, weights_from_safetensors
 from .spec_schema import DEFAULT_STATE_DIR, INVENTORY, PLAYBOOK, RESERVED_FLAGS, is_secret_name
 from .vllm_facts import vtuple
 
@@ -695,6 +694,9 @@ def _check_sizing(pb: Playbook, problems: Problems) -> None:
         return
     pb.target_config, pb.target_config_path = cfg, cfg_path
     if os.path.isdir(path):
+        # lazy: start-up time, ~3 ms of every command; only a target_config directory needs it
+        from .sizing import NotUnderstood, weights_from_safetensors
+
         try:
             pb.target_weights = weights_from_safetensors(path)
         except (OSError, ValueError, KeyError, TypeError, NotUnderstood) as e:
