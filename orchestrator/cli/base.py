@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import click
 
 from .. import __version__
 from ..errors import (EXIT_CODES_HELP, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE,
-                      DeployError, UsageError)
+                      DeployError, Unreachable, UsageError)
+from ..locate import find_inventory, list_playbooks
 from ..render import _echo_wrapped, render_outcome
+from ..report import Progress, dump_json, guard_std_streams, term_width, wrap
+from ..spec import load_inventory, load_playbook, playbooks_targeting
+# lazy, inside the commands, for start-up time (deploy --help, --version and status do not load what they
+# do not run; all of it ~170 ms): fleet
 
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -23,24 +29,19 @@ class Obj:
         self.json = as_json
 
     def inventory(self):
-        from ..locate import find_inventory
-        from ..spec import load_inventory
 
         return load_inventory(find_inventory(self.inventory_path))
 
     def progress(self):
-        from ..report import Progress
 
         return Progress(verbose=self.verbose)
 
 
 def fail(err: DeployError, as_json: bool) -> None:
-    from ..report import dump_json
 
     if as_json:
         dump_json({"ok": False, **err.as_dict()})
     else:
-        from ..report import term_width, wrap
 
         click.echo(wrap(err.render(), term_width(sys.stderr), indent=4), err=True)
     sys.exit(err.exit_code)
@@ -89,7 +90,6 @@ def main(ctx, inventory, verbose, as_json):
     Shell completion (bash; zsh and fish alike, see deploy docs cli#shell-completion):
       eval "$(_DEPLOY_COMPLETE=bash_source deploy)"
     """
-    from ..report import guard_std_streams
 
     guard_std_streams()  # a reader that goes away (| head) must not abort an operation half-way
     ctx.obj = Obj(inventory, verbose, as_json)
@@ -97,15 +97,12 @@ def main(ctx, inventory, verbose, as_json):
 
 def complete_playbooks(_ctx, _param, incomplete):
     """Shell completion (click's own): playbook names in the search order."""
-    from ..locate import list_playbooks
 
     return [n for n in list_playbooks() if n.startswith(incomplete)]
 
 
 def complete_targets(ctx, param, incomplete):
     """Shell completion: playbook names, inventory hosts and HOST/VMID."""
-    from ..locate import find_inventory
-    from ..spec import load_inventory
 
     names = complete_playbooks(ctx, param, incomplete)
     try:
@@ -129,7 +126,6 @@ def json_option(f):
 
 
 def load(obj: Obj, playbook: str):
-    from ..spec import load_playbook
 
     inv = obj.inventory()
     not_a_container(inv, playbook)
@@ -139,12 +135,10 @@ def load(obj: Obj, playbook: str):
 def not_a_container(inv, playbook: str) -> None:
     """`deploy down pve1/129`: HOST/VMID of the inventory where a PLAYBOOK is expected -> a usage error (exit 2,
     nothing ran) naming the playbooks that target that container, instead of "file not found"."""
-    import re
 
     m = re.fullmatch(r"([^/\s]+)/(\d+)", playbook)
     if not m or os.path.exists(playbook) or m.group(1) not in inv.hosts:
         return
-    from ..spec import playbooks_targeting
 
     cmd = click.get_current_context().info_name or "COMMAND"
     mine = [(n, pb.is_fleet) for n, pb in playbooks_targeting(m.group(1), int(m.group(2)), inv)]
@@ -157,8 +151,6 @@ def not_a_container(inv, playbook: str) -> None:
 
 
 def _outcome_exit(obj, out):
-    from ..errors import Unreachable
-    from ..report import dump_json
 
     if obj.json:
         dump_json(out.as_dict())
@@ -174,8 +166,6 @@ def _outcome_exit(obj, out):
 def _outcomes_exit(obj, outs):
     """Several outcomes (a playbook's targets, or several playbooks): --json all of them, else each rendered. Exit 0
     all passed, 3 only unreachable hosts failed (as _outcome_exit for one), else 1."""
-    from ..errors import Unreachable
-    from ..report import dump_json
 
     if obj.json:
         dump_json([o.as_dict() for o in outs])
@@ -199,7 +189,6 @@ def up_options(f):
 def _confirm(prompt):
     if not sys.stdin.isatty():
         return False
-    from ..report import term_width, wrap
 
     return click.confirm(wrap(prompt, term_width(sys.stderr), indent=4), default=False, err=True)
 
@@ -208,7 +197,6 @@ def _fleet_exit(obj, res):
     """A playbook with targets: every failed target's error (fix, state left), then one line per target and the
     totals; --json: every target. Exit 0 all passed, 3 only unreachable hosts failed, else 1."""
     from .. import fleet as F
-    from ..report import dump_json
 
     if obj.json:
         dump_json(F.as_json(res))

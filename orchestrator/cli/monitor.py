@@ -8,7 +8,12 @@ import sys
 import click
 
 from ..errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, UsageError
+from ..locate import list_playbooks
+from ..report import dump_json
+from ..spec import load_playbook
 from .base import CONTEXT, complete_playbooks, complete_targets, json_option, main, run_guarded
+# lazy, inside the commands, for start-up time (deploy --help, --version and status do not load what they
+# do not run; all of it ~170 ms): monitor, monitor_metrics, monitor_render, status
 
 
 @main.group(context_settings=CONTEXT)
@@ -56,9 +61,7 @@ def monitor_export(obj, directory, playbooks, for_, rate_window, down_for, scrap
     memory held outside the deployment, endpoint down, deploy's own series stale or unreachable), rules.test.yml
     (promtool unit tests, one per alert), prometheus.yml (uses both) and dashboard.json (Grafana)."""
     def go():
-        from ..locate import list_playbooks
         from ..monitor import export
-        from ..spec import load_playbook
 
         inv = obj.inventory()
         names = list(playbooks) or list_playbooks()
@@ -71,7 +74,6 @@ def monitor_export(obj, directory, playbooks, for_, rate_window, down_for, scrap
                      scrape_interval=scrape_interval, evaluation_interval=evaluation_interval,
                      node_exporters=node_exporters)
         if obj.json:
-            from ..report import dump_json
             dump_json({"ok": True, **res})
             return
         click.echo(f"wrote {', '.join(res['files'])} to {res['directory']}")
@@ -134,7 +136,6 @@ def monitor_metrics(obj, targets, textfile, deadline):
                                                              "samples": sum(len(v) for v in M.parse(text).values())}
         bad = [r for r in rows if not r.get("reachable")]
         if obj.json:
-            from ..report import dump_json
             dump_json({"ok": code == EXIT_OK, "exit_code": code, "textfile": path, **written,
                        "containers": [{"host": r["host"], "vmid": r["vmid"], "playbook": r.get("playbook"),
                                        "reachable": r.get("reachable"), "healthy": r.get("healthy")} for r in rows],
@@ -196,7 +197,6 @@ def monitor_render(obj, dashboard, prometheus, out, since, step, scrape_interval
         res = R.render(dashboard, prometheus, out, since=since_s, step=step_s, scrape=scrape_s, variables=given)
         code = EXIT_FAILED if res["failed"] else EXIT_OK
         if obj.json:
-            from ..report import dump_json
             dump_json({"ok": code == EXIT_OK, "exit_code": code, **res})
         else:
             click.echo(f"wrote {res['out']} ({len(res['panels'])} panels, {res['series']} series, "

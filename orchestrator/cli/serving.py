@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import click
 
+from ..endpoint import playbook_endpoints
 from ..errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, UsageError
+from ..report import dump_json
 from .base import CONTEXT, Obj, complete_playbooks, complete_targets, json_option, load, main, refuse_json, run_guarded
+# lazy, inside the commands, for start-up time (deploy --help, --version and status do not load what they
+# do not run; all of it ~170 ms): status, foreground
 
 
 # ------------------------------------------------------------------ status / logs
@@ -42,8 +47,6 @@ def endpoint(obj, playbook, tunnel, local_port, where):
     2 bad usage, 3 the host is unreachable.
     """
     def go():
-        from ..endpoint import playbook_endpoints
-
         inv, pb = load(obj, playbook)
         if where is not None and not pb.is_fleet and where != pb.where:
             raise UsageError(f"{pb.name} runs on {pb.where}, not {where}", fix=f"deploy endpoint {pb.name}")
@@ -61,7 +64,6 @@ def endpoint(obj, playbook, tunnel, local_port, where):
 
             sys.exit(run_tunnel(inv, pb, rows[0], local_port, as_json=obj.json))
         if obj.json:
-            from ..report import dump_json
             dump_json({"ok": all(r["url"] for r in rows), "playbook": pb.name, "endpoints": rows})
         else:
             for r in rows:
@@ -113,7 +115,6 @@ def status(obj, targets, watch, deadline):
 
 def _regex(_ctx, _param, value):
     """--grep is a Python regular expression, checked here: a bad one is a usage error before anything runs."""
-    import re
 
     if value is not None:
         try:
