@@ -479,6 +479,15 @@ class HostSession:
 
     # -------------------------------------------------------------- commands
 
+    def _where(self, vmid: int | None) -> str:
+        return self.host.name + (f"/{vmid}" if vmid is not None else "")
+
+    def _lost(self, when: str, e: BaseException) -> Unreachable:
+        """The connection broke mid-command: closed here (the next command reconnects); what to raise."""
+        self.close()
+        return Unreachable(f"SSH connection lost {when}: {e or type(e).__name__}", where=self.host.name,
+                           fix="check the host; run `deploy status` to see what state was left")
+
     def run(self, argv: list[str], *, stdin: bytes | str | None = None, timeout: float = 60.0,
             vmid: int | None = None, label: str | None = None, audit_argv: list[str] | None = None,
             on_line=None, max_output: int | None = None) -> Result:
@@ -497,18 +506,15 @@ class HostSession:
             e.args = (e.message,)
             self.audit.write(host=self.host.name, vmid=vmid, argv=audit_argv or argv, exit=None,
                              duration=round(time.monotonic() - started, 4), error=e.message[:300], label=label)
-            e.where = f"{self.host.name}" + (f"/{vmid}" if vmid is not None else "")
+            e.where = self._where(vmid)
             raise
         except OutputTooLarge as e:
             self.audit.write(host=self.host.name, vmid=vmid, argv=audit_argv or argv, exit=None,
                              duration=round(time.monotonic() - started, 4), error=e.message, label=label)
-            e.where = f"{self.host.name}" + (f"/{vmid}" if vmid is not None else "")
+            e.where = self._where(vmid)
             raise
         except (OSError, EOFError, _ssh_exception()) as e:
-            self.close()
-            raise Unreachable(f"SSH connection lost during a command: {e or type(e).__name__}",
-                              where=self.host.name, fix="check the host; run `deploy status` to see what state "
-                                                        "was left") from e
+            raise self._lost("during a command", e) from e
         dur = time.monotonic() - started
         self.audit.write(host=self.host.name, vmid=vmid, argv=audit_argv or argv, exit=exited,
                          duration=round(dur, 4), label=label,
@@ -526,10 +532,7 @@ class HostSession:
             chan.settimeout(None)
             chan.exec_command(shell_join(argv))
         except (OSError, EOFError, _ssh_exception()) as e:
-            self.close()
-            raise Unreachable(f"SSH connection lost while starting a command: {e or type(e).__name__}",
-                              where=self.host.name, fix="check the host; run `deploy status` to see what state "
-                                                        "was left") from e
+            raise self._lost("while starting a command", e) from e
         self.audit.write(host=self.host.name, vmid=vmid, argv=audit_argv or argv, exit="started", label=label,
                          **({"stdin_bytes": stdin_bytes} if stdin_bytes else {}))
         return chan

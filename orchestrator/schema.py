@@ -53,6 +53,16 @@ def scalar_value(node: ScalarNode) -> Any:
     return _constructor.construct_object(node, deep=True)
 
 
+def _is_null(node: Node) -> bool:
+    """`key:`, `key: null` or `key: ~`."""
+    return isinstance(node, ScalarNode) and scalar_value(node) is None
+
+
+def _expected(node: Node, path: str, problems: Problems, what: str) -> None:
+    """Report a node of the wrong kind ("expected a list, found a mapping"); None, the value it stands for."""
+    problems.add(node, path, f"expected {what}, found {_kind(node)}")
+
+
 class Type:
     nullable = False
     description = ""
@@ -91,8 +101,7 @@ class Scalar(Type):
 
     def check(self, node, path, problems):
         if not isinstance(node, ScalarNode):
-            problems.add(node, path, f"expected {self.name}, found {_kind(node)}")
-            return None
+            return _expected(node, path, problems, self.name)
         value = scalar_value(node)
         if value is None:
             if self.nullable:
@@ -177,11 +186,10 @@ class List(Type):
     nullable: bool = False
 
     def check(self, node, path, problems):
-        if isinstance(node, ScalarNode) and self.nullable and scalar_value(node) is None:
+        if self.nullable and _is_null(node):
             return None
         if not isinstance(node, SequenceNode):
-            problems.add(node, path, f"expected a list, found {_kind(node)}")
-            return None
+            return _expected(node, path, problems, "a list")
         if not self.min_len <= len(node.value) <= self.max_len:
             problems.add(node, path, f"expected {self.min_len} to {self.max_len} items, found {len(node.value)}")
         out, seen = [], set()
@@ -206,8 +214,18 @@ class List(Type):
 class Field:
     type: Type
     required: bool = False
-    default: Any = None
+    default: Any = None  # a value, or a callable that makes one (list, dict, lambda: {...}: a fresh one each time)
     doc: str = ""
+
+    def value(self) -> Any:
+        """The default, made afresh when it is a callable."""
+        return self.default() if callable(self.default) else self.default
+
+    def json_schema(self) -> dict:
+        s = self.type.json_schema()
+        if self.doc:
+            s["description"] = self.doc
+        return s
 
 
 def mapping_items(node: MappingNode, path: str, problems: Problems):
@@ -239,11 +257,10 @@ class Map(Type):
     one_of: tuple = ()
 
     def check(self, node, path, problems):
-        if isinstance(node, ScalarNode) and self.nullable and scalar_value(node) is None:
+        if self.nullable and _is_null(node):
             return None
         if not isinstance(node, MappingNode):
-            problems.add(node, path, f"expected a mapping, found {_kind(node)}")
-            return None
+            return _expected(node, path, problems, "a mapping")
         out: dict[str, Any] = {}
         nodes: dict[str, Node] = {}
         for key, knode, vnode in mapping_items(node, path, problems):
@@ -253,8 +270,7 @@ class Map(Type):
                 problems.add(knode, _join(path, key), f"unknown key{hint}; allowed: {', '.join(self.fields)}")
                 continue
             f = self.fields[key]
-            if not f.required and isinstance(vnode, ScalarNode) and scalar_value(vnode) is None \
-                    and not f.type.nullable:
+            if not f.required and _is_null(vnode) and not f.type.nullable:
                 continue  # an explicit null on an optional key means "the default"
             out[key] = f.type.check(vnode, _join(path, key), problems)
             nodes[key] = vnode
@@ -262,7 +278,7 @@ class Map(Type):
             if name not in out:
                 if f.required:
                     problems.add(node, _join(path, name), "required key is missing")
-                out[name] = f.default() if callable(f.default) else f.default
+                out[name] = f.value()
         for group in self.one_of:
             given = [k for k in group if k in nodes]
             if len(given) != 1:
@@ -276,17 +292,24 @@ class Map(Type):
             self.cross(out, node, path, problems)
         return out
 
+    def defaults(self, skip_none: bool = False) -> dict:
+        """What the map is when its key is left out: each optional key's default (skip_none: those that are not None)."""
+        out = {}
+        for name, f in self.fields.items():
+            v = f.value()
+            if not f.required and not (skip_none and v is None):
+                out[name] = v
+        return out
+
     def json_schema(self) -> dict:
         props, required = {}, []
         for name, f in self.fields.items():
-            p = f.type.json_schema()
-            if f.doc:
-                p["description"] = f.doc
+            p = f.json_schema()
             if f.required:
                 required.append(name)
             else:
                 p = _nullable(p)  # an explicit null on an optional key means "the default"
-                default = f.default() if callable(f.default) else f.default
+                default = f.value()
                 if default is not None:
                     p["default"] = default
             props[name] = p
@@ -295,10 +318,7 @@ class Map(Type):
             s["required"] = required
         for group in self.one_of:  # exactly one of these keys, with a value (not null)
             for k in group:
-                p = self.fields[k].type.json_schema()
-                if self.fields[k].doc:
-                    p["description"] = self.fields[k].doc
-                props[k] = p
+                props[k] = self.fields[k].json_schema()
             s.setdefault("oneOf", []).extend({"required": [k]} for k in group)
         return _nullable(s) if self.nullable else s
 
@@ -313,11 +333,10 @@ class FreeMap(Type):
     nullable: bool = True
 
     def check(self, node, path, problems):
-        if isinstance(node, ScalarNode) and scalar_value(node) is None:
+        if _is_null(node):
             return {}
         if not isinstance(node, MappingNode):
-            problems.add(node, path, f"expected a mapping, found {_kind(node)}")
-            return {}
+            return _expected(node, path, problems, "a mapping") or {}
         out = {}
         for key, knode, vnode in mapping_items(node, path, problems):
             if not re.fullmatch(self.key_pattern, key):

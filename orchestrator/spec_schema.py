@@ -92,6 +92,11 @@ def _package_sources(installer: str) -> dict:
     }
 
 
+def _defaulted(m: Map, doc: str = "", skip_none: bool = False) -> Field:
+    """An optional map key whose value, when it is left out, is the defaults of its own keys (said once, there)."""
+    return Field(m, default=lambda: m.defaults(skip_none), doc=doc)
+
+
 def _method(value: str) -> str | None:
     if value in METHODS:
         return None
@@ -100,10 +105,6 @@ def _method(value: str) -> str | None:
     near = difflib.get_close_matches(value, METHODS, n=1)
     return f"{value!r} is not one of {', '.join(map(repr, METHODS))}" + (f" (did you mean {near[0]!r}?)" if near else "")
 
-
-FETCH_DEFAULTS = {"connections": 8, "range_mib": 64, "store": None, "mount": "/models"}
-INSTALL_DEFAULTS = {"timeout_s": 3600.0, "installer": "auto", "python": None, "index_url": None, "find_links": [],
-                    "no_index": False, "heartbeat_s": 30.0, "hashes": [], "allow_insecure": False}
 
 # ---------------------------------------------------------------- inventory
 
@@ -185,7 +186,6 @@ TARGET = Map({
 })
 
 ROUTER_POLICIES = ("round_robin", "random", "cache_aware", "power_of_two", "consistent_hash")
-ROUTER_INSTALL_DEFAULTS = {"index_url": None, "find_links": [], "no_index": False, "timeout_s": 900.0}
 ROUTER = Map({
     "host": Field(Str(**NAME), required=True, doc="the Proxmox host of the router's container"),
     "vmid": Field(Int(100, 999_999_999), doc="the container the router runs in (required: nothing of ours runs "
@@ -200,10 +200,10 @@ ROUTER = Map({
                          "its RECORD"),
     "python": Field(Str(**ABS_PATH), default="/usr/bin/python3",
                     doc="the Python the router's venv is made from (and that runs deploy's agent there)"),
-    "install": Field(Map({
+    "install": _defaulted(Map({
         **_package_sources("pip"),
         "timeout_s": Field(Float(1, 7200), default=900.0, doc="the install's limit"),
-    }), default=lambda: dict(ROUTER_INSTALL_DEFAULTS)),
+    })),
     "health_check_interval_s": Field(Int(1, 3600), default=2,
                                      doc="the router checks each replica's /health this often"),
     "health_failure_threshold": Field(Int(1, 100), default=2,
@@ -225,12 +225,11 @@ PLAYBOOK = Map({
         "path": Field(Str(**ABS_PATH), required=True, doc="target model directory in the container"),
         **FETCH_FIELDS,
     }), required=True),
-    "runtime": Field(Map({
+    "runtime": _defaulted(Map({
         "python": Field(Str(**ABS_PATH), default="/root/ml-env/bin/python", doc="the Python that runs vLLM"),
         "vllm": Field(Str(**ABS_PATH), default="/root/ml-env/bin/vllm"),
         "state_dir": Field(Str(**ABS_PATH), default=DEFAULT_STATE_DIR),
-    }), default=lambda: {"python": "/root/ml-env/bin/python", "vllm": "/root/ml-env/bin/vllm",
-                         "state_dir": DEFAULT_STATE_DIR}),
+    })),
     "serve": Field(Map({
         "host": Field(Str(**HOSTNAME), default="0.0.0.0"),
         "port": Field(Int(1, 65535), default=8000),
@@ -259,13 +258,13 @@ PLAYBOOK = Map({
         "drafter": Field(DRAFTER),
         "extra": Field(FreeMap(r"[a-z_]{1,64}", "lowercase spec-config keys", value=Str()), default=dict),
     }), required=True),
-    "requires": Field(Map({
+    "requires": _defaulted(Map({
         "vllm": Field(Str(validate=_vllm_source),
                       doc="the vLLM deploy install-vllm installs: a version, git+https://...@BRANCH, a wheel URL or a "
                           "wheel path in the container"),
         "vllm_min_version": Field(Str(**VERSION)),
         "fixes": Field(List(Str(choices=KNOWN_FIXES), unique=True), default=list),
-        "install": Field(Map({
+        "install": _defaulted(Map({
             "timeout_s": Field(Float(1, 172800), default=3600.0,
                                doc="the build's limit; reaching it is 'build not finished', never success"),
             "installer": Field(Str(choices=("auto", "uv", "pip")), default="auto",
@@ -280,9 +279,9 @@ PLAYBOOK = Map({
                                               "dependency needs a pinned hash too: pip's rule)"),
             "allow_insecure": Field(Bool(), default=False,
                                     doc="accept plain http:// (and git+http://) sources; refused otherwise"),
-        }), default=lambda: dict(INSTALL_DEFAULTS)),
-    }), default=lambda: {"vllm": None, "vllm_min_version": None, "fixes": [], "install": dict(INSTALL_DEFAULTS)}),
-    "fetch": Field(Map({
+        })),
+    })),
+    "fetch": _defaulted(Map({
         "connections": Field(Int(1, 64), default=8,
                              doc="at most this many connections at once: several files together, and a large file "
                                  "in byte ranges over several connections (a CDN caps each connection, not the "
@@ -296,27 +295,24 @@ PLAYBOOK = Map({
                            "(docs/playbooks.md#store-one-copy-per-host)"),
         "mount": Field(Str(pattern=r"/[A-Za-z0-9._+/-]{1,400}", pattern_hint="an absolute path in the container"),
                        default="/models", doc="where the containers see the store (mpN: STORE,mp=MOUNT,ro=1)"),
-    }), default=lambda: dict(FETCH_DEFAULTS),
-        doc="how deploy fetch (and up's fetch step) downloads from the hub "
+    }), doc="how deploy fetch (and up's fetch step) downloads from the hub "
             "(docs/playbooks.md#connections-and-ranges-fetch)"),
-    "gpu": Field(Map({
+    "gpu": _defaulted(Map({
         "free_threshold_mib": Field(Int(0, 1_000_000), default=1024),
         "free_timeout_s": Field(Float(0.5, 3600), default=60.0),
         "stop_grace_s": Field(Float(0, 3600), default=30.0),
         "clean_gpus": Field(Bool(), default=False, doc="fuser -k the container's /dev/nvidia* when stopping"),
         "nvidia_smi_timeout_s": Field(Float(0.5, 120), default=10.0),
-    }), default=lambda: {"free_threshold_mib": 1024, "free_timeout_s": 60.0, "stop_grace_s": 30.0,
-                         "clean_gpus": False, "nvidia_smi_timeout_s": 10.0}),
-    "supervise": Field(Map({
+    })),
+    "supervise": _defaulted(Map({
         "restart_sec": Field(Float(0.1, 3600), default=5.0,
                              doc="systemd RestartSec: wait before restarting a crashed server"),
         "start_limit_burst": Field(Int(1, 100), default=3,
                                    doc="systemd StartLimitBurst: at most this many starts within the interval"),
         "start_limit_interval_s": Field(Float(1, 86400), default=600.0,
                                         doc="systemd StartLimitIntervalSec: the window the burst is counted in"),
-    }), default=lambda: {"restart_sec": 5.0, "start_limit_burst": 3, "start_limit_interval_s": 600.0},
-        doc="where the container runs systemd: how vllm-PLAYBOOK.service restarts a crashed server"),
-    "acceptance": Field(Map({
+    }), doc="where the container runs systemd: how vllm-PLAYBOOK.service restarts a crashed server"),
+    "acceptance": _defaulted(Map({
         "min_mean_acceptance_length": Field(Float(1, 100), doc="the gate's mean acceptance length (AL) threshold; "
                                             "default 1 + 0.4 * min(k, 3): 1.4 for k=1, 1.8 for k=2, 2.2 for k>=3"),
         "min_first_position": Field(Float(0, 1), doc="acceptance at draft position 0 (default 0.5)"),
@@ -326,7 +322,7 @@ PLAYBOOK = Map({
                             "fewer: the probe runs more rounds, up to probe.max_rounds"),
         "min_draft_acceptance": Field(Float(0, 1), doc="optional: ALSO require this draft acceptance rate (the old gate; "
                                       "the rate falls as k grows: healthy DFlash at k=15 shows 15-19 %)"),
-        "probe": Field(Map({
+        "probe": _defaulted(Map({
             "prompts": Field(List(Str(), min_len=1, max_len=64), doc="the probe's prompts (default: the shipped "
                              "natural-text set: chat, code, math)"),
             "prompts_file": Field(Str(), doc="a file of prompts, one per line (# comments and blank lines skipped), "
@@ -336,12 +332,11 @@ PLAYBOOK = Map({
             "max_rounds": Field(Int(1, 100), doc="more rounds while the drafts are fewer than min_drafts (default "
                                 "4 x rounds), within timeout_s"),
             "timeout_s": Field(Float(1, 3600), default=120.0),
-        }), default=lambda: {"max_tokens": 128, "rounds": 1, "timeout_s": 120.0}),
+        }), skip_none=True),
         "on_low_acceptance": Field(Str(choices=("fail", "fallback")), default="fail"),
         "fallback": Field(Str(**NAME), doc="playbook to bring up instead when acceptance is too low"),
-    }), default=lambda: {"cliff_check": True, "probe": {"max_tokens": 128, "rounds": 1, "timeout_s": 120.0},
-                         "on_low_acceptance": "fail"}),
-    "sizing": Field(Map({
+    }), skip_none=True),
+    "sizing": _defaulted(Map({
         "accept_tight": Field(Bool(), default=False,
                               doc="silence the 'tight' warning of the sizing model (never a certain does-not-fit)"),
         "gpu_total_mib": Field(Int(256, 10_000_000), doc="each GPU's total memory as nvidia-smi reports it (MiB); "
@@ -349,8 +344,7 @@ PLAYBOOK = Map({
         "target_config": Field(Str(), doc="a local copy of the target's config.json (or a directory with it and, "
                                "optionally, the safetensors), relative to the playbook: what `deploy size` and "
                                "`deploy plan` size the deployment from"),
-    }), default=lambda: {"accept_tight": False, "gpu_total_mib": None, "target_config": None},
-        doc="Will it fit? (docs/playbooks.md#will-it-fit): the inputs of the sizing model beyond serve/speculative"),
+    }), doc="Will it fit? (docs/playbooks.md#will-it-fit): the inputs of the sizing model beyond serve/speculative"),
     "router": Field(ROUTER, doc="with targets: vLLM Router (vllm-router) in front of the replicas, in one "
                                 "container: one URL for the fleet (deploy endpoint); drained replicas during "
                                 "restart --rolling. See docs/router.md"),
