@@ -24,7 +24,7 @@ from .schema import Problems, compose_file, node_of
 from .spec_schema import DEFAULT_STATE_DIR, INVENTORY, PLAYBOOK, RESERVED_FLAGS, is_secret_name
 from .vllm_facts import vtuple
 
-# importable from here for status.py (NAME) and install.py (VERSION_RE); declared in spec_schema.py
+# importable from here for status_render.py (NAME) and plan.py (VERSION_RE); declared in spec_schema.py
 NAME, VERSION_RE = spec_schema.NAME, spec_schema.VERSION_RE
 
 # ---------------------------------------------------------------- resolved values
