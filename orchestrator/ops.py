@@ -25,7 +25,7 @@ from .steps import drafter as D
 from .steps import gpu as G
 from .steps import vllm as V
 from .steps.plumbing import gpu_plumbing
-from .endpoint import container_endpoint
+from .endpoint import server_endpoint
 from .steps import plumbing as GP
 from .sizing import measured_refusal
 from . import agent
@@ -323,7 +323,7 @@ def r_current(run: Run, step: P.Step) -> None:
                                         f"passed the acceptance gate at {_when(g.get('at'))} "
                                         f"({gate_figures(v)})", t0, gate=g)
             run.out.ok, run.out.status = True, "already up"
-            run.out.info = {**_ep(url(pb, run.fleet.inventory)), "pid": s.get("pid"), "gate": g}
+            run.out.info = {**_ep(server_endpoint(run.fleet.inventory, pb)), "pid": s.get("pid"), "gate": g}
             st.finished = "already up"
             return
         # the same deployment serves, but its launch never passed the gate (an up interrupted before the gate, a
@@ -432,7 +432,7 @@ def r_acceptance(run: Run, step: P.Step) -> None:
     ctx, pb = run.ctx, run.ctx.pb
     m, low = V.acceptance(ctx, step)
     run.st.verdict = m["verdict"].as_dict()
-    run.out.info = {**_ep(url(pb, run.fleet.inventory)), "model": pb.serve["served_model_name"],
+    run.out.info = {**_ep(server_endpoint(run.fleet.inventory, pb)), "model": pb.serve["served_model_name"],
                     "method": pb.spec["method"], "acceptance": m["acceptance"].as_dict(), "gate": run.st.verdict,
                     **({"gated_running": True} if run.st.ungated else {}),
                     "supervisor": (run.launch_result.supervisor if run.launch_result else None) or "none",
@@ -657,12 +657,6 @@ def stop_after_failure(ctx: Context, step: P.Step) -> str:
 
 def _ep(ep: dict) -> dict:
     return {"url": ep["url"], "tunnel": ep.get("tunnel"), "endpoint": ep}
-
-
-def url(pb: Playbook, inv=None) -> dict:
-    """{url, tunnel, ...}: the container's real address from the inventory (endpoint.container_endpoint)."""
-
-    return container_endpoint(inv, pb.host, pb.vmid, pb.serve["port"])
 
 
 def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outcome:

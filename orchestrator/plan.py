@@ -22,7 +22,8 @@ from .gate import playbook_thresholds
 from .agent import SESSION_BOOT, agent_argv
 from .agent.container.protocol import SMI_MEMORY_ARGS
 from .remote import pct_exec_argv, shell_join
-from .spec import VERSION_RE, Inventory, Playbook, fetch_items
+from .spec import Inventory, Playbook, fetch_items
+from .spec_schema import VERSION_RE
 
 
 # Run-time values the plan cannot know; Context.call fills them in (they are not secret).

@@ -12,7 +12,9 @@ stripped of controls here, and fix commands quote what they carry (shell_word). 
 from __future__ import annotations
 
 import re
+import shlex
 
+from .agent.container.protocol import SMI_MEMORY_ARGS
 from .errors import DeployError
 from .remote import shell_word
 
@@ -36,13 +38,14 @@ done
 echo "@@ version"; head -c 400 /proc/driver/nvidia/version 2>/dev/null
 echo "@@ smi"
 T=""; command -v timeout >/dev/null 2>&1 && T="timeout -k 2 10"
-F=$(mktemp 2>/dev/null) && { $T nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits \
+F=$(mktemp 2>/dev/null) && { $T @SMI_MEMORY@ \
   > "$F" 2>/dev/null & }
 $T nvidia-smi 2>&1 | head -c 4000 | grep -E 'Driver Version|CUDA Version|NVML|Failed' | head -n 4
 wait
 echo "@@ gpumem"; if [ -n "$F" ]; then head -n 64 "$F" | head -c 4000; rm -f "$F"; fi
 exit 0
 """
+HOST_PLUMBING_SH = HOST_PLUMBING_SH.replace("@SMI_MEMORY@", shlex.join(["nvidia-smi", *SMI_MEMORY_ARGS]))  # one spelling
 
 MAX_LINE = 300
 MAX_LINES = 400

@@ -15,7 +15,7 @@ import os
 import time
 
 from . import agent
-from .endpoint import base_url, router_endpoint
+from .endpoint import base_url
 from .errors import DeployError, Unreachable
 from .remote import Fleet
 from .report import Progress
@@ -346,8 +346,3 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress) -> dict:
         progress.say(w, "router: stopped" + (f" (unit {res['unit'].get('unit')} stopped and removed)"
                                               if isinstance(res.get("unit"), dict) else f" (pid {res.get('pid')})"))
     return {"where": w, "ok": True, "stopped": bool(res.get("stopped"))}
-
-
-def url(fleet_inv, pb: Playbook) -> dict:
-    """The router's client endpoint: endpoint.router_endpoint (kept for status.py, which calls R.url)."""
-    return router_endpoint(fleet_inv, pb)

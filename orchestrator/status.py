@@ -20,6 +20,7 @@ from . import plumbing as PL
 from . import vllm_facts as vf
 from .agent import AgentError, ContainerNotRunning
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, RemoteTimeout, Unreachable, UsageError
+from .endpoint import endpoint, router_endpoint
 from .facts import nvml_mismatch_fix, parse_pct_status
 from .remote import Fleet, run_parallel, shell_word, state_dir, warm_when_connected
 from .report import Progress, dump_json, own, term_width
@@ -562,7 +563,6 @@ def _error_row(host, vmid, err) -> dict:
 
 
 def _add_endpoint(row, fleet, host, vmid, port) -> None:
-    from .endpoint import endpoint  # lazy: gather warms it while the agents run (warm_when_connected), ~2 ms
 
     hs = fleet.inventory.hosts.get(host)
     if hs is not None:
@@ -631,7 +631,7 @@ def router_status(fleet, inv, pb, rows) -> dict:
     rv["flags"] = R.compare(pb, inv, rv, set(t["serving_targets"]))
     rv["ok"] = bool(rv.get("ok")) and not rv["flags"]
     if rv.get("running"):
-        rv["url"] = R.url(inv, pb).get("url")
+        rv["url"] = router_endpoint(inv, pb).get("url")
     return rv
 
 

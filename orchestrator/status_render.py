@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from .report import own, table, wrap
-from .spec import NAME as _PLAYBOOK_NAME  # the playbook-name grammar
+from .spec_schema import NAME as _PLAYBOOK_NAME  # the playbook-name grammar
 from .spec import list_playbooks, load_playbook
 
 NO_RUNTIME = "no vLLM runtime"  # a row's `process` when the inventory gives no vLLM runtime (status/v1)
