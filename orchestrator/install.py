@@ -22,7 +22,7 @@ from .errors import DeployError, Unreachable, UsageError
 from .steps import Outcome
 from .follow import Every, Job, follow
 from .report import FOLLOW_LINE_MAX
-from .plan import install_args as agent_args, install_requirement as requirement
+from .plan_args import install_args as agent_args, install_requirement as requirement
 from .spec import Playbook
 
 FOLLOW_S = 120.0  # one attach call follows the runner this long; the next call continues where it stopped

@@ -1,0 +1,199 @@
+"""What the plan gives the container, from the playbook alone (pure, no I/O): `vllm serve`'s argv and environment,
+the state record, the drafter config's path, what verify checks the launch against, the systemd supervision, the
+fetch items and the install-vllm request. plan.py builds the steps around them; steps/ and the agent never
+rebuild them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from .spec import Playbook, fetch_items
+from .spec_schema import VERSION_RE
+
+
+def state_paths(pb: Playbook) -> dict:
+    sd = pb.runtime["state_dir"]
+    return {"state_dir": sd, "log_path": os.path.join(sd, "vllm.log")}
+
+
+def drafter_config_path(pb: Playbook) -> str | None:
+    """The config.json vLLM reads: in the drafter directory, or for a hub id in deploy's own drafter directory
+    (hub_drafter_dir: the pinned config + links to the snapshot's other files; the hub cache is never written)."""
+    d = pb.drafter
+    if not d:
+        return None
+    return os.path.join(d["path"] or hub_drafter_dir(pb), "config.json")
+
+
+def hub_drafter_dir(pb: Playbook) -> str | None:
+    d = pb.drafter
+    if not d or not d.get("hub_id"):
+        return None
+    return os.path.join(pb.runtime["state_dir"], "drafters", d["hub_id"].replace("/", "--"))
+
+
+def spec_config(pb: Playbook) -> dict:
+    s = pb.spec
+    cfg = {"method": s["method"]}
+    d = s.get("drafter")
+    if d:
+        cfg["model"] = d["path"] or hub_drafter_dir(pb)
+    cfg["num_speculative_tokens"] = s["num_speculative_tokens"]
+    cfg.update(s["extra"])
+    return cfg
+
+
+def serve_argv(pb: Playbook) -> list[str]:
+    """`vllm serve TARGET --speculative-config JSON ...`, built from the playbook only (secrets go by env)."""
+    sv = pb.serve
+    argv = [pb.runtime["vllm"], "serve", pb.data["model"]["path"],
+            "--host", sv["host"], "--port", str(sv["port"]),
+            "--served-model-name", sv["served_model_name"],
+            "--tensor-parallel-size", str(sv["tensor_parallel_size"]),
+            "--gpu-memory-utilization", f"{sv['gpu_memory_utilization']:g}"]
+    if sv.get("max_model_len"):
+        argv += ["--max-model-len", str(sv["max_model_len"])]
+    method = pb.spec["method"]
+    backend = sv.get("attention_backend") or ("flash_attn" if method == "dflash" else None)
+    if backend:
+        argv += ["--attention-backend", backend]
+    mnbt = sv.get("max_num_batched_tokens") or (32768 if method == "dflash" else None)
+    if mnbt:
+        argv += ["--max-num-batched-tokens", str(mnbt)]
+    argv += ["--speculative-config", json.dumps(spec_config(pb), separators=(",", ":"))]
+    if sv.get("trust_remote_code"):
+        argv += ["--trust-remote-code"]
+    argv += list(sv["extra_args"])
+    return argv
+
+
+def serve_env(pb: Playbook) -> dict:
+    # SPT_NOENV: vLLM titles its processes with setproctitle, which otherwise overwrites what /proc/PID/environ
+    # shows, and with it the launch id that proves a process ours (agent state.proven)
+    env = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1", "SPT_NOENV": "1", "CUDA_VISIBLE_DEVICES": ",".join(map(str, pb.gpus))}
+    d = pb.drafter
+    if d and d.get("hub_id"):
+        env["HF_HOME"] = d["hf_home"]
+    env.update(pb.serve["env"])
+    return env
+
+
+def state_record(pb: Playbook) -> dict:
+    return {"playbook": pb.name, "playbook_sha256": pb.sha256, "drafter_sha256": (pb.drafter or {}).get("sha256"),
+            "drafter_path": drafter_config_path(pb), "port": pb.serve["port"],
+            "served_model_name": pb.serve["served_model_name"], "method": pb.spec["method"], "gpus": pb.gpus,
+            "api_key_env": pb.serve.get("api_key_env"), "host": pb.serve["host"]}
+
+
+def verify_args(pb: Playbook) -> dict:
+    d = pb.drafter
+    return {"path": d.get("path") or hub_drafter_dir(pb), "hub_id": d.get("hub_id"), "hf_home": d.get("hf_home"),
+            **({"revision": d["revision"]} if d.get("revision") else {}),
+            "sha256": d["sha256"], "target_path": pb.data["model"]["path"],
+            "num_speculative_tokens": pb.spec["num_speculative_tokens"], "method": pb.spec["method"],
+            "vllm_min_version": pb.data["requires"].get("vllm_min_version"),
+            "fixes": pb.data["requires"].get("fixes") or [],
+            "trust_remote_code": bool(pb.serve.get("trust_remote_code")), **launch_check_args(pb)}
+
+
+SPEC_SHORTCUT_FLAGS = ("--spec-method", "--spec-model", "--spec-tokens")
+
+
+def launch_check_args(pb) -> dict:
+    """What the verify step checks the launch against, in the container's own vLLM: the keys of the
+    --speculative-config JSON, the shortcut flags in serve.extra_args that clash with it, the model runner."""
+    flags = [a.split("=", 1)[0] for a in pb.serve["extra_args"] if a.split("=", 1)[0] in SPEC_SHORTCUT_FLAGS]
+    return {"spec_keys": sorted(spec_config(pb)), "spec_flags": flags,
+            "v2_runner_off": pb.serve["env"].get("VLLM_USE_V2_MODEL_RUNNER") == "0"}
+
+
+def supervise_args(pb: Playbook) -> dict:
+    sv = pb.data["supervise"]
+    return {k: sv[k] for k in ("restart_sec", "start_limit_burst", "start_limit_interval_s")}
+
+
+def unit_name(pb: Playbook) -> str:
+    """The systemd unit that supervises the playbook's server where the container runs systemd."""
+    return f"vllm-{pb.name}.service"
+
+
+def secret_env_names(pb: Playbook) -> list[str]:
+    """The names (never the values) of the secrets vLLM gets in its environment, sent on stdin."""
+    return sorted(set(pb.serve.get("secret_env") or {}) | ({"VLLM_API_KEY"} if pb.serve.get("api_key_env") else set()))
+
+
+HUB_ENDPOINT = "https://huggingface.co"
+
+
+def fetch_args(pb: Playbook) -> list[dict]:
+    """The playbook's fetch items, as the agent takes them (endpoint defaulted, the incoming directory of a
+    directory source)."""
+    out = []
+    for it in fetch_items(pb):
+        it = dict(it)
+        if it["hub"] and not it["source_path"]:
+            it["endpoint"] = (it["endpoint"] or os.environ.get("HF_ENDPOINT") or HUB_ENDPOINT).rstrip("/")
+        if it["source_path"]:
+            it["incoming"] = _fetch_incoming_dir(it)
+        out.append(it)
+    return out
+
+
+def fetch_transfer(pb: Playbook, connections: int | None = None) -> dict:
+    """How the fetch runner downloads: connections (deploy fetch --connections wins over fetch.connections) and the
+    range size in bytes."""
+    f = pb.data.get("fetch") or {}
+    return {"connections": int(connections or f.get("connections") or 8),
+            "range_bytes": int(f.get("range_mib") or 64) << 20}
+
+
+def _fetch_incoming_dir(it: dict) -> str:
+    """Where a directory source is copied into the container: beside its destination (one file system, so the
+    verified files are moved into place by rename)."""
+    if it["dest_kind"] == "cache":
+        return os.path.join(it["hf_home"], "hub", "models--" + it["hub"].replace("/", "--"), ".deploy-incoming")
+    d = it["dest"].rstrip("/")
+    return os.path.join(os.path.dirname(d), f".{os.path.basename(d)}.deploy-fetch", "incoming")
+
+
+def install_requirement(spec: str) -> dict:
+    """requires.vllm -> what the installer is given: {req, label, version (exact, or None), kind}."""
+    if re.fullmatch(VERSION_RE, spec):
+        return {"req": f"vllm=={spec}", "label": spec, "version": spec, "kind": "release"}
+    if spec.startswith("git+"):
+        ref = spec.rsplit("@", 1)[1] if "@" in spec.split("://", 1)[-1].split("/", 1)[-1] else "default"
+        # the bare URL: pip and uv read the name from the source; `vllm @ git+file:///...` is refused by older pip
+        return {"req": spec, "label": "git-" + ref, "version": None, "kind": "git"}
+    name = os.path.basename(spec.split("?", 1)[0])
+    m = re.match(r"vllm-([^-]+)-", name)
+    label = m.group(1) if m else name
+    if spec.startswith(("http://", "https://")):
+        return {"req": spec, "label": label, "version": None, "kind": "wheel-url"}
+    return {"req": spec, "label": label, "version": None, "kind": "wheel-file"}
+
+
+def _install_check_args(pb: Playbook, version: str | None) -> dict:
+    req = pb.data["requires"]
+    return {"version": version, "method": pb.spec["method"], "vllm_min_version": req.get("vllm_min_version"),
+            "fixes": req.get("fixes") or [], "layer_types": (pb.drafter_config or {}).get("layer_types") or []}
+
+
+def install_args(pb: Playbook, op: str, **kw) -> dict:
+    """The request of agent action install_vllm (OP: probe, start, attach, rollback) for PB."""
+    req = pb.data["requires"]
+    inst = req["install"]
+    args = {"op": op, "python": pb.runtime["python"], "vllm": pb.runtime["vllm"], "state_dir": pb.runtime["state_dir"],
+            "heartbeat_s": inst["heartbeat_s"]}
+    if req.get("vllm"):
+        r = install_requirement(req["vllm"])
+        args.update(spec=req["vllm"], req=r["req"], label=r["label"], installer=inst["installer"],
+                    base_python=inst.get("python"), index_url=inst.get("index_url"),
+                    find_links=inst.get("find_links") or [], no_index=inst["no_index"], timeout_s=inst["timeout_s"],
+                    hashes=inst.get("hashes") or [],
+                    check=_install_check_args(pb, r["version"]))
+    else:
+        args["check"] = _install_check_args(pb, None)
+    args.update(kw)
+    return args
