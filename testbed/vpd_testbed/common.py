@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -34,6 +35,39 @@ def port_open(addr, port, timeout=0.2) -> bool:
             return True
     except OSError:
         return False
+
+
+def port_free(addr, port) -> bool:
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((addr, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def free_net(first, stop):
+    """A 127.77.N. prefix, N in range(first, stop), whose .1 port SSH_PORT is free (for a test bed of a test's own);
+    None if there is none."""
+    for n in range(first, stop):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.77.%d.1" % n, SSH_PORT))
+                return "127.77.%d." % n
+            except OSError:
+                pass
+    return None
+
+
+def kill(pids, sig=signal.SIGKILL):
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
 
 
 def log_tail(path, lines=8) -> str:

@@ -27,7 +27,7 @@ def ctdir(hostdir, vmid):
 
 def _cmdline(pid):
     try:
-        with open("/proc/%d/cmdline" % pid, "rb") as f:
+        with open("/proc/%s/cmdline" % pid, "rb") as f:
             return f.read()
     except OSError:
         return b""
