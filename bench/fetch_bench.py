@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,19 +43,12 @@ def machine():
 def start_hub(root, log_path):
     from vpd_testbed import hub as hubmod
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(log_path, "wb")
-    p = subprocess.Popen([sys.executable, "-SE", hubmod.__file__, str(root), str(port)], stdout=log, stderr=log,
-                         start_new_session=True)
-    deadline = time.monotonic() + 20
-    while not os.path.exists(os.path.join(root, "hub.ready")):
-        if p.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("bench: the hub did not start: " + open(log_path).read()[-2000:])
-        time.sleep(0.05)
+    try:
+        p, endpoint = hubmod.start(root, open(log_path, "wb"))
+    except RuntimeError:
+        raise SystemExit("bench: the hub did not start: " + open(log_path).read()[-2000:]) from None
     atexit.register(lambda: (p.kill(), p.wait(5)))
-    return p, f"http://127.0.0.1:{port}"
+    return p, endpoint
 
 
 def sent_bytes(log_path):

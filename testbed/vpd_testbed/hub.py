@@ -217,6 +217,18 @@ class Handler(BaseHTTPRequestHandler):
             return rev
         return meta["refs"].get(rev)
 
+    def revision(self, hub, rev, for_files, head):
+        """The repo HUB at REV -> (its directory, its meta, the commit); None when the error was sent (no access, no
+        such revision)."""
+        base, meta = self.hub.repo(hub)
+        if not self.access(hub, meta, for_files, head):
+            return None
+        commit = self.commit_of(meta, rev)
+        if commit is None:
+            self.error(404, "RevisionNotFound", "Invalid rev id: %s" % rev, head)
+            return None
+        return base, meta, commit
+
     # ---------------------------------------------------------------- routing
 
     def handle_any(self, head):
@@ -245,12 +257,10 @@ class Handler(BaseHTTPRequestHandler):
         self.error(404, None, "not found", head)
 
     def info(self, hub, rev, blobs, head):
-        base, meta = self.hub.repo(hub)
-        if not self.access(hub, meta, False, head):
+        found = self.revision(hub, rev, False, head)
+        if found is None:
             return
-        commit = self.commit_of(meta, rev)
-        if commit is None:
-            return self.error(404, "RevisionNotFound", "Invalid rev id: %s" % rev, head)
+        base, meta, commit = found
         sib = []
         for name, fi in sorted(self.hub.files(base, commit).items()):
             s = {"rfilename": name}
@@ -267,12 +277,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def tree(self, hub, rev, prefix, head):
         """GET /api/models/ORG/NAME/tree/REV?recursive=true (what huggingface_hub 1.x/2.x lists a snapshot with)."""
-        base, meta = self.hub.repo(hub)
-        if not self.access(hub, meta, False, head):
+        found = self.revision(hub, rev, False, head)
+        if found is None:
             return
-        commit = self.commit_of(meta, rev)
-        if commit is None:
-            return self.error(404, "RevisionNotFound", "Invalid rev id: %s" % rev, head)
+        base, meta, commit = found
         out, dirs = [], set()
         for name, fi in sorted(self.hub.files(base, commit).items()):
             if prefix and not name.startswith(prefix.rstrip("/") + "/"):
@@ -289,12 +297,10 @@ class Handler(BaseHTTPRequestHandler):
         self.send(200, out, head=head)
 
     def resolve(self, hub, rev, name, head, faults):
-        base, meta = self.hub.repo(hub)
-        if not self.access(hub, meta, True, head):
+        found = self.revision(hub, rev, True, head)
+        if found is None:
             return
-        commit = self.commit_of(meta, rev)
-        if commit is None:
-            return self.error(404, "RevisionNotFound", "Invalid rev id: %s" % rev, head)
+        base, meta, commit = found
         fi = self.hub.files(base, commit).get(name)
         if fi is None:
             return self.error(404, "EntryNotFound", "%s does not exist on \"%s\"" % (name, rev), head)

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -113,19 +112,6 @@ def deploy_runner(inventory, state, default_timeout=180, **more_env):
 
     run.state_dir = state
     return run
-
-
-def free_net(first, stop):
-    """A 127.77.N. prefix, N in range(first, stop), whose .1 port 2222 is free (for a test bed of a test's own);
-    None if there is none."""
-    for n in range(first, stop):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.77.%d.1" % n, 2222))
-                return "127.77.%d." % n
-            except OSError:
-                pass
-    return None
 
 
 def up_in_background(tb, env, playbook="qwen36-mtp"):

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from e2e_helpers import deploy_runner, free_net
+from e2e_helpers import deploy_runner
+from vpd_testbed.common import free_net
 
 FAKE, REAL = 150, 151
 PB = ["real-dflash", "real-dflash-random", "real-ngram", "real-dflash-mixed"]

@@ -12,6 +12,8 @@ import time
 import pytest
 
 from e2e_helpers import REPO
+from playbook_support import copy_playbooks, edit_file, playbook_variant
+from vpd_testbed.common import free_net
 
 SD, NS = 131, 132  # the router's container (LXC, systemd), the replica's (namespace)
 UNIT = "vllm-router-rt-sd.service"
@@ -27,17 +29,7 @@ def bed():
         wheels = router_wheels.wheelhouse()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"no vllm-router wheels ({e}); scripts/setup.sh downloads them")
-    import socket
-
-    net = "127.77.61."
-    for n in range(61, 121):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.77.%d.1" % n, 2222))
-                net = "127.77.%d." % n
-                break
-            except OSError:
-                pass
+    net = free_net(61, 121) or "127.77.61."
     b = Testbed(root="/tmp/vpd-tb-rsd-%d" % os.getpid(), hosts=1, gpus=4, net=net,
                 containers={"pve1": {SD: [0, 1], NS: [2, 3]}}, options={"pve1": {SD: {"init": "systemd"}}})
     try:
@@ -49,16 +41,13 @@ def bed():
 
 
 def test_router_as_a_systemd_unit(bed, tmp_path):
-    pbdir = tmp_path / "pb"
-    shutil.copytree(os.path.join(REPO, "playbooks"), pbdir)
-    text = (pbdir / "qwen36-mtp.yaml").read_text()
-    text = text.replace("name: qwen36-mtp", "name: rt-sd").replace(
-        "target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]", f"targets:\n  - {{host: pve1, vmid: {NS}, gpus: [2, 3]}}"
-    ).replace("tensor_parallel_size: 4", "tensor_parallel_size: 2")
-    text += (f"router:\n  host: pve1\n  vmid: {SD}\n  python: /root/ml-env/bin/python\n"
-             "  install: {find_links: [/root/router-wheels], no_index: true}\n"
-             "supervise:\n  restart_sec: 0.5\n  start_limit_burst: 3\n  start_limit_interval_s: 60\n")
-    (pbdir / "rt-sd.yaml").write_text(text)
+    pbdir = copy_playbooks(tmp_path / "pb")
+    path = playbook_variant(pbdir, "rt-sd", f"targets:\n  - {{host: pve1, vmid: {NS}, gpus: [2, 3]}}\n",
+                            append=f"router:\n  host: pve1\n  vmid: {SD}\n  python: /root/ml-env/bin/python\n"
+                                   "  install: {find_links: [/root/router-wheels], no_index: true}\n"
+                                   "supervise:\n  restart_sec: 0.5\n  start_limit_burst: 3\n"
+                                   "  start_limit_interval_s: 60\n")
+    edit_file(path, "tensor_parallel_size: 4", "tensor_parallel_size: 2")
     env = dict(os.environ, DEPLOY_INVENTORY=bed.inventory_path, DEPLOY_STATE_DIR=str(tmp_path / "state"),
                NO_COLOR="1", DEPLOY_PLAYBOOKS=str(pbdir))
 

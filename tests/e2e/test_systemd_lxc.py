@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from e2e_helpers import REPO, free_net
+from e2e_helpers import REPO
 from slack import slack
+from vpd_testbed.common import free_net
 
 SD, NS = 131, 132  # systemd (LXC) container on GPUs 0,1; namespace container on GPUs 2,3
 KEY = "sk-systemd-test-6f1c0e9a2b"

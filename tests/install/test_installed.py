@@ -4,7 +4,6 @@ an empty directory. `deploy init`, then `deploy testbed up`, `plan`, `up` and `s
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import zipfile
@@ -25,14 +24,9 @@ def _skip_reason():
 
 def _free_net():
     """A 127.77.N. prefix (N from 100) where nothing listens on port 2222 of .1."""
-    for n in range(100, 160):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.77.%d.1" % n, 2222))
-                return "127.77.%d." % n
-            except OSError:
-                continue
-    pytest.skip("no free 127.77.N.1:2222")
+    from vpd_testbed.common import free_net
+
+    return free_net(100, 160) or pytest.skip("no free 127.77.N.1:2222")
 
 
 def _build(tmp_path_factory, src):

@@ -4,9 +4,6 @@ model_info(files_metadata=True) and its typed errors must work on it as on huggi
 import hashlib
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -24,15 +21,8 @@ def server(tmp_path):
     commit = hubmod.make_repo(str(root), "acme/tiny", files)
     hubmod.make_repo(str(root), "acme/gated", {"config.json": b"{}"}, gated="manual", accepted=["hf_ok"])
     (root / "tokens.json").write_text(json.dumps(["hf_ok", "hf_other"]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, hubmod.__file__, str(root), str(port)], stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while not (root / "hub.ready").exists():
-        assert p.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    yield {"endpoint": f"http://127.0.0.1:{port}", "commit": commit, "files": files, "root": root}
+    p, endpoint = hubmod.start(root)
+    yield {"endpoint": endpoint, "commit": commit, "files": files, "root": root}
     p.kill()
     p.wait(5)
 

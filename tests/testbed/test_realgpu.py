@@ -11,22 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from vpd_testbed.common import free_net
 from vpd_testbed.core import Testbed, TestbedError
 
 REPO = Path(__file__).resolve().parents[2]
 STAND_IN_SMI = REPO / "tests" / "gpu" / "stand_in_nvidia_smi.py"
-
-
-def free_net(first, stop):
-    import socket
-    for n in range(first, stop):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.77.%d.1" % n, 2222))
-                return "127.77.%d." % n
-            except OSError:
-                pass
-    return None
 
 
 def _no_gpu_env(monkeypatch, tmp_path):

@@ -269,19 +269,17 @@ def test_the_shipped_dflash_playbook_requires_a_release_and_probes_natural_text(
 
 
 def test_a_playbooks_own_prompt_file(tmp_path):
-    import shutil
-
     from orchestrator.errors import SpecError
     from orchestrator.spec import load_playbook
+    from playbook_support import copy_playbooks, edit_file
 
-    d = tmp_path / "pb"
-    shutil.copytree(os.path.join(REPO, "playbooks"), d)
+    d = copy_playbooks(tmp_path / "pb")
     (d / "mine.txt").write_text("# my workload\nSummarise this ticket.\n\nTranslate to German: good morning\n")
     y = d / "qwen36-mtp.yaml"
-    y.write_text(y.read_text().replace("    max_tokens: 128\n", "    max_tokens: 128\n    prompts_file: mine.txt\n"))
+    edit_file(y, "    max_tokens: 128\n", "    max_tokens: 128\n    prompts_file: mine.txt\n")
     pb = load_playbook(str(y), None)
     assert pb.data["acceptance"]["probe"]["prompts"] == ["Summarise this ticket.", "Translate to German: good morning"]
-    y.write_text(y.read_text().replace("prompts_file: mine.txt", "prompts_file: missing.txt"))
+    edit_file(y, "prompts_file: mine.txt", "prompts_file: missing.txt")
     with pytest.raises(SpecError) as e:
         load_playbook(str(y), None)
     assert "acceptance.probe.prompts_file: cannot read the probe prompts" in str(e.value.problems)

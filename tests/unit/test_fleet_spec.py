@@ -9,7 +9,7 @@ from orchestrator.errors import SpecError, Unreachable, UsageError
 from orchestrator.spec import load_inventory, load_playbook
 from orchestrator.spec_schema import json_schema
 from orchestrator.steps import StepFailed
-from playbook_support import ONE_TARGET as ONE, copy_playbooks, playbook_variant
+from playbook_support import ONE_TARGET as ONE, playbook_variant, playbook_work
 
 INVENTORY = """\
 hosts:
@@ -26,9 +26,7 @@ hosts:
 
 @pytest.fixture
 def work(tmp_path):
-    copy_playbooks(tmp_path / "playbooks")
-    (tmp_path / "hosts.yaml").write_text(INVENTORY)
-    return tmp_path
+    return playbook_work(tmp_path, INVENTORY)
 
 
 def fleet_file(work, name, targets_yaml, base="qwen36-mtp"):

@@ -7,7 +7,7 @@ import pytest
 
 from orchestrator.errors import SpecError
 from orchestrator.spec import load_inventory, load_playbook
-from playbook_support import copy_playbooks, edit_file
+from playbook_support import edit_file, playbook_work
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,9 +24,7 @@ hosts:
 
 @pytest.fixture
 def work(tmp_path):
-    copy_playbooks(tmp_path / "playbooks")
-    (tmp_path / "hosts.yaml").write_text(INVENTORY)
-    return tmp_path
+    return playbook_work(tmp_path, INVENTORY)
 
 
 def inv(work):

@@ -478,8 +478,8 @@ def cmd_create(hostdir, host, args):
     return 0
 
 
-def cmd_push(hostdir, host, args):
-    usage = "pct push <vmid> <file> <destination> [OPTIONS]"
+def _copy_args(hostdir, host, args, usage):
+    """pct push's and pull's arguments -> (vmid, its init's pid, source, destination, options); dies as pct does."""
     pos, opts = _split_opts(args, ("perms", "user", "group"), usage)
     if len(pos) != 3:
         die("400 not enough arguments\n" + usage)
@@ -487,7 +487,11 @@ def cmd_push(hostdir, host, args):
     pid = ctl.init_pid(hostdir, vmid)
     if not pid:
         die("container '%d' not running!" % vmid)
-    src, dst = pos[1], pos[2]
+    return vmid, pid, pos[1], pos[2], opts
+
+
+def cmd_push(hostdir, host, args):
+    vmid, pid, src, dst, opts = _copy_args(hostdir, host, args, "pct push <vmid> <file> <destination> [OPTIONS]")
     try:
         fin = open(src, "rb")
     except OSError as e:
@@ -504,15 +508,7 @@ def cmd_push(hostdir, host, args):
 
 
 def cmd_pull(hostdir, host, args):
-    usage = "pct pull <vmid> <path> <destination> [OPTIONS]"
-    pos, opts = _split_opts(args, ("perms", "user", "group"), usage)
-    if len(pos) != 3:
-        die("400 not enough arguments\n" + usage)
-    vmid = get_ct(host, pos[0])
-    pid = ctl.init_pid(hostdir, vmid)
-    if not pid:
-        die("container '%d' not running!" % vmid)
-    src, dst = pos[1], pos[2]
+    vmid, pid, src, dst, opts = _copy_args(hostdir, host, args, "pct pull <vmid> <path> <destination> [OPTIONS]")
     import subprocess
     tmp = dst + ".pct-pull.tmp"
     with open(tmp, "wb") as fout:
