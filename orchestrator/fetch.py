@@ -114,7 +114,12 @@ def run(ctx, pb: Playbook, step: P.Step) -> dict:
         ctx.record(step_name + "-store", True, got["summary"], t0, records=got["records"])
     r = _Runner(ctx, pb)
     sd = pb.runtime["state_dir"]
-    probe = r.call({"op": "probe", "state_dir": sd, "items": its, "rehash": rehash}, timeout=3600 if rehash else 60)
+    try:
+        probe = r.call({"op": "probe", "state_dir": sd, "items": its, "rehash": rehash}, timeout=3600 if rehash else 60)
+    except Unreachable as e:  # before anything started: the same advice as a drop while following
+        raise ConnectionLost(f"lost the connection while reading what is in place ({e.message}); a fetch started "
+                             "earlier goes on in the container", where=ctx.where,
+                             fix=f"deploy fetch {pb.name} re-attaches to it (or starts it) and reports its result") from e
     if not probe.get("ok"):
         ctx.fail(step_name, t0, probe.get("message", "probe failed"))
     fst = probe.get("fetch") or {}
