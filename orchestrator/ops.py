@@ -17,19 +17,18 @@ from .agent.protocol import CurrentResult, GpusFreeResult, ReadyResult, StopResu
 from .remote import Fleet, shell_word
 from .report import Progress, sha
 from .spec import Playbook, fetch_items
-from .steps import (Context, Outcome, StepResult, check_container, holder_id, new_context,  # noqa: F401 (re-exported)
-                    secrets_for)
+from . import agent
 from . import fetch as F
 from . import install as I
+from .endpoint import server_endpoint
+from .sizing import measured_refusal
+from .status import DEFAULT_PYTHON, DEFAULT_STATE_DIR
+from .steps import (Context, Outcome, StepResult, check_container, holder_id, new_context,  # noqa: F401 (re-exported)
+                    secrets_for)
 from .steps import drafter as D
 from .steps import gpu as G
-from .steps import vllm as V
-from .steps.plumbing import gpu_plumbing
-from .endpoint import server_endpoint
 from .steps import plumbing as GP
-from .sizing import measured_refusal
-from . import agent
-from .status import DEFAULT_PYTHON, DEFAULT_STATE_DIR
+from .steps import vllm as V
 
 
 @dataclass
@@ -213,6 +212,14 @@ class Run:
     guarded: bool = False  # the plan takes the container lock: a failure says what state it left
 
 
+def new_run(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, token: str | None = None,
+            st: P.RunState | None = None) -> Run:
+    """A run of a plan for PB: its context (the host's session), a failed Outcome until a runner says otherwise."""
+    ctx = new_context(fleet, pb, progress, token)
+    return Run(ctx, fleet, opts, Outcome(False, pb.name, ctx.where, "failed", ctx.results), st or P.RunState(),
+               time.monotonic())
+
+
 def execute(run: Run, steps: list[P.Step]) -> Outcome:
     """Run the plan: the main phase in order (a failing `when` skips a step; a runner may end the phase early),
     then the on-low-acceptance phase when the gate failed, the on-failure phase when a step failed, and the
@@ -279,12 +286,9 @@ def _finish_failure(run: Run) -> None:
 
 def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, restart: bool = False,
        token: str | None = None) -> Outcome:
-    ctx = new_context(fleet, pb, progress, token)
     steps = P.plan_up(pb, write_config=opts.write_config, clean_gpus=opts.clean_gpus, restart=restart,
                       ask=opts.ask_before_kill(pb), fetch=opts.fetch)
-    run = Run(ctx, fleet, opts, Outcome(False, pb.name, ctx.where, "failed", ctx.results),
-              P.RunState(restart=restart), time.monotonic())
-    return execute(run, steps)
+    return execute(new_run(fleet, pb, progress, opts, token=token, st=P.RunState(restart=restart)), steps)
 
 
 # ------------------------------------------------------------------ runners: one per step name (RUNNERS)
@@ -377,8 +381,7 @@ def r_verify(run: Run, step: P.Step) -> None:
 
 
 def r_plumbing(run: Run, step: P.Step) -> None:
-
-    gpu_plumbing(run.ctx, step)
+    GP.gpu_plumbing(run.ctx, step)
 
 
 def r_stop(run: Run, step: P.Step) -> None:
@@ -487,7 +490,6 @@ def r_gate_record(run: Run, step: P.Step) -> None:
 
 
 def low_fix_of(verdict: dict | None, playbook: str) -> str:
-
     v = verdict or {}
     return low_fix(Verdict(False, reasons=v.get("reasons") or [], cliff_at=v.get("cliff_at"),
                            too_few=bool(v.get("too_few_drafts"))), playbook)
@@ -499,10 +501,8 @@ def _when(t) -> str:
 
 def r_fallback(run: Run, step: P.Step) -> None:
     """The fallback's own planned steps, under the lock this run holds, with their own outcome."""
-    fb = run.ctx.pb.fallback
-    ctx = new_context(run.fleet, fb, run.ctx.progress, run.ctx.token)
-    sub = Run(ctx, run.fleet, Options(**{**run.opts.__dict__, "yes": True}),
-              Outcome(False, fb.name, ctx.where, "failed", ctx.results), P.RunState(), time.monotonic())
+    sub = new_run(run.fleet, run.ctx.pb.fallback, run.ctx.progress, Options(**{**run.opts.__dict__, "yes": True}),
+                  token=run.ctx.token)
     run.out.fallback = execute(sub, step.sub)
     run.out.ok = False  # the requested deployment failed; the fallback's own outcome is reported beside it
 
@@ -660,9 +660,7 @@ def _ep(ep: dict) -> dict:
 
 
 def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outcome:
-    ctx = new_context(fleet, pb, progress)
-    run = Run(ctx, fleet, opts, Outcome(False, pb.name, ctx.where, "failed", ctx.results), P.RunState(),
-              time.monotonic())
+    run = new_run(fleet, pb, progress, opts)
     execute(run, P.plan_down(pb, clean_gpus=opts.clean_gpus, ask=opts.ask_before_kill(pb)))
     if run.error is None:
         rep, free = run.stop_report or StopResult(), run.free or GpusFreeResult()
@@ -681,9 +679,7 @@ def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = Fals
         raise refused
     for v in F.tokens(pb, P.fetch_args(pb)).values():  # an unset variable stops here, before any connection
         fleet.redact.add(v)
-    ctx = new_context(fleet, pb, progress)
-    run = Run(ctx, fleet, Options(), Outcome(False, pb.name, ctx.where, "failed", ctx.results), P.RunState(),
-              time.monotonic())
+    run = new_run(fleet, pb, progress, Options())
     execute(run, P.plan_fetch(pb, rehash=rehash, connections=connections, timeout_s=timeout_s))
     if run.error is None:
         run.out.ok, run.out.status = True, run.fetched["status"]
@@ -694,10 +690,7 @@ def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = Fals
 def install_vllm(fleet: Fleet, pb: Playbook, progress: Progress, *, yes: bool = False, confirm=None,
                  force: bool = False, rollback: bool = False) -> Outcome:
     """deploy install-vllm PLAYBOOK (one target): plan.plan_install, run by the executor."""
-    ctx = new_context(fleet, pb, progress)
-    run = Run(ctx, fleet, Options(yes=yes, confirm=confirm), Outcome(False, pb.name, ctx.where, "failed", ctx.results),
-              P.RunState(), time.monotonic())
-    return execute(run, P.plan_install(pb, force=force, rollback=rollback))
+    return execute(new_run(fleet, pb, progress, Options(yes=yes, confirm=confirm)), P.plan_install(pb, force=force, rollback=rollback))
 
 
 def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome, VerifyResult]:
@@ -748,17 +741,15 @@ def apply_config_refusal(pb: Playbook) -> UsageError | None:
 
 
 def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
-    ctx = new_context(fleet, pb, progress)
-    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
+    run = new_run(fleet, pb, progress, Options())
     refusal = apply_config_refusal(pb)
     if refusal is not None:
-        out.error = refusal
-        return out
-    run = Run(ctx, fleet, Options(), out, P.RunState(), time.monotonic())
+        run.out.error = refusal
+        return run.out
     execute(run, P.plan_apply_config(pb))
     if run.error is None:
-        out.ok, out.status = True, "verified"
-    return out
+        run.out.ok, run.out.status = True, "verified"
+    return run.out
 
 
 def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress: Progress) -> dict:
