@@ -93,9 +93,7 @@ def run(ctx, pb: Playbook, step: P.Step) -> dict:
     nothing; follow to the end. Returns {status, records, items}; raises FetchFailed / ConnectionLost with what to
     do."""
     its, d, step_name = step.args["items"], step.drive, step.name
-    allow_start, rehash, timeout_s = d.get("allow_start", True), d.get("rehash", False), d.get("timeout_s",
-                                                                                              P.FETCH_TIMEOUT_S)
-    transfer = d.get("transfer") or P.fetch_transfer(pb)
+    allow_start, rehash, timeout_s, transfer = d["allow_start"], d["rehash"], d["timeout_s"], d["transfer"]
     secrets = tokens(pb, its)
     red = getattr(ctx.session.audit, "redact", None)
     for v in secrets.values():

@@ -103,7 +103,7 @@ class _Runner:
 def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, confirm=None) -> Outcome:
     """The step install-vllm (plan.step_install; force / rollback in its drive): probe, then start, re-attach,
     report one that ended unwatched, or nothing to do; follow; report into `out` (a failed install: out.error)."""
-    force, rollback = bool(step.drive.get("force")), bool(step.drive.get("rollback"))
+    force, rollback = step.drive["force"], step.drive["rollback"]
     progress = ctx.progress
     run = _Runner(ctx, pb)
     t0 = time.monotonic()

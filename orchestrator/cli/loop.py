@@ -57,8 +57,9 @@ def plan(obj, playbook, op, restart, clean_gpus):
         if kind in ("up", "restart"):
             refuse_if_certain(pb)
         refusal = {"fetch": F.refusal, "install-vllm": I.refusal, "apply-config": apply_config_refusal}.get(kind)
-        if refusal and refusal(pb):
-            raise refusal(pb)
+        refused = refusal(pb) if refusal else None
+        if refused:
+            raise refused
         ask = lambda m: Options(clean_gpus=clean_gpus).ask_before_kill(m)  # noqa: E731
         plans = {"up": lambda m: P.plan_up(m, clean_gpus=clean_gpus, ask=ask(m)),
                  "restart": lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=True, ask=ask(m)),
@@ -224,8 +225,9 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
         if install_first:
             from ..install import refusal
 
-            if refusal(pb, "--install-vllm"):
-                raise refusal(pb, "--install-vllm")
+            refused = refusal(pb, "--install-vllm")
+            if refused:
+                raise refused
         if install_first and pb.is_fleet:
             raise UsageError(f"--install-vllm: {pb.name} has targets; up --install-vllm takes a one-target playbook",
                              where=pb.path, fix=f"deploy install-vllm {pb.name} (each target in turn), then "

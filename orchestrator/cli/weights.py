@@ -58,8 +58,9 @@ def install_vllm(obj, playbook, yes, rollback, force, dry_run):
         from ..plan import plan_install
 
         inv, pb = load(obj, playbook)
-        if not rollback and refusal(pb):
-            raise refusal(pb)
+        refused = None if rollback else refusal(pb)
+        if refused:
+            raise refused
         if dry_run:
             return render_plans(obj.json, inv, pb, lambda m: plan_install(m, force=force, rollback=rollback))
         if not pb.is_fleet:
@@ -121,8 +122,9 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
 
         inv, pb = load(obj, playbook)
         if dry_run:
-            if refusal(pb):
-                raise refusal(pb)
+            refused = refusal(pb)
+            if refused:
+                raise refused
             return render_plans(obj.json, inv, pb, lambda m: plan_fetch(m, rehash=rehash, connections=connections,
                                                                         timeout_s=timeout_s))
         outs = []
