@@ -214,7 +214,7 @@ def _follow(ctx, r, pb: Playbook, fst: dict, timeout_s: float, step_name: str, s
             return ("     " + line[len("[deploy] "):], True) if line.startswith("[deploy]") else ("| " + line, False)
         return None
 
-    job = Job("fetch", "fetch", f"deploy fetch {pb.name}", key="fetch",
+    job = Job("fetch", f"deploy fetch {pb.name}",
               failed=lambda msg, fix="": FetchFailed(step_name, msg, where=ctx.where, fix=fix),
               lost=lambda msg, fix="": ConnectionLost(msg, where=ctx.where, fix=fix))
     attach = lambda pos, follow_s, on_event: r.call(  # noqa: E731

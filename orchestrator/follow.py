@@ -20,14 +20,13 @@ from .report import FOLLOW_LINE_MAX, FOLLOW_MAX_BYTES, FOLLOW_MAX_LINES
 
 @dataclass
 class Job:
-    """What is followed, for the messages: `noun` (fetch, install), the command that re-attaches, and how this
-    command's errors are made (failed: a DeployError from a message and a fix; lost: an Unreachable one)."""
+    """What is followed: `noun` (fetch, install: also the `event` field of its events and the answer's field that
+    holds its record), the command that re-attaches, and how this command's errors are made (failed: a
+    DeployError from a message and a fix; lost: an Unreachable one)."""
     noun: str
-    event: str  # the `event` field of the job's events
     command: str  # e.g. "deploy fetch qwen36-dflash"
     failed: Callable[..., DeployError]
     lost: Callable[..., Unreachable]
-    key: str  # the answer's field that holds the job's record ("fetch", "install")
 
 
 def follow(ctx, attach: Callable, job: Job, record: dict, *, limit_s: float, follow_s: float,
@@ -41,7 +40,7 @@ def follow(ctx, attach: Callable, job: Job, record: dict, *, limit_s: float, fol
     def on_event(ev):
         # the container chooses how much it sends: the whole follow prints at most FOLLOW_MAX_LINES lines and
         # FOLLOW_MAX_BYTES bytes (terminal and audit log alike); odd fields are ignored, not a traceback
-        if not isinstance(ev, dict) or ev.get("event") != job.event:
+        if not isinstance(ev, dict) or ev.get("event") != job.noun:
             return
         if seen["lines"] >= FOLLOW_MAX_LINES or seen["bytes"] >= FOLLOW_MAX_BYTES:
             return
@@ -74,7 +73,7 @@ def follow(ctx, attach: Callable, job: Job, record: dict, *, limit_s: float, fol
         if not res.get("ok"):
             raise job.failed(res.get("message", "attach failed"), fix=res.get("fix", ""))
         pos = res.get("log_pos", pos)
-        record = res.get(job.key) or record
+        record = res.get(job.noun) or record
         if res.get("done"):
             return res
         if seen["lines"] >= FOLLOW_MAX_LINES or seen["bytes"] >= FOLLOW_MAX_BYTES:

@@ -192,7 +192,7 @@ def _follow(ctx, run: _Runner, pb: Playbook, ist: dict) -> dict:
             return "| " + text, False
         return None
 
-    job = Job("install", "install", f"deploy install-vllm {pb.name}", key="install",
+    job = Job("install", f"deploy install-vllm {pb.name}",
               failed=lambda msg, fix="": InstallFailed(msg, where=run.ctx.where, fix=fix),
               lost=lambda msg, fix="": ConnectionLost(msg, where=run.ctx.where, fix=fix))
     attach = lambda p, follow_s, on_event: run.call(  # noqa: E731
