@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shlex
 import time
 
 from . import agent
@@ -26,7 +25,6 @@ from .agent.container.weights import MANIFEST_FORMAT, MANIFEST_NAME
 from .atomic import write_atomic
 from .errors import DeployError, StepFailed, Unreachable, UsageError
 from .follow import Every, Job, follow
-from .remote import pct_exec_argv, shell_join
 from .report import FOLLOW_LINE_MAX
 from .spec import Playbook
 
@@ -183,16 +181,10 @@ def _copy_from_host(ctx, pb: Playbook, it: dict) -> None:
     own pct exec (never through this workstation). Verified in the container against the manifest."""
     t0 = time.monotonic()
     src, inc = it["source_path"], it["incoming"]
-    script = (f"test -d {shlex.quote(src)} || {{ echo 'no such directory on the host: {src}' >&2; exit 3; }}; "
-              f"test -f {shlex.quote(os.path.join(src, MANIFEST_NAME))} || {{ echo 'no {MANIFEST_NAME} in {src}' >&2; "
-              f"exit 4; }}; tar -C {shlex.quote(src)} -cf - . | "
-              + shell_join(pct_exec_argv(pb.vmid, ["sh", "-c", f"rm -rf {shlex.quote(inc)} && mkdir -p "
-                                                               f"{shlex.quote(inc)} && tar -C {shlex.quote(inc)} "
-                                                               "--no-same-owner -xf -"],
-                                         getattr(ctx.session, "keep_env_supported", None) is not False)))
+    argv = P.copy_from_host_argv(pb.vmid, src, inc, getattr(ctx.session, "keep_env_supported", None) is not False)
     ctx.progress.say(ctx.where, f"copying {src} from {pb.host} into the container ({inc})")
     with ctx.progress.heartbeat(ctx.where, f"copy {src} into the container", 3600):
-        res = ctx.session.run(["sh", "-c", script], timeout=3600, vmid=pb.vmid)
+        res = ctx.session.run(argv, timeout=3600, vmid=pb.vmid)
     if res.exited != 0:
         err = (res.err or res.out).strip()
         fix = (f"put the files and {MANIFEST_NAME} in {src} on {pb.host} (deploy manifest DIR writes the manifest)"

@@ -457,6 +457,24 @@ def _fetch_describe(it: dict) -> str:
     return f"{it['role']} {src} -> {where}"
 
 
+# a directory source copied on the Proxmox host into the container (fetch._copy_from_host): constant shell text,
+# every path a positional parameter ($1, $2, then the pct exec argv as "$@"), so a path holding ' or ; is data
+COPY_SCRIPT = ('src=$1; manifest=$2; shift 2; '
+               'test -d "$src" || { printf "no such directory on the host: %s\\n" "$src" >&2; exit 3; }; '
+               'test -f "$src/$manifest" || { printf "no %s in %s\\n" "$manifest" "$src" >&2; exit 4; }; '
+               'tar -C "$src" -cf - . | "$@"')
+UNPACK_SCRIPT = 'rm -rf "$1" && mkdir -p "$1" && tar -C "$1" --no-same-owner -xf -'
+
+
+def copy_from_host_argv(vmid: int, src: str, incoming: str, keep_env: bool = True) -> list[str]:
+    """The host-side argv that streams SRC (a directory on the Proxmox host) into INCOMING in container VMID: what
+    fetch runs and what `deploy plan` shows, the same list."""
+    from .agent.container.weights import MANIFEST_NAME
+
+    return ["sh", "-c", COPY_SCRIPT, "sh", src, MANIFEST_NAME,
+            *pct_exec_argv(vmid, ["sh", "-c", UNPACK_SCRIPT, "sh", incoming], keep_env)]
+
+
 def step_fetch(pb: Playbook, *, allow: bool = True, rehash: bool = False, connections: int | None = None,
                timeout_s: float = FETCH_TIMEOUT_S) -> Step:
     """The step `fetch` of `up` and of `deploy fetch` (fetch.run drives it: probe, start or re-attach, follow)."""
@@ -474,8 +492,8 @@ def step_fetch(pb: Playbook, *, allow: bool = True, rehash: bool = False, connec
                         f"mpN: {it['store']},mp={it['mount']},ro=1 from deploy prepare)"
                         + ("; config.json a copy, pinned by write-config" if it["role"] == "drafter" else ""))
         elif it.get("source_path"):
-            runs.append(f"tar -C {shlex.quote(it['source_path'])} -cf - . | pct exec {pb.vmid} -- tar -C "
-                        f"{shlex.quote(it['incoming'])} -xf -   # on the host, only when something is missing")
+            runs.append(shell_join(copy_from_host_argv(pb.vmid, it["source_path"], it["incoming"]))
+                        + "   # on the host, only when something is missing")
         else:
             runs.append(f"GET {it['endpoint']}/api/models/{it['hub']}/revision/{it['revision']}?blobs=true   # the "
                         "commit and every file's size and hash" + (f" (token from ${it['token_env']}, on stdin)"

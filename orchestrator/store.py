@@ -18,6 +18,7 @@ import os
 import time
 
 from . import agent
+from .agent.container.weights import bad_record
 
 HOST_PYTHON = "python3"  # the host's own (Proxmox VE ships Python 3); only the standard library is used
 STATE = ".deploy-state"  # records, fetch.json, the fetch lock: in the store, beside what they describe
@@ -126,7 +127,12 @@ def fetch_shared(ctx, pb, its: list[dict], secrets: dict, *, allow_start: bool, 
     for it in its:
         rec = recs.get(repo_dir(store, it["hub"]))
         if not rec or not rec.get("commit"):
-            ctx.fail(step_name, t0, f"the store {store} on {pb.host} has no record of {it['hub']}")
+            ctx.fail(step_name, t0, f"the store {store} on {pb.host} has no (trustworthy) record of {it['hub']}",
+                     fix=f"deploy fetch {pb.name} fetches it again (a record that is not deploy's is not used)")
+        bad = bad_record(rec)
+        if bad:  # the store is a place a container may have written: its names and commit become paths
+            ctx.fail(step_name, t0, f"the store's record of {it['hub']} on {pb.host} cannot be trusted: {bad}; "
+                                    "nothing was linked", fix=f"deploy fetch {pb.name} fetches it again", kind="record")
         items.append({"role": it["role"], "dest": it["dest"], "hub": it["hub"], "revision": rec.get("revision"),
                       "commit": rec["commit"], "endpoint": rec.get("endpoint"), "store": store,
                       "verified_at": rec.get("verified_at"), "snapshot": snapshot_in_container(it, rec["commit"]),
@@ -141,6 +147,8 @@ def fetch_shared(ctx, pb, its: list[dict], secrets: dict, *, allow_start: bool, 
                "writable": f"make the mount point read-only: deploy prepare {pb.host}/{pb.vmid} -y (it sets ro=1), "
                            f"or pct set {pb.vmid} --mpN {store},mp={its[0]['mount']},ro=1 and restart it",
                "missing": f"deploy fetch {pb.name} --verify (re-hashes the store's files on {pb.host})",
+               "record": f"deploy fetch {pb.name} on a fresh record: remove {sd}/fetched on {pb.host} (the store's "
+                         "records; the weights stay), then run it again",
                }.get(kind, "move the directory away (or point the playbook's path elsewhere), then run again")
         ctx.fail(step_name, t0, f"{pb.host}/{pb.vmid}: {link.get('message')}", fix=fix, kind=kind)
     summary = "; ".join(
@@ -149,5 +157,5 @@ def fetch_shared(ctx, pb, its: list[dict], secrets: dict, *, allow_start: bool, 
         for i, c in zip(items, link.get("items") or []))
     if not fetched:
         summary += "; nothing downloaded (in the store already)"
-    return {"records": [{k: i[k] for k in ("role", "hub", "revision", "commit", "dest")} | {"source": "store:" + store}
-                        for i in items], "summary": summary}
+    return {"records": [{k: i[k] for k in ("role", "hub", "revision", "commit", "dest")}
+                        | {"source": "store:" + store, "files_n": len(i["files"])} for i in items], "summary": summary}

@@ -10,12 +10,13 @@ import sys
 from .core import clean, emit, now
 from .files import (
     follow_runner, lock_held, UnsafeDirectory, _read_json, new_runner_log, open_dir, runner_env, runner_id,
-    spawn_runner, tail_file, take_runner_lock, unique_name, write_json_atomic)
+    spawn_runner, tail_file, take_runner_lock, unique_name, write_at, write_json_atomic)
 from .install import _agent_source
 from .transfer import partial_bytes
 from .weights import (
     COMMIT_RE, FETCH_FINAL, FETCH_LOCK, FETCH_RECORDS, FETCH_STATE, FETCH_VAR, FetchError, _final_path, _hash_as,
-    _item_dest, _partial, _record_path, _repo_dir, _staging, fetch_record, in_place, ours, safe_dir)
+    MAX_FILE_BYTES, MAX_FILES, _item_dest, _partial, _record_path, _repo_dir, _staging, bad_file, bad_record,
+    fetch_record, in_place, int_size, ours, safe_dir, snapshot_target, stage_fd)
 from . import core
 
 
@@ -119,27 +120,41 @@ def hub_info(item, token, timeout):
         info = json.loads(body.decode("utf-8"))
         commit = info["sha"]
         files = []
-        for s in info["siblings"]:
+        sib = info["siblings"]
+        if not isinstance(sib, list) or len(sib) > MAX_FILES:
+            raise TypeError("siblings is not a list of at most %d files" % MAX_FILES)
+        for s in sib:
             lfs = s.get("lfs") or None
-            files.append({"name": s["rfilename"], "size": int(lfs["size"] if lfs else s["size"]),
-                          "sha256": lfs["sha256"] if lfs else None, "blob": s.get("blobId")})
-    except (ValueError, KeyError, TypeError) as e:
+            size = int_size(lfs["size"] if lfs else s["size"])
+            files.append({"name": s["rfilename"], "size": size, "sha256": lfs["sha256"] if lfs else None,
+                          "blob": s.get("blobId")})
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise FetchError("%s: the hub's answer for revision %s is not a repository listing (%s)" % (item["hub"], rev, e),
                          fix="is %s a Hugging Face hub (or a compatible mirror)?" % item["endpoint"]) from None
-    if not COMMIT_RE.match(commit or ""):
-        raise FetchError("%s: the hub gave no commit for revision %s" % (item["hub"], rev))
+    # everything in the answer is untrusted network input: a hash becomes a file name in blobs/, a size an
+    # allocation and a space check, a name a path (issue 50); checked here, before any of it is used
+    if not isinstance(commit, str) or not COMMIT_RE.match(commit):
+        raise FetchError("%s: the hub gave no commit for revision %s (%r is not 40 hex digits)" % (
+            item["hub"], rev, commit if isinstance(commit, str) and len(commit) < 100 else type(commit).__name__),
+            fix="is %s a Hugging Face hub (or a compatible mirror)?" % item["endpoint"], kind="hub")
     for f in files:
-        n = f["name"]
-        if n.startswith("/") or ".." in n.split("/") or "\0" in n or not n:
-            raise FetchError("%s: unsafe file name %r in the listing" % (item["hub"], n))
-        if not f["sha256"] and not f["blob"]:
-            raise FetchError("%s: the hub gave no hash for %s (asked with blobs=true)" % (item["hub"], n),
+        if isinstance(f["name"], str) and not f["sha256"] and not f["blob"]:
+            raise FetchError("%s: the hub gave no hash for %s (asked with blobs=true)" % (item["hub"], f["name"]),
                              fix="use a hub or mirror that lists blob ids and LFS sha256")
+        why = bad_file(f)
+        if why:
+            raise FetchError("%s: the hub's listing for revision %s is not believable: %s; nothing was downloaded"
+                             % (item["hub"], rev, why),
+                             fix="the hub at %s (or a proxy in between) answers what a hub does not: check "
+                                 "the playbook's endpoint / HF_ENDPOINT; hub files are at most %d bytes and hashed in hex"
+                             % (item["endpoint"], MAX_FILE_BYTES), kind="hub")
     return {"commit": commit, "files": files, "gated": info.get("gated") or False}
 
 
 def plan_item(item, listing, state_dir):
-    """Which files still have to come (not already verified in staging or in place), and how many bytes."""
+    """Which files still have to come (not already verified in staging or in place), and how many bytes. Every
+    directory is walked from the trusted root (weights.stage_fd: no link followed), every file looked at without
+    following it."""
     commit = listing["commit"]
     need, have = [], 0
     _safe_staging(item, commit)
@@ -148,9 +163,8 @@ def plan_item(item, listing, state_dir):
         part, done = _partial(item, commit, f)
         # a staged or cached file of the right size is only counted once it is ours and its hash matches: the same
         # size proves nothing (another user, or another tool, can have put those bytes there)
-        if item["dest_kind"] == "cache" and os.path.isfile(done) and os.path.getsize(done) == f["size"] \
-                and ours(done) and _hash_as(done, f) == (f["sha256"] or f["blob"]):
-            have += f["size"]  # a blob whose bytes match the listing's hash
+        if _verified_at(item, done, f):
+            have += f["size"]  # a blob (or a staged file) whose bytes match the listing's hash
             f["state"] = "verified"
             continue
         if item["role"] == "drafter" and f["name"] == "config.json" and item["dest_kind"] == "dir" \
@@ -158,30 +172,48 @@ def plan_item(item, listing, state_dir):
             have += f["size"]  # the pinned bytes (or the hub's, to be pinned by up): never replaced by a fetch
             f["state"] = "in place"
             continue
-        if item["dest_kind"] == "dir" and os.path.isfile(done) and os.path.getsize(done) == f["size"] \
-                and ours(done) and _hash_as(done, f) == (f["sha256"] or f["blob"]):
-            have += f["size"]
-            f["state"] = "verified"
-            continue
-        if item["dest_kind"] == "dir" and os.path.isfile(final) and ours(final) \
-                and os.path.getsize(final) == f["size"] and _hash_as(final, f) == (f["sha256"] or f["blob"]):
+        if item["dest_kind"] == "dir" and os.path.isdir(item["dest"]) and _verified_at(item, final, f):
             have += f["size"]
             f["state"] = "in place"
             continue
-        f["partial"] = partial_bytes(part, f["size"])
+        dfd = stage_fd(item, os.path.dirname(part))
+        try:
+            f["partial"] = partial_bytes(part, f["size"], dfd)
+        finally:
+            os.close(dfd)
         need.append(f)
     return need, have
 
 
+def _verified_at(item, path, f):
+    """PATH is a regular file of ours (not a link, no one else may write it), of F's size, with F's hash."""
+    import stat
+
+    try:
+        dfd = stage_fd(item, os.path.dirname(path), create=False)
+    except (OSError, FetchError):
+        return False
+    try:
+        name = os.path.basename(path)
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != f["size"] or st.st_uid != os.geteuid() \
+                or st.st_mode & 0o022:
+            return False
+        return _hash_as(name, f, dfd) == (f["sha256"] or f["blob"])
+    except OSError:
+        return False
+    finally:
+        os.close(dfd)
+
+
 def _safe_staging(item, commit):
-    """The staging directories (and a directory destination) must be ours and writable by no one else."""
+    """The staging directories (and a directory destination) must be ours and writable by no one else, every
+    directory from the trusted root down (stage_fd)."""
     st = _staging(item, commit)
-    if item["dest_kind"] == "cache":
-        safe_dir(st, "hub cache blobs directory")
-        return
-    safe_dir(os.path.dirname(st), "staging directory")
-    safe_dir(st, "staging directory")
-    if os.path.lexists(item["dest"]):
+    if item["dest_kind"] == "dir":
+        safe_dir(os.path.dirname(st), "staging directory")  # its parent: not anyone's to write (no sticky bit)
+    os.close(stage_fd(item, st))
+    if item["dest_kind"] == "dir" and os.path.lexists(item["dest"]):
         safe_dir(item["dest"], "destination directory")
 
 
@@ -193,22 +225,17 @@ def install_item(item, commit, listing, state_dir, source):
         base = _repo_dir(item["hf_home"], item["hub"])
         snap = os.path.join(base, "snapshots", commit)
         for f in files:
-            etag = f["sha256"] or f["blob"]
-            link = os.path.join(snap, f["name"])
-            os.makedirs(os.path.dirname(link), exist_ok=True)
-            rel = os.path.relpath(os.path.join(base, "blobs", etag), os.path.dirname(link))
-            if os.path.lexists(link):
-                if os.path.islink(link) and os.readlink(link) == rel:
-                    continue
-                os.unlink(link)
-            os.symlink(rel, link)
+            _link_blob(item, snap, f)
         rev = item.get("revision")
         if rev and not COMMIT_RE.match(rev):
-            os.makedirs(os.path.join(base, "refs"), exist_ok=True)
-            tmp = os.path.join(base, "refs", ".%s.tmp" % unique_name("ref"))
-            with open(tmp, "w") as fh:
-                fh.write(commit)
-            os.rename(tmp, os.path.join(base, "refs", rev))
+            parts = rev.split("/")
+            if any(p in ("", ".", "..") for p in parts):
+                raise FetchError("revision %r is not a name for the cache's refs/" % rev, kind="unsafe")
+            rfd = stage_fd(item, os.path.join(base, "refs", *parts[:-1]))
+            try:
+                write_at(rfd, parts[-1], commit.encode(), 0o644)
+            finally:
+                os.close(rfd)
     else:
         st = _staging(item, commit)
         safe_dir(item["dest"], "destination directory")
@@ -234,6 +261,10 @@ def install_item(item, commit, listing, state_dir, source):
            "dest": _item_dest(item), "dest_kind": item["dest_kind"], "verified_at": now(),
            "total_bytes": sum(f["size"] for f in files), "files_n": len(files),
            "files": [{"name": f["name"], "size": f["size"], "sha256": f["sha256"], "blob": f["blob"]} for f in files]}
+    bad = bad_record(rec)
+    if bad:
+        raise FetchError("%s: not writing a record deploy could not read back: %s" % (item["role"], bad),
+                         kind="unsafe")
     p = _record_path(state_dir, _item_dest(item))
     dfd = open_dir(state_dir, 0o700)
     try:
@@ -242,6 +273,38 @@ def install_item(item, commit, listing, state_dir, source):
         os.close(dfd)
     write_json_atomic(p, rec)
     return rec
+
+
+def _link_blob(item, snap, f):
+    """snapshots/COMMIT/NAME -> ../../blobs/ETAG, made through its directory's fd (stage_fd: no planted link
+    followed on the way). What is there already is replaced only when it is a link (unlinking a link never
+    touches its target); a file or a directory there is not deploy's: refused, named."""
+    import stat
+
+    link = os.path.join(snap, f["name"])
+    dfd = stage_fd(item, os.path.dirname(link))
+    try:
+        name, rel = os.path.basename(link), snapshot_target(f)
+        try:
+            lst = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            lst = None
+        if lst is not None:
+            if not stat.S_ISLNK(lst.st_mode):
+                raise FetchError("%s: %s is not a link (mode %o): deploy made only links there; not replacing it" % (
+                    item["role"], link, lst.st_mode), fix="look at who put it there, remove it, then run deploy "
+                                                          "fetch again", kind="unsafe", path=link)
+            if os.readlink(name, dir_fd=dfd) == rel:
+                return
+        tmp = unique_name(".%s.link-" % name[:100])
+        os.symlink(rel, tmp, dir_fd=dfd)
+        try:
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces a link atomically; never a directory
+        except BaseException:
+            os.unlink(tmp, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)
 
 
 def _fetch_state(state_dir):

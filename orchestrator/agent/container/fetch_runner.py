@@ -8,11 +8,11 @@ import time
 from .core import now
 from .fetch import _hub_request, gated_no_token, hub_error, hub_info, install_item, plan_item
 from .transfer import CONNECTIONS, RANGE_BYTES, Transfer
-from .files import _read_json, write_json_atomic
+from .files import UnsafeDirectory, _read_json, write_json_atomic
 from .procs import proc_starttime
 from .weights import (
     COMMIT_RE, FETCH_STATE, FetchError, _existing_dir, _fmt_bytes, _free, _partial, _staging, read_manifest,
-    verify_file)
+    stage_fd, verify_file)
 from . import core
 
 
@@ -111,9 +111,12 @@ def act_fetch_run(a):
                     raise FetchError("%s: %s is listed in the manifest but not in %s" % (
                         it["role"], f["name"], it["source_path"]), fix="copy the complete directory, or write "
                                                                       "the manifest again")
-                os.makedirs(os.path.dirname(part), exist_ok=True)
-                os.rename(src, part)
-                got = verify_file(it, f, part, dn)
+                dfd = stage_fd(it, os.path.dirname(part))
+                try:
+                    os.rename(src, os.path.basename(part), dst_dir_fd=dfd)
+                    got = verify_file(it, f, part, dn, dfd)
+                finally:
+                    os.close(dfd)
                 f["state"], f["partial"] = "verified", 0
                 finished[0] += f["size"]
                 log("%s: %s verified (%s, %s %s)" % (it["role"], f["name"], _fmt_bytes(f["size"]),
@@ -178,6 +181,9 @@ def act_fetch_run(a):
             records=recs)
     except FetchError as e:
         return finish("timeout" if e.kind == "timeout" else "failed", e.message, e.fix, kind=e.kind, **e.details)
+    except UnsafeDirectory as e:
+        return finish("failed", str(e), "remove what was planted there (the message names it), then run deploy "
+                                        "fetch again", kind="unsafe")
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             return finish("failed", "disk full at %s: partial files are kept for resume, nothing half-done is in "

@@ -29,7 +29,14 @@ def open_dir(path, create_mode=None):
             os.makedirs(path, mode=create_mode)
         except FileExistsError:
             pass
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+            raise UnsafeDirectory("%s is a symbolic link (to %s), not a directory: root does not write through a "
+                                  "link that someone may have planted (fix: remove the link, or name the real "
+                                  "directory)" % (path, os.readlink(path))) from None
+        raise
     try:
         st = os.fstat(fd)
         me = os.geteuid()
@@ -50,6 +57,95 @@ def open_dir(path, create_mode=None):
     except BaseException:
         os.close(fd)
         raise
+
+
+def _why_unsafe_below(st):
+    """Why a directory below a trusted root is no place for root to write in (None when it is fine): another
+    owner, or group/other-writable (a sticky bit does not help: its owner could still plant names)."""
+    if st.st_uid not in (0, os.geteuid()):
+        return "owned by uid %d" % st.st_uid
+    if st.st_mode & 0o022:
+        return "writable by %s (mode %o)" % ("others" if st.st_mode & 0o002 else "its group", st.st_mode & 0o7777)
+    return None
+
+
+def open_beneath(root, path, create_mode=None):
+    """An fd of directory PATH, which lies under ROOT (a directory the playbook names: trusted, opened as given and
+    checked by open_dir), walked like a hostile tree: every component below ROOT opened relative to its parent
+    with O_NOFOLLOW|O_DIRECTORY (mkdir'ed at create_mode when missing and create_mode is given) and refused when it
+    is a link, another user's, or writable by group or others. Renaming anything along the way after this changes
+    nothing for the caller, which works relative to the fd. UnsafeDirectory names the component and the fix."""
+    root = os.path.normpath(root)
+    path = os.path.normpath(path)
+    if create_mode is not None:
+        os.makedirs(root, mode=0o755, exist_ok=True)
+    rel = os.path.relpath(path, root)
+    parts = [] if rel == "." else rel.split(os.sep)
+    if any(p in ("", "..") for p in parts):
+        raise UnsafeDirectory("%s is not under %s: refused" % (path, root))
+    fd = open_dir(root)
+    here = root
+    try:
+        for p in parts:
+            here = os.path.join(here, p)
+            try:
+                nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                if create_mode is None:
+                    raise FileNotFoundError(errno.ENOENT, "no such directory", here) from None
+                try:
+                    os.mkdir(p, create_mode, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                os.fchmod(nfd, create_mode)  # the umask does not decide it (blobs/ readable by containers)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                try:
+                    lst = os.stat(p, dir_fd=fd, follow_symlinks=False)
+                    what = "a symbolic link" if _stat.S_ISLNK(lst.st_mode) else "not a directory"
+                except OSError:
+                    what = "not a directory"
+                raise UnsafeDirectory("%s is %s: root does not follow or replace what it did not make there; "
+                                      "nothing was written through it (fix: look at who put it there, remove it, "
+                                      "then run again)" % (here, what)) from None
+            os.close(fd)
+            fd = nfd
+            why = _why_unsafe_below(os.fstat(fd))
+            if why:
+                raise UnsafeDirectory("%s is %s: another user could plant or swap files there; nothing was written "
+                                      "into it (fix: chown root:root %s && chmod 755 %s, or remove it and run "
+                                      "again)" % (here, why, here, here))
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_capped(dfd, name, limit, what="file"):
+    """The bytes of dir/NAME, a small record: opened O_NOFOLLOW|O_NONBLOCK (a link or a FIFO planted there neither
+    redirects nor hangs us), a regular file only, at most LIMIT bytes (a larger one is refused, never read into
+    memory). Raises FileNotFoundError, or OSError naming what it found."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "the %s is not a regular file (mode %o)" % (what, st.st_mode), name)
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, "the %s is %d bytes, more than the %d such a record can be" % (
+                what, st.st_size, limit), name)
+        out = b""
+        while len(out) <= limit:
+            chunk = os.read(fd, limit + 1 - len(out))
+            if not chunk:
+                break
+            out += chunk
+        if len(out) > limit:
+            raise OSError(errno.EFBIG, "the %s grew past %d bytes while read" % (what, limit), name)
+        return out
+    finally:
+        os.close(fd)
 
 
 STATE_DIR_FIX = ("set runtime.state_dir to a directory of deploy's own that only root can write, e.g. "

@@ -17,16 +17,20 @@ In a container (the store mounted read-only at MOUNT, mpN: STORE,mp=MOUNT,ro=1):
 
 import json
 import os
+import re
 import shutil
+import stat
 import tempfile
 
 from .core import now
-from .files import open_dir, write_json_atomic
-from .weights import FETCH_RECORDS, _record_path, safe_dir
+from .files import UnsafeDirectory, open_dir, read_capped, write_at, write_json_atomic
+from .weights import FETCH_RECORDS, _record_path, bad_record, safe_dir
 
 MARKER = ".deploy-store.json"
 LINK_MARKER = ".deploy-store-link"
 FORMAT = "vllm-pve-deploy-store/1"
+HUB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+CONFIG_MAX = 16 << 20  # a drafter's config.json copied out of the store: more is not a config
 
 
 def act_store(a):
@@ -47,25 +51,32 @@ def _mark(store):
     except FetchError as e:
         return {"ok": False, "message": e.message, "fix": e.fix}
     path = os.path.join(store, MARKER)
-    cur = _read_marker(path)
-    if cur is None:
-        tmp = os.path.join(store, ".%s.tmp-%d" % (MARKER, os.getpid()))
-        with open(tmp, "w") as fh:
-            json.dump({"format": FORMAT, "id": os.urandom(12).hex(), "made_at": now()}, fh)
-            fh.write("\n")
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, path)
-        cur = _read_marker(path)
+    try:
+        dfd = open_dir(store)
+    except (OSError, UnsafeDirectory) as e:
+        return {"ok": False, "message": "the model store %s: %s" % (store, e)}
+    try:
+        cur = _read_marker(dfd)
+        if cur is None:
+            # a new marker through the store's fd: an O_EXCL temp file of a random name, renamed over whatever
+            # is there (a link planted at the marker's name is replaced, never written through)
+            write_at(dfd, MARKER, (json.dumps({"format": FORMAT, "id": os.urandom(12).hex(), "made_at": now()})
+                                   + "\n").encode(), 0o644)
+            cur = _read_marker(dfd)
+        st = os.fstatvfs(dfd)
+    except OSError as e:
+        return {"ok": False, "message": "the store's marker %s: %s" % (path, e.strerror or e)}
+    finally:
+        os.close(dfd)
     if cur is None:
         return {"ok": False, "message": "the store's marker %s could not be read back" % path}
-    st = os.statvfs(store)
     return {"ok": True, "id": cur["id"], "free": st.f_bavail * st.f_frsize}
 
 
-def _read_marker(path):
+def _read_marker(dfd):
+    """The marker in the directory dfd (read_capped: no link followed, no FIFO waited on), None if not ours."""
     try:
-        with open(path) as fh:
-            m = json.loads(fh.read(4096))
+        m = json.loads(read_capped(dfd, MARKER, 4096, "store marker").decode("utf-8"))
         if m.get("format") == FORMAT and isinstance(m.get("id"), str) and len(m["id"]) == 24:
             return m
     except (OSError, ValueError, AttributeError):
@@ -73,11 +84,42 @@ def _read_marker(path):
     return None
 
 
+def _read_marker_at(mount):
+    try:
+        dfd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return _read_marker(dfd)
+    finally:
+        os.close(dfd)
+
+
+def bad_item(it, mount):
+    """Why a store item sent to the container cannot be linked (None when it can): its hub ORG/NAME, commit and
+    file names as a record's (weights.bad_record), its snapshot exactly MOUNT's for that hub and commit, its
+    destination an absolute path. The host's record was read from the store, which a container may have
+    written: a name with '..' would make links outside DEST (issue 50)."""
+    why = bad_record(it)
+    if why:
+        return why
+    if not isinstance(it.get("hub"), str) or not HUB_RE.match(it["hub"]) or ".." in it["hub"]:
+        return "hub %r is not ORG/NAME" % (it.get("hub"),)
+    want = os.path.join(mount, "hub", "models--" + it["hub"].replace("/", "--"), "snapshots", it["commit"])
+    if it.get("snapshot") != want:
+        return "snapshot %r is not %s" % (it.get("snapshot"), want)
+    dest = it.get("dest")
+    if not isinstance(dest, str) or not dest.startswith("/") or os.path.normpath(dest) in ("/", "") \
+            or ".." in dest.split("/"):
+        return "destination %r is not an absolute path" % (dest,)
+    return None
+
+
 def _link(a):
     """In the container: every item's DEST linked into the store's snapshot, or what stops it (kind: mount,
     writable, missing, unsafe)."""
     mount, store, want = a["mount"], a["store"], a["id"]
-    m = _read_marker(os.path.join(mount, MARKER))
+    m = _read_marker_at(mount)
     if m is None or m["id"] != want:
         return {"ok": False, "kind": "mount",
                 "message": "%s in the container is not the host's store %s (%s)" % (
@@ -89,6 +131,11 @@ def _link(a):
                            "other container serves" % (store, mount)}
     out = []
     for it in a["items"]:
+        why = bad_item(it, mount)
+        if why:
+            return {"ok": False, "kind": "record", "role": it.get("role"),
+                    "message": "the store's record of %s cannot be trusted: %s; nothing was linked" % (
+                        it.get("hub"), why)}
         snap = it["snapshot"]
         missing, changed = [], []
         for f in it["files"]:
@@ -130,19 +177,26 @@ def _build(it):
     hold the pinned bytes); unchanged when it already is. -> whether it changed."""
     dest, snap = it["dest"].rstrip("/"), it["snapshot"]
     keep_cfg = it["role"] == "drafter"
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, mode=0o755, exist_ok=True)
+    try:
+        os.close(open_dir(parent))  # root's (or ours), not writable by others without the sticky bit
+    except (OSError, UnsafeDirectory) as e:
+        raise _Refused("%s: %s" % (dest, e))
     if os.path.lexists(dest):
         if os.path.islink(dest) or not os.path.isdir(dest):
             raise _Refused("%s exists and is not a directory: not replacing it with the store's links" % dest)
-        if not os.path.isfile(os.path.join(dest, LINK_MARKER)):
+        _owned_by_us(dest, "the destination")
+        mk = os.path.join(dest, LINK_MARKER)
+        if not os.path.lexists(mk) or os.path.islink(mk) or not os.path.isfile(mk):
             raise _Refused("%s is a directory of files (an earlier copy?), not deploy's links into the store: not "
                            "replacing it" % dest)
+        _owned_by_us(mk, "its marker")
     links = {f["name"]: os.path.join(snap, f["name"]) for f in it["files"]}
     if keep_cfg:
         links.pop("config.json", None)
     if os.path.isdir(dest) and _same(dest, links, keep_cfg, snap):
         return False
-    parent = os.path.dirname(dest)
-    os.makedirs(parent, mode=0o755, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".%s.store-" % os.path.basename(dest), dir=parent)
     try:
         os.chmod(tmp, 0o755)
@@ -152,11 +206,15 @@ def _build(it):
             os.symlink(target, p)
         if keep_cfg:
             old_cfg = os.path.join(dest, "config.json")
-            src = old_cfg if os.path.isfile(old_cfg) and not os.path.islink(old_cfg) else os.path.join(snap,
-                                                                                                       "config.json")
-            if os.path.isfile(src):
-                shutil.copyfile(src, os.path.join(tmp, "config.json"))
-                os.chmod(os.path.join(tmp, "config.json"), 0o644)
+            data = _read_config(old_cfg, nofollow=True)  # the pinned bytes, in deploy's own checked directory
+            if data is None:
+                data = _read_config(os.path.join(snap, "config.json"), nofollow=False)  # the store's (a link)
+            if data is not None:
+                tfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    write_at(tfd, "config.json", data, 0o644)  # copied from the one open file: no check-then-copy
+                finally:
+                    os.close(tfd)
         with open(os.path.join(tmp, LINK_MARKER), "w") as fh:
             json.dump({"format": FORMAT, "store": it["store"], "snapshot": snap, "commit": it["commit"]}, fh)
             fh.write("\n")
@@ -171,6 +229,36 @@ def _build(it):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return True
+
+
+def _owned_by_us(path, what):
+    st = os.lstat(path)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise _Refused("%s is owned by uid %d with mode %o: %s is not deploy's (root's, writable by no one else); "
+                       "another user could swap its links after they were checked; not used"
+                       % (path, st.st_uid, stat.S_IMODE(st.st_mode), what))
+
+
+def _read_config(path, nofollow):
+    """The bytes of a config.json (a regular file, at most CONFIG_MAX), None when there is none; read from one
+    open descriptor, O_NONBLOCK (a FIFO does not hang us)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > CONFIG_MAX:
+            return None
+        out = b""
+        while len(out) <= CONFIG_MAX:
+            chunk = os.read(fd, CONFIG_MAX + 1 - len(out))
+            if not chunk:
+                break
+            out += chunk
+        return out if len(out) <= CONFIG_MAX else None
+    finally:
+        os.close(fd)
 
 
 def _same(dest, links, keep_cfg, snap):

@@ -23,12 +23,14 @@ import re
 import threading
 
 from .core import now
-from .files import write_json_atomic
-from .weights import CHUNK, FetchError, _existing_dir, _fmt_bytes, _free, _partial, verify_file
+from .files import read_capped, write_at
+from .weights import CHUNK, FetchError, _existing_dir, _fmt_bytes, _free, _partial, stage_fd, verify_file
 
 CONNECTIONS = 8  # the default number of connections (the playbook's fetch.connections)
 RANGE_BYTES = 64 << 20  # the default range (fetch.range_mib): a larger file is cut into ranges
 SIDECAR = ".ranges"
+MAX_RANGES = 1 << 14  # per file: a larger file gets larger ranges (a record of ranges stays small)
+SIDECAR_MAX = 2 << 20  # bytes of a ranges record: more is not ours (a planted /dev/zero is not read into memory)
 TRIES = 3  # per range: a cut or a network error is retried where it stopped, then the fetch fails
 
 
@@ -41,57 +43,96 @@ def sidecar_of(part):
 
 
 def split(size, range_bytes):
-    """[[start, end), ...] covering SIZE bytes: one range for a file of at most one range."""
+    """[[start, end), ...] covering SIZE bytes: one range for a file of at most one range; never more than
+    MAX_RANGES (the ranges of a huge file are made larger)."""
+    range_bytes = max(1, int(range_bytes), -(-size // MAX_RANGES))
     if size <= range_bytes:
         return [[0, size]]
     return [[a, min(a + range_bytes, size)] for a in range(0, size, range_bytes)]
 
 
-def read_ranges(part, size):
-    """The ranges record of a partial file ([[start, end, got], ...]) when it describes SIZE bytes, else None."""
+def _dir_of(part, dfd):
+    """(fd of part's directory, whether we opened it): the caller's, or part's parent opened O_DIRECTORY."""
+    if dfd is not None:
+        return dfd, False
+    return os.open(os.path.dirname(part) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), True
+
+
+def read_ranges(part, size, dfd=None):
+    """The ranges record of a partial file ([[start, end, got], ...]) when it describes SIZE bytes, else None.
+    Read like anything in a store a container may have written (files.read_capped: no link followed, no FIFO
+    waited on, at most SIDECAR_MAX bytes, at most MAX_RANGES ranges)."""
     try:
-        with open(sidecar_of(part)) as fh:
-            rec = json.load(fh)
+        d, own = _dir_of(part, dfd)
+    except OSError:
+        return None
+    try:
+        rec = json.loads(read_capped(d, os.path.basename(sidecar_of(part)), SIDECAR_MAX, "ranges record")
+                         .decode("utf-8"))
         rs = rec["ranges"]
-        if rec.get("size") != size or not rs:
+        if rec.get("size") != size or not rs or len(rs) > MAX_RANGES:
             return None
         pos = 0
         for a, b, got in rs:
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b, got)):
+                return None
             if a != pos or not (a < b or (a == b == 0)) or not 0 <= got <= b - a:
                 return None
             pos = b
         return [[int(a), int(b), int(g)] for a, b, g in rs] if pos == size else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    finally:
+        if own:
+            os.close(d)
 
 
-def partial_bytes(part, size):
+def _regular_size(dfd, name):
+    """The size of dir/NAME when it is a regular file (not followed if a link), else None."""
+    import stat
+
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def partial_bytes(part, size, dfd=None):
     """Bytes of a partial download already there (by its ranges record; else the single-stream partial's size)."""
-    rs = read_ranges(part, size)
+    rs = read_ranges(part, size, dfd)
     if rs is not None:
         return sum(g for _, _, g in rs)
     try:
-        return min(os.path.getsize(part), size)
+        d, own = _dir_of(part, dfd)
     except OSError:
         return 0
+    try:
+        return min(_regular_size(d, os.path.basename(part)) or 0, size)
+    finally:
+        if own:
+            os.close(d)
 
 
 class _File:
     def __init__(self, item, commit, f, range_bytes):
         self.item, self.f = item, f
         self.part, self.done = _partial(item, commit, f)
+        self.pname, self.sname = os.path.basename(self.part), os.path.basename(sidecar_of(self.part))
         size = f["size"]
-        rs = read_ranges(self.part, size)
-        if rs is None:  # none yet, or a single-stream partial (its prefix counts)
-            try:
-                pre = min(os.path.getsize(self.part), size)
-            except OSError:
-                pre = 0
-            rs = [[a, b, max(0, min(pre - a, b - a))] for a, b in split(size, range_bytes)]
+        dfd = stage_fd(item, os.path.dirname(self.part))
+        try:
+            rs = read_ranges(self.part, size, dfd)
+            if rs is None:  # none yet, or a single-stream partial (its prefix counts)
+                pre = min(_regular_size(dfd, self.pname) or 0, size)
+                rs = [[a, b, max(0, min(pre - a, b - a))] for a, b in split(size, range_bytes)]
+        finally:
+            os.close(dfd)
         self.ranges = rs
-        self.left = sum(1 for a, b, g in rs if g < b - a) or (1 if size == 0 else 0)
+        # a file whose record says every range is in still has one unit: its hash (never skipped, issue 50)
+        self.left = sum(1 for a, b, g in rs if g < b - a) or 1
         self.single = False
-        self.fd = None
+        self.fd = self.dfd = None
         self.saved_at = 0.0
         self.t0, self.got0 = now(), self.got()
 
@@ -99,11 +140,26 @@ class _File:
         return sum(g for _, _, g in self.ranges)
 
     def open(self):
-        os.makedirs(os.path.dirname(self.part), mode=0o755, exist_ok=True)
+        """The partial opened for writing, through its directory's fd (stage_fd: walked from the trusted root,
+        no link followed): O_NOFOLLOW|O_NONBLOCK, a regular file with one link only (not a FIFO, not a hard link
+        to another file that a container put there)."""
+        import stat
+
         if self.fd is None:
+            self.dfd = stage_fd(self.item, os.path.dirname(self.part))
             self.save(force=True)  # the record first: a partial without one is read as a single stream
-            self.fd = os.open(self.part, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            if os.fstat(self.fd).st_size > self.f["size"]:
+            fd = os.open(self.pname, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644,
+                         dir_fd=self.dfd)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                os.close(fd)
+                raise FetchError("%s: the partial file %s is not a plain file of ours (mode %o, %d links): not "
+                                 "written through" % (self.item["role"], self.part, st.st_mode, st.st_nlink),
+                                 fix="remove %s and run deploy fetch again" % self.part, kind="unsafe",
+                                 path=self.part)
+            os.fchmod(fd, 0o644)
+            self.fd = fd
+            if st.st_size > self.f["size"]:
                 os.ftruncate(self.fd, 0)
                 for r in self.ranges:
                     r[2] = 0
@@ -114,7 +170,9 @@ class _File:
         if force or t - self.saved_at >= 1.0:
             self.saved_at = t
             try:
-                write_json_atomic(sidecar_of(self.part), {"size": self.f["size"], "ranges": self.ranges})
+                # 0644 in a directory left as it was made (0755): a container reading the store can read blobs/
+                write_at(self.dfd, self.sname, json.dumps({"size": self.f["size"], "ranges": self.ranges}).encode(),
+                         0o644)
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
@@ -130,6 +188,12 @@ class _File:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    def close_dir(self):
+        self.close()
+        if self.dfd is not None:
+            os.close(self.dfd)
+            self.dfd = None
 
 
 class Transfer:
@@ -148,9 +212,9 @@ class Transfer:
         self.files = [(_File(it, commit, f, range_bytes), token) for it, commit, f, token in files]
         self.units = []
         for pf, token in self.files:
-            for r in pf.ranges:
-                if r[2] < r[1] - r[0] or pf.f["size"] == 0:
-                    self.units.append((pf, token, r))
+            todo = [r for r in pf.ranges if r[2] < r[1] - r[0]]
+            # every range in (by its record, or a file of 0 bytes): one unit still, that hashes it before it counts
+            self.units += [(pf, token, r) for r in (todo or pf.ranges[-1:])]
         self.active = {}
         self.reported_at = 0.0
 
@@ -208,7 +272,7 @@ class Transfer:
                     pf.save(force=True)
             except (OSError, FetchError):
                 pass  # the record stays as last saved: a resume re-fetches a little more, verified all the same
-            pf.close()
+            pf.close_dir()
         if self.failure is not None:
             raise self.failure
         self._progress(force=True)
@@ -243,8 +307,12 @@ class Transfer:
         with self.lock:
             pf.save(force=True)
             pf.close()
-        os.unlink(sidecar_of(pf.part))
-        got = verify_file(pf.item, pf.f, pf.part, pf.done)
+            dfd, pf.dfd = pf.dfd, None
+        try:
+            os.unlink(pf.sname, dir_fd=dfd)  # our record's name, in our checked directory: never followed
+            got = verify_file(pf.item, pf.f, pf.part, pf.done, dfd)
+        finally:
+            os.close(dfd)
         self.on_verified(pf, got)
 
     def _url(self, pf):
@@ -272,7 +340,7 @@ class Transfer:
             want_whole = a == 0 and r[1] == size
             headers = {} if want_whole else {"Range": "bytes=%d-%d" % (a, r[1] - 1)}
             try:
-                resp = self.request(it, self._url(pf), token, self.stall_s, headers)
+                resp = self.request(it, self._url(pf), token, self._timeout(), headers)
             except Exception as e:  # noqa: BLE001 - HTTP and network errors become messages
                 err = self.error(it, e, token, f["name"])
                 if err.kind == "network" and attempt < TRIES - 1:
@@ -304,7 +372,9 @@ class Transfer:
                         return False
                     self._check_deadline(pf)
                     try:
-                        chunk = resp.read(min(CHUNK, r[1] - pos))
+                        # read1: what one receive brings (at most CHUNK), so a hub that drips a byte at a time
+                        # meets the deadline check above between bytes, not after a whole chunk (issue 50)
+                        chunk = self._read(resp, min(CHUNK, r[1] - pos))
                     except (OSError, ValueError, HTTPException) as e:  # a cut, a stall (socket timeout)
                         chunk, cut = b"", e
                     if not chunk:
@@ -341,6 +411,20 @@ class Transfer:
                                  fix="free space there (or point the playbook elsewhere), then run deploy fetch "
                                      "again: it resumes", kind="disk") from None
             raise
+
+    def _timeout(self):
+        """The socket timeout of a request: the stall limit, but never past the deadline."""
+        return max(0.5, min(self.stall_s, self.deadline - now()))
+
+    def _read(self, resp, n):
+        sock = getattr(getattr(getattr(resp, "fp", None), "raw", None), "_sock", None)
+        if sock is not None:
+            try:
+                sock.settimeout(self._timeout())
+            except OSError:
+                pass
+        read1 = getattr(resp, "read1", None)
+        return read1(n) if read1 is not None else resp.read(min(n, 1 << 16))
 
     def _check_deadline(self, pf):
         if now() >= self.deadline:
