@@ -16,6 +16,13 @@ Layout of ROOT (see make_repo):
       {"no_ranges": true}                 a server without ranges: Range is ignored (200, the whole file), no
                                           Accept-Ranges
       {"down": true}                      every connection is closed without an answer
+    a hostile hub (issue 50: what a hub answers is untrusted input):
+      {"listing": {"FILE": {"size": N, "sha256": S, "blobId": B, "rfilename": R}}}
+                                          the file listing says these values for FILE instead of the true ones
+                                          (a size of -1, a sha256 of "../../x"); "lfs" entries follow size/sha256
+      {"listing_sha": "VALUE"}            the listing's commit ("sha") is VALUE
+      {"drip_s": S}                       every body is sent one byte every S seconds (a hub that never stalls
+                                          long enough for a socket timeout, and never ends)
   rate_bps and link_bps are read again during a transfer (at least every 0.2 s): a link can get fast or slow.
 
 Endpoints (shapes as huggingface.co answers them; huggingface_hub's snapshot_download works against it):
@@ -262,14 +269,20 @@ class Handler(BaseHTTPRequestHandler):
             return
         base, meta, commit = found
         sib = []
+        lie = self.hub.faults().get("listing") or {}
         for name, fi in sorted(self.hub.files(base, commit).items()):
             s = {"rfilename": name}
+            over = lie.get(name) or {}
             if blobs:
-                s.update(size=fi["size"], blobId=fi["blob"])
-                if fi["sha256"]:
-                    s["lfs"] = {"sha256": fi["sha256"], "size": fi["size"], "pointerSize": 134}
+                size, sha = over.get("size", fi["size"]), over.get("sha256", fi["sha256"])
+                s.update(size=size, blobId=over.get("blobId", fi["blob"]))
+                if sha:
+                    s["lfs"] = {"sha256": sha, "size": size, "pointerSize": 134}
+            if "rfilename" in over:
+                s["rfilename"] = over["rfilename"]
             sib.append(s)
-        body = {"_id": hashlib.md5(hub.encode()).hexdigest()[:24], "id": hub, "modelId": hub, "sha": commit,
+        body = {"_id": hashlib.md5(hub.encode()).hexdigest()[:24], "id": hub, "modelId": hub,
+                "sha": self.hub.faults().get("listing_sha", commit),
                 "private": False, "gated": meta.get("gated") or False, "disabled": False, "downloads": 0, "likes": 0,
                 "tags": [], "siblings": sib, "lastModified": "2026-12-01T00:00:00.000Z",
                 "usedStorage": sum(fi["size"] for fi in self.hub.files(base, commit).values())}
@@ -356,9 +369,25 @@ class Handler(BaseHTTPRequestHandler):
         cut = self.hub.take_cut(name)
         rate, link = float(faults.get("rate_bps") or 0), float(faults.get("link_bps") or 0)
         try:
+            if faults.get("drip_s"):
+                return self._drip(fi, start, length, float(faults["drip_s"]))
             self._stream(fi, name, start, length, cut, rate, link, flip)
         finally:  # what each body really sent: the log's "sent NAME BYTES" lines (bench/fetch_bench.py adds them up)
             sys.stderr.write("%s sent %s %d\n" % (time.strftime("%H:%M:%S"), name, self._sent))
+
+    def _drip(self, fi, start, length, every):
+        """One byte every EVERY seconds, until the client goes away (or the body ends)."""
+        self._sent = 0
+        with open(fi["path"], "rb") as fh:
+            fh.seek(start)
+            for _ in range(length):
+                try:
+                    self.wfile.write(fh.read(1))
+                    self.wfile.flush()
+                except OSError:
+                    return
+                self._sent += 1
+                time.sleep(every)
 
     def _stream(self, fi, name, start, length, cut, rate, link, flip):
         self._sent = 0
