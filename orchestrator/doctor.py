@@ -13,6 +13,7 @@ Classes (docs/domain/field-report.md, "What happened"):
   low-acceptance     the server's own /metrics fail the acceptance gate (AL, position 0, cliff)       FR 1
   check-timeout      a check did not finish within its bound (retried once): slow, not a diagnosis   issue 37
   driver-mismatch    nvidia-smi: NVML Driver/library version mismatch (container vs host driver)
+  privileged-store   the playbook's fetch.store is mounted into a privileged container (it can remount it read-write)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 
@@ -62,7 +64,7 @@ def low_acceptance_verdict(life, p: dict | None):
     return v
 SCHEMA = "vllm-pve-deploy/doctor/v1"
 CLASSES = ("guessed-config", "stale-write", "missing-fix", "incomplete-build", "leftover-holder", "low-acceptance",
-           "check-timeout", "driver-mismatch")
+           "check-timeout", "driver-mismatch", "privileged-store")
 
 
 def _get(d, dotted):
@@ -474,6 +476,7 @@ def pinned_configs(inv) -> tuple[list[dict], dict]:
         model = pb.data.get("model") or {}
         info = {"playbook": pb.name, "fallback": acc.get("fallback"), "target": pb.where,
                 "model_path": model.get("path"), "hf_home": (pb.drafter or {}).get("hf_home"),
+                "store": (pb.data.get("fetch") or {}).get("store"),
                 "min_acceptance": acc.get("min_draft_acceptance"),
                 "acceptance": {k: acc.get(k) for k in ("min_mean_acceptance_length", "min_first_position",
                                                        "cliff_check", "min_drafts", "min_draft_acceptance")}}
@@ -599,17 +602,36 @@ def plumbing_findings(session, ct_facts, host: str, vmid: int, target: dict | No
     h = PL.read_host(session, vmid, label="doctor")
     row["gpu_plumbing_host_error"] = h.get("error")
     host_facts = None if h.get("error") else h
+    extra = store_findings(host_facts, host, vmid, target)
     gpus = (target or {}).get("gpus")
     if gpus is None:
         gpus = parse_pct_config_gpus("\n".join((host_facts or {}).get("config") or []))
         if not gpus:  # no playbook and no GPU passed in: a container without GPUs, nothing to check
             row["gpu_plumbing"] = None
-            return []
+            return extra
     found = PL.findings(host_facts, ct_facts, host_name=host, vmid=vmid, gpus=gpus, tp=(target or {}).get("tp", 1))
     row["gpu_plumbing"] = PL.summary(found)
     return [{"class": PL.CHECK, "cause": f"{f['problem']}: {f['where']}: expected {f['expected']}, found "
                                          f"{f['found']} ({f['cause']})", "fix": f["fix"],
-             "evidence": {k: f[k] for k in ("problem", "where", "expected", "found")}} for f in found]
+             "evidence": {k: f[k] for k in ("problem", "where", "expected", "found")}} for f in found] + extra
+
+
+def store_findings(host_facts: dict | None, host: str, vmid: int, target: dict | None) -> list[dict]:
+    """The playbook's shared model store (fetch.store) mounted into a privileged container: a finding (issue 50:
+    root in that container can remount the store read-write and change what every container serves)."""
+    from .prepare import is_privileged, privileged_store_warning
+
+    store = (target or {}).get("store")
+    config = (host_facts or {}).get("config") or []
+    if not store or not host_facts:
+        return []
+    mounted = [ln for ln in config if re.match(r"mp\d+:\s*" + re.escape(store.rstrip("/")) + r"/?,", ln.strip())]
+    if not mounted or not is_privileged(config):
+        return []
+    return [{"class": "privileged-store", "cause": privileged_store_warning(host, vmid, [store]),
+             "fix": f"move the deployment to an unprivileged container (pct create ... --unprivileged 1; deploy "
+                    f"prepare {host}/VMID --create), or drop fetch.store for this one and remove `{mounted[0]}` "
+                    f"from its config", "evidence": {"mount": mounted[0], "unprivileged": False}}]
 
 
 def _server_view(s: dict) -> dict:

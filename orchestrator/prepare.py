@@ -250,7 +250,20 @@ def mount_plan(config: list[str], stores: list[tuple[str, str]], vmid: int) -> d
         lines.append(f"{key}: {value}")
         argv += [f"--{key}", value]
     return {"lines": lines, "set_argv": argv if lines else None, "blockers": blockers,
-            "stores": [s for s, _ in dict.fromkeys(stores)]}
+            "stores": [s for s, _ in dict.fromkeys(stores)], "privileged": is_privileged(config)}
+
+
+def is_privileged(config: list[str]) -> bool:
+    """A container whose config has no `unprivileged: 1` is privileged (Proxmox's default for pct create)."""
+    return not any(re.match(r"unprivileged:\s*(1|true)\s*$", ln.strip()) for ln in config)
+
+
+def privileged_store_warning(host: str, vmid: int, stores: list[str]) -> str:
+    """What a privileged container can do to a store mounted read-only into it (issue 50)."""
+    return (f"{host}/{vmid} is a privileged container (no `unprivileged: 1` in its config): root in it is uid 0 on "
+            f"the host (only AppArmor in between) and can remount the store {', '.join(stores)} read-write, change the weights every "
+            "other container serves and plant links or records for the host's fetch (the host's agent treats the "
+            "store as untrusted, the other containers cannot); prefer an unprivileged container for a shared store")
 
 
 def venv_root(python: str) -> str:
@@ -398,6 +411,10 @@ class Prepare:
             raise UsageError("; ".join(self.mp["blockers"]) + "; nothing was changed", where=f"{self.host}/{self.vmid}",
                              fix="set fetch.mount in the playbook to a free path, or remove that mount point")
         self.res["mount_lines"] = self.mp["lines"]
+        privileged = self.mp["privileged"] if not (self.create and not self.created) else \
+            not self.create.get("unprivileged")
+        if self.stores and privileged:
+            self.res["notes"].append("WARNING: " + privileged_store_warning(self.host, self.vmid, self.mp["stores"]))
 
     def read_host_facts(self, label: str) -> dict:
         """The host side (plumbing.HOST_PLUMBING_SH). Before --create makes the container there is no config to

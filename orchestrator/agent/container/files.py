@@ -399,11 +399,21 @@ def _sha_at(dfd, name, follow=True):
         return h.hexdigest(), bytes(raw), st
 
 
+def _open_log(path):
+    """A runner's log for reading: its name comes from a state file (in a shared store, one a container may have
+    written), so no final link is followed and no FIFO waited on; a regular file only."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not _stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return os.fdopen(fd, "rb")
+
+
 def _tail_lines(path, pos, limit=4 << 20):
     """Complete lines after byte `pos`, at most `limit` bytes per call (a log that grows by gigabytes between two
     polls is read in steps); a line longer than the limit is cut, not waited for forever."""
     try:
-        with open(path, "rb") as fh:
+        with _open_log(path) as fh:
             fh.seek(pos)
             data = fh.read(limit)
     except OSError:
@@ -421,7 +431,7 @@ def _tail_lines(path, pos, limit=4 << 20):
 
 def tail_file(path, n, grep=None, exclude=None):
     try:
-        with open(path, "rb") as fh:
+        with _open_log(path) as fh:
             fh.seek(0, 2)
             size = fh.tell()
             fh.seek(max(0, size - 256 * 1024))
