@@ -433,3 +433,21 @@ def test_missing_files_are_listed_by_name_not_by_letter(hub, tmp_path):
     os.unlink(os.path.join(snap, "config.json"))
     p = in_place(it, os.path.join(str(store), ".deploy-state"))
     assert "missing: config.json" in p["why"] and "c, o, n" not in p["why"]
+
+
+# ------------------------------------------------------------ a store mounted into a privileged container
+
+
+def test_a_privileged_container_is_told_what_it_can_do_to_the_store():
+    from orchestrator.doctor import store_findings
+    from orchestrator.prepare import mount_plan
+
+    assert mount_plan(["arch: amd64"], [("/srv/store", "/models")], 101)["privileged"]
+    assert not mount_plan(["unprivileged: 1"], [("/srv/store", "/models")], 101)["privileged"]
+    cfg = ["arch: amd64", "mp0: /srv/store,mp=/models,ro=1"]
+    f = store_findings({"config": cfg}, "pve1", 101, {"store": "/srv/store"})
+    assert [x["class"] for x in f] == ["privileged-store"]
+    assert "remount the store /srv/store read-write" in f[0]["cause"] and "pve1/101" in f[0]["cause"]
+    assert store_findings({"config": cfg + ["unprivileged: 1"]}, "pve1", 101, {"store": "/srv/store"}) == []
+    assert store_findings({"config": ["mp0: /srv/other,mp=/models,ro=1"]}, "pve1", 101, {"store": "/srv/store"}) == []
+    assert store_findings({"config": cfg}, "pve1", 101, {"store": None}) == []
