@@ -197,3 +197,46 @@ def test_store_refusals_before_anything_runs(deploy, playbooks, store, hub):
     p.write_text(text.replace(f"  store: {store}\n", "  store: \"/srv/x;rm -rf /\"\n"))
     r = deploy("plan", "qwen36-dflash", env=playbooks.env)
     assert r.returncode == 2 and "fetch.store" in r.stderr, r.stderr
+
+
+def test_hostile_hub_and_planted_links_leave_nothing_outside_the_store(tb, hub, store, deploy, playbooks):
+    """Issue 50 on the test bed: the host runs the fetch as root; a hub hash that is a path, and a snapshot
+    directory planted as a link out of the store, end in a clear error naming the hub or the store path, and
+    nothing outside the store is made or changed. Then the clean fetch says how many files it verified."""
+    playbooks_with_store(playbooks, hub, store)
+    env = playbooks.env
+    pwn = f"/var/tmp/vpd-test-pwn-{uuid.uuid4().hex[:8]}"
+    depth = len(f"{store}/hub/models--acme--Tiny-Target/blobs".strip("/").split("/"))
+    hub.fault(listing={WEIGHTS: {"sha256": "../" * depth + pwn.strip("/") + "/evil"}}, cut={WEIGHTS: 1000})
+    try:
+        p = deploy("fetch", "qwen36-dflash", env=env)
+        err = " ".join(p.stderr.split())
+        assert p.returncode == 1 and TARGET in err and "is not 64 lowercase hex digits" in err, err
+        assert not os.path.exists(pwn)
+    finally:
+        shutil.rmtree(pwn, ignore_errors=True)
+
+    hub.fault()
+    outside = f"/var/tmp/vpd-test-outside-{uuid.uuid4().hex[:8]}"
+    os.makedirs(outside)
+    try:
+        with open(f"{outside}/config.json", "w") as fh:
+            fh.write("precious\n")
+        snaps = f"{store}/hub/models--acme--Tiny-Target/snapshots"
+        os.makedirs(snaps, exist_ok=True)
+        os.symlink(outside, f"{snaps}/{hub.commits['target']}")
+        p = deploy("fetch", "qwen36-dflash", env=env)
+        err = " ".join(p.stderr.split())
+        assert p.returncode == 1 and f"{snaps}/{hub.commits['target']} is a symbolic link" in err, err
+        assert os.listdir(outside) == ["config.json"] and open(f"{outside}/config.json").read() == "precious\n"
+        os.unlink(f"{snaps}/{hub.commits['target']}")
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+
+    j = deploy("--json", "prepare", "pve1/129", "-y", "--no-install", env=env)
+    assert j.returncode == 0, j.stdout + j.stderr
+    assert any("privileged container" in n for n in j.json["notes"]), j.json["notes"]  # the test bed's are
+    p = deploy("fetch", "qwen36-dflash", env=env)
+    assert p.returncode == 0, p.stderr
+    assert "(None files)" not in p.stdout and "every file verified (3 files)" in p.stdout, p.stdout
+    assert oct(os.stat(f"{store}/hub/models--acme--Tiny-Target/blobs").st_mode & 0o777) == "0o755"
