@@ -23,6 +23,7 @@ Layout of ROOT (see make_repo):
       {"listing_sha": "VALUE"}            the listing's commit ("sha") is VALUE
       {"drip_s": S}                       every body is sent one byte every S seconds (a hub that never stalls
                                           long enough for a socket timeout, and never ends)
+      {"drip_listing_s": S}               the same for the API's JSON answers (the listing)
   rate_bps and link_bps are read again during a transfer (at least every 0.2 s): a link can get fast or slow.
 
 Endpoints (shapes as huggingface.co answers them; huggingface_hub's snapshot_download works against it):
@@ -185,8 +186,19 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if not head:
+        if head:
+            return
+        drip = float(self.hub.faults().get("drip_listing_s") or 0)
+        if not drip:
             self.wfile.write(body)
+            return
+        for i in range(len(body)):  # the answer one byte at a time (a listing that never arrives)
+            try:
+                self.wfile.write(body[i:i + 1])
+                self.wfile.flush()
+            except OSError:
+                return
+            time.sleep(drip)
 
     def error(self, code, ecode, msg, head=False):
         h = {"X-Error-Message": msg}

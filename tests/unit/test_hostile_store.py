@@ -451,3 +451,31 @@ def test_a_privileged_container_is_told_what_it_can_do_to_the_store():
     assert store_findings({"config": cfg + ["unprivileged: 1"]}, "pve1", 101, {"store": "/srv/store"}) == []
     assert store_findings({"config": ["mp0: /srv/other,mp=/models,ro=1"]}, "pve1", 101, {"store": "/srv/store"}) == []
     assert store_findings({"config": cfg}, "pve1", 101, {"store": None}) == []
+
+
+def test_7_a_dripping_listing_meets_the_deadline(hub, tmp_path):
+    hub.fault(drip_listing_s=0.05)
+    it = store_item(hub, tmp_path / "store")
+    out = {}
+
+    def go():
+        try:
+            F.hub_info(it, None, 30, now() + 1.5)
+        except FetchError as e:
+            out["e"] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the listing read outlived its deadline"
+    assert out["e"].kind == "timeout" and "acme/M" in out["e"].message and "listing" in out["e"].message
+
+
+def test_a_blobs_directory_an_older_version_left_0700_is_readable_again(tmp_path):
+    store = tmp_path / "store"
+    assert S._mark(str(store))["ok"]
+    b = blobs(store)
+    os.makedirs(b)
+    os.chmod(b, 0o700)
+    assert S._mark(str(store))["ok"]
+    assert stat.S_IMODE(os.stat(b).st_mode) == 0o755

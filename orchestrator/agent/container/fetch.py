@@ -105,17 +105,39 @@ def gated_no_token(item, what):
                           "variable and name that variable in %s.token_env" % (page, key), kind="gated")
 
 
-def hub_info(item, token, timeout):
-    """The repository at a revision: commit, files with their sizes and hashes (the hub's own record)."""
+LISTING_MAX = 64 << 20  # bytes of one repository listing
+
+
+def hub_info(item, token, timeout, deadline=None):
+    """The repository at a revision: commit, files with their sizes and hashes (the hub's own record). Read in
+    what each receive brings, at most LISTING_MAX bytes, by the deadline (default: 10 stall limits): a hub that
+    drips its answer does not hold the fetch (and, on the host, the store's lock) forever."""
     from urllib.parse import quote
 
     rev = item.get("revision") or "main"
     url = "%s/api/models/%s/revision/%s?blobs=true" % (item["endpoint"].rstrip("/"), item["hub"], quote(rev, safe=""))
+    deadline = deadline if deadline is not None else now() + 10 * float(timeout)
     try:
         with _hub_request(item, url, token, timeout) as r:
-            body = r.read(64 << 20)
+            body = b""
+            read1 = getattr(r, "read1", None) or (lambda n: r.read(min(n, 1 << 16)))
+            while len(body) <= LISTING_MAX:
+                if now() >= deadline:
+                    raise FetchError("%s: the hub's listing did not arrive in time (%d bytes so far)" % (
+                        item["hub"], len(body)), fix="check the hub at %s; run deploy fetch again" % item["endpoint"],
+                        kind="timeout")
+                chunk = read1(LISTING_MAX + 1 - len(body))
+                if not chunk:
+                    break
+                body += chunk
+    except FetchError:
+        raise
     except Exception as e:  # noqa: BLE001 - HTTP and network errors become messages
         raise hub_error(item, e, token, "repository info") from None
+    if len(body) > LISTING_MAX:
+        raise FetchError("%s: the hub's listing for revision %s is larger than %d bytes: not read" % (
+            item["hub"], rev, LISTING_MAX), fix="is %s a Hugging Face hub (or a compatible mirror)?" % item["endpoint"],
+            kind="hub")
     try:
         info = json.loads(body.decode("utf-8"))
         commit = info["sha"]

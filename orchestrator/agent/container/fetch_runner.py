@@ -60,7 +60,7 @@ def act_fetch_run(a):
                                                                    it["source_path"], len(lst["files"]),
                                                                    _fmt_bytes(sum(f["size"] for f in lst["files"]))))
             else:
-                lst = hub_info(it, token, stall)
+                lst = hub_info(it, token, min(stall, max(1.0, deadline - now())), deadline)
                 if lst["gated"] and not token:
                     raise gated_no_token(it, "the listing says gated: %s" % lst["gated"])
                 it["commit"] = lst["commit"]

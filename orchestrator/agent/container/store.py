@@ -63,6 +63,7 @@ def _mark(store):
             write_at(dfd, MARKER, (json.dumps({"format": FORMAT, "id": os.urandom(12).hex(), "made_at": now()})
                                    + "\n").encode(), 0o644)
             cur = _read_marker(dfd)
+        _open_blobs(store)
         st = os.fstatvfs(dfd)
     except OSError as e:
         return {"ok": False, "message": "the store's marker %s: %s" % (path, e.strerror or e)}
@@ -71,6 +72,28 @@ def _mark(store):
     if cur is None:
         return {"ok": False, "message": "the store's marker %s could not be read back" % path}
     return {"ok": True, "id": cur["id"], "free": st.f_bavail * st.f_frsize}
+
+
+def _open_blobs(store):
+    """blobs/ directories an older deploy left 0700 (its ranges record's write did) made 0755 again: a uid-mapped
+    container reads the store as "others". Only deploy's own (root's, 0700 exactly), walked without following a
+    link (open_beneath); anything odd is left alone for the fetch to refuse, named."""
+    from .files import open_beneath
+
+    try:
+        repos = [n for n in os.listdir(os.path.join(store, "hub")) if n.startswith("models--")][:10000]
+    except OSError:
+        return
+    for n in repos:
+        try:
+            fd = open_beneath(store, os.path.join(store, "hub", n, "blobs"))
+        except (OSError, UnsafeDirectory):
+            continue
+        try:
+            if stat.S_IMODE(os.fstat(fd).st_mode) == 0o700:
+                os.fchmod(fd, 0o755)
+        finally:
+            os.close(fd)
 
 
 def _read_marker(dfd):
