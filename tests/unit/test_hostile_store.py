@@ -231,11 +231,10 @@ def link_setup(tmp_path, monkeypatch, names=("config.json", "w.bin"), dest_owner
     fl = []
     for n in names:
         data = n.encode()
-        p = os.path.join(snap, n)
-        if "/" not in os.path.relpath(p, snap) or ".." not in n:
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            with open(p, "wb") as fh:
-                fh.write(data)
+        p = os.path.normpath(os.path.join(snap, n))  # a '../' name's file too (inside the mount): only the name is bad
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as fh:
+            fh.write(data)
         fl.append({"name": n, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "blob": None})
     real = os.statvfs
 
@@ -255,9 +254,10 @@ def link_setup(tmp_path, monkeypatch, names=("config.json", "w.bin"), dest_owner
 
 
 def test_4_a_record_name_with_dotdot_links_nothing_outside_the_destination(tmp_path, monkeypatch):
-    a = link_setup(tmp_path, monkeypatch, names=("config.json", "../../../root/linked.sh"))
+    # from DEST (tmp_path/models/M), ../../root/linked.sh is tmp_path/root/linked.sh: outside the destination
+    a = link_setup(tmp_path, monkeypatch, names=("config.json", "../../root/linked.sh"))
     r = S.act_store(a)
-    assert not r["ok"] and r["kind"] == "record" and "../../../root/linked.sh" in r["message"]
+    assert not r["ok"] and r["kind"] == "record" and "../../root/linked.sh" in r["message"]
     assert not (tmp_path / "root").exists() and not os.path.lexists(str(tmp_path / "models" / "M"))
 
 
@@ -479,3 +479,80 @@ def test_a_blobs_directory_an_older_version_left_0700_is_readable_again(tmp_path
     os.chmod(b, 0o700)
     assert S._mark(str(store))["ok"]
     assert stat.S_IMODE(os.stat(b).st_mode) == 0o755
+
+
+def read_as_mapped_root(paths):
+    """{path: sha256 or 'error: ...'} read by a process in a user namespace whose root is host uid 100000: an
+    unprivileged (uid-mapped) Proxmox container's root, to which the host root's files belong to nobody (65534)
+    and are readable only through their "others" bits. Skips where user namespaces are not allowed."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    go_r, go_w = os.pipe()
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: unshare, wait for its maps, drop to the mapped root, read
+        code = 0
+        try:
+            os.close(go_w)
+            os.close(out_r)
+            if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
+                code = 90
+            else:
+                os.write(out_w, b"U")
+                os.read(go_r, 1)
+                os.setgid(0)
+                os.setuid(0)
+                res = {}
+                for p in paths:
+                    try:
+                        with open(p, "rb") as fh:
+                            res[p] = hashlib.sha256(fh.read()).hexdigest()
+                    except OSError as e:
+                        res[p] = "error: %s" % e.strerror
+                os.write(out_w, json.dumps(res).encode())
+        except BaseException:  # noqa: BLE001 - the child never returns into pytest
+            code = 91
+        finally:
+            os._exit(code)
+    os.close(go_r)
+    os.close(out_w)
+    try:
+        if os.read(out_r, 1) != b"U":
+            os.waitpid(pid, 0)
+            pytest.skip("user namespaces are not allowed here")
+        for f, text in (("uid_map", "0 100000 65536\n"), ("setgroups", "deny\n"), ("gid_map", "0 100000 65536\n")):
+            with open("/proc/%d/%s" % (pid, f), "w") as fh:
+                fh.write(text)
+        os.write(go_w, b"x")
+        data = b""
+        while True:
+            chunk = os.read(out_r, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(go_w)
+        os.close(out_r)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, status
+    return json.loads(data.decode())
+
+
+def test_an_unprivileged_uid_mapped_container_reads_the_store_after_a_fetch(hub):
+    """The uid-mapping question (issue 50): the store, as the host's fetch leaves it, read by a uid-mapped root
+    (host uid 100000) through the snapshot's links, every file with the hub's bytes."""
+    import shutil
+    import uuid
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (writes the namespace's uid map)")
+    store = "/var/tmp/vpd-unit-store-%s" % uuid.uuid4().hex[:10]  # /tmp/pytest-of-root is 0700: not for others
+    try:
+        assert S._mark(store)["ok"]
+        assert run_fetch(store, [store_item(hub, store)])["status"] == "ok"
+        snap = os.path.join(store, "hub", "models--acme--M", "snapshots", hub.commit)
+        got = read_as_mapped_root([os.path.join(snap, n) for n in hub.files])
+        assert got == {os.path.join(snap, n): hashlib.sha256(d).hexdigest() for n, d in hub.files.items()}, got
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
