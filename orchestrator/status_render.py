@@ -83,6 +83,10 @@ def weights_text(ws: list) -> str:
                         else f"{w['revision']} ({(w.get('commit') or '')[:12]})") + f" at {w.get('dest')}"
                      + (f" (shared store {w['source'][6:]} on the host, read-only)"
                         if str(w.get("source") or "").startswith("store:") else "")
+                     + (" WARNING: a privileged container (root in it is the host's uid 0): it can remount the "
+                        "store read-write and change what every container of the host serves"
+                        if w.get("privileged_container") is True and str(w.get("source") or "").startswith("store:")
+                        else "")
                      for w in ws)
 
 

@@ -556,3 +556,16 @@ def test_an_unprivileged_uid_mapped_container_reads_the_store_after_a_fetch(hub)
         assert got == {os.path.join(snap, n): hashlib.sha256(d).hexdigest() for n, d in hub.files.items()}, got
     finally:
         shutil.rmtree(store, ignore_errors=True)
+
+
+def test_status_flags_a_store_read_by_a_privileged_container():
+    from orchestrator.agent.container.weights import uid_mapped
+    from orchestrator.status_render import weights_text
+
+    assert uid_mapped() is False  # this test runs with the host's identity map
+    w = {"role": "model", "hub": "acme/M", "commit": "c" * 40, "revision": "c" * 40, "dest": "/root/models/M",
+         "source": "store:/srv/store"}
+    assert "WARNING" not in weights_text([dict(w, privileged_container=False)])
+    t = weights_text([dict(w, privileged_container=True)])
+    assert "(shared store /srv/store on the host, read-only) WARNING: a privileged container" in t
+    assert "WARNING" not in weights_text([dict(w, source="hub:x", privileged_container=True)])

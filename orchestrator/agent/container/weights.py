@@ -449,4 +449,17 @@ def serving_weights(st, state_dir):
                                       and os.path.basename(dest or "") == "models--" + os.path.basename(dp))
         if hit:
             out.append({k: rec.get(k) for k in ("role", "hub", "revision", "commit", "dest", "source", "verified_at")})
+            if str(rec.get("source") or "").startswith("store:"):
+                out[-1]["privileged_container"] = not uid_mapped()
     return out
+
+
+def uid_mapped():
+    """Is this process's root uid-mapped (an unprivileged container)? Its /proc/self/uid_map is not the identity
+    map `0 0 4294967295` of the host (and of a privileged container, whose root is the host's root)."""
+    try:
+        with open("/proc/self/uid_map") as fh:
+            first = fh.read(4096).split()
+    except OSError:
+        return False
+    return first[:3] != ["0", "0", "4294967295"]
