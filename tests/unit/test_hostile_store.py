@@ -569,3 +569,12 @@ def test_status_flags_a_store_read_by_a_privileged_container():
     t = weights_text([dict(w, privileged_container=True)])
     assert "(shared store /srv/store on the host, read-only) WARNING: a privileged container" in t
     assert "WARNING" not in weights_text([dict(w, source="hub:x", privileged_container=True)])
+
+
+@pytest.mark.parametrize("lie", [{"sha256": "a" * 64 + "\n"}, {"sha256": "A" * 64}, {"sha256": "a" * 63},
+                                 {"blobId": "b" * 40 + "\n"}, {"rfilename": "x\n"}, {"rfilename": "./w"}])
+def test_2_hashes_and_names_match_exactly(hub, tmp_path, lie):
+    hub.fault(listing={BIG: lie})
+    with pytest.raises(FetchError) as e:
+        F.hub_info(store_item(hub, tmp_path / "store"), None, 10)
+    assert e.value.kind == "hub" and "not believable" in e.value.message

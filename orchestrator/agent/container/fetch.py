@@ -155,7 +155,7 @@ def hub_info(item, token, timeout, deadline=None):
                          fix="is %s a Hugging Face hub (or a compatible mirror)?" % item["endpoint"]) from None
     # everything in the answer is untrusted network input: a hash becomes a file name in blobs/, a size an
     # allocation and a space check, a name a path (issue 50); checked here, before any of it is used
-    if not isinstance(commit, str) or not COMMIT_RE.match(commit):
+    if not isinstance(commit, str) or not COMMIT_RE.fullmatch(commit):
         raise FetchError("%s: the hub gave no commit for revision %s (%r is not 40 hex digits)" % (
             item["hub"], rev, commit if isinstance(commit, str) and len(commit) < 100 else type(commit).__name__),
             fix="is %s a Hugging Face hub (or a compatible mirror)?" % item["endpoint"], kind="hub")

@@ -126,7 +126,7 @@ def bad_item(it, mount):
     why = bad_record(it)
     if why:
         return why
-    if not isinstance(it.get("hub"), str) or not HUB_RE.match(it["hub"]) or ".." in it["hub"]:
+    if not isinstance(it.get("hub"), str) or not HUB_RE.fullmatch(it["hub"]) or ".." in it["hub"]:
         return "hub %r is not ORG/NAME" % (it.get("hub"),)
     want = os.path.join(mount, "hub", "models--" + it["hub"].replace("/", "--"), "snapshots", it["commit"])
     if it.get("snapshot") != want:

@@ -146,7 +146,8 @@ class _File:
         import stat
 
         if self.fd is None:
-            self.dfd = stage_fd(self.item, os.path.dirname(self.part))
+            if self.dfd is None:
+                self.dfd = stage_fd(self.item, os.path.dirname(self.part))
             self.save(force=True)  # the record first: a partial without one is read as a single stream
             fd = os.open(self.pname, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644,
                          dir_fd=self.dfd)

@@ -82,9 +82,9 @@ def bad_file(f):
     if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
         return "%s: size %r is not a number of bytes from 0 to %d" % (f["name"], size, MAX_FILE_BYTES)
     sha, blob = f.get("sha256"), f.get("blob")
-    if sha is not None and not (isinstance(sha, str) and SHA256_RE.match(sha)):
+    if sha is not None and not (isinstance(sha, str) and SHA256_RE.fullmatch(sha)):
         return "%s: sha256 %r is not 64 lowercase hex digits" % (f["name"], sha)
-    if blob is not None and not (isinstance(blob, str) and COMMIT_RE.match(blob)):
+    if blob is not None and not (isinstance(blob, str) and COMMIT_RE.fullmatch(blob)):
         return "%s: git blob id %r is not 40 lowercase hex digits" % (f["name"], blob)
     if not sha and not blob:
         return "%s: no hash (neither sha256 nor git blob id)" % f["name"]
@@ -96,7 +96,7 @@ def bad_record(rec):
     files (at most MAX_FILES) each bad_file-clean. A record lives where a container may have written it."""
     if not isinstance(rec, dict):
         return "not a record"
-    if not isinstance(rec.get("commit"), str) or not COMMIT_RE.match(rec["commit"]):
+    if not isinstance(rec.get("commit"), str) or not COMMIT_RE.fullmatch(rec["commit"]):
         return "commit %r is not 40 hex digits" % (rec.get("commit"),)
     files = rec.get("files")
     if not isinstance(files, list) or len(files) > MAX_FILES:
@@ -297,7 +297,7 @@ def read_manifest(item):
     import hashlib
 
     commit = m.get("commit") or hashlib.sha1(json.dumps(m["files"], sort_keys=True).encode()).hexdigest()
-    if not isinstance(commit, str) or not COMMIT_RE.match(commit):
+    if not isinstance(commit, str) or not COMMIT_RE.fullmatch(commit):
         raise FetchError("manifest %s: commit %r is not 40 hex digits" % (item["source_path"], commit),
                          fix="write the manifest again with deploy manifest DIR", kind="unsafe")
     return {"commit": commit, "files": files, "hub": m.get("hub"), "revision": m.get("revision")}
@@ -371,7 +371,7 @@ def _partial(item, commit, f):
     st = _staging(item, commit)
     if item["dest_kind"] == "cache":
         etag = f["sha256"] or f["blob"]
-        if not (SHA256_RE.match(etag or "") or COMMIT_RE.match(etag or "")):
+        if not (SHA256_RE.fullmatch(etag or "") or COMMIT_RE.fullmatch(etag or "")):
             raise FetchError("%s: %s: hash %r is not hex: not used as a file name" % (item["role"], f["name"], etag),
                              kind="unsafe")
         return os.path.join(st, etag + ".incomplete"), os.path.join(st, etag)
