@@ -23,6 +23,7 @@ from orchestrator.agent.container.core import now
 from orchestrator.agent.container.fetch_runner import act_fetch_run
 from orchestrator.agent.container.transfer import MAX_RANGES, Transfer, read_ranges, sidecar_of, split
 from orchestrator.agent.container.weights import FetchError, _partial, in_place, MAX_FILE_BYTES
+from test_spec import work  # noqa: F401 - the fixture (a work tree of playbooks)
 from vpd_testbed import hub as hubmod
 
 MIB = 1 << 20
@@ -578,3 +579,51 @@ def test_2_hashes_and_names_match_exactly(hub, tmp_path, lie):
     with pytest.raises(FetchError) as e:
         F.hub_info(store_item(hub, tmp_path / "store"), None, 10)
     assert e.value.kind == "hub" and "not believable" in e.value.message
+
+
+def test_8_plan_shows_the_argv_that_fetch_runs(work):  # noqa: F811 - the fixture
+    """deploy plan's line for a directory source is the argv _copy_from_host runs, quoted once (issue 50 finding 8:
+    they differed, and the one that ran was built by hand)."""
+    import contextlib
+
+    from orchestrator import fetch as OF
+    from orchestrator import plan as P
+    from orchestrator.remote import shell_join
+    from orchestrator.spec import load_playbook
+    from test_spec import edit, inv
+
+    src = "/srv/it's; id > /tmp/pwned; '"
+    p = edit(work, "qwen36-dflash", "model:\n  path: /root/models/Qwen3.6-27B\n",
+             "model:\n  path: /root/models/Qwen3.6-27B\n  source: {path: \"%s\"}\n" % src.replace('"', '\\"'))
+    pb = load_playbook(p, inv(work))
+    step = P.step_fetch(pb)
+    it = next(i for i in P.fetch_args(pb) if i.get("source_path"))
+    assert it["source_path"] == src
+    want = P.copy_from_host_argv(pb.vmid, src, it["incoming"])
+    assert any(r.startswith(shell_join(want) + "   #") for r in step.runs), step.runs
+    ran = []
+
+    class Res:
+        exited, out, err = 0, "", ""
+
+    class Session:
+        keep_env_supported = True
+
+        def run(self, argv, **kw):
+            ran.append(argv)
+            return Res()
+
+    class Progress:
+        def say(self, *a, **kw):
+            pass
+
+        detail = say
+
+        def heartbeat(self, *a, **kw):
+            return contextlib.nullcontext()
+
+    class Ctx:
+        session, progress, where = Session(), Progress(), "pve1/129"
+
+    OF._copy_from_host(Ctx(), pb, it)
+    assert ran == [want]
