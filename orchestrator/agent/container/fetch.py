@@ -16,7 +16,7 @@ from .transfer import partial_bytes
 from .weights import (
     COMMIT_RE, FETCH_FINAL, FETCH_LOCK, FETCH_RECORDS, FETCH_STATE, FETCH_VAR, FetchError, _final_path, _hash_as,
     MAX_FILE_BYTES, MAX_FILES, _item_dest, _partial, _record_path, _repo_dir, _staging, bad_file, bad_record,
-    fetch_record, in_place, int_size, ours, safe_dir, snapshot_target, stage_fd)
+    fetch_record, in_place, int_size, safe_dir, snapshot_target, stage_fd)
 from . import core
 
 
@@ -266,15 +266,7 @@ def install_item(item, commit, listing, state_dir, source):
             dst = os.path.join(item["dest"], f["name"])
             if f.get("state") == "in place" and not os.path.exists(src):
                 continue
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            if os.path.islink(dst) or os.path.isdir(dst):
-                raise FetchError("%s exists and is not a regular file: not replacing it" % dst,
-                                 fix="move it away, then run deploy fetch again")
-            if not os.path.isfile(src) or not ours(src):
-                raise FetchError("%s: the verified file %s is no longer a regular file of ours (owner or mode "
-                                 "changed): not moving it into place" % (item["role"], src),
-                                 fix="remove %s and run deploy fetch again" % os.path.dirname(src), kind="unsafe")
-            os.rename(src, dst)
+            _move_in(item, src, dst)
         import shutil
 
         shutil.rmtree(os.path.dirname(st) if os.path.basename(st) == commit[:12] else st, ignore_errors=True)
@@ -295,6 +287,39 @@ def install_item(item, commit, listing, state_dir, source):
         os.close(dfd)
     write_json_atomic(p, rec)
     return rec
+
+
+def _move_in(item, src, dst):
+    """A verified staged file renamed into place, both directories walked from the destination's parent
+    (stage_fd: no link followed): the staged file still a regular file of ours, nothing but a regular file
+    replaced at the destination."""
+    import stat
+
+    sfd = stage_fd(item, os.path.dirname(src), create=False)
+    try:
+        dfd = stage_fd(item, os.path.dirname(dst))
+        try:
+            sname, dname = os.path.basename(src), os.path.basename(dst)
+            try:
+                dl = os.stat(dname, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                dl = None
+            if dl is not None and not stat.S_ISREG(dl.st_mode):
+                raise FetchError("%s exists and is not a regular file: not replacing it" % dst,
+                                 fix="move it away, then run deploy fetch again")
+            try:
+                sl = os.stat(sname, dir_fd=sfd, follow_symlinks=False)
+            except FileNotFoundError:
+                sl = None
+            if sl is None or not stat.S_ISREG(sl.st_mode) or sl.st_uid != os.geteuid() or sl.st_mode & 0o022:
+                raise FetchError("%s: the verified file %s is no longer a regular file of ours (owner or mode "
+                                 "changed): not moving it into place" % (item["role"], src),
+                                 fix="remove %s and run deploy fetch again" % os.path.dirname(src), kind="unsafe")
+            os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
 
 
 def _link_blob(item, snap, f):
