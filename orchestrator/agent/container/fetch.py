@@ -396,7 +396,9 @@ def _fetch_start(a):
     try:
         dfd = open_dir(state_dir, 0o700)
     except (UnsafeDirectory, OSError) as e:
-        return {"ok": False, "message": "state directory %s: %s" % (state_dir, e), "fix": "fix its owner/mode"}
+        return {"ok": False, "message": "state directory %s: %s" % (state_dir, e),
+                "fix": "the state directory must be a real directory (not a link) of root's that no one else can "
+                       "write: see the message"}
     try:
         lock_fd = take_runner_lock(dfd, FETCH_LOCK)
         if lock_fd is None:
