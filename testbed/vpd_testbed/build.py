@@ -202,6 +202,8 @@ class BuildMixin:
         if (opt or {}).get("gpus") == "real":
             from . import realgpu
             realgpu.container_devices(d, gpus, ct)  # the machine's real /dev/nvidia* bound in (ctinit.py)
+            if (opt or {}).get("vllm") != "real":  # the fake vLLM's torch engine: real CUDA contexts (issue 55)
+                realgpu.torch_engine(d)
         pyopt = (opt or {}).get("python", "venv")
         if (opt or {}).get("init") == "systemd":
             return self._build_lxc(h, vmid, gpus, py, ct, d)

@@ -21,6 +21,7 @@ GPU. See docs/testbed.md, "A real GPU (gpus=real)".
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -205,6 +206,15 @@ def container_devices(ctdir: Path, gpus, ct: dict) -> None:
         binds.append([nodes["caps"], "/dev/nvidia-caps"])
     ct["dev_binds"] = binds
     ct["gpus_real"] = True
+
+
+def torch_engine(ctdir: Path, settings: dict | None = None) -> Path:
+    """The fake vLLM's torch engine for this container (the real-GPU stand-in, issue 55): CTDIR/faults/engine.json,
+    seen in the container as /etc/vpd-testbed/engine.json beside the faults file (fake_vllm/vllm/_fake/torchgpu.py
+    reads it at each `vllm serve`). SETTINGS: weights_mib, kv_cache_mib, scale, hidden (default: the fake's own)."""
+    p = Path(ctdir) / "faults" / "engine.json"
+    p.write_text(json.dumps(dict(settings or {}, engine="torch"), indent=1) + "\n")
+    return p
 
 
 # ---- the tiny models, built with another venv's Python (vllm_venv) ------------------------------------------
