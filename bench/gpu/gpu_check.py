@@ -41,6 +41,8 @@ BUDGET_S = 480  # the issue's 8 minutes on the GPU machine (its start is extra)
 PLAYBOOK = "gpu-check"
 BASE_PLAYBOOK = "qwen36-mtp"  # MTP: no drafter file; one GPU here
 TARGET_CONFIG = REPO / "testbed" / "vpd_testbed" / "data" / "qwen36-27b-target.trimmed.config.json"
+SIZING_INPUTS = {"dtype": "bfloat16", "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+                 "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
 TOOLS = ("unshare", "nsenter", "mount", "umount", "ip", "ssh", "ssh-keygen", "setsid", "fuser", "ps")
 PY_MODULES = ("fabric", "paramiko", "tenacity", "yaml", "click", "prometheus_client", "transformers", "torch")
 SMI_QUERY = ["--query-gpu=index,name,memory.used,memory.total,driver_version,pci.bus_id",
@@ -232,7 +234,13 @@ def write_playbook(dest: Path, gmu: float) -> Path:
     env = dict(data["serve"].get("env") or {}, **realgpu.driver_env())
     if env:
         data["serve"]["env"] = env
-    data["sizing"] = {"target_config": str(TARGET_CONFIG)}
+    # the trimmed target config lacks what sizing needs for its linear-attention layers and its dtype: the same
+    # TEST INPUTS as tests/unit/test_sizing.py's qwen36_full() (chosen for the arithmetic, not facts of the model)
+    cfg = json.loads(TARGET_CONFIG.read_text())
+    cfg.setdefault("text_config", cfg).update({k: v for k, v in SIZING_INPUTS.items()
+                                               if k not in cfg.get("text_config", cfg)})
+    (dest / "gpu-check-target.config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    data["sizing"] = {"target_config": "gpu-check-target.config.json"}
     data["gpu"] = {"free_timeout_s": 30, "stop_grace_s": 5, "free_threshold_mib": 1024}
     (dest / (PLAYBOOK + ".yaml")).write_text(yaml.safe_dump(data, sort_keys=False))
     return dest

@@ -166,6 +166,44 @@ def check_machine(tb) -> dict:
     return nodes
 
 
+def driver_version() -> str | None:
+    """The machine's driver version as its nvidia-smi reports it (580.159.04), None when it says none."""
+    smi = find_nvidia_smi()
+    if not smi:
+        return None
+    env = dict(os.environ, **driver_env())
+    try:
+        r = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=30, env=env, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    v = (r.stdout.strip().splitlines() or [""])[0].strip()
+    return v if r.returncode == 0 and re.fullmatch(r"\d+(\.\d+)+", v) else None
+
+
+def host_standin_sh(hostdir: Path) -> str:
+    """hostinit.sh lines for a rehearsal (VPD_TESTBED_GPU_DEV names stand-in nodes, not /dev): the host sees those
+    nodes at /dev/<name> as it would see a real driver's (an overlay of empty mount points over the machine's /dev,
+    its submounts bound back, each stand-in bound on its name). On a real GPU machine: nothing (the host's /dev is
+    the machine's)."""
+    dev = dev_dir()
+    if os.path.realpath(dev) == "/dev":
+        return ""
+    nodes = find_nodes(dev)
+    names = sorted(os.path.basename(p) for p in list(nodes["gpus"].values()) + list(nodes["control"].values()))
+    stub = Path(hostdir) / "devstub-real"
+    stub.mkdir(exist_ok=True)
+    for n in names:
+        (stub / n).touch()
+    return ("mkdir -p %(hd)s/run/realdev\n"
+            "mount --rbind /dev %(hd)s/run/realdev\n"
+            "subs=$(awk '$5 ~ \"^/dev/[^/]+$\" {print $5}' /proc/self/mountinfo)\n"
+            "mount -t overlay overlay -o lowerdir=%(stub)s:/dev /dev\n"
+            "for m in $subs; do [ -d \"$m\" ] && mount --rbind \"%(hd)s/run/realdev${m#/dev}\" \"$m\"; done\n"
+            "for n in %(names)s; do mount --bind %(dev)s/$n /dev/$n; done\n"
+            % {"hd": hostdir, "stub": stub, "dev": dev, "names": " ".join(names)})
+
+
 def host_nvidia_smi(hostdir: Path) -> None:
     """The host's (and so its containers') nvidia-smi becomes the machine's real one; the fake is kept as
     HOSTDIR/nvidia-smi.fake. HOSTDIR/cbin is laid over /usr/bin in the host's and its containers' mount namespaces."""
