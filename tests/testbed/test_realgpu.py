@@ -97,6 +97,14 @@ def test_gpus_real_binds_the_nodes_and_the_real_nvidia_smi(monkeypatch, tmp_path
                                       "--format=csv,noheader,nounits"])
             assert h.stdout.strip() == "0, 3, 81559", h.stdout + h.stderr
             assert (tb.root / "pve1" / "nvidia-smi.fake").exists()
+            # issue 55: the user-space driver the plumbing check reads is the (stand-in) real driver's version, the
+            # host sees the stand-in nodes as a real host sees its driver's, and the fake vLLM runs its torch engine
+            r = tb.container_exec("pve1", 129, ["sh", "-c", "ls /usr/lib/x86_64-linux-gnu/nvidia/current; "
+                                                            "cat /etc/vpd-testbed/engine.json"])
+            assert "libnvidia-ml.so.580.159.04" in r.stdout and "libcuda.so.580.159.04" in r.stdout, r.stdout
+            assert json.loads(r.stdout[r.stdout.index("{"):]) == {"engine": "torch"}, r.stdout
+            h = tb.host_exec("pve1", ["stat", "-c", "%n %t:%T", "/dev/nvidia0", "/dev/nvidia-uvm"])
+            assert h.stdout.split() == ["/dev/nvidia0", "1:3", "/dev/nvidia-uvm", "1:3"], h.stdout + h.stderr
         finally:
             tb.down()
     finally:
