@@ -43,7 +43,7 @@ BASE_PLAYBOOK = "qwen36-mtp"  # MTP: no drafter file; one GPU here
 TARGET_CONFIG = REPO / "testbed" / "vpd_testbed" / "data" / "qwen36-27b-target.trimmed.config.json"
 SIZING_INPUTS = {"dtype": "bfloat16", "linear_num_key_heads": 16, "linear_num_value_heads": 48,
                  "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
-TOOLS = ("unshare", "nsenter", "mount", "umount", "ip", "ssh", "ssh-keygen", "setsid", "fuser", "ps")
+TOOLS = ("unshare", "nsenter", "mount", "umount", "ip", "ssh-keygen", "setsid", "fuser")  # what the test bed and the agent run
 PY_MODULES = ("fabric", "paramiko", "tenacity", "yaml", "click", "prometheus_client", "transformers", "torch")
 SMI_QUERY = ["--query-gpu=index,name,memory.used,memory.total,driver_version,pci.bus_id",
              "--format=csv,noheader,nounits"]
@@ -141,14 +141,14 @@ class Sampler(threading.Thread):
 def wait_baseline(baseline, tol, limit_s, sampler=None) -> dict:
     """Poll until GPU 0 is within tol of baseline: {"seconds", "back", "from_mib", "end_mib"}."""
     t0 = time.monotonic()
-    first = used_mib()
-    u = first
-    while time.monotonic() - t0 < limit_s:
-        u = used_mib()
+    first = u = used_mib()
+    while True:  # at least one reading, however slow nvidia-smi is
         if u is not None and baseline is not None and u <= baseline + tol:
             return {"back": True, "seconds": round(time.monotonic() - t0, 2), "from_mib": first, "end_mib": u}
+        if time.monotonic() - t0 >= limit_s:
+            return {"back": False, "seconds": round(time.monotonic() - t0, 2), "from_mib": first, "end_mib": u}
         time.sleep(0.1)
-    return {"back": False, "seconds": round(time.monotonic() - t0, 2), "from_mib": first, "end_mib": u}
+        u = used_mib()
 
 
 # ---- preflight -------------------------------------------------------------------------------------------------
@@ -467,8 +467,7 @@ def _trim(js):
 
 def _container_log(tb):
     try:
-        r = tb.container_exec("pve1", 129, ["sh", "-c", "tail -n 60 /var/log/vllm*.log /root/*.log 2>/dev/null; "
-                                                        "ls /var/lib/vllm-pve-deploy 2>/dev/null"], timeout=30)
+        r = tb.container_exec("pve1", 129, ["sh", "-c", "tail -n 80 /var/lib/vllm-pve-deploy/vllm.log"], timeout=30)
         return r.stdout[-6000:]
     except Exception as e:
         return "unreadable: %r" % e
