@@ -326,6 +326,12 @@ def run(args, report, out, t_start) -> int:
 
         def deploy_step(name, dargs, timeout, ok_rc=(0,), after=None, memory_bound=False):
             nonlocal failed
+            left = args.deadline - (time.monotonic() - t_start)
+            if left < 45:
+                raise StopRun("out of time (--deadline %d s) before %s: the steps after it did not run"
+                              % (args.deadline, name))
+            timeout = int(min(timeout, left - 30))
+            checkpoint(report, out, t_start)
             before = used_mib()
             sampler.mark(name)
             t0 = time.monotonic()
@@ -608,7 +614,18 @@ def text_report(r) -> str:
     return "\n".join(lines) + "\n"
 
 
-def finish(report, out, t_start, rc) -> int:
+def checkpoint(report, out, t_start):
+    """The report so far (outcome "running"), so a run killed from outside still leaves what it did."""
+    if out is None or report.get("dry_run"):
+        return
+    r = dict(report, outcome=report.get("outcome") or "running")
+    try:
+        finish(r, out, t_start, 0, quiet=True)
+    except Exception as e:  # a checkpoint is a courtesy; the final report says what happened
+        say("checkpoint not written: %r" % e)
+
+
+def finish(report, out, t_start, rc, quiet=False) -> int:
     report["total_s"] = round(time.monotonic() - t_start, 1)
     report["within_budget"] = report["total_s"] <= report["budget_s"]
     text = text_report(report)
@@ -617,6 +634,8 @@ def finish(report, out, t_start, rc) -> int:
         stem = "%s-%s" % (report["date"][:10], card_slug(report))
         (out / (stem + ".json")).write_text(json.dumps(report, indent=1) + "\n")
         (out / (stem + ".txt")).write_text(text)
+        if quiet:
+            return rc
         say("report: %s/%s.json and .txt (%s, %.1f s)" % (out, stem, report["outcome"], report["total_s"]))
     if report["dry_run"]:
         print(text, end="")
@@ -642,6 +661,9 @@ def main(argv=None) -> int:
     ap.add_argument("--step-timeout", type=int, default=240, help="longest deploy up / restart")
     ap.add_argument("--keep", action="store_true", help="leave the test bed up at the end (to look around)")
     ap.add_argument("--budget", type=int, default=BUDGET_S, help="seconds the whole run should fit in")
+    ap.add_argument("--deadline", type=int, default=510,
+                    help="no step starts after this many seconds, and none runs past it (the device tool's command "
+                         "limit is 600 s): the report is written either way")
     args = ap.parse_args(argv)
     t_start = time.monotonic()
     report = {"schema": SCHEMA, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dry_run": args.dry_run,
