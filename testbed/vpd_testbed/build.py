@@ -133,7 +133,8 @@ class BuildMixin:
             "%(etc)s"
             "%(dev)s"
             "exec /usr/sbin/sshd -D -f %(hd)s/sshd_config -E %(hd)s/sshd.log\n"
-            % {"hd": hd, "dev": "" if real_gpus else host_dev_sh(hd, sim_nodes(self.ngpus)), "etc": etc_pve_sh(hd)})
+            % {"hd": hd, "dev": self._real_host_dev(hd) if real_gpus else host_dev_sh(hd, sim_nodes(self.ngpus)),
+               "etc": etc_pve_sh(hd)})
         (hd / "sshd_config").write_text("\n".join([
             "ListenAddress %s:%d" % (self.address(h), SSH_PORT),
             "HostKey %s/ssh_host_ed25519_key" % hd,
@@ -202,6 +203,10 @@ class BuildMixin:
         if (opt or {}).get("gpus") == "real":
             from . import realgpu
             realgpu.container_devices(d, gpus, ct)  # the machine's real /dev/nvidia* bound in (ctinit.py)
+            # the user-space driver the plumbing check reads: the real driver's version, not the simulator's
+            write_user_space(d, realgpu.driver_version() or DRIVER)
+            if (opt or {}).get("vllm") != "real":  # the fake vLLM's torch engine: real CUDA contexts (issue 55)
+                realgpu.torch_engine(d)
         pyopt = (opt or {}).get("python", "venv")
         if (opt or {}).get("init") == "systemd":
             return self._build_lxc(h, vmid, gpus, py, ct, d)
@@ -243,6 +248,11 @@ class BuildMixin:
         self._install_fake_vllm(sp, env)
         ct["binds"] = binds
         (d / "ct.json").write_text(json.dumps(ct, indent=1))
+
+    @staticmethod
+    def _real_host_dev(hd) -> str:
+        from . import realgpu
+        return realgpu.host_standin_sh(hd)
 
     @staticmethod
     def _python_binds(d: Path, py) -> list:

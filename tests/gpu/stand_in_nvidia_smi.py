@@ -4,7 +4,7 @@
 import sys
 
 VALUES = {"index": "0", "name": "NVIDIA TEST", "uuid": "GPU-00000000-0000-0000-0000-000000000000",
-          "memory.used": "3", "memory.total": "81559", "memory.free": "81556", "driver_version": "0.0.0",
+          "memory.used": "3", "memory.total": "81559", "memory.free": "81556", "driver_version": "580.159.04",
           "utilization.gpu": "0", "pci.bus_id": "00000000:00:00.0"}
 UNITS = {"memory.used": " MiB", "memory.total": " MiB", "memory.free": " MiB", "utilization.gpu": " %"}
 
@@ -23,7 +23,7 @@ def main(argv):
             print(", ".join(f + (" [MiB]" if f in UNITS and "nounits" not in fmt else "") for f in fields))
         print(", ".join(VALUES.get(f, "[N/A]") + ("" if "nounits" in fmt else UNITS.get(f, "")) for f in fields))
         return 0
-    print("| NVIDIA-SMI 0.0.0    Driver Version: 0.0.0    CUDA Version: 0.0 |")
+    print("| NVIDIA-SMI 580.159.04    Driver Version: 580.159.04    CUDA Version: 13.0 |")
     return 0
 
 

@@ -97,6 +97,14 @@ def test_gpus_real_binds_the_nodes_and_the_real_nvidia_smi(monkeypatch, tmp_path
                                       "--format=csv,noheader,nounits"])
             assert h.stdout.strip() == "0, 3, 81559", h.stdout + h.stderr
             assert (tb.root / "pve1" / "nvidia-smi.fake").exists()
+            # issue 55: the user-space driver the plumbing check reads is the (stand-in) real driver's version, the
+            # host sees the stand-in nodes as a real host sees its driver's, and the fake vLLM runs its torch engine
+            r = tb.container_exec("pve1", 129, ["sh", "-c", "ls /usr/lib/x86_64-linux-gnu/nvidia/current; "
+                                                            "cat /etc/vpd-testbed/engine.json"])
+            assert "libnvidia-ml.so.580.159.04" in r.stdout and "libcuda.so.580.159.04" in r.stdout, r.stdout
+            assert json.loads(r.stdout[r.stdout.index("{"):]) == {"engine": "torch"}, r.stdout
+            h = tb.host_exec("pve1", ["stat", "-c", "%n %t:%T", "/dev/nvidia0", "/dev/nvidia-uvm"])
+            assert h.stdout.split() == ["/dev/nvidia0", "1:3", "/dev/nvidia-uvm", "1:3"], h.stdout + h.stderr
         finally:
             tb.down()
     finally:
@@ -105,33 +113,51 @@ def test_gpus_real_binds_the_nodes_and_the_real_nvidia_smi(monkeypatch, tmp_path
         dev.rmdir()
 
 
-def _gpu_check(tmp_path, *args):
+def _gpu_check(tmp_path, *args, out=True):
     env = dict(os.environ, VPD_TESTBED_GPU_DEV=str(tmp_path / "nodev"), OUT="")
     env.pop("VPD_TESTBED_NVIDIA_SMI", None)
-    return subprocess.run(["bash", str(REPO / "scripts" / "gpu-check.sh"), "--out", str(tmp_path / "rep"), *args],
-                          capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    extra = ["--out", str(tmp_path / "rep")] if out else []
+    return subprocess.run(["bash", str(REPO / "scripts" / "gpu-check.sh"), *extra, *args],
+                          capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL, cwd=tmp_path)
+
+
+def _report(tmp_path, ext):
+    files = list((tmp_path / "rep").glob("*." + ext))
+    assert len(files) == 1, files
+    return files[0]
 
 
 def test_gpu_check_refuses_without_a_gpu(tmp_path):
     p = _gpu_check(tmp_path)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "refused: no NVIDIA GPU here" in p.stderr and "--dry-run" in p.stderr, p.stderr
-    rep = json.loads((tmp_path / "rep" / "gpu-check.json").read_text())
+    rep = json.loads(_report(tmp_path, "json").read_text())
     assert rep["outcome"] == "refused" and rep["steps"] == [] and rep["phases"] == {}, rep  # nothing was run
-    assert "no NVIDIA GPU here" in (tmp_path / "rep" / "gpu-check.txt").read_text()
+    assert _report(tmp_path, "json").name.endswith("-no-gpu.json")  # dated, named by the card (none here)
+    assert "no NVIDIA GPU here" in _report(tmp_path, "txt").read_text()
 
 
-def test_gpu_check_dry_run_report(tmp_path):
-    p = _gpu_check(tmp_path, "--dry-run", "--cache", str(tmp_path / "cache"), "--wheels", str(tmp_path / "whl"))
+def test_gpu_check_dry_run_prints_every_step_and_what_it_carries(tmp_path):
+    p = _gpu_check(tmp_path, "--dry-run", "--carry", str(tmp_path / "carry"), out=False)
     assert p.returncode == 0, p.stdout + p.stderr
-    rep = json.loads((tmp_path / "rep" / "gpu-check.json").read_text())
-    assert rep["schema"] == "vpd-gpu-check/1" and rep["outcome"] == "dry-run" and rep["dry_run"] is True
-    names = [s["name"] for s in rep["steps"]]
-    assert names == ["install", "models", "testbed", "deploy up", "deploy status", "deploy restart --clean-gpus",
-                     "deploy doctor", "deploy down", "baseline"], names
-    assert all(s["outcome"] == "planned" for s in rep["steps"])
-    assert str(tmp_path / "whl") in rep["steps"][0]["what"]
-    assert any("would be refused: no NVIDIA GPU" in m for m in rep["messages"]), rep["messages"]
-    assert not (tmp_path / "cache").exists()  # a dry run installs nothing
-    txt = (tmp_path / "rep" / "gpu-check.txt").read_text()
-    assert "dry-run" in txt and "deploy restart --clean-gpus" in txt and "budget 480 s" in txt, txt
+    out = p.stdout
+    steps = ["setup", "testbed", "deploy prepare --dry-run", "deploy up", "deploy status",
+             "deploy restart --clean-gpus (holder ignoring SIGTERM)", "deploy doctor",
+             "fuser -k /dev/nvidia* (the field report)", "deploy restart --clean-gpus (holder outside the deployment)",
+             "deploy down"]
+    pos = [out.find("  " + s + " ") for s in steps]
+    assert all(x >= 0 for x in pos) and pos == sorted(pos), list(zip(steps, pos))
+    assert out.count("planned") == len(steps) and out.count("runs: ") == len(steps), out
+    assert "carries nothing: %s not built (scripts/gpu-check.sh --build-carry)" % (tmp_path / "carry") in out, out
+    assert "of the device tool's 64 MiB" in out and "budget 480 s" in out, out
+    assert "would be refused: no NVIDIA GPU here" in out, out
+    assert not (tmp_path / "rep").exists() and not list(tmp_path.iterdir())  # a dry run writes nothing by default
+
+
+def test_gpu_check_dry_run_report_when_asked(tmp_path):
+    p = _gpu_check(tmp_path, "--dry-run", "--carry", str(tmp_path / "carry"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    rep = json.loads(_report(tmp_path, "json").read_text())
+    assert rep["schema"] == "vpd-gpu-check/2" and rep["outcome"] == "dry-run" and rep["dry_run"] is True
+    assert all(s["outcome"] == "planned" and s["what"] and s["expects"] for s in rep["steps"]), rep["steps"]
+    assert rep["carry"] == {"present": False, "path": str(tmp_path / "carry"), "bytes": 0}

@@ -71,7 +71,9 @@ def setup(ct):
     sh("mount", "-t", "tmpfs", "-o", "mode=1777,size=%dm" % ct.get("shm_mib", 8192), "vpd-shm", "/dev/shm")
     # the NVIDIA user space (core.write_user_space): CTDIR/nvlib at Debian's place for it, over an empty
     # mount point that a read-only overlay adds to the machine's library directory
-    if os.path.isdir("/proc/driver") and os.path.isdir(os.path.join(hostdir, "procdriver")):
+    # (gpus=real: the machine's own /proc/driver, the real kernel module's version)
+    if os.path.isdir("/proc/driver") and os.path.isdir(os.path.join(hostdir, "procdriver")) and \
+            not ct.get("gpus_real"):
         bind(os.path.join(hostdir, "procdriver"), "/proc/driver", ro=True)  # the module's version file
     lib = "/usr/lib/x86_64-linux-gnu"
     if os.path.isdir(os.path.join(d, "nvlib")) and os.path.isdir(lib):

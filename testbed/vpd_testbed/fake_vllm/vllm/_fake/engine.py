@@ -14,7 +14,7 @@ import subprocess
 import time
 
 from vllm import _layout
-from vllm._fake import logs, proc
+from vllm._fake import logs, proc, torchgpu
 
 CORE = "EngineCore_DP0"
 TOTAL_MIB_DEFAULT = 81559
@@ -64,8 +64,13 @@ def _send(fd, obj):
 # ------------------------------------------------------------------------------------------------- workers
 
 class Worker:
-    def __init__(self, rank, gpu, pid, cmd_w):
-        self.rank, self.gpu, self.pid, self.cmd_w = rank, gpu, pid, cmd_w
+    def __init__(self, rank, gpu, pid, cmd_w, reply_r=None):
+        self.rank, self.gpu, self.pid, self.cmd_w, self.reply_r = rank, gpu, pid, cmd_w, reply_r
+
+    def ask(self, line, timeout):
+        """The torch engine: a command and its one-line JSON reply (None when the worker did not answer)."""
+        self.send(line)
+        return _read_line(self.reply_r, timeout)
 
     def send(self, line):
         try:
@@ -74,12 +79,14 @@ class Worker:
             pass
 
 
-def _worker_main(rank, gpu, gpus, cmd_r, ready_w):
+def _worker_main(rank, gpu, gpus, cmd_r, ready_w, torch_cfg=None):
     name = f"Worker_TP{rank}"
     proc.set_title(f"VLLM::{name}")
     logs.set_process_name(name)
     signal.signal(signal.SIGTERM, lambda s, f: os._exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if torch_cfg is not None:
+        return _torch_worker(rank, gpu, gpus, cmd_r, ready_w, torch_cfg)
     try:
         hold = proc.GpuHold(gpus)
     except OSError as e:
@@ -88,6 +95,15 @@ def _worker_main(rank, gpu, gpus, cmd_r, ready_w):
         os._exit(1)
     _send(ready_w, {"status": "ok", "pid": os.getpid()})
     os.close(ready_w)
+    for parts in _commands(cmd_r):
+        if len(parts) == 2 and parts[0] == "mem":
+            hold.use(gpu, int(parts[1]))
+        elif parts and parts[0] == "exit":
+            os._exit(0)
+
+
+def _commands(cmd_r):
+    """The worker's commands from EngineCore, one line each, split; ends the process when EngineCore is gone."""
     buf = b""
     while True:
         try:
@@ -99,14 +115,35 @@ def _worker_main(rank, gpu, gpus, cmd_r, ready_w):
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            parts = line.decode().split()
-            if len(parts) == 2 and parts[0] == "mem":
-                hold.use(gpu, int(parts[1]))
-            elif parts and parts[0] == "exit":
-                os._exit(0)
+            yield line.decode().split()
 
 
-def spawn_workers(tp, gpus, keep_fds):
+def _torch_worker(rank, gpu, gpus, cmd_r, reply_w, cfg):
+    """The torch engine's worker (torchgpu.py): a real CUDA context and real allocations; replies on reply_w."""
+    from vllm._fake import torchgpu
+
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    local = gpus.index(gpu) if cvd is not None and gpu in gpus else gpu
+    try:
+        hold = torchgpu.TorchHold(local, gpus, cfg)
+    except Exception as e:  # the driver's or torch's own words (no device, driver too old, ...)
+        mod = type(e).__module__
+        _send(reply_w, {"status": "failed", "error": "%s: %s" % (type(e).__name__ if mod == "builtins" else
+                                                                 "%s.%s" % (mod, type(e).__name__), e)})
+        os._exit(1)
+    _send(reply_w, {"status": "ok", "pid": os.getpid(), "where": hold.where, "scale": hold.scale})
+    for parts in _commands(cmd_r):
+        if parts and parts[0] == "load" and len(parts) == 3:
+            _send(reply_w, hold.load(float(parts[1]), float(parts[2])))
+        elif parts and parts[0] == "bench" and len(parts) == 2:
+            _send(reply_w, {"status": "ok", "step_ms": round(hold.bench(int(parts[1])), 3)})
+        elif parts and parts[0] == "steps" and len(parts) == 3:
+            hold.steps(int(parts[1]), int(parts[2]))
+        elif parts and parts[0] == "exit":
+            os._exit(0)
+
+
+def spawn_workers(tp, gpus, keep_fds, torch_cfg=None):
     workers = []
     for rank in range(tp):
         cmd_r, cmd_w = os.pipe()
@@ -124,14 +161,20 @@ def spawn_workers(tp, gpus, keep_fds):
                         pass
                 for w in workers:
                     os.close(w.cmd_w)
-                _worker_main(rank, gpus[rank], gpus, cmd_r, ready_w)
+                    if w.reply_r is not None:
+                        os.close(w.reply_r)
+                _worker_main(rank, gpus[rank], gpus, cmd_r, ready_w, torch_cfg)
             finally:
                 os._exit(1)
         os.close(cmd_r)
         os.close(ready_w)
-        msg = _read_line(ready_r, 30)
-        os.close(ready_r)
-        workers.append(Worker(rank, gpus[rank], pid, cmd_w))
+        msg = _read_line(ready_r, 30 if torch_cfg is None else 180)  # torch: its import and the CUDA context
+        if torch_cfg is None:
+            os.close(ready_r)
+            ready_r = None
+        workers.append(Worker(rank, gpus[rank], pid, cmd_w, ready_r))
+        if msg and torch_cfg is not None:
+            workers[-1].where = msg.get("where")
         if not msg or msg.get("status") != "ok":
             raise StartupError((msg or {}).get("error") or "RuntimeError: WorkerProc initialization failed.",
                                where="multiproc_executor.py:585")
@@ -192,7 +235,7 @@ def run_engine_core(ctx, status_w):
     proc.set_title("VLLM::EngineCore")
     logs.set_process_name(CORE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    state = {"workers": [], "hold": None}
+    state = {"workers": [], "hold": None, "torch": ctx.get("torch")}
 
     def _term(signum, frame):
         stop_workers(state["workers"])
@@ -256,10 +299,12 @@ def _startup(ctx, state, status_w):
         raise StartupError(f"ValueError: World size ({tp}) is larger than the number of available GPUs "
                            f"({len(gpus_all)}) in this node. If this is intentional and you are using: "
                            f"- ray, set '--distributed-executor-backend ray'.")
-    try:
-        state["hold"] = proc.GpuHold(gpus_all)
-    except OSError as e:
-        raise StartupError(f"RuntimeError: CUDA error: no CUDA-capable device is detected ({e.filename})")
+    tcfg = ctx.get("torch")  # the torch engine (torchgpu.py): only the workers touch the device, for real
+    if tcfg is None:
+        try:
+            state["hold"] = proc.GpuHold(gpus_all)
+        except OSError as e:
+            raise StartupError(f"RuntimeError: CUDA error: no CUDA-capable device is detected ({e.filename})")
     gpus = gpus_all[:tp]
 
     # ---- free memory check (the worker's init_device), nvidia-smi as the source of truth
@@ -288,7 +333,8 @@ def _startup(ctx, state, status_w):
                                f"{want_gib:.2f} GiB). Decrease GPU memory utilization or reduce GPU memory used by "
                                f"other processes.", frames=worker_frames)
 
-    workers = spawn_workers(tp, gpus, keep_fds=[status_w] + list(state["hold"].fds.values()) + state["hold"].extra)
+    held = (list(state["hold"].fds.values()) + state["hold"].extra) if state["hold"] else []
+    workers = spawn_workers(tp, gpus, keep_fds=[status_w] + held + [ctx.get("decode_fd") or -1], torch_cfg=tcfg)
     state["workers"] = workers
     for w in workers:
         logs.info("parallel_state.py:1208", f"rank {w.rank} in world size {tp} is assigned as DP rank 0, PP rank 0, "
@@ -305,6 +351,8 @@ def _startup(ctx, state, status_w):
     load_frames = [(f"{pkg}/v1/worker/gpu_worker.py", 273, "load_model", "self.model_runner.load_model("),
                    (f"{pkg}/v1/worker/gpu_model_runner.py", 3102, "load_model", "self.model = model_loader.load_model(")]
     weights = TARGET_WEIGHTS_GIB / tp + (DRAFTER_WEIGHTS_GIB.get(method, 0.0) / tp if method else 0.0)
+    if tcfg is not None and tcfg.get("weights_mib") is not None:  # sizing.py's figure for the playbook on this card
+        weights = float(tcfg["weights_mib"]) / 1024
     if method == "dflash" and ctx["mixed"] and not feat.get("pr40898"):
         if v[:2] == (0, 25):
             raise StartupError("NotImplementedError: DFlash does not yet support mixed sliding/full attention "
@@ -328,8 +376,11 @@ def _startup(ctx, state, status_w):
             "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  "
             "See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html"
             "#environment-variables)", frames=load_frames)
-    for w in workers:
-        w.send(f"mem {int((weights + NON_TORCH_GIB) * 1024)}")
+    if tcfg is None:
+        for w in workers:
+            w.send(f"mem {int((weights + NON_TORCH_GIB) * 1024)}")
+    else:
+        _torch_ask(workers, f"load {weights * 1024:.1f} 0", load_frames)
     _sleep_until(t0 + load_s * 0.45)
     wlog("INFO", "default_loader.py:314", f"Loading weights took {load_s * 0.35 + 0.01:.2f} seconds")
     if method in ("dflash", "eagle", "eagle3", "draft_model"):
@@ -352,6 +403,8 @@ def _startup(ctx, state, status_w):
                      "assert getattr(attn_metadata, \"causal\", None) is False, (")])
     peak = 0.5 + ctx["mnbt"] / 8192 * 0.5
     avail = want_gib - weights - peak - NON_TORCH_GIB
+    if tcfg is not None and tcfg.get("kv_cache_mib") is not None:
+        avail = float(tcfg["kv_cache_mib"]) / 1024
     kv_frames = [(f"{pkg}/v1/engine/core.py", 220, "_initialize_kv_caches",
                   "kv_cache_configs = get_kv_cache_configs(vllm_config, kv_cache_specs,"),
                  (f"{pkg}/v1/core/kv_cache_utils.py", 699, "check_enough_kv_cache_memory", "raise ValueError(")]
@@ -406,8 +459,17 @@ def _startup(ctx, state, status_w):
     logs.info("kv_cache_utils.py:1087", f"GPU KV cache size: {logged:,} tokens")
     logs.info("kv_cache_utils.py:1091", f"Maximum concurrency for {max_len:,} tokens per request: "
                                         f"{logged / max_len:.2f}x")
-    for w in workers:
-        w.send(f"mem {int(util * total_mib)}")
+    step_ms = None
+    if tcfg is None:
+        for w in workers:
+            w.send(f"mem {int(util * total_mib)}")
+    else:
+        _torch_ask(workers, f"load {weights * 1024:.1f} {avail * 1024:.1f}", kv_frames)
+        tokens = 1 + int((spec or {}).get("num_speculative_tokens") or 0)
+        r = workers[0].ask(f"bench {tokens}", 300)
+        step_ms = (r or {}).get("step_ms")
+        wlog("INFO", "torchgpu.py:1", f"torch stand-in: one decode step ({tokens} tokens x every weight) takes "
+                                      f"{step_ms} ms on {getattr(w0, 'where', '?')}")
 
     # ---- CUDA graphs
     if not ctx["enforce_eager"]:
@@ -417,7 +479,16 @@ def _startup(ctx, state, status_w):
     _sleep_until(t0 + load_s)
     logs.info("core.py:210", f"init engine (profile, create kv cache, warmup model) took {time.time() - t0:.2f} "
                              f"seconds")
-    return {"max_len": max_len, "kv_tokens": kv_tokens}
+    return {"max_len": max_len, "kv_tokens": kv_tokens, "step_ms": step_ms}
+
+
+def _torch_ask(workers, line, frames):
+    """Every worker loads (torch engine); a failure is vLLM's engine failure with torch's own words."""
+    for w in workers:
+        r = w.ask(line, 600)
+        if not r or r.get("status") != "ok":
+            raise StartupError((r or {}).get("error") or f"RuntimeError: Worker_TP{w.rank} did not answer `{line}`",
+                               frames=frames)
 
 
 def _crash_after(faults):
@@ -452,7 +523,11 @@ def _serve_loop(ctx, state, faults):
                 state["workers"] = [x for x in state["workers"] if x is not w]
                 _crash(state)
         timeout = 1.0 if crash_at is None else max(0.01, min(1.0, crash_at - now))
-        time.sleep(timeout)
+        dfd = ctx.get("decode_fd")
+        if dfd is None:
+            time.sleep(timeout)
+        else:  # the torch engine: the API server's decode steps, run on every worker's GPU
+            _forward_steps(dfd, state["workers"], timeout)
         m = _mtime(fpath)
         if m != last_mtime:
             last_mtime = m
@@ -460,6 +535,23 @@ def _serve_loop(ctx, state, faults):
             if c_new != c:
                 c = c_new
                 crash_at = None if c is None else time.time() + c
+
+
+def _forward_steps(fd, workers, timeout):
+    r, _, _ = select.select([fd], [], [], timeout)
+    if not r:
+        return
+    try:
+        data = os.read(fd, 65536)
+    except (BlockingIOError, InterruptedError):
+        return
+    if not data:  # the API server is gone: nothing more will come
+        time.sleep(timeout)
+        return
+    for line in data.decode(errors="replace").splitlines():
+        if line.startswith("steps "):
+            for w in workers:
+                w.send(line)
 
 
 def _mtime(path):

@@ -219,6 +219,11 @@ def run(ctx, args, sock, st, acc, r_status):
                 t_req = time.monotonic()
                 dt = accept.decode_seconds(acc.method if k else None, k, spec[0] if spec else 0, gen)
                 steps = max(1, spec[0] if spec else gen)
+                if getattr(st, "decode_w", None) is not None:  # the torch engine: the steps run for real
+                    try:
+                        os.write(st.decode_w, b"steps %d %d\n" % (steps, 1 + k))
+                    except OSError:
+                        pass
                 ttft = dt / steps  # the first step yields the first token
                 if req.get("stream"):
                     timing = (ttft, (dt - ttft) / max(gen - 1, 1))  # _stream spreads the tokens over the decode

@@ -14,7 +14,7 @@ import sys
 import time
 
 from vllm import _layout
-from vllm._fake import accept, engine, logs, proc
+from vllm._fake import accept, engine, logs, proc, torchgpu
 from vllm._fake.specconfig import MTP_ALIASES, SpecConfigError, validate
 
 API = "api_server.py"
@@ -270,14 +270,22 @@ def serve_main(args, non_default) -> int:
     }
     if acc is not None:
         ctx["acceptance"] = acc.describe()
+    ctx["torch"] = torchgpu.config()  # the torch engine (the real-GPU stand-in), or None: the default fake
+
 
     # ---- API server holds its GPUs (0 MiB), then forks the engine
     gpus = proc.visible_gpus()
     api_hold = None
-    try:
-        api_hold = proc.GpuHold(gpus)
-    except OSError:
-        api_hold = None
+    decode_w = None
+    if ctx["torch"] is None:
+        try:
+            api_hold = proc.GpuHold(gpus)
+        except OSError:
+            api_hold = None
+    else:  # the torch engine: decode steps go to EngineCore, which runs them on its workers' GPUs
+        decode_r, decode_w = os.pipe()
+        os.set_blocking(decode_w, False)
+        ctx["decode_fd"] = decode_r
     logs.flush_std()
     r_status, w_status = os.pipe()
     pid = os.fork()
@@ -291,8 +299,11 @@ def serve_main(args, non_default) -> int:
         finally:
             os._exit(1)
     os.close(w_status)
+    if decode_w is not None:
+        os.close(ctx.pop("decode_fd"))
     st = State()
     st.engine_pid = pid
+    st.decode_w = decode_w
     st.shutting_down = False
 
     def _term_during_load(signum, frame):
@@ -321,6 +332,8 @@ def serve_main(args, non_default) -> int:
                           f"Failed core proc(s): {failed}", code=code)
     ctx["max_len"] = msg.get("max_len", max_len)
     ctx["kv_tokens"] = msg.get("kv_tokens")
+    if msg.get("step_ms") and not os.environ.get("VPD_FAKE_STEP_MS"):  # the torch engine's measured step
+        os.environ["VPD_FAKE_STEP_MS"] = str(msg["step_ms"])
 
     from vllm._fake import http
     return http.run(ctx, args, sock, st, acc, r_status)
