@@ -85,7 +85,7 @@ class _Runner:
         ctx = self.ctx
         ctx.progress.detail(ctx.where, f"$ pct exec {self.pb.vmid} -- {self.python} - fetch {args.get('op')}")
         return agent.call(ctx.session, self.pb.vmid, self.python, "fetch", args, timeout=timeout, on_event=on_event,
-                          secrets=secrets)
+                          secrets=secrets).as_dict()  # FetchResult, checked; read here as its wire dict
 
 
 def run(ctx, pb: Playbook, step: P.Step) -> dict:
@@ -289,7 +289,7 @@ def records(ctx, pb: Playbook) -> dict:
                          timeout=30)
     except DeployError:
         return {}
-    recs = res.get("records") or {}
+    recs = res.records or {}
     return {role: _short(recs.get(dest)) for role, dest in dests.items()}
 
 
