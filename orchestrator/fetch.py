@@ -24,7 +24,7 @@ from . import plan as P
 from . import store as S
 from .agent.container.weights import MANIFEST_FORMAT, MANIFEST_NAME
 from .atomic import write_atomic
-from .errors import DeployError, StepFailed, Unreachable, UsageError
+from .errors import StepFailed, Unreachable, UsageError
 from .follow import Every, Job, follow
 from .remote import pct_exec_argv, shell_join
 from .report import FOLLOW_LINE_MAX
@@ -276,20 +276,8 @@ def _when(at) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(at)))
 
 
-def records(ctx, pb: Playbook) -> dict:
-    """{role: record or None} for the playbook's model and drafter destinations (status, verify)."""
-    dests = {"model": pb.data["model"]["path"]}
-    d = pb.drafter
-    if d:
-        dests["drafter"] = d["path"] if d.get("path") else os.path.join(
-            d["hf_home"], "hub", "models--" + d["hub_id"].replace("/", "--"))
-    try:
-        res = agent.call(ctx.session, pb.vmid, pb.runtime["python"], "fetch",
-                         {"op": "records", "state_dir": pb.runtime["state_dir"], "dests": list(dests.values())},
-                         timeout=30)
-    except DeployError:
-        return {}
-    recs = res.records or {}
+def revisions(recs: dict, dests: dict) -> dict:
+    """{role: record or None} from the agent's fetch records and plan.step_revisions' {role: destination}."""
     return {role: _short(recs.get(dest)) for role, dest in dests.items()}
 
 

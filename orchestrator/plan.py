@@ -10,6 +10,7 @@ and sha256 from load time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -22,7 +23,7 @@ from .agent import SESSION_BOOT, agent_argv
 from .agent.container.protocol import SMI_MEMORY_ARGS
 from .remote import pct_exec_argv, shell_join
 # what the steps carry, built from the playbook alone (plan_args.py); P.serve_argv etc. stay the plan's names
-from .plan_args import (drafter_config_path, fetch_args, fetch_transfer, hub_drafter_dir, install_args,
+from .plan_args import (drafter_config_path, fetch_args, fetch_dests, fetch_transfer, hub_drafter_dir, install_args,
                         launch_check_args, secret_env_names, serve_argv, serve_env, spec_config, state_paths,
                         state_record, supervise_args, unit_name, verify_args)
 from .spec import Inventory, Playbook, fetch_items
@@ -642,6 +643,24 @@ def plan_down(pb: Playbook, *, clean_gpus: bool | None = None, ask: bool = False
                   action="note_failure", args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,
                   runs=[f"rm -f {_state(pb, 'last_failure.json')}"], **_common(pb))]
     return [step_container(pb), step_lock(pb, "down", lease_for(steps))] + steps + [step_unlock(pb)]
+
+
+def step_revisions(pb: Playbook) -> Step:
+    """verify's read of deploy fetch's records: the revision in place of the model and the drafter."""
+    dests = fetch_dests(pb)
+    return Step("revisions", "the revision in place of each fetched weight (deploy fetch's records; read only)",
+                action="fetch", args={"op": "records", "state_dir": pb.conf.runtime.state_dir,
+                                      "dests": list(dests.values())},
+                timeout=30, drive={"roles": dests}, runs=[f"read the fetch record of {d}" for d in dests.values()],
+                **_common(pb))
+
+
+def plan_verify(pb: Playbook) -> list[Step]:
+    """`deploy verify`: read-only and without the lock: the drafter config and serving stack, the gpu-plumbing check
+    (with the sizing on the GPUs as measured), the fetched revisions. Every check runs; verify_only judges them."""
+    report = {"report": True}  # the runners collect (ops.verify_only), not fail at the first problem
+    steps = [dataclasses.replace(step_verify(pb), drive=report), dataclasses.replace(step_plumbing(pb), drive=report)]
+    return steps + ([step_revisions(pb)] if fetch_args(pb) else [])
 
 
 def plan_apply_config(pb: Playbook) -> list[Step]:

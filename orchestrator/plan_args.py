@@ -139,6 +139,16 @@ def fetch_args(pb: Playbook) -> list[dict]:
     return out
 
 
+def fetch_dests(pb: Playbook) -> dict:
+    """{role: directory} where deploy fetch puts the model and the drafter (and keeps the record of each)."""
+    c = pb.conf
+    out = {"model": c.model.path}
+    d = c.speculative.drafter
+    if d:
+        out["drafter"] = d.path or os.path.join(d.hf_home, "hub", "models--" + d.hub_id.replace("/", "--"))
+    return out
+
+
 def fetch_transfer(pb: Playbook, connections: int | None = None) -> dict:
     """How the fetch runner downloads: connections (deploy fetch --connections wins over fetch.connections) and the
     range size in bytes."""

@@ -25,6 +25,7 @@ def test_every_planned_step_is_in_the_one_table(work):
         plans = [P.plan_up(pb, ask=True, clean_gpus=True), P.plan_up(pb, restart=True, fetch=False),
                  P.plan_down(pb, clean_gpus=True, ask=True), P.plan_install(pb), P.plan_install(pb, rollback=True)]
         plans += [P.plan_apply_config(pb)] if pb.drafter else []
+        plans += [P.plan_verify(pb)]
         plans += [P.plan_fetch(pb, rehash=True, connections=2)] if P.fetch_args(pb) else []
         for plan in plans:
             for s in _all_steps(plan):
@@ -50,3 +51,18 @@ def test_fetch_and_install_steps_carry_how_they_are_driven(work):
     i = P.plan_install(pb, force=True)[-1]
     assert i.drive == {"rollback": False, "force": True} and i.args["op"] == "probe"
     assert i.args["req"] == "vllm==0.34.0" and i.args["check"]["method"] == "dflash"
+
+
+def test_verify_is_a_read_only_plan_with_its_exact_requests(work):
+    """Issue 51: deploy verify runs plan_verify through ops.execute; `deploy plan --op verify` shows it."""
+    pb = load_playbook(str(work / "playbooks" / "qwen36-dflash.yaml"), inv(work))
+    assert [s.name for s in P.plan_verify(pb)] == ["verify", "gpu-plumbing"]
+    edit(work, "qwen36-dflash", MODEL, MODEL + "  hub: Qwen/Qwen3.6-27B\n  revision: main\n")
+    pb = load_playbook(str(work / "playbooks" / "qwen36-dflash.yaml"), inv(work))
+    steps = P.plan_verify(pb)
+    assert [s.name for s in steps] == ["verify", "gpu-plumbing", "revisions"]
+    assert all(s.drive.get("report") for s in steps[:2]) and not any(s.action == "lock" for s in steps)
+    rev = steps[-1]
+    assert rev.action == "fetch" and rev.args["op"] == "records"
+    assert rev.args["dests"] == ["/root/models/Qwen3.6-27B", "/root/models/Qwen3.6-27B-DFlash"]
+    assert rev.drive["roles"] == {"model": rev.args["dests"][0], "drafter": rev.args["dests"][1]}
