@@ -108,4 +108,4 @@ def test_direct_agent_calls_only_go_down():
     over = {m: (n, DIRECT_CALLS_CEILING.get(m, 0)) for m, n in got.items() if n > DIRECT_CALLS_CEILING.get(m, 0)}
     assert not over, (f"agent calls outside the executor above the ceiling (module: (now, ceiling)): {over}; make it "
                       "a planned step (plan.py) run by ops.execute, whose runner calls Context.call")
-    assert sum(got.values()) <= 17  # 19 in 10 modules when issue 51 was filed; verify's records read is a step now
+    assert sum(got.values()) <= 17  # 18 in 9 modules by this count before issue 51; verify's records read is a step now
