@@ -437,6 +437,11 @@ def r_port(run: Run, step: P.Step) -> None:
 def r_launch(run: Run, step: P.Step) -> None:
     run.launch_result = V.launch(run.ctx, step)
     run.st.launched = True
+    run.st.systemd = run.launch_result.supervisor == "systemd"
+
+
+def r_onboot(run: Run, step: P.Step) -> None:
+    V.onboot_check(run.ctx, step)
 
 
 def r_wait(run: Run, step: P.Step) -> None:
@@ -589,6 +594,7 @@ STEPS = {
     "gpu-plumbing": (r_plumbing, "plumbing"), "holders": (r_holders, "gpu_read"),
     "stop": (r_stop, "stop"), "stop-low": (r_stop, "stop"), "stop-failed": (r_stop, "stop"),
     "gpus-free": (r_gpus_free, "gpus_free"), "port-free": (r_port, "port_check"), "launch": (r_launch, "launch"),
+    "onboot": (r_onboot, None),
     "wait-ready": (r_wait, "wait_ready"), "aux-layers": (r_aux_layers, None), "drift": (r_drift, "file_sha"),
     "acceptance": (r_acceptance, "acceptance"), "gate-record": (r_gate_record, "gate_record"),
     "fallback": (r_fallback, None), "drift-check": (r_drift_check, "file_sha"), "read-back": (r_read_back, "file_sha"),

@@ -55,11 +55,17 @@ class RunState:
     finished: str | None = None  # set by a runner that ends the main phase early ("already up")
     ungated: bool = False  # the same deployment runs healthy without a passed verdict: gate it (gate-running phase)
     verdict: dict | None = None  # the gate's verdict (gate.Verdict.as_dict()), for the gate-record step
+    systemd: bool = False  # the launch made vLLM a systemd unit (it starts when the container boots)
 
 
 def something_to_stop(st: RunState) -> bool:
     """a restart, or a deployment of ours runs (differs or unhealthy), or vLLM processes deploy did not start are seen"""
     return st.restart or st.running or st.foreign_vllm
+
+
+def launched_under_systemd(st: RunState) -> bool:
+    """this run launched vLLM as a systemd unit (it comes back when the container boots)"""
+    return st.launched and st.systemd
 
 
 def launched_and_reachable(st: RunState) -> bool:
@@ -366,6 +372,14 @@ def step_launch(pb):
                 **_common(pb))
 
 
+def step_onboot(pb):
+    """After a launch under systemd: does the container start with the host (a warning only)? A read of its own,
+    planned, not work hidden in the launch."""
+    return Step("onboot", "the container starts with the host (pct config: onboot: 1), so the unit comes back after "
+                          "a host reboot; a warning only", host_argv=["pct", "config", str(pb.vmid)], timeout=20,
+                when=launched_under_systemd, **_common(pb))
+
+
 def step_wait(pb):
 
     sp = state_paths(pb)
@@ -564,7 +578,7 @@ def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, 
     steps.append(step_verify(pb))
     steps.append(step_plumbing(pb))  # before anything is stopped: a container that cannot serve keeps what runs
     steps.append(step_stop(pb, clean, when=None if restart else something_to_stop))
-    steps += [step_gpus_free(pb), step_port(pb), step_launch(pb), step_wait(pb)]
+    steps += [step_gpus_free(pb), step_port(pb), step_launch(pb), step_onboot(pb), step_wait(pb)]
     if pb.spec["method"] == "dflash" and pb.drafter_config:
         steps.append(step_aux_layers(pb))
     if drafter_config_path(pb):
