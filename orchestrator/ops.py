@@ -558,7 +558,7 @@ def r_holders(run: Run, step: P.Step) -> None:
     t0 = time.monotonic()
     r = ctx.call(step)
     devs = {f"/dev/nvidia{g}" for g in pb.gpus}  # fuser acts on the playbook's own GPUs only
-    mine = [h for h in r.holders if devs & set(h.get("devices") or [])]
+    mine = [h for h in r.holders or [] if devs & set(h.get("devices") or [])]
     holders = [h for h in mine if not h.get("ours")]  # deploy's own processes: the stop step ends them
     if not holders:
         ctx.record(step.name, True, "nothing but deploy's own vLLM holds the playbook's GPUs (the stop step ends it): "
