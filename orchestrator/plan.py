@@ -525,6 +525,13 @@ def plan_fetch(pb: Playbook, *, rehash: bool = False, connections: int | None = 
 INSTALL_FALLBACK_PYTHON = "/usr/bin/python3"  # runs the agent when the runtime venv does not exist yet
 
 
+def _install_requests(pb: Playbook) -> dict:
+    """The install's later requests, planned here with the probe (install.run fills in only the runner's id and where
+    it follows from): start, attach, rollback."""
+    return {"start": install_args(pb, "start", follow_s=0), "attach": install_args(pb, "attach"),
+            "rollback": install_args(pb, "rollback")}
+
+
 def step_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -> Step:
     """The step `install-vllm` (install.run drives it: probe, then start / re-attach / report / nothing to do, then
     follow; or the rollback)."""
@@ -539,7 +546,7 @@ def step_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -
                     runs=[f"readlink {venv}; cat {_state(pb, 'runtime.json')}   # the previous venv",
                           f"ln -sfn PREVIOUS {venv}.NEW; mv -T {venv}.NEW {venv}   # one rename",
                           f"{rt['python']} -c 'import vllm' ...   # the stack checks of verify"],
-                    drive={"rollback": True, "force": force}, **_common(pb))
+                    drive={"rollback": True, "force": force, "requests": _install_requests(pb)}, **_common(pb))
     spec = req.get("vllm") or "?"
     runner = "uv pip install (uv venv) when the container has uv, else python -m venv + pip"
     return Step("install-vllm", f"install {spec} into a fresh venv beside {venv} ({venv}.versions/), detached, "
@@ -558,7 +565,7 @@ def step_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -
                       "a serving vLLM is not touched (asked first; -y): the next up/restart starts the new build"]
                 + ([] if not force else ["--force: installed again even when requires.vllm is the verified "
                                          "runtime already"]),
-                drive={"rollback": False, "force": force}, **_common(pb))
+                drive={"rollback": False, "force": force, "requests": _install_requests(pb)}, **_common(pb))
 
 
 def plan_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -> list[Step]:

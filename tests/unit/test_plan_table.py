@@ -49,7 +49,11 @@ def test_fetch_and_install_steps_carry_how_they_are_driven(work):
     up_fetch = next(s for s in P.plan_up(pb, fetch=False) if s.name == "fetch")
     assert up_fetch.drive["allow_start"] is False and "--no-fetch" in up_fetch.title
     i = P.plan_install(pb, force=True)[-1]
-    assert i.drive == {"rollback": False, "force": True} and i.args["op"] == "probe"
+    assert (i.drive["rollback"], i.drive["force"], i.args["op"]) == (False, True, "probe")
+    # every later request is planned too: install.run fills in only the runner's id and position (issue 51)
+    assert {op: r["op"] for op, r in i.drive["requests"].items()} == {"start": "start", "attach": "attach",
+                                                                         "rollback": "rollback"}
+    assert i.drive["requests"]["start"]["req"] == "vllm==0.34.0" and i.drive["requests"]["start"]["follow_s"] == 0
     assert i.args["req"] == "vllm==0.34.0" and i.args["check"]["method"] == "dflash"
 
 
