@@ -124,7 +124,7 @@ def _measure(fleet, pb: Playbook, progress: Progress, step: P.Step) -> dict:
     ctx = ops.new_context(fleet, pb, progress)
     t0 = time.monotonic()
     api_key = ctx.secrets.get("VLLM_API_KEY")
-    r = ctx.call(step, secrets={"api_key": api_key} if api_key else None)
+    r = ctx.call(step, secrets={"api_key": api_key} if api_key else None).as_dict()  # ProbeResult, checked
     if not r.get("ok") or not r.get("levels") or not r["levels"][0]["requests"]:
         errs = [e for lv in r.get("levels") or [] for e in lv.get("errors", [])]
         ctx.fail("sweep", t0, f"could not measure: {r.get('message') or errs}", fix=f"deploy logs {pb.name}")

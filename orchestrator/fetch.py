@@ -23,7 +23,7 @@ from . import plan as P
 from . import store as S
 from .agent.container.weights import MANIFEST_FORMAT, MANIFEST_NAME
 from .atomic import write_atomic
-from .errors import DeployError, StepFailed, Unreachable, UsageError
+from .errors import StepFailed, Unreachable, UsageError
 from .follow import Every, Job, follow
 from .report import FOLLOW_LINE_MAX
 from .spec import Playbook
@@ -83,7 +83,7 @@ class _Runner:
         ctx = self.ctx
         ctx.progress.detail(ctx.where, f"$ pct exec {self.pb.vmid} -- {self.python} - fetch {args.get('op')}")
         return agent.call(ctx.session, self.pb.vmid, self.python, "fetch", args, timeout=timeout, on_event=on_event,
-                          secrets=secrets)
+                          secrets=secrets).as_dict()  # FetchResult, checked; read here as its wire dict
 
 
 def run(ctx, pb: Playbook, step: P.Step) -> dict:
@@ -268,20 +268,8 @@ def _when(at) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(at)))
 
 
-def records(ctx, pb: Playbook) -> dict:
-    """{role: record or None} for the playbook's model and drafter destinations (status, verify)."""
-    dests = {"model": pb.data["model"]["path"]}
-    d = pb.drafter
-    if d:
-        dests["drafter"] = d["path"] if d.get("path") else os.path.join(
-            d["hf_home"], "hub", "models--" + d["hub_id"].replace("/", "--"))
-    try:
-        res = agent.call(ctx.session, pb.vmid, pb.runtime["python"], "fetch",
-                         {"op": "records", "state_dir": pb.runtime["state_dir"], "dests": list(dests.values())},
-                         timeout=30)
-    except DeployError:
-        return {}
-    recs = res.get("records") or {}
+def revisions(recs: dict, dests: dict) -> dict:
+    """{role: record or None} from the agent's fetch records and plan.step_revisions' {role: destination}."""
     return {role: _short(recs.get(dest)) for role, dest in dests.items()}
 
 

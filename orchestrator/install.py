@@ -22,7 +22,7 @@ from .errors import DeployError, Unreachable, UsageError
 from .steps import Outcome
 from .follow import Every, Job, follow
 from .report import FOLLOW_LINE_MAX
-from .plan_args import install_args as agent_args, install_requirement as requirement
+from .plan_args import install_requirement as requirement
 from .spec import Playbook
 
 FOLLOW_S = 120.0  # one attach call follows the runner this long; the next call continues where it stopped
@@ -103,7 +103,7 @@ class _Runner:
 def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, confirm=None) -> Outcome:
     """The step install-vllm (plan.step_install; force / rollback in its drive): probe, then start, re-attach,
     report one that ended unwatched, or nothing to do; follow; report into `out` (a failed install: out.error)."""
-    force, rollback = step.drive["force"], step.drive["rollback"]
+    force, rollback, requests = step.drive["force"], step.drive["rollback"], step.drive["requests"]
     progress = ctx.progress
     run = _Runner(ctx, pb)
     t0 = time.monotonic()
@@ -115,7 +115,7 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
                                                       if serving else "; nothing of ours is serving"), t0,
                runtime=rt, serving=serving, install=ist or None, pointer=probe.get("pointer"))
     if rollback:
-        return _rollback(ctx, run, pb, out, serving, yes, confirm)
+        return _rollback(ctx, run, pb, out, serving, yes, confirm, requests["rollback"])
     want = requirement(pb.data["requires"]["vllm"])
     stale = stale_source_warning(pb.data["requires"]["vllm"])
     if stale:
@@ -124,11 +124,11 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
     if ist.get("status") == "running":
         progress.say(ctx.where, f"an install is in progress (started {_ago(ist)} ago, pid {ist.get('pid')}, "
                                 f"{ist.get('spec')}, phase {ist.get('phase')}): re-attaching")
-        res = _follow(ctx, run, pb, ist)
+        res = _follow(ctx, run, pb, ist, requests["attach"])
     elif final and not ist.get("reported") and ist.get("req") == want["req"]:
         progress.say(ctx.where, f"the install of {ist.get('spec')} started {_ago(ist)} ago ended while nobody "
                                 "was attached: its result")
-        res = _follow(ctx, run, pb, ist)
+        res = _follow(ctx, run, pb, ist, requests["attach"])
     else:
         cur = (probe.get("pointer") or {}).get("current")
         if (not force and ist.get("status") == "ok" and ist.get("req") == want["req"] and cur
@@ -149,7 +149,7 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
                                     "nothing was installed", where=ctx.where,
                                     fix=f"deploy install-vllm {pb.name} -y (the serving process is not touched)")
         t0 = time.monotonic()
-        started = run.call(agent_args(pb, "start", follow_s=0), timeout=120)
+        started = run.call(dict(requests["start"]), timeout=120)
         if not started.get("ok"):
             ctx.fail("install", t0, started.get("message", "the install did not start"),
                      fix=started.get("fix", ""))
@@ -161,11 +161,11 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
             progress.say(ctx.where, f"install started with {started['installer']} (runner pid {started['pid']}, "
                                     f"detached): {want['req']} into {started['stage']}; log {started['log']}")
             ist = {"id": started["id"], "pid": started["pid"], "log": started["log"], "spec": want["req"]}
-        res = _follow(ctx, run, pb, ist)
+        res = _follow(ctx, run, pb, ist, requests["attach"])
     return _report(ctx, pb, out, res)
 
 
-def _follow(ctx, run: _Runner, pb: Playbook, ist: dict) -> dict:
+def _follow(ctx, run: _Runner, pb: Playbook, ist: dict, request: dict) -> dict:
     """attach calls until the runner reports an end (follow.py: the loop shared with fetch); each is bounded
     (FOLLOW_S), the whole by the playbook's limit plus the verification's."""
     inst = pb.data["requires"]["install"]
@@ -196,7 +196,7 @@ def _follow(ctx, run: _Runner, pb: Playbook, ist: dict) -> dict:
               failed=lambda msg, fix="": InstallFailed(msg, where=run.ctx.where, fix=fix),
               lost=lambda msg, fix="": ConnectionLost(msg, where=run.ctx.where, fix=fix))
     attach = lambda p, follow_s, on_event: run.call(  # noqa: E731
-        agent_args(pb, "attach", id=ist.get("id"), log_pos=p, follow_s=follow_s), timeout=follow_s + 120,
+        dict(request, id=ist.get("id"), log_pos=p, follow_s=follow_s), timeout=follow_s + 120,
         on_event=on_event)
     return follow(ctx, attach, job, ist, limit_s=float(inst["timeout_s"]) + 900.0, follow_s=FOLLOW_S, render=render)
 
@@ -229,7 +229,7 @@ def _report(ctx, pb: Playbook, out: Outcome, res: dict) -> Outcome:
     return out
 
 
-def _rollback(ctx, run: _Runner, pb: Playbook, out: Outcome, serving, yes, confirm) -> Outcome:
+def _rollback(ctx, run: _Runner, pb: Playbook, out: Outcome, serving, yes, confirm, request: dict) -> Outcome:
     if serving and not yes:
         q = (f"{serving['playbook']} is serving (pid {serving['pid']}); the runtime is switched back, the serving "
              "process is not touched, and the next `deploy up`/`restart` uses the previous build. Proceed?")
@@ -238,7 +238,7 @@ def _rollback(ctx, run: _Runner, pb: Playbook, out: Outcome, serving, yes, confi
             raise InstallFailed(f"{serving['playbook']} is serving on {ctx.where}; nothing was changed",
                                 where=ctx.where, fix=f"deploy install-vllm {pb.name} --rollback -y")
     t0 = time.monotonic()
-    r = run.call(agent_args(pb, "rollback"), timeout=300)
+    r = run.call(dict(request), timeout=300)
     if not r.get("ok"):
         ctx.fail("rollback", t0, r.get("message", "rollback failed"), fix=r.get("fix", ""))
     chk = r.get("verify") or {}

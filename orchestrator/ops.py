@@ -16,7 +16,7 @@ from .gate import Verdict, gate_figures
 from .agent.protocol import CurrentResult, GpusFreeResult, ReadyResult, StopResult, VerifyResult, WriteFileResult
 from .remote import Fleet, shell_word
 from .report import Progress, sha
-from .spec import Playbook, fetch_items
+from .spec import Playbook
 from . import agent
 from . import fetch as F
 from . import install as I
@@ -375,13 +375,33 @@ def r_write_config(run: Run, step: P.Step) -> None:
 
 def r_verify(run: Run, step: P.Step) -> None:
     pb = run.ctx.pb
+    if step.drive.get("report"):  # deploy verify: every check's result, judged by verify_only
+        run.verified = D.verify(run.ctx, step, record=False)
+        return
     run.verified = D.verify(run.ctx, step, blocking=run.opts.write_config or not pb.drafter,
                             written_sha=run.written.after_sha256 if run.written else None)
     run.st.verified_sha = run.verified.sha256 if run.verified is not None else None
 
 
 def r_plumbing(run: Run, step: P.Step) -> None:
-    GP.gpu_plumbing(run.ctx, step)
+    if not step.drive.get("report"):
+        GP.gpu_plumbing(run.ctx, step)
+        return
+    ctx = run.ctx  # deploy verify: the findings and the sizing on the measured GPUs, judged by verify_only
+    found, facts = GP.run_check(ctx, step)
+    run.out.info["gpu_plumbing"] = {"findings": found, "host_error": (facts["host"] or {}).get("error")}
+    fits = GP.sized_on_measured_gpus(ctx, facts["host"])
+    if fits:
+        run.out.info["fits"] = fits
+        ctx.progress.say(ctx.where, f"sizing on the measured GPUs: {fits['line']}")
+
+
+def r_revisions(run: Run, step: P.Step) -> None:
+    try:
+        recs = run.ctx.call(step).records or {}
+    except DeployError:  # a report, not a check: no records is no revisions
+        recs = {}
+    run.out.info["revisions"] = F.revisions(recs, step.drive["roles"])
 
 
 def r_stop(run: Run, step: P.Step) -> None:
@@ -417,6 +437,11 @@ def r_port(run: Run, step: P.Step) -> None:
 def r_launch(run: Run, step: P.Step) -> None:
     run.launch_result = V.launch(run.ctx, step)
     run.st.launched = True
+    run.st.systemd = run.launch_result.supervisor == "systemd"
+
+
+def r_onboot(run: Run, step: P.Step) -> None:
+    V.onboot_check(run.ctx, step)
 
 
 def r_wait(run: Run, step: P.Step) -> None:
@@ -533,7 +558,7 @@ def r_holders(run: Run, step: P.Step) -> None:
     t0 = time.monotonic()
     r = ctx.call(step)
     devs = {f"/dev/nvidia{g}" for g in pb.gpus}  # fuser acts on the playbook's own GPUs only
-    mine = [h for h in r.get("holders") or [] if devs & set(h.get("devices") or [])]
+    mine = [h for h in r.holders or [] if devs & set(h.get("devices") or [])]
     holders = [h for h in mine if not h.get("ours")]  # deploy's own processes: the stop step ends them
     if not holders:
         ctx.record(step.name, True, "nothing but deploy's own vLLM holds the playbook's GPUs (the stop step ends it): "
@@ -569,11 +594,12 @@ STEPS = {
     "gpu-plumbing": (r_plumbing, "plumbing"), "holders": (r_holders, "gpu_read"),
     "stop": (r_stop, "stop"), "stop-low": (r_stop, "stop"), "stop-failed": (r_stop, "stop"),
     "gpus-free": (r_gpus_free, "gpus_free"), "port-free": (r_port, "port_check"), "launch": (r_launch, "launch"),
+    "onboot": (r_onboot, None),
     "wait-ready": (r_wait, "wait_ready"), "aux-layers": (r_aux_layers, None), "drift": (r_drift, "file_sha"),
     "acceptance": (r_acceptance, "acceptance"), "gate-record": (r_gate_record, "gate_record"),
     "fallback": (r_fallback, None), "drift-check": (r_drift_check, "file_sha"), "read-back": (r_read_back, "file_sha"),
     "note-failure": (r_note_failure, "note_failure"), "clear-failure": (r_clear_failure, "note_failure"),
-    "unlock": (r_unlock, "unlock"),
+    "unlock": (r_unlock, "unlock"), "revisions": (r_revisions, "fetch"),
 }
 RUNNERS = {name: runner for name, (runner, _) in STEPS.items()}
 
@@ -694,40 +720,28 @@ def install_vllm(fleet: Fleet, pb: Playbook, progress: Progress, *, yes: bool = 
 
 
 def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome, VerifyResult]:
-    ctx = new_context(fleet, pb, progress)
-    out = Outcome(False, pb.name, ctx.where, "failed", ctx.results)
-    step = P.step_verify(pb)
-    try:
-        r = D.verify(ctx, step, record=False)
-
-        found, facts = GP.run_check(ctx, P.step_plumbing(pb))
-        out.info["gpu_plumbing"] = {"findings": found, "host_error": (facts["host"] or {}).get("error")}
-        fits = GP.sized_on_measured_gpus(ctx, facts["host"])
-        if fits:
-            out.info["fits"] = fits
-            ctx.progress.say(ctx.where, f"sizing on the measured GPUs: {fits['line']}")
-
-        if fetch_items(pb):  # weights fetched by deploy fetch: the revision in place (from its record)
-            out.info["revisions"] = F.records(ctx, pb)
-        refuse = bool(fits) and fits["level"] == "refuse"
-        out.ok = not r.failed and not found and not refuse
-        out.status = "verified" if out.ok else "failed"
-        if refuse and not r.failed and not found:
-
-            msg, fix = measured_refusal(pb, fits)
-            out.error = StepFailed("sizing", msg, where=ctx.where, fix=fix)
-        if r.failed:
-            out.error = StepFailed("verify", f"{len(r.failed)} check(s) failed"
-                                   + (f"; {len(found)} GPU plumbing problem(s)" if found else ""), where=ctx.where,
-                                   fix=D.verify_fix(r.failed, pb, r.stack)
-                                   + ("; " + "; ".join(dict.fromkeys(f["fix"] for f in found)) if found else ""))
-        elif found:
-            out.error = StepFailed("gpu-plumbing", f"{len(found)} GPU plumbing problem(s)", where=ctx.where,
-                                   fix="; ".join(dict.fromkeys(f["fix"] for f in found)))
-        return out, r
-    except DeployError as e:
-        out.error = e
+    """`deploy verify`: plan.plan_verify run by execute(), then judged: every check failed, or verified."""
+    run = new_run(fleet, pb, progress, Options())
+    out = execute(run, P.plan_verify(pb))
+    if run.error is not None:
         return out, VerifyResult()
+    r, where = run.verified, run.ctx.where
+    found, fits = out.info["gpu_plumbing"]["findings"], out.info.get("fits")
+    refuse = bool(fits) and fits["level"] == "refuse"
+    out.ok = not r.failed and not found and not refuse
+    out.status = "verified" if out.ok else "failed"
+    if refuse and not r.failed and not found:
+        msg, fix = measured_refusal(pb, fits)
+        out.error = StepFailed("sizing", msg, where=where, fix=fix)
+    if r.failed:
+        out.error = StepFailed("verify", f"{len(r.failed)} check(s) failed"
+                               + (f"; {len(found)} GPU plumbing problem(s)" if found else ""), where=where,
+                               fix=D.verify_fix(r.failed, pb, r.stack)
+                               + ("; " + "; ".join(dict.fromkeys(f["fix"] for f in found)) if found else ""))
+    elif found:
+        out.error = StepFailed("gpu-plumbing", f"{len(found)} GPU plumbing problem(s)", where=where,
+                               fix="; ".join(dict.fromkeys(f["fix"] for f in found)))
+    return out, r
 
 
 def apply_config_refusal(pb: Playbook) -> UsageError | None:

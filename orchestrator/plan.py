@@ -10,6 +10,7 @@ and sha256 from load time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -22,7 +23,7 @@ from .agent import SESSION_BOOT, agent_argv
 from .agent.container.protocol import SMI_MEMORY_ARGS
 from .remote import pct_exec_argv, shell_join
 # what the steps carry, built from the playbook alone (plan_args.py); P.serve_argv etc. stay the plan's names
-from .plan_args import (drafter_config_path, fetch_args, fetch_transfer, hub_drafter_dir, install_args,
+from .plan_args import (drafter_config_path, fetch_args, fetch_dests, fetch_transfer, hub_drafter_dir, install_args,
                         launch_check_args, secret_env_names, serve_argv, serve_env, spec_config, state_paths,
                         state_record, supervise_args, unit_name, verify_args)
 from .spec import Inventory, Playbook, fetch_items
@@ -54,11 +55,17 @@ class RunState:
     finished: str | None = None  # set by a runner that ends the main phase early ("already up")
     ungated: bool = False  # the same deployment runs healthy without a passed verdict: gate it (gate-running phase)
     verdict: dict | None = None  # the gate's verdict (gate.Verdict.as_dict()), for the gate-record step
+    systemd: bool = False  # the launch made vLLM a systemd unit (it starts when the container boots)
 
 
 def something_to_stop(st: RunState) -> bool:
     """a restart, or a deployment of ours runs (differs or unhealthy), or vLLM processes deploy did not start are seen"""
     return st.restart or st.running or st.foreign_vllm
+
+
+def launched_under_systemd(st: RunState) -> bool:
+    """this run launched vLLM as a systemd unit (it comes back when the container boots)"""
+    return st.launched and st.systemd
 
 
 def launched_and_reachable(st: RunState) -> bool:
@@ -365,6 +372,14 @@ def step_launch(pb):
                 **_common(pb))
 
 
+def step_onboot(pb):
+    """After a launch under systemd: does the container start with the host (a warning only)? A read of its own,
+    planned, not work hidden in the launch."""
+    return Step("onboot", "the container starts with the host (pct config: onboot: 1), so the unit comes back after "
+                          "a host reboot; a warning only", host_argv=["pct", "config", str(pb.vmid)], timeout=20,
+                when=launched_under_systemd, **_common(pb))
+
+
 def step_wait(pb):
 
     sp = state_paths(pb)
@@ -528,6 +543,13 @@ def plan_fetch(pb: Playbook, *, rehash: bool = False, connections: int | None = 
 INSTALL_FALLBACK_PYTHON = "/usr/bin/python3"  # runs the agent when the runtime venv does not exist yet
 
 
+def _install_requests(pb: Playbook) -> dict:
+    """The install's later requests, planned here with the probe (install.run fills in only the runner's id and where
+    it follows from): start, attach, rollback."""
+    return {"start": install_args(pb, "start", follow_s=0), "attach": install_args(pb, "attach"),
+            "rollback": install_args(pb, "rollback")}
+
+
 def step_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -> Step:
     """The step `install-vllm` (install.run drives it: probe, then start / re-attach / report / nothing to do, then
     follow; or the rollback)."""
@@ -542,7 +564,7 @@ def step_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -
                     runs=[f"readlink {venv}; cat {_state(pb, 'runtime.json')}   # the previous venv",
                           f"ln -sfn PREVIOUS {venv}.NEW; mv -T {venv}.NEW {venv}   # one rename",
                           f"{rt['python']} -c 'import vllm' ...   # the stack checks of verify"],
-                    drive={"rollback": True, "force": force}, **_common(pb))
+                    drive={"rollback": True, "force": force, "requests": _install_requests(pb)}, **_common(pb))
     spec = req.get("vllm") or "?"
     runner = "uv pip install (uv venv) when the container has uv, else python -m venv + pip"
     return Step("install-vllm", f"install {spec} into a fresh venv beside {venv} ({venv}.versions/), detached, "
@@ -561,7 +583,7 @@ def step_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -
                       "a serving vLLM is not touched (asked first; -y): the next up/restart starts the new build"]
                 + ([] if not force else ["--force: installed again even when requires.vllm is the verified "
                                          "runtime already"]),
-                drive={"rollback": False, "force": force}, **_common(pb))
+                drive={"rollback": False, "force": force, "requests": _install_requests(pb)}, **_common(pb))
 
 
 def plan_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -> list[Step]:
@@ -581,7 +603,7 @@ def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, 
     steps.append(step_verify(pb))
     steps.append(step_plumbing(pb))  # before anything is stopped: a container that cannot serve keeps what runs
     steps.append(step_stop(pb, clean, when=None if restart else something_to_stop))
-    steps += [step_gpus_free(pb), step_port(pb), step_launch(pb), step_wait(pb)]
+    steps += [step_gpus_free(pb), step_port(pb), step_launch(pb), step_onboot(pb), step_wait(pb)]
     if pb.spec["method"] == "dflash" and pb.drafter_config:
         steps.append(step_aux_layers(pb))
     if drafter_config_path(pb):
@@ -660,6 +682,24 @@ def plan_down(pb: Playbook, *, clean_gpus: bool | None = None, ask: bool = False
                   action="note_failure", args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,
                   runs=[f"rm -f {_state(pb, 'last_failure.json')}"], **_common(pb))]
     return [step_container(pb), step_lock(pb, "down", lease_for(steps))] + steps + [step_unlock(pb)]
+
+
+def step_revisions(pb: Playbook) -> Step:
+    """verify's read of deploy fetch's records: the revision in place of the model and the drafter."""
+    dests = fetch_dests(pb)
+    return Step("revisions", "the revision in place of each fetched weight (deploy fetch's records; read only)",
+                action="fetch", args={"op": "records", "state_dir": pb.conf.runtime.state_dir,
+                                      "dests": list(dests.values())},
+                timeout=30, drive={"roles": dests}, runs=[f"read the fetch record of {d}" for d in dests.values()],
+                **_common(pb))
+
+
+def plan_verify(pb: Playbook) -> list[Step]:
+    """`deploy verify`: read-only and without the lock: the drafter config and serving stack, the gpu-plumbing check
+    (with the sizing on the GPUs as measured), the fetched revisions. Every check runs; verify_only judges them."""
+    report = {"report": True}  # the runners collect (ops.verify_only), not fail at the first problem
+    steps = [dataclasses.replace(step_verify(pb), drive=report), dataclasses.replace(step_plumbing(pb), drive=report)]
+    return steps + ([step_revisions(pb)] if fetch_args(pb) else [])
 
 
 def plan_apply_config(pb: Playbook) -> list[Step]:

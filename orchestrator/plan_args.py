@@ -5,6 +5,7 @@ rebuild them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -14,88 +15,84 @@ from .spec_schema import VERSION_RE
 
 
 def state_paths(pb: Playbook) -> dict:
-    sd = pb.runtime["state_dir"]
+    sd = pb.conf.runtime.state_dir
     return {"state_dir": sd, "log_path": os.path.join(sd, "vllm.log")}
 
 
 def drafter_config_path(pb: Playbook) -> str | None:
     """The config.json vLLM reads: in the drafter directory, or for a hub id in deploy's own drafter directory
     (hub_drafter_dir: the pinned config + links to the snapshot's other files; the hub cache is never written)."""
-    d = pb.drafter
+    d = pb.conf.speculative.drafter
     if not d:
         return None
-    return os.path.join(d["path"] or hub_drafter_dir(pb), "config.json")
+    return os.path.join(d.path or hub_drafter_dir(pb), "config.json")
 
 
 def hub_drafter_dir(pb: Playbook) -> str | None:
-    d = pb.drafter
-    if not d or not d.get("hub_id"):
+    d = pb.conf.speculative.drafter
+    if not d or not d.hub_id:
         return None
-    return os.path.join(pb.runtime["state_dir"], "drafters", d["hub_id"].replace("/", "--"))
+    return os.path.join(pb.conf.runtime.state_dir, "drafters", d.hub_id.replace("/", "--"))
 
 
 def spec_config(pb: Playbook) -> dict:
-    s = pb.spec
-    cfg = {"method": s["method"]}
-    d = s.get("drafter")
-    if d:
-        cfg["model"] = d["path"] or hub_drafter_dir(pb)
-    cfg["num_speculative_tokens"] = s["num_speculative_tokens"]
-    cfg.update(s["extra"])
+    s = pb.conf.speculative
+    cfg = {"method": s.method}
+    if s.drafter:
+        cfg["model"] = s.drafter.path or hub_drafter_dir(pb)
+    cfg["num_speculative_tokens"] = s.num_speculative_tokens
+    cfg.update(s.extra)
     return cfg
 
 
 def serve_argv(pb: Playbook) -> list[str]:
     """`vllm serve TARGET --speculative-config JSON ...`, built from the playbook only (secrets go by env)."""
-    sv = pb.serve
-    argv = [pb.runtime["vllm"], "serve", pb.data["model"]["path"],
-            "--host", sv["host"], "--port", str(sv["port"]),
-            "--served-model-name", sv["served_model_name"],
-            "--tensor-parallel-size", str(sv["tensor_parallel_size"]),
-            "--gpu-memory-utilization", f"{sv['gpu_memory_utilization']:g}"]
-    if sv.get("max_model_len"):
-        argv += ["--max-model-len", str(sv["max_model_len"])]
-    method = pb.spec["method"]
-    backend = sv.get("attention_backend") or ("flash_attn" if method == "dflash" else None)
-    if backend:
-        argv += ["--attention-backend", backend]
-    mnbt = sv.get("max_num_batched_tokens") or (32768 if method == "dflash" else None)
-    if mnbt:
-        argv += ["--max-num-batched-tokens", str(mnbt)]
+    c = pb.conf
+    sv = c.serve
+    argv = [c.runtime.vllm, "serve", c.model.path, "--host", sv.host, "--port", str(sv.port),
+            "--served-model-name", sv.served_model_name, "--tensor-parallel-size", str(sv.tensor_parallel_size),
+            "--gpu-memory-utilization", f"{sv.gpu_memory_utilization:g}"]
+    if sv.max_model_len:
+        argv += ["--max-model-len", str(sv.max_model_len)]
+    if sv.attention_backend:  # flash_attn for DFlash when unset: spec._conf
+        argv += ["--attention-backend", sv.attention_backend]
+    if sv.max_num_batched_tokens:  # DFLASH_BATCHED_TOKENS for DFlash when unset (and what sizing.py sizes with)
+        argv += ["--max-num-batched-tokens", str(sv.max_num_batched_tokens)]
     argv += ["--speculative-config", json.dumps(spec_config(pb), separators=(",", ":"))]
-    if sv.get("trust_remote_code"):
+    if sv.trust_remote_code:
         argv += ["--trust-remote-code"]
-    argv += list(sv["extra_args"])
-    return argv
+    return argv + list(sv.extra_args)
 
 
 def serve_env(pb: Playbook) -> dict:
     # SPT_NOENV: vLLM titles its processes with setproctitle, which otherwise overwrites what /proc/PID/environ
     # shows, and with it the launch id that proves a process ours (agent state.proven)
     env = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1", "SPT_NOENV": "1", "CUDA_VISIBLE_DEVICES": ",".join(map(str, pb.gpus))}
-    d = pb.drafter
-    if d and d.get("hub_id"):
-        env["HF_HOME"] = d["hf_home"]
-    env.update(pb.serve["env"])
+    d = pb.conf.speculative.drafter
+    if d and d.hub_id:
+        env["HF_HOME"] = d.hf_home
+    env.update(pb.conf.serve.env)
     return env
 
 
 def state_record(pb: Playbook) -> dict:
-    return {"playbook": pb.name, "playbook_sha256": pb.sha256, "drafter_sha256": (pb.drafter or {}).get("sha256"),
-            "drafter_path": drafter_config_path(pb), "port": pb.serve["port"],
-            "served_model_name": pb.serve["served_model_name"], "method": pb.spec["method"], "gpus": pb.gpus,
-            "api_key_env": pb.serve.get("api_key_env"), "host": pb.serve["host"]}
+    c = pb.conf
+    return {"playbook": pb.name, "playbook_sha256": pb.sha256,
+            "drafter_sha256": c.speculative.drafter.sha256 if c.speculative.drafter else None,
+            "drafter_path": drafter_config_path(pb), "port": c.serve.port,
+            "served_model_name": c.serve.served_model_name, "method": c.speculative.method, "gpus": pb.gpus,
+            "api_key_env": c.serve.api_key_env, "host": c.serve.host}
 
 
 def verify_args(pb: Playbook) -> dict:
-    d = pb.drafter
-    return {"path": d.get("path") or hub_drafter_dir(pb), "hub_id": d.get("hub_id"), "hf_home": d.get("hf_home"),
-            **({"revision": d["revision"]} if d.get("revision") else {}),
-            "sha256": d["sha256"], "target_path": pb.data["model"]["path"],
-            "num_speculative_tokens": pb.spec["num_speculative_tokens"], "method": pb.spec["method"],
-            "vllm_min_version": pb.data["requires"].get("vllm_min_version"),
-            "fixes": pb.data["requires"].get("fixes") or [],
-            "trust_remote_code": bool(pb.serve.get("trust_remote_code")), **launch_check_args(pb)}
+    c = pb.conf
+    d, sp = c.speculative.drafter, c.speculative
+    return {"path": d.path or hub_drafter_dir(pb), "hub_id": d.hub_id, "hf_home": d.hf_home,
+            **({"revision": d.revision} if d.revision else {}),
+            "sha256": d.sha256, "target_path": c.model.path,
+            "num_speculative_tokens": sp.num_speculative_tokens, "method": sp.method,
+            "vllm_min_version": c.requires.vllm_min_version, "fixes": list(c.requires.fixes),
+            "trust_remote_code": c.serve.trust_remote_code, **launch_check_args(pb)}
 
 
 SPEC_SHORTCUT_FLAGS = ("--spec-method", "--spec-model", "--spec-tokens")
@@ -104,14 +101,14 @@ SPEC_SHORTCUT_FLAGS = ("--spec-method", "--spec-model", "--spec-tokens")
 def launch_check_args(pb) -> dict:
     """What the verify step checks the launch against, in the container's own vLLM: the keys of the
     --speculative-config JSON, the shortcut flags in serve.extra_args that clash with it, the model runner."""
-    flags = [a.split("=", 1)[0] for a in pb.serve["extra_args"] if a.split("=", 1)[0] in SPEC_SHORTCUT_FLAGS]
+    sv = pb.conf.serve
+    flags = [a.split("=", 1)[0] for a in sv.extra_args if a.split("=", 1)[0] in SPEC_SHORTCUT_FLAGS]
     return {"spec_keys": sorted(spec_config(pb)), "spec_flags": flags,
-            "v2_runner_off": pb.serve["env"].get("VLLM_USE_V2_MODEL_RUNNER") == "0"}
+            "v2_runner_off": sv.env.get("VLLM_USE_V2_MODEL_RUNNER") == "0"}
 
 
 def supervise_args(pb: Playbook) -> dict:
-    sv = pb.data["supervise"]
-    return {k: sv[k] for k in ("restart_sec", "start_limit_burst", "start_limit_interval_s")}
+    return dataclasses.asdict(pb.conf.supervise)
 
 
 def unit_name(pb: Playbook) -> str:
@@ -121,7 +118,8 @@ def unit_name(pb: Playbook) -> str:
 
 def secret_env_names(pb: Playbook) -> list[str]:
     """The names (never the values) of the secrets vLLM gets in its environment, sent on stdin."""
-    return sorted(set(pb.serve.get("secret_env") or {}) | ({"VLLM_API_KEY"} if pb.serve.get("api_key_env") else set()))
+    sv = pb.conf.serve
+    return sorted(set(sv.secret_env) | ({"VLLM_API_KEY"} if sv.api_key_env else set()))
 
 
 HUB_ENDPOINT = "https://huggingface.co"
@@ -141,12 +139,21 @@ def fetch_args(pb: Playbook) -> list[dict]:
     return out
 
 
+def fetch_dests(pb: Playbook) -> dict:
+    """{role: directory} where deploy fetch puts the model and the drafter (and keeps the record of each)."""
+    c = pb.conf
+    out = {"model": c.model.path}
+    d = c.speculative.drafter
+    if d:
+        out["drafter"] = d.path or os.path.join(d.hf_home, "hub", "models--" + d.hub_id.replace("/", "--"))
+    return out
+
+
 def fetch_transfer(pb: Playbook, connections: int | None = None) -> dict:
     """How the fetch runner downloads: connections (deploy fetch --connections wins over fetch.connections) and the
     range size in bytes."""
-    f = pb.data.get("fetch") or {}
-    return {"connections": int(connections or f.get("connections") or 8),
-            "range_bytes": int(f.get("range_mib") or 64) << 20}
+    f = pb.conf.fetch
+    return {"connections": int(connections or f.connections), "range_bytes": f.range_mib << 20}
 
 
 def _fetch_incoming_dir(it: dict) -> str:
@@ -175,23 +182,21 @@ def install_requirement(spec: str) -> dict:
 
 
 def _install_check_args(pb: Playbook, version: str | None) -> dict:
-    req = pb.data["requires"]
-    return {"version": version, "method": pb.spec["method"], "vllm_min_version": req.get("vllm_min_version"),
-            "fixes": req.get("fixes") or [], "layer_types": (pb.drafter_config or {}).get("layer_types") or []}
+    rq = pb.conf.requires
+    return {"version": version, "method": pb.conf.speculative.method, "vllm_min_version": rq.vllm_min_version,
+            "fixes": list(rq.fixes), "layer_types": (pb.drafter_config or {}).get("layer_types") or []}
 
 
 def install_args(pb: Playbook, op: str, **kw) -> dict:
     """The request of agent action install_vllm (OP: probe, start, attach, rollback) for PB."""
-    req = pb.data["requires"]
-    inst = req["install"]
-    args = {"op": op, "python": pb.runtime["python"], "vllm": pb.runtime["vllm"], "state_dir": pb.runtime["state_dir"],
-            "heartbeat_s": inst["heartbeat_s"]}
-    if req.get("vllm"):
-        r = install_requirement(req["vllm"])
-        args.update(spec=req["vllm"], req=r["req"], label=r["label"], installer=inst["installer"],
-                    base_python=inst.get("python"), index_url=inst.get("index_url"),
-                    find_links=inst.get("find_links") or [], no_index=inst["no_index"], timeout_s=inst["timeout_s"],
-                    hashes=inst.get("hashes") or [],
+    rq, rt = pb.conf.requires, pb.conf.runtime
+    inst = rq.install
+    args = {"op": op, "python": rt.python, "vllm": rt.vllm, "state_dir": rt.state_dir, "heartbeat_s": inst.heartbeat_s}
+    if rq.vllm:
+        r = install_requirement(rq.vllm)
+        args.update(spec=rq.vllm, req=r["req"], label=r["label"], installer=inst.installer,
+                    base_python=inst.python, index_url=inst.index_url, find_links=list(inst.find_links),
+                    no_index=inst.no_index, timeout_s=inst.timeout_s, hashes=list(inst.hashes),
                     check=_install_check_args(pb, r["version"]))
     else:
         args["check"] = _install_check_args(pb, None)

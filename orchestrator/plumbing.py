@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from .agent.container.plumbing import SIM_NODE
 from .agent.container.protocol import SMI_MEMORY_ARGS
 from .errors import DeployError
 from .remote import shell_word
@@ -22,7 +23,8 @@ CHECK = "gpu-plumbing"
 GIB = 1024
 
 # the host side, in one `sh -c` over the operation's own SSH connection: sections marked by "@@ NAME" lines.
-# Simulated device nodes of the test bed are regular files whose first bytes say "vpd-testbed-node c MAJ:MIN".
+# Simulated device nodes of the test bed are regular files whose first bytes say "vpd-testbed-node c MAJ:MIN"
+# (agent/container/plumbing.py SIM_NODE, the one pattern: read here from the 48 bytes this script prints).
 HOST_PLUMBING_SH = r"""
 V="$1"
 echo "@@ config"; { pct config "$V" 2>&1; echo "@@ rc $?"; } | head -c 65536; echo
@@ -49,7 +51,6 @@ HOST_PLUMBING_SH = HOST_PLUMBING_SH.replace("@SMI_MEMORY@", shlex.join(["nvidia-
 
 MAX_LINE = 300
 MAX_LINES = 400
-SIM_NODE = re.compile(r"vpd-testbed-node c (\d+):(\d+)")
 MODULE_RE = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)")
 SMI_DRIVER_RE = re.compile(r"Driver Version:\s*(\d+\.\d+(?:\.\d+)?)")
 SMI_CUDA_RE = re.compile(r"CUDA Version:\s*(\d+\.\d+)")
@@ -154,7 +155,7 @@ def parse_node_line(ln: str) -> dict | None:
     except ValueError:
         major = minor = None
     if kind == "file":
-        m = SIM_NODE.search(f[5] if len(f) > 5 else "")
+        m = SIM_NODE.search(f[5].encode() if len(f) > 5 else b"")
         if m:  # the test bed's simulated node: a device as far as this check is concerned
             kind, major, minor = "char", int(m.group(1)), int(m.group(2))
         else:

@@ -102,9 +102,11 @@ def render_plan(as_json, inv, pb, steps, emit=True):
         n += 1
         _render_step(r, f"{n:2}.", py)
     lock = next((r for r in rows if r["step"] == "lock"), None)
+    detached = any(r["step"] in ("fetch", "install-vllm") for r in rows)
     click.echo(f"\n{n} steps. " + (f"The lock heartbeat runs beside them as its own command: `{lock['command']}` with "
                                    "renew=true. " if lock else "No container lock: the detached runner takes its own "
-                                   "(one at a time; a second deploy re-attaches). ")
+                                   "(one at a time; a second deploy re-attaches). " if detached else
+                                   "No container lock: every step only reads. ")
                + "`deploy -v` prints each step's commands as it runs them; --json gives this plan for review tools.")
 
 

@@ -237,6 +237,7 @@ class Sizing:
     tp: int = 1
     gmu: float = 0.9
     max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None  # what the activations are sized with: the argv's, or vLLM's default
     gpu_total_mib: float | None = None
     gpu_free_mib: float | None = None
     gpu_source: str = "assumed"
@@ -333,6 +334,7 @@ def _reserve_mib(tc: dict, inp: Inputs, wbytes: float) -> float:
 def size(inp: Inputs, *, fixes: bool = True) -> Sizing:
     """The whole prediction (fixes=False: without searching for the changes that would fit). Never raises for a config it does not understand: that is verdict "unknown"."""
     s = Sizing(verdict="unknown", tp=inp.tp, gmu=inp.gmu, max_model_len=inp.max_model_len,
+               max_num_batched_tokens=inp.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS,
                gpu_total_mib=inp.gpu_total_mib, gpu_free_mib=inp.gpu_free_mib, gpu_source=inp.gpu_source,
                mode="cpu" if inp.cpu_kvcache_space_gib is not None else "gpu")
     tc = text_config(inp.target)
@@ -599,28 +601,28 @@ def from_playbook(pb, *, tp: int | None = None, gmu: float | None = None, max_mo
     (sizing.target_config unset)."""
     if pb.target_config is None:
         return None
-    sv, sp = pb.serve, pb.spec
-    sz = pb.data.get("sizing") or {}
-    extra = [str(a) for a in sv.get("extra_args") or []]
+    sv, sp, sz = pb.conf.serve, pb.conf.speculative, pb.conf.sizing
+    extra = [str(a) for a in sv.extra_args]
     seqs = _flag(extra, "--max-num-seqs")
     cpu = cpu_kvcache_space_gib
-    if cpu is None and (sv.get("env") or {}).get("VLLM_CPU_KVCACHE_SPACE"):
+    if cpu is None and sv.env.get("VLLM_CPU_KVCACHE_SPACE"):
         try:
-            cpu = float(sv["env"]["VLLM_CPU_KVCACHE_SPACE"])
+            cpu = float(sv.env["VLLM_CPU_KVCACHE_SPACE"])
         except ValueError:
             cpu = None
     if gpu_mib is not None:
         total, source = float(gpu_mib), "--gpu-mib"
-    elif sz.get("gpu_total_mib"):
-        total, source = float(sz["gpu_total_mib"]), "sizing.gpu_total_mib"
+    elif sz.gpu_total_mib:
+        total, source = float(sz.gpu_total_mib), "sizing.gpu_total_mib"
     else:
         total, source = float(ASSUMED_GPU_MIB), "assumed: an 80 GB GPU; set sizing.gpu_total_mib or --gpu-mib"
-    return Inputs(target=pb.target_config, drafter=pb.drafter_config, method=sp["method"],
-                  k=sp["num_speculative_tokens"], tp=tp or sv["tensor_parallel_size"],
-                  gmu=gmu if gmu is not None else sv["gpu_memory_utilization"],
-                  max_model_len=max_model_len or sv.get("max_model_len"),
+    return Inputs(target=pb.target_config, drafter=pb.drafter_config, method=sp.method,
+                  k=sp.num_speculative_tokens, tp=tp or sv.tensor_parallel_size,
+                  gmu=gmu if gmu is not None else sv.gpu_memory_utilization,
+                  max_model_len=max_model_len or sv.max_model_len,
                   max_num_seqs=int(seqs) if isinstance(seqs, str) and seqs.isdigit() else None,
-                  max_num_batched_tokens=sv.get("max_num_batched_tokens"), gpu_total_mib=total,
+                  # what serve_argv passes (spec._conf derives it once); None: vLLM's own default, assumed below
+                  max_num_batched_tokens=sv.max_num_batched_tokens, gpu_total_mib=total,
                   gpu_free_mib=gpu_free_mib, gpu_source=source, cpu_kvcache_space_gib=cpu,
                   enforce_eager=bool(_flag(extra, "--enforce-eager")),
                   kv_cache_dtype=_flag(extra, "--kv-cache-dtype") if isinstance(_flag(extra, "--kv-cache-dtype"),
@@ -634,7 +636,7 @@ def assess(pb, s: Sizing | None) -> tuple[str, str]:
     if s is None:
         return "unknown", ("unknown: no local copy of the target's config.json (set sizing.target_config); "
                            "not a refusal")
-    accept = bool((pb.data.get("sizing") or {}).get("accept_tight"))
+    accept = pb.conf.sizing.accept_tight
     line = summary(s)
     if s.fixes:
         line += "; would fit with: " + ", or ".join(s.fixes)

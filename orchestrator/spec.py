@@ -12,7 +12,8 @@ import difflib
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 
 from yaml.nodes import MappingNode
@@ -65,6 +66,151 @@ class Inventory:
         return self.hosts[name]
 
 
+# ---------------------------------------------------------------- the typed playbook (issue 51)
+# Frozen views of the validated tree, built once at load (Playbook.conf): each class's fields are the keys of its
+# map in spec_schema.PLAYBOOK, whose defaults the schema already applied (tests/unit/test_typed_playbook.py holds the
+# fields and the keys equal); a value derived from several keys is computed here, once (_conf). Lists are tuples.
+DFLASH_BATCHED_TOKENS = 32768  # serve.max_num_batched_tokens when a DFlash playbook leaves it unset
+
+
+@dataclass(frozen=True)
+class Runtime:
+    python: str
+    vllm: str
+    state_dir: str
+
+
+@dataclass(frozen=True)
+class Weights:
+    """`model` and `speculative.drafter`'s fetch keys (spec_schema.FETCH_FIELDS); the drafter's own below."""
+    path: str | None
+    hub: str | None
+    revision: str | None
+    token_env: str | None
+    endpoint: str | None
+    source: dict | None
+
+
+@dataclass(frozen=True)
+class Drafter(Weights):
+    hub_id: str | None
+    hf_home: str
+    pinned_config: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Serve:
+    host: str
+    port: int
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+    max_model_len: int | None
+    served_model_name: str
+    attention_backend: str | None  # derived: flash_attn for dflash when unset
+    max_num_batched_tokens: int | None  # derived: DFLASH_BATCHED_TOKENS for dflash when unset; None: vLLM's own
+    extra_args: tuple
+    env: dict
+    api_key_env: str | None
+    secret_env: dict
+    trust_remote_code: bool
+    load_timeout_s: float
+
+
+@dataclass(frozen=True)
+class Speculative:
+    method: str
+    num_speculative_tokens: int
+    drafter: Drafter | None
+    extra: dict
+
+
+@dataclass(frozen=True)
+class Install:
+    timeout_s: float
+    installer: str
+    python: str | None
+    index_url: str | None
+    find_links: tuple
+    no_index: bool
+    heartbeat_s: float
+    hashes: tuple
+    allow_insecure: bool
+
+
+@dataclass(frozen=True)
+class Requires:
+    vllm: str | None
+    vllm_min_version: str | None
+    fixes: tuple
+    install: Install
+
+
+@dataclass(frozen=True)
+class Supervise:
+    restart_sec: float
+    start_limit_burst: int
+    start_limit_interval_s: float
+
+
+@dataclass(frozen=True)
+class SizingConf:
+    accept_tight: bool
+    gpu_total_mib: int | None
+    target_config: str | None
+
+
+@dataclass(frozen=True)
+class Fetch:
+    connections: int
+    range_mib: int
+    store: str | None
+    mount: str
+
+
+@dataclass(frozen=True)
+class Conf:
+    """The typed playbook: what plan_args.py and sizing.py read (the other sections are still read from
+    Playbook.data: docs/architecture.md, "The typed playbook")."""
+    model: Weights
+    runtime: Runtime
+    serve: Serve
+    speculative: Speculative
+    requires: Requires
+    supervise: Supervise
+    sizing: SizingConf
+    fetch: Fetch
+
+
+_MARKS = ("__nodes__", "__node__")  # schema.py's line/column bookkeeping, not keys
+
+
+def _view(cls, d: dict | None, **derived):
+    """One validated map as cls: its keys as fields (lists as tuples, maps copied), `derived` as given."""
+    if d is None:
+        return None
+    kw = {}
+    for f in fields(cls):
+        v = derived[f.name] if f.name in derived else d.get(f.name)
+        kw[f.name] = tuple(v) if isinstance(v, list) else {k: x for k, x in v.items() if k not in _MARKS} \
+            if isinstance(v, dict) and f.name not in derived else v
+    return cls(**kw)
+
+
+def _conf(data: dict) -> Conf:
+    sv, sp, rq = data["serve"], data["speculative"], data["requires"]
+    dflash = sp["method"] == "dflash"
+    return Conf(
+        model=_view(Weights, data["model"]), runtime=_view(Runtime, data["runtime"]),
+        serve=_view(Serve, sv, attention_backend=sv.get("attention_backend") or ("flash_attn" if dflash else None),
+                    max_num_batched_tokens=sv.get("max_num_batched_tokens") or
+                    (DFLASH_BATCHED_TOKENS if dflash else None)),
+        speculative=_view(Speculative, sp, drafter=_view(Drafter, sp.get("drafter"))),
+        requires=_view(Requires, rq, install=_view(Install, rq["install"])),
+        supervise=_view(Supervise, data["supervise"]), sizing=_view(SizingConf, data["sizing"]),
+        fetch=_view(Fetch, data["fetch"]))
+
+
 @dataclass
 class Playbook:
     path: str
@@ -81,6 +227,11 @@ class Playbook:
 
     # one single-target Playbook per target (itself for a `target:` playbook): what ops.up runs, per target
     members: list = field(default_factory=list, repr=False)
+
+    @cached_property
+    def conf(self) -> Conf:
+        """The typed playbook (above), built once: at the end of load, after the runtime is resolved."""
+        return _conf(self.data)
 
     @property
     def is_fleet(self) -> bool:
@@ -239,6 +390,7 @@ def _retarget(pb: Playbook, t: dict, inv: Inventory | None) -> Playbook:
         fb = pb.fallback.members[0] if pb.fallback.is_fleet else pb.fallback
         m.fallback = _retarget(fb, t, inv)
     m.members = [m]
+    m.conf  # noqa: B018 - built now (see load_playbook)
     return m
 
 
@@ -316,6 +468,7 @@ def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tupl
                              f"acceptance is low) needs tensor_parallel_size {tp}")
     _raise(problems, *([fallback_problems] if fallback_problems else []))
     _members(pb, inventory)
+    pb.conf  # noqa: B018 - built now, once the runtime is resolved: a broken view fails at load, not in a step
     return pb
 
 

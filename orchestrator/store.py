@@ -59,7 +59,7 @@ class HostRunner:
         ctx = self.ctx
         ctx.progress.detail(ctx.where, f"$ {HOST_PYTHON} - {action} {args.get('op')}   # on the host")
         return agent.call(ctx.session, None, HOST_PYTHON, action, args, timeout=timeout, on_event=on_event,
-                          secrets=secrets)
+                          secrets=secrets).as_dict()  # FetchResult/StoreResult, checked; read as its wire dict
 
 
 def fetch_shared(ctx, pb, its: list[dict], secrets: dict, *, allow_start: bool, rehash: bool, timeout_s: float,
@@ -140,7 +140,7 @@ def fetch_shared(ctx, pb, its: list[dict], secrets: dict, *, allow_start: bool, 
                                 for f in rec.get("files") or []]})
     link = agent.call(ctx.session, pb.vmid, pb.runtime["python"], "store",
                       {"op": "link", "store": store, "mount": its[0]["mount"], "id": mark["id"], "items": items,
-                       "state_dir": pb.runtime["state_dir"]}, timeout=120)
+                       "state_dir": pb.runtime["state_dir"]}, timeout=120).as_dict()
     if not link.get("ok"):
         kind = link.get("kind")
         fix = {"mount": mount_fix(pb, its[0]),

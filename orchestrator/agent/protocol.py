@@ -1,8 +1,9 @@
-"""The typed results of the agent's actions: one dataclass per action result, read as attributes.
+"""The typed results of the agent's actions: one dataclass per action result, read as attributes, registered under
+the action's name with @result (RESULT_TYPES).
 
-The wire contract (the protocol version, the fields each result must carry) is container/protocol.py, which travels
-with the agent: the agent checks each result against it before it leaves the container, and `parse` here checks the
-same table (a result missing a required field is a protocol error on either side, named with the action and the
+The wire contract (the protocol version, each action declared once with the fields its result must carry:
+DECLARED) is container/protocol.py, which travels with the agent: the agent checks each result against it before it
+leaves the container, and `parse` here checks the same table (a result missing a required field is a protocol error on either side, named with the action and the
 field). Fields a newer agent adds are kept in `.extra`, not dropped. The tool refuses a result from another protocol
 version (agent/call.py `interpret`).
 
@@ -15,10 +16,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from .container.protocol import PROTOCOL, ProtocolError  # noqa: F401 (re-exported)
-from .container.protocol import REQUIRED as WIRE
+from .container.protocol import DECLARED, REQUIRED
 
 
 _TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str, "list": list, "dict": dict}
+
+
+RESULT_TYPES: dict = {}  # action -> its result dataclass (every action in DECLARED has one: test_action_table.py)
+
+
+def result(*actions):
+    """Register the dataclass below as the result of these actions, each declared in container/protocol.py."""
+    def register(cls):
+        for action in actions:
+            if action not in DECLARED:
+                raise ProtocolError(f"{cls.__name__}: no agent action {action!r} is declared (container/protocol.py)")
+            RESULT_TYPES[action] = cls
+        return cls
+    return register
 
 
 @dataclass
@@ -26,14 +41,13 @@ class AgentResult:
     """Base: typed fields, read as attributes, plus `extra` for fields this side does not know (a newer agent's);
     as_dict() gives the wire form back (for --json and the outcome's details)."""
 
-    REQUIRED = ()
     extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def parse(cls, action, d):
         if not isinstance(d, dict):
             raise ProtocolError("agent action %r returned %s, not an object" % (action, type(d).__name__))
-        missing = [k for k in cls.REQUIRED if k not in d]
+        missing = [k for k in REQUIRED.get(action, ()) if k not in d]
         if missing:
             raise ProtocolError("agent action %r result lacks %s (protocol %d, %s)"
                                 % (action, ", ".join(missing), PROTOCOL, cls.__name__))
@@ -54,9 +68,9 @@ class AgentResult:
         return out
 
 
+@result("lock")
 @dataclass
 class LockResult(AgentResult):
-    REQUIRED = WIRE["lock"]
     locked: bool = False
     holder: dict = None
     error: str = None
@@ -64,6 +78,7 @@ class LockResult(AgentResult):
     expires: float = None
 
 
+@result("unlock")
 @dataclass
 class UnlockResult(AgentResult):
     unlocked: bool = False
@@ -71,10 +86,10 @@ class UnlockResult(AgentResult):
     error: str = None
 
 
+@result("status")
 @dataclass
 class CurrentResult(AgentResult):
     """`status`: what runs in the container now (read by `current`, and by deploy status)."""
-    REQUIRED = WIRE["status"]
     state: dict = None
     memory: dict = None
     health: int = None
@@ -97,6 +112,7 @@ class CurrentResult(AgentResult):
     weights: list = None  # deploy fetch's records of the model/drafter this server reads (issue 27)
 
 
+@result("write_file")
 @dataclass
 class WriteFileResult(AgentResult):
     ok: bool = False
@@ -118,9 +134,9 @@ class WriteFileResult(AgentResult):
     links: list = None
 
 
+@result("verify")
 @dataclass
 class VerifyResult(AgentResult):
-    REQUIRED = WIRE["verify"]
     checks: list = field(default_factory=list)
     sha256: str = None
     sha256_after: str = None
@@ -136,6 +152,7 @@ class VerifyResult(AgentResult):
     failed: list = None  # the tool's own: the failing checks (steps/drafter.py verify)
 
 
+@result("stop")
 @dataclass
 class StopResult(AgentResult):
     unit: dict = None  # systemd's stop + disable report
@@ -157,9 +174,9 @@ class StopResult(AgentResult):
     stopped: list = None  # the tool's own summary: terminated + killed
 
 
+@result("gpus_free")
 @dataclass
 class GpusFreeResult(AgentResult):
-    REQUIRED = WIRE["gpus_free"]
     verdict: str = None  # free | held_inside | held_outside | gpu_missing | nvidia_smi_*
     before: dict = None
     after: dict = None
@@ -173,16 +190,16 @@ class GpusFreeResult(AgentResult):
     timeout_s: float = None
 
 
+@result("port_check")
 @dataclass
 class PortResult(AgentResult):
-    REQUIRED = WIRE["port_check"]
     listeners: list = field(default_factory=list)
     port: int = None
 
 
+@result("launch")
 @dataclass
 class LaunchResult(AgentResult):
-    REQUIRED = WIRE["launch"]
     ok: bool = False
     pid: int = None
     pgid: int = None
@@ -199,10 +216,10 @@ class LaunchResult(AgentResult):
     systemd: bool = None
 
 
+@result("wait_ready")
 @dataclass
 class ReadyResult(AgentResult):
     """`wait_ready`: serving, or why not (reason: fatal, exited, timeout, model_missing, auth, ...)."""
-    REQUIRED = WIRE["wait_ready"]
     ready: bool = False
     seconds: float = 0.0
     reason: str = None
@@ -222,6 +239,7 @@ class ReadyResult(AgentResult):
     last_exit: dict = None
 
 
+@result("file_sha")
 @dataclass
 class FileShaResult(AgentResult):
     sha256: str = None
@@ -232,10 +250,10 @@ class FileShaResult(AgentResult):
     errno: int = None
 
 
+@result("acceptance")
 @dataclass
 class AcceptanceResult(AgentResult):
     """`acceptance`: /metrics before and after the probe requests (and the log tail for the fallback line)."""
-    REQUIRED = WIRE["acceptance"]
     ok: bool = False
     before: str = None
     after: str = None
@@ -247,11 +265,13 @@ class AcceptanceResult(AgentResult):
     rounds: int = None  # the rounds the probe ran (more than planned while the drafts were too few)
 
 
+@result("note_failure")
 @dataclass
 class NoteFailureResult(AgentResult):
     ok: bool = False
 
 
+@result("logs")
 @dataclass
 class LogsResult(AgentResult):
     """`logs`: the last lines (or, following, events and then this)."""
@@ -262,10 +282,10 @@ class LogsResult(AgentResult):
     followed_s: float = None
 
 
+@result("doctor")
 @dataclass
 class DoctorResult(AgentResult):
     """`doctor`: read-only facts for diagnose() (doctor.py)."""
-    REQUIRED = WIRE["doctor"]
     processes: list = field(default_factory=list)
     servers: list = field(default_factory=list)
     holders: list = None
@@ -276,12 +296,12 @@ class DoctorResult(AgentResult):
     pid_ns: str = None
 
 
+@result("drafter_scan")
 @dataclass
 class DrafterScanResult(AgentResult):
     """`drafter_scan`: the config.json files in the hub cache and models directories (container/scan.py), each
     {path, kind, hub_id, revision, dir, realpath, size, sha256, drafter (why it looks like one), error,
     parse_error}; truncated says why the scan stopped early."""
-    REQUIRED = WIRE["drafter_scan"]
     configs: list = field(default_factory=list)
     roots: dict = None
     truncated: str = None
@@ -289,9 +309,9 @@ class DrafterScanResult(AgentResult):
     seconds: float = None
 
 
+@result("hub_drafter")
 @dataclass
 class HubDrafterResult(AgentResult):
-    REQUIRED = WIRE["hub_drafter"]
     ok: bool = False
     path: str = None
     dir: str = None
@@ -309,27 +329,34 @@ class HubDrafterResult(AgentResult):
 
 
 @dataclass
-class InstallResult(AgentResult):
-    """`install_vllm` (probe, start, attach, rollback)."""
-    REQUIRED = WIRE["install_vllm"]
+class _Detached(AgentResult):
+    """What a detached job's actions (`fetch`, `install_vllm`) have in common: ok or why not, and, from start and
+    attach, the runner's id, pid, where its log was read to and its last lines."""
     ok: bool = False
     message: str = None
     fix: str = None
-    runtime: dict = None
-    install: dict = None
-    serving: dict = None
-    pointer: dict = None
     started: bool = None
     done: bool = None
     id: str = None
     pid: int = None
+    log: str = None
     log_pos: int = None
     log_tail: list = None
 
 
+@result("install_vllm")
+@dataclass
+class InstallResult(_Detached):
+    """`install_vllm` (probe, start, attach, rollback)."""
+    runtime: dict = None
+    install: dict = None
+    serving: dict = None
+    pointer: dict = None
+
+
+@result("gate_record")
 @dataclass
 class GateRecordResult(AgentResult):
-    REQUIRED = WIRE["gate_record"]
     ok: bool = False
     launch_known: bool = False
     rejected: bool = False
@@ -337,6 +364,7 @@ class GateRecordResult(AgentResult):
     message: str = None
 
 
+@result("router")
 @dataclass
 class RouterResult(AgentResult):
     """`router` (op: install, start, wait, view, gate, remove, add, drain_wait, stop; issue 29): the fields every op
@@ -353,19 +381,77 @@ class RouterResult(AgentResult):
     circuits: dict = None
 
 
+@result("plumbing")
 @dataclass
 class PlumbingResult(AgentResult):
     """`plumbing`: the container's facts for the gpu-plumbing check (orchestrator/plumbing.py sane_container
     validates them further)."""
-    REQUIRED = WIRE["plumbing"]
     plumbing: dict = None
 
 
-RESULT_TYPES = {
-    "lock": LockResult, "unlock": UnlockResult, "status": CurrentResult, "write_file": WriteFileResult,
-    "verify": VerifyResult, "stop": StopResult, "gpus_free": GpusFreeResult, "port_check": PortResult,
-    "launch": LaunchResult, "wait_ready": ReadyResult, "file_sha": FileShaResult, "acceptance": AcceptanceResult,
-    "note_failure": NoteFailureResult, "logs": LogsResult, "doctor": DoctorResult, "drafter_scan": DrafterScanResult, "hub_drafter": HubDrafterResult,
-    "install_vllm": InstallResult,
-    "gate_record": GateRecordResult, "router": RouterResult, "plumbing": PlumbingResult,
-}
+@result("gpu_read")
+@dataclass
+class GpuReadResult(AgentResult):
+    """`gpu_read`: the holders of GPU devices (pid, comm, cmdline, devices, ours), GPU memory, where it ran."""
+    holders: list = field(default_factory=list)
+    memory: dict = None
+    in_container: bool = None
+
+
+@result("fetch")
+@dataclass
+class FetchResult(_Detached):
+    """`fetch` (op probe, start, attach, records): the items in place, the runner's record (`fetch`), the records
+    of fetched items. Its callers (fetch.py, store.py, cli/weights.py) read it as its wire dict (as_dict())."""
+    items: list = None
+    fetch: dict = None
+    records: dict = None
+
+
+@result("fetch_run", "install_run")
+@dataclass
+class RunnerResult(AgentResult):
+    """`fetch_run`, `install_run`: the detached runner's own exit (its record in the state directory says more);
+    the runner is started by the agent in the container, the tool never calls it."""
+    ok: bool = False
+    message: str = None
+
+
+@result("stack_check")
+@dataclass
+class StackCheckResult(AgentResult):
+    """`stack_check`: the serving stack of the interpreter it runs in (the install runner calls it in a staging
+    venv, in the container)."""
+    ok: bool = False
+    checks: list = field(default_factory=list)
+    stack: dict = None
+    python: str = None
+
+
+@result("speed", "sweep")
+@dataclass
+class ProbeResult(AgentResult):
+    """`speed` (timed requests) and `sweep` (per concurrency level: timed streamed requests, /metrics before and
+    after each level): ok or why not."""
+    ok: bool = False
+    message: str = None
+    before: str = None
+    after: str = None
+    requests: list = None
+    errors: list = None
+    levels: list = None
+
+
+@result("store")
+@dataclass
+class StoreResult(AgentResult):
+    """`store` (op mark: the host store's marker id and free bytes; op link: the container's links into it, or the
+    kind of problem). store.py reads it as its wire dict (as_dict())."""
+    ok: bool = False
+    message: str = None
+    fix: str = None
+    id: str = None
+    free: int = None
+    kind: str = None
+    role: str = None
+    items: list = None

@@ -23,7 +23,7 @@ from .base import (CONTEXT, _confirm, _fleet_exit, _outcome_exit, _outcomes_exit
 # ------------------------------------------------------------------ plan
 
 
-PLANNED = ("up", "restart", "down", "fetch", "install-vllm", "apply-config")
+PLANNED = ("up", "restart", "down", "fetch", "install-vllm", "apply-config", "verify")
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -36,7 +36,7 @@ PLANNED = ("up", "restart", "down", "fetch", "install-vllm", "apply-config")
 @click.pass_obj
 def plan(obj, playbook, op, restart, clean_gpus):
     """Print the ordered steps of `deploy up PLAYBOOK` (or of --op fetch, install-vllm, down, restart,
-    apply-config) and the exact remote commands, without running any.
+    apply-config, verify) and the exact remote commands, without running any.
 
     \b
     Examples:
@@ -64,7 +64,8 @@ def plan(obj, playbook, op, restart, clean_gpus):
         plans = {"up": lambda m: P.plan_up(m, clean_gpus=clean_gpus, ask=ask(m)),
                  "restart": lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=True, ask=ask(m)),
                  "down": lambda m: P.plan_down(m, clean_gpus=clean_gpus, ask=ask(m)),
-                 "fetch": P.plan_fetch, "install-vllm": P.plan_install, "apply-config": P.plan_apply_config}
+                 "fetch": P.plan_fetch, "install-vllm": P.plan_install, "apply-config": P.plan_apply_config,
+                 "verify": P.plan_verify}
         render_plans(obj.json, inv, pb, plans[kind])
     run_guarded(go, obj)
 

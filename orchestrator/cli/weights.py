@@ -151,7 +151,7 @@ def _write_fetch_manifests(fleet, pb, out_path):
                      {"op": "records", "state_dir": pb.runtime["state_dir"], "dests": [dest_of(it) for it in its]},
                      timeout=30)
     for it in its:
-        rec = (res.get("records") or {}).get(dest_of(it))
+        rec = (res.records or {}).get(dest_of(it))
         if not rec:
             continue
         path = out_path if len(its) == 1 else f"{os.path.splitext(out_path)[0]}.{it['role']}.json"

@@ -62,18 +62,17 @@ def launch(ctx: Context, step: Step) -> LaunchResult:
     if r.supervisor == "systemd":
         ctx.record(step.name, True, f"vllm serve started as systemd unit {r.unit} (enabled: restarts on failure, "
                                     f"starts at boot): pid {r.pid}, log: journalctl -u {shell_word(r.unit)}", t0, result=r)
-        onboot_check(ctx)
     else:
         ctx.record(step.name, True, f"vllm serve started: pid {r.pid}, log {r.log_path}; not supervised: "
                                     "a crash leaves it down (the container does not run systemd)", t0, result=r)
     return r
 
 
-def onboot_check(ctx: Context) -> None:
+def onboot_check(ctx: Context, step: Step) -> None:
     """The unit starts when the container boots; the container starts with the host only with `onboot: 1`."""
     t0 = time.monotonic()
     try:
-        res = ctx.session.run(["pct", "config", str(ctx.pb.vmid)], timeout=20)
+        res = ctx.session.run(step.host_argv, timeout=step.timeout)
     except Exception as e:  # noqa: BLE001 - a warning only; the deployment itself is not at stake
         ctx.record("onboot", None, f"could not read pct config {ctx.pb.vmid}: {e}", t0)
         return

@@ -52,11 +52,9 @@ class InstallRunner(Runner):
         return {"ok": True, "done": False, "log_pos": self.calls}
 
 
-def test_install_follow_stops_after_the_same_total_cap_and_ignores_odd_fields(monkeypatch):
+def test_install_follow_stops_after_the_same_total_cap_and_ignores_odd_fields():
     """The install-vllm follow (issue 36 item 2, install part): the same total caps, then a clear error."""
     from orchestrator import install
-
-    monkeypatch.setattr(install, "agent_args", lambda pb, op, **kw: dict(kw, op=op))
 
     r = InstallRunner()
     ctx = SimpleNamespace(progress=Progress(), where="pve1/1")
@@ -64,7 +62,7 @@ def test_install_follow_stops_after_the_same_total_cap_and_ignores_odd_fields(mo
     pb = SimpleNamespace(name="p", runtime={"state_dir": "/x", "python": "/p", "vllm": "/v"},
                          data={"requires": {"install": {"timeout_s": 6 * 3600, "heartbeat_s": 2}}})
     with pytest.raises(install.InstallFailed) as e:
-        install._follow(ctx, r, pb, {"id": "a", "pid": 1})
+        install._follow(ctx, r, pb, {"id": "a", "pid": 1}, {"op": "attach"})  # the planned attach request
     assert "more install output than deploy follows" in e.value.message
     assert ctx.progress.out <= report.FOLLOW_MAX_BYTES + 10 * report.FOLLOW_LINE_MAX
     assert r.calls < 100

@@ -116,7 +116,7 @@ def test_doctor_counts_the_launch_wrapper_and_vllm_as_one_server_and_names_the_s
     from orchestrator.doctor import diagnose, one_server_per_launch
 
     serve = ["/root/ml-env/bin/vllm", "serve", "/root/models/Qwen3.6-27B", "--port", "8000"]
-    procs = [{"pid": 20, "ppid": 1, "argv": ["/bin/sh", "-c", '"$@" 3>&-; echo $? >&3', "vllm-pve-deploy"] + serve},
+    procs = [{"pid": 20, "ppid": 1, "argv": ["/bin/sh", "-c", '"$@" </dev/null; echo $? >&0', "vllm-pve-deploy"] + serve},
              {"pid": 21, "ppid": 20, "argv": serve}]
     srv = lambda pid: {"pid": pid, "args": {"model": "/root/models/Qwen3.6-27B", "port": 8000}}  # noqa: E731
     facts = one_server_per_launch({"processes": procs, "servers": [srv(20), srv(21)]})

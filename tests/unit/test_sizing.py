@@ -5,6 +5,7 @@ in the test bed's data), the DFlash drafter, a dense Llama-style config written 
 import copy
 import json
 import os
+import re
 import struct
 
 import pytest
@@ -386,3 +387,29 @@ def test_logged_tokens_equal_the_tokens_that_fit_without_linear_layers():
     h = S.size(playbook_inputs())
     assert h.kv_tokens_logged < h.kv_tokens and any("vLLM will log" in n for n in h.notes)
     assert any("as vLLM logs it" in ln for ln in S.table(h))
+
+
+def test_sizing_and_the_argv_use_the_same_batched_tokens(tmp_path):
+    """Issue 51: with serve.max_num_batched_tokens unset on a DFlash playbook, vLLM gets --max-num-batched-tokens
+    32768 (serve_argv) and the sizing model sizes with the same 32768 (it sized with vLLM's 8192 before); deploy
+    --json size shows the value. An MTP playbook passes none: the model sizes with vLLM's default and says it."""
+    from orchestrator.plan_args import serve_argv
+    from orchestrator.spec import DFLASH_BATCHED_TOKENS, load_playbook
+
+    pb, inv = _playbook(tmp_path, "  target_config: llama.config.json\n  gpu_total_mib: 81559\n")
+    dflash_path = os.path.join(os.path.dirname(pb), "qwen36-dflash.yaml")
+    with open(dflash_path) as fh:
+        text = fh.read()
+    text = re.sub(r"\n *max_num_batched_tokens: .*", "", text)  # unset: the DFlash default applies
+    with open(dflash_path, "w") as fh:
+        fh.write(text + "\nsizing:\n  target_config: llama.config.json\n  gpu_total_mib: 81559\n")
+    for path, want, passed in ((dflash_path, DFLASH_BATCHED_TOKENS, True), (pb, S.DEFAULT_BATCHED_TOKENS, False)):
+        loaded = load_playbook(path, None)
+        argv = serve_argv(loaded)
+        assert ("--max-num-batched-tokens" in argv) is passed
+        if passed:
+            assert argv[argv.index("--max-num-batched-tokens") + 1] == str(want)
+        assert S.from_playbook(loaded).max_num_batched_tokens == (want if passed else None)
+        assert S.size(S.from_playbook(loaded)).max_num_batched_tokens == want
+        r = _run(["--json", "size", path], inv)
+        assert json.loads(r.output)["sizing"]["max_num_batched_tokens"] == want, r.output

@@ -46,7 +46,7 @@ def test_plan_up_order_and_commands(pbs):
     names = [s.name for s in plan]
     assert names == ["container", "lock", "current", "drafter-config", "verify", "gpu-plumbing", "stop", "gpus-free",
                      "port-free",
-                     "launch", "wait-ready", "aux-layers", "drift", "acceptance", "gate-record",  # main
+                     "launch", "onboot", "wait-ready", "aux-layers", "drift", "acceptance", "gate-record",  # main
                      "acceptance", "gate-record",  # the same deployment runs, never gated: gate it now
                      "stop-low", "fallback",  # on low acceptance (the playbook falls back to qwen36-mtp)
                      "stop-failed", "drift-check", "read-back", "note-failure",  # on failure
@@ -55,15 +55,16 @@ def test_plan_up_order_and_commands(pbs):
         ["finally"]
     fb = next(s for s in plan if s.name == "fallback")
     assert [s.name for s in fb.sub] == ["current", "verify", "gpu-plumbing", "stop", "gpus-free", "port-free", "launch",
-                                        "wait-ready", "acceptance", "gate-record", "acceptance", "gate-record",
+                                        "onboot", "wait-ready", "acceptance", "gate-record", "acceptance", "gate-record",
                                         "stop-failed", "note-failure"]
     assert all(s.playbook == "qwen36-mtp" for s in fb.sub)
     assert [s.name for s in P.plan_up(mtp) if s.phase == "main"] == \
-        [n for n in names[:15] if n not in ("drafter-config", "drift", "aux-layers")]
+        [n for n in names[:16] if n not in ("drafter-config", "drift", "aux-layers")]
     assert P.plan_up(dflash) == P.plan_up(dflash)  # pure: same input, same plan
     rows = [s.as_dict(inv, "/root/ml-env/bin/python") for s in plan]
     assert rows[0]["command"] == "pct status 129" and rows[0]["ssh"] == "ssh -p 22 root@127.77.0.1"
-    remote = [r for r in rows[1:] if r["command"]]
+    assert next(r for r in rows if r["step"] == "onboot")["command"] == "pct config 129"  # a host command
+    remote = [r for r in rows[1:] if r["command"] and r["step"] != "onboot"]
     assert all(r["command"].startswith("pct exec 129 --keep-env 0 -- /root/ml-env/bin/python - ") for r in remote)
     assert all(r["request"] == r["command"].split(" - ", 1)[1] for r in remote)  # the session request = the same
     assert [r["step"] for r in rows if not r["command"]] == ["aux-layers", "fallback"]  # local checks

@@ -13,12 +13,7 @@ from .systemd import UNIT_DIR, env_file_line, systemctl, systemd_running, unit_s
 from . import core
 
 
-def _fd_open(fd):
-    try:
-        os.fstat(fd)
-        return True
-    except OSError:
-        return False
+LAUNCH_WRAPPER = '"$@" </dev/null; echo $? >&0'
 
 
 def act_launch(a):
@@ -74,25 +69,19 @@ def act_launch(a):
     except OSError as e:
         os.close(dfd)
         return {"ok": False, "message": "cannot prepare %s: %s" % (state_dir, e.strerror)}
-    devnull = open(os.devnull, "rb")
-    # A one-line sh wrapper leads the new session and records the server's exit status on an inherited fd (closed
-    # for the server itself): an exit, even with code 0, is a failure the tool must be able to report after this
-    # agent is gone. An empty exit_code file means "not exited yet". (sh names fds 0-9 only: use a low one.)
-    n = exitfd
-    if exitfd > 9:
-        n = next(f for f in range(3, 10) if not _fd_open(f))
-        os.dup2(exitfd, n)
-        os.close(exitfd)
-    wrapped = ["/bin/sh", "-c", '"$@" %d>&-; echo $? >&%d' % (n, n), "vllm-pve-deploy"] + list(a["argv"])
+    # A one-line sh wrapper leads the new session and records the server's exit status on its stdin, the exit file
+    # opened for writing (the server itself reads /dev/null): an exit, even with code 0, is a failure the tool must
+    # be able to report after this agent is gone. An empty exit_code file means "not exited yet". The script is a
+    # constant: nothing is formatted into shell text (tests/unit/test_no_shell_text.py).
+    wrapped = ["/bin/sh", "-c", LAUNCH_WRAPPER, "vllm-pve-deploy"] + list(a["argv"])
     try:
-        proc = subprocess.Popen(wrapped, stdin=devnull, stdout=logfd, stderr=subprocess.STDOUT, env=env,
-                                cwd="/", start_new_session=True, close_fds=True, pass_fds=(n,))
+        proc = subprocess.Popen(wrapped, stdin=exitfd, stdout=logfd, stderr=subprocess.STDOUT, env=env,
+                                cwd="/", start_new_session=True, close_fds=True)
     except OSError as e:
         return {"ok": False, "message": "cannot start %s: %s" % (a["argv"][0], e.strerror)}
     finally:
-        for fd in (logfd, n, dfd):
+        for fd in (logfd, exitfd, dfd):
             os.close(fd)
-        devnull.close()
     st = dict(a.get("record") or {})
     st.update(pid=proc.pid, pgid=proc.pid, argv=a["argv"], env_keys=sorted(env), log_path=log_path,
               started_at=now(), starttime=proc_starttime(proc.pid), launch_id=launch_id, supervisor="none",

@@ -13,20 +13,10 @@ import sys
 
 from . import core
 from .core import emit
+from .protocol import DECLARED, PROTOCOL, check
 
-# action -> "module:function" (imported on first use)
-ACTIONS = {
-    "gpu_read": "gpus:act_gpu_read", "gpus_free": "gpus:act_gpus_free", "stop": "stop:act_stop",
-    "port_check": "net:act_port_check", "file_sha": "drafter:act_file_sha", "write_file": "drafter:act_write_file",
-    "launch": "launch:act_launch", "wait_ready": "ready:act_wait_ready", "acceptance": "probe:act_acceptance",
-    "speed": "probe:act_speed", "logs": "logs:act_logs", "lock": "lock:act_lock", "unlock": "lock:act_unlock",
-    "status": "status:act_status", "note_failure": "state:act_note_failure", "verify": "verify:act_verify",
-    "doctor": "doctor:act_doctor", "hub_drafter": "hub:act_hub_drafter", "stack_check": "stack:act_stack_check",
-    "install_vllm": "install:act_install_vllm", "install_run": "runner:act_install_run",
-    "gate_record": "gate:act_gate_record", "sweep": "probe:act_sweep", "fetch": "fetch:act_fetch",
-    "fetch_run": "fetch_runner:act_fetch_run", "router": "router:act_router",
-    "drafter_scan": "scan:act_drafter_scan", "plumbing": "plumbing:act_plumbing", "store": "store:act_store",
-}
+# action -> "module:function" (imported on first use), from the one declaration of each action (protocol.py)
+ACTIONS = {name: target for name, (target, _) in DECLARED.items()}
 
 
 def handler(action):
@@ -41,8 +31,6 @@ def handler(action):
 
 def run_action(action, args, rid=None):
     """Run one action and emit its one result line; 0 on success, 1 when it raised, 2 for an unknown action."""
-    from .protocol import PROTOCOL, check
-
     extra = {} if rid is None else {"id": rid}
     fn = handler(action)
     if fn is None:
@@ -68,8 +56,6 @@ def session():
     request {"id", "action", "args", "input", "secrets", "payload"} (base64); its events and its one result line
     (carrying the id) go to stdout, as for a single action. Ends at end of input. Secrets and payloads arrive on
     stdin, never in argv."""
-    from .protocol import PROTOCOL
-
     emit(ready=True, protocol=PROTOCOL, pid=os.getpid())
     for raw in sys.stdin.buffer:
         if not raw.strip():

@@ -14,7 +14,10 @@ LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu/nvidia/curre
             "/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/aarch64-linux-gnu")
 LIB_RE = re.compile(r"^(libnvidia-ml|libcuda)\.so\.(\d{2,4}\.\d{1,4}(?:\.\d{1,4})?)$")
 MODULE_RE = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)")
-SIM_NODE = re.compile(rb"vpd-testbed-node c (\d+):(\d+)")  # the test bed's simulated nodes (regular files)
+# The test bed's simulated device nodes are regular files whose first bytes say "vpd-testbed-node c MAJ:MIN": read as
+# that character device here and by orchestrator/plumbing.py (the host side), from this one pattern. Why the test
+# bed cannot give real character devices instead: docs/testbed.md, "Why the GPU nodes are files".
+SIM_NODE = re.compile(rb"vpd-testbed-node c (\d+):(\d+)")
 MAX_ENTRIES = 4000
 
 

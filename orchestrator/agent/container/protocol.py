@@ -1,7 +1,8 @@
-"""The wire contract between the tool and the agent: the protocol version, and for each action with a typed result
-the fields its result must carry. The agent checks each result here before it leaves the container; the tool
-parses the same JSON into its dataclass (orchestrator/agent/protocol.py, whose REQUIRED come from this table) and
-refuses another protocol version. Kept small: the agent imports it for every action."""
+"""The wire contract between the tool and the agent: the protocol version, and each action declared once (DECLARED:
+the function that runs it and the fields its result must carry). The agent checks each result here before it
+leaves the container; the tool parses the same JSON into the dataclass registered under the action's name
+(orchestrator/agent/protocol.py, whose REQUIRED come from this table) and refuses another protocol version. Kept
+small: the agent imports it for every action."""
 
 PROTOCOL = 2
 
@@ -26,30 +27,43 @@ class ProtocolError(Exception):
     pass
 
 
-# action -> the fields its result must have (a result may carry more: the tool keeps them in `.extra`)
-REQUIRED = {
-    "lock": ("locked",),
-    "unlock": (),
-    "status": ("state",),
-    "write_file": (),
-    "verify": ("checks",),
-    "stop": (),
-    "gpus_free": ("verdict",),
-    "port_check": ("listeners",),
-    "launch": ("ok",),
-    "wait_ready": ("ready",),
-    "file_sha": (),
-    "acceptance": ("ok",),
-    "hub_drafter": ("ok",),
-    "note_failure": (),
-    "logs": (),
-    "doctor": ("processes", "servers"),
-    "drafter_scan": ("configs",),
-    "install_vllm": ("ok",),
-    "gate_record": ("ok",),
-    "router": (),
-    "plumbing": ("plumbing",),
+# Each agent action, declared once: its name -> (the "module:function" that runs it, imported on first use; the
+# fields its result must carry: a result may carry more, the tool keeps them in `.extra`). main.py's ACTIONS and
+# REQUIRED below come from it; the tool's result dataclass is registered under the same name
+# (orchestrator/agent/protocol.py, @result) and a planned step that sends it is in ops.STEPS.
+# tests/unit/test_action_table.py fails when an action lacks any of these parts.
+DECLARED = {
+    "lock": ("lock:act_lock", ("locked",)),
+    "unlock": ("lock:act_unlock", ()),
+    "status": ("status:act_status", ("state",)),
+    "write_file": ("drafter:act_write_file", ()),
+    "file_sha": ("drafter:act_file_sha", ()),
+    "hub_drafter": ("hub:act_hub_drafter", ("ok",)),
+    "verify": ("verify:act_verify", ("checks",)),
+    "stop": ("stop:act_stop", ()),
+    "gpu_read": ("gpus:act_gpu_read", ("holders",)),
+    "gpus_free": ("gpus:act_gpus_free", ("verdict",)),
+    "port_check": ("net:act_port_check", ("listeners",)),
+    "launch": ("launch:act_launch", ("ok",)),
+    "wait_ready": ("ready:act_wait_ready", ("ready",)),
+    "acceptance": ("probe:act_acceptance", ("ok",)),
+    "speed": ("probe:act_speed", ("ok",)),
+    "sweep": ("probe:act_sweep", ("ok",)),
+    "note_failure": ("state:act_note_failure", ()),
+    "logs": ("logs:act_logs", ()),
+    "doctor": ("doctor:act_doctor", ("processes", "servers")),
+    "drafter_scan": ("scan:act_drafter_scan", ("configs",)),
+    "stack_check": ("stack:act_stack_check", ("ok",)),
+    "install_vllm": ("install:act_install_vllm", ("ok",)),
+    "install_run": ("runner:act_install_run", ("ok",)),
+    "gate_record": ("gate:act_gate_record", ("ok",)),
+    "fetch": ("fetch:act_fetch", ("ok",)),
+    "fetch_run": ("fetch_runner:act_fetch_run", ("ok",)),
+    "store": ("store:act_store", ("ok",)),
+    "router": ("router:act_router", ()),
+    "plumbing": ("plumbing:act_plumbing", ("plumbing",)),
 }
+REQUIRED = {name: required for name, (_, required) in DECLARED.items()}
 
 
 def check(action, d):
