@@ -476,7 +476,7 @@ def pinned_configs(inv) -> tuple[list[dict], dict]:
         model = pb.data.get("model") or {}
         info = {"playbook": pb.name, "fallback": acc.get("fallback"), "target": pb.where,
                 "model_path": model.get("path"), "hf_home": (pb.drafter or {}).get("hf_home"),
-                "store": (pb.data.get("fetch") or {}).get("store"),
+                "store": pb.conf.fetch.store,
                 "min_acceptance": acc.get("min_draft_acceptance"),
                 "acceptance": {k: acc.get(k) for k in ("min_mean_acceptance_length", "min_first_position",
                                                        "cliff_check", "min_drafts", "min_draft_acceptance")}}
