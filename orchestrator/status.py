@@ -403,10 +403,24 @@ def plumbing_row(row: dict, facts, st, host: str, vmid: int) -> None:
         if a == "--tensor-parallel-size" and i + 1 < len(argv) and str(argv[i + 1]).isdigit():
             tp = min(int(argv[i + 1]), 64)
     found = PL.findings(None, facts, host_name=host, vmid=vmid, gpus=gpus, tp=tp)
-    row["gpu_plumbing"] = {"summary": PL.summary(found), "findings": found}
+    row["gpu_plumbing"] = {"summary": PL.summary(found), "findings": found, "record": record_of(facts)}
+    if (row["gpu_plumbing"]["record"] or {}).get("error"):  # status still works, reading them fresh each time
+        row["notes"].append(f"GPU plumbing facts are read fresh on every status: {row['gpu_plumbing']['record']['error']}")
     if found:
         row["problems"].append("GPU plumbing: " + PL.summary(found))
         row["healthy"] = False
+
+
+def record_of(facts: dict) -> dict | None:
+    """Where the container's plumbing facts came from (agent/container/plumbing.py facts_recorded): {reused: the
+    record kept since the container's boot / the driver's load was still current, at: when they were read, error:
+    why no record could be kept}; the container's word, bounded."""
+    rec = facts.get("record")
+    if not isinstance(rec, dict):
+        return None
+    at = rec.get("at")
+    return {"reused": rec.get("reused") is True, "at": at if isinstance(at, (int, float)) else None,
+            "error": PL.clean(rec["error"], 300) if rec.get("error") else None}
 
 
 def _at(t) -> str:

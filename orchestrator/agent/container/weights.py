@@ -7,7 +7,7 @@ import json
 import os
 import re
 
-from .core import _some, sha256_file
+from .core import LazyRe, _some, sha256_file
 from .files import _read_json
 
 
@@ -32,7 +32,7 @@ MANIFEST_NAME = "deploy-manifest.json"
 MANIFEST_FORMAT = "vllm-pve-deploy-manifest/1"
 
 
-COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+COMMIT_RE = LazyRe(r"^[0-9a-f]{40}$")
 
 
 CHUNK = 1 << 20
