@@ -40,6 +40,8 @@ ANSI = LazyRe(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1
 
 
 def clean(text):
+    if text.replace("\n", "").replace("\t", "").isprintable():
+        return text  # no control character (ANSI keeps tab and newline), so nothing to strip: nothing compiled
     return ANSI.sub("", text)
 
 
