@@ -334,7 +334,8 @@ def bench_agent_cpu(tb, res: Results, env, env_old, host, python, state_dir, run
 ROW_ARGV = ("import json, sys\nfrom orchestrator.agent import archive\nfrom orchestrator.agent.call import agent_argv, "
             "agent_stdin\nfrom orchestrator.status import FATAL_BULK\nsd, py = sys.argv[1], sys.argv[2]\n"
             "args = {'state_dir': sd, 'nvidia_smi_timeout_s': 5, 'plumbing': True}\n"
-            "prog = agent_stdin(None, None, FATAL_BULK, cache_dir=archive.cache_dir(sd), inline=False, early_smi=True)\n"
+            "prog = agent_stdin(None, None, FATAL_BULK, cache_dir=archive.cache_dir(sd), inline=False,\n"
+            "                   early_smi=True)\n"
             "print(json.dumps(agent_argv(py, 'status', args, one_shot=True, program=prog.decode())))\n")
 
 

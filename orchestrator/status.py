@@ -439,9 +439,10 @@ def plumbing_row(row: dict, facts, st, host: str, vmid: int) -> None:
         if a == "--tensor-parallel-size" and i + 1 < len(argv) and str(argv[i + 1]).isdigit():
             tp = min(int(argv[i + 1]), 64)
     found = PL.findings(None, facts, host_name=host, vmid=vmid, gpus=gpus, tp=tp)
-    row["gpu_plumbing"] = {"summary": PL.summary(found), "findings": found, "record": record_of(facts)}
-    if (row["gpu_plumbing"]["record"] or {}).get("error"):  # status still works, reading them fresh each time
-        row["notes"].append(f"GPU plumbing facts are read fresh on every status: {row['gpu_plumbing']['record']['error']}")
+    rec = record_of(facts)
+    row["gpu_plumbing"] = {"summary": PL.summary(found), "findings": found, "record": rec}
+    if rec and rec["error"]:  # status still works, reading them fresh each time
+        row["notes"].append(f"GPU plumbing facts are read fresh on every status: {rec['error']}")
     if found:
         row["problems"].append("GPU plumbing: " + PL.summary(found))
         row["healthy"] = False

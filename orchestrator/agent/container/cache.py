@@ -154,8 +154,9 @@ def prune(dfd, keep_name):
 
 def compile_archive(sha, cache_dir, path):
     """This Python's compiled copy of the archive: every module as unchecked hash-based bytecode (PEP 552, without
-    docstrings) beside its source, kept as CACHE/SHA.TAG.SHA256-OF-IT.zip, so later execs of the same Python skip compiling (the
-    agent's largest cost per exec). Best effort: the agent runs from the source archive when this fails."""
+    docstrings) beside its source, kept as CACHE/SHA.TAG.SHA256-OF-IT.zip, so later execs of the same Python skip
+    compiling (the agent's largest cost per exec). Best effort: the agent runs from the source archive when this
+    fails."""
     import hashlib
     import importlib.util
     import io
