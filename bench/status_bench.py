@@ -12,7 +12,12 @@ repeated runs of:
   4. SSH connections and remote execs per host per `deploy status` (audit log and sshd logs);
   5. a `--watch` refresh over kept-open connections (gather() with one Fleet, in-process), 2nd and later
      refreshes vs the first (which connects);
-  6. `deploy --version` / `deploy --help` start-up next to `python -c pass`.
+  6. `deploy --version` / `deploy --help` start-up next to `python -c pass`;
+  7. the remote CPU of one status row on its host (pct exec + the status exec deploy sends) against the raw
+     probe's (pct exec + nvidia-smi), and the agent's own CPU in the container.
+
+With --containers 2 (and e.g. --hosts 24) only the whole-fleet `deploy --json status` with the default deadline
+(idle containers) against every container's raw probe at once, and the per-row CPU (issue 54).
 
 and PASS/MISS against the targets of issue 8. The test bed is always torn down (finally + atexit).
 Every subprocess has a timeout, and the whole run has a budget (--budget-s).
@@ -29,6 +34,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -325,6 +331,73 @@ def bench_agent_cpu(tb, res: Results, env, env_old, host, python, state_dir, run
                 res.add(f"agent_cpu:{name}", float(m.group(1)))
 
 
+ROW_ARGV = ("import json, sys\nfrom orchestrator.agent import archive\nfrom orchestrator.agent.call import agent_argv, "
+            "agent_stdin\nfrom orchestrator.status import FATAL_BULK\nsd, py = sys.argv[1], sys.argv[2]\n"
+            "args = {'state_dir': sd, 'nvidia_smi_timeout_s': 5, 'plumbing': True}\n"
+            "prog = agent_stdin(None, None, FATAL_BULK, cache_dir=archive.cache_dir(sd), inline=False,\n"
+            "                   early_smi=True)\n"
+            "print(json.dumps(agent_argv(py, 'status', args, one_shot=True, program=prog.decode())))\n")
+
+
+def row_argv_of(env, state_dir, python) -> list[str]:
+    """The argv `deploy status` runs in the container for one row (the agent program on the command line, its
+    archive cached there), built by the deploy in env (current, or --baseline)."""
+    out = subprocess.run([sys.executable, "-c", ROW_ARGV, state_dir, python], env=env, capture_output=True,
+                         check=True, timeout=60, cwd="/").stdout
+    return json.loads(out)
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def bench_row_cpu(tb, res: Results, env, env_old, host, python, state_dir, runs, budget):
+    """The remote CPU of one status row on its host, no SSH (Testbed.host_exec): `pct exec 129 -- <the status
+    exec deploy sends>` (pct, the agent, its nvidia-smi) vs the raw probe `pct exec 129 -- nvidia-smi ...`, as
+    RUSAGE_CHILDREN of this process around each (every process there is waited for by its parent). Current,
+    --baseline and raw interleaved; the first round is a warm-up."""
+    variants = [("new", ["pct", "exec", str(VMID), "--", *row_argv_of(env, state_dir, python)])]
+    if env_old is not None:
+        variants.append(("old", ["pct", "exec", str(VMID), "--", *row_argv_of(env_old, state_dir, python)]))
+    variants.append(("raw", ["pct", "exec", str(VMID), "--", *RAW_PROBE.split()]))
+    for i in range(runs + 1):
+        budget.check(f"row cpu run {i + 1}")
+        for name, argv in variants:
+            c0 = children_cpu()
+            p = tb.host_exec(host, argv, timeout=60)
+            c1 = children_cpu()
+            if p.returncode or (name != "raw" and '"result"' not in p.stdout):
+                raise RuntimeError(f"row cpu ({name}): exit {p.returncode}: {p.stderr[-500:]!r} {p.stdout[-300:]!r}")
+            if i:
+                res.add(f"row_cpu:{name}", c1 - c0)
+
+
+def bench_fleet(tb, res: Results, env, env_old, hosts, vmids, runs, budget):
+    """`deploy --json status` over the whole bed with the default deadline (no --deadline), as a user runs it:
+    its wall time, exit status and rows that timed out, beside every container's raw probe at once (one OpenSSH
+    process per container). Current and --baseline interleaved."""
+    dep = deploy_argv("--json", "status")
+    raw = [tb.ssh_argv(h, f"pct exec {v} -- {RAW_PROBE}") for h in hosts for v in vmids]
+    variants = [("new", env)] + ([("old", env_old)] if env_old is not None else [])
+    for _, e in variants:  # warm-up (the archive reaches every container)
+        timed(dep, env=e, ok=None, timeout=120)
+    for i in range(runs):
+        budget.check(f"fleet run {i + 1}")
+        res.add("fleet:raw", timed_parallel(raw, env=env, timeout=120))
+        for name, e in variants:
+            dt, p = timed(dep, env=e, ok=None, timeout=120)
+            try:
+                rows = json.loads(p.stdout)["rows"]
+            except ValueError:
+                rows = []
+            late = [f"{r['host']}/{r['vmid']}" for r in rows if not r.get("reachable")]
+            res.add(f"fleet:{name}", dt)
+            res.add(f"fleet:{name}:exit", p.returncode)
+            res.add(f"fleet:{name}:late_rows", len(late))
+            res.facts.setdefault(f"fleet:{name}:late_examples", late[:5])
+
+
 def bench_up(tb, res: Results, env, env_old, runs, budget):
     """`deploy --json up qwen36-mtp` on pve1 (after a down), current and --baseline in turn: its wall time minus
     what it waits for (verify, vLLM's load in wait-ready, the acceptance probe) is deploy's own overhead."""
@@ -378,6 +451,8 @@ def main():
     ap.add_argument("--root", default="/tmp/vpd-bench", help="test bed state directory (its own, not /tmp/vpd-testbed)")
     ap.add_argument("--net", default="127.77.9.", help="loopback /24 for the bed's hosts")
     ap.add_argument("--hosts", type=int, default=8)
+    ap.add_argument("--containers", type=int, default=1, help="containers per host (129, 130, ...); more than 1: "
+                    "the fleet phase only, idle (issue 54's 24-host / 48-container check: --hosts 24 --containers 2)")
     ap.add_argument("--runs", type=int, default=7, help="repetitions per measurement (medians are printed)")
     ap.add_argument("--latency-ms", type=int, default=50, help="round trip added in phase 3")
     ap.add_argument("--idle", action="store_true", help="do not deploy; containers idle (no vLLM)")
@@ -391,6 +466,9 @@ def main():
                     "/tmp/pyinfra-venv && /tmp/pyinfra-venv/bin/pip install pyinfra): time its `exec` of the raw "
                     "probe on all hosts beside deploy status")
     a = ap.parse_args()
+    fleet_only = a.containers > 1
+    if fleet_only:
+        a.idle = True
     if not a.net.startswith("127."):
         raise SystemExit("bench: --net must be in 127.0.0.0/8")
     if os.path.realpath(a.root) == "/tmp/vpd-testbed":
@@ -404,7 +482,8 @@ def main():
     workdir = tempfile.mkdtemp(prefix="vpd-bench-work-")
     state_dir = os.path.join(workdir, "state")
     os.makedirs(state_dir)
-    tb = Testbed(root=a.root, hosts=a.hosts, containers=[VMID], gpus=4, net=a.net)
+    vmids = [VMID + i for i in range(a.containers)]
+    tb = Testbed(root=a.root, hosts=a.hosts, containers=vmids, gpus=4, net=a.net)
     torn = []
 
     def teardown():
@@ -439,39 +518,99 @@ def main():
             deploy_everywhere(tb, env, hosts, workdir, budget)
             print(f"qwen36-mtp up on {VMID} of {len(hosts)} hosts ({time.monotonic() - t0:.1f}s)", flush=True)
         res.facts["containers"] = "running qwen36-mtp (fake vLLM)" if running else "idle (no vLLM)"
+        if fleet_only:
+            print(f"fleet: {len(hosts)} hosts x {len(vmids)} containers, default deadline ...", flush=True)
+            bench_fleet(tb, res, env, env_old, hosts, vmids, a.runs, budget)
+            print("per-row remote CPU (pct exec + the status exec vs pct exec + nvidia-smi) ...", flush=True)
+            bench_row_cpu(tb, res, env, env_old, hosts[0], "/root/ml-env/bin/python", "/var/lib/vllm-pve-deploy",
+                          a.runs, budget)
 
-        print("startup ...", flush=True)
-        startup_names = bench_startup(res, env, a.runs, budget)
-        print("no added latency ...", flush=True)
-        bench_pair(tb, res, env, hosts, a.runs, budget, "lan", running, lag=False, env_old=env_old,
-                   pyinfra=a.pyinfra, workdir=workdir)
-        count_per_status(tb, env, hosts, state_dir, "lan", res)
-        print("agent CPU per status exec in the container ...", flush=True)
-        bench_agent_cpu(tb, res, env, env_old, hosts[0], "/root/ml-env/bin/python", "/var/lib/vllm-pve-deploy",
-                        a.runs, budget)
-        if not a.no_watch:
-            bench_watch(tb.inventory_path, [f"{hosts[0]}/{VMID}"], a.runs + 1, budget, "watch1:lan", res)
-            bench_watch(tb.inventory_path, [], a.runs + 1, budget, "watchN:lan", res)
-        if running and a.up_runs:
-            print("deploy up's own overhead ...", flush=True)
-            bench_up(tb, res, env, env_old, a.up_runs, budget)
+        if not fleet_only:
+            print("startup ...", flush=True)
+            startup_names = bench_startup(res, env, a.runs, budget)
+            print("no added latency ...", flush=True)
+            bench_pair(tb, res, env, hosts, a.runs, budget, "lan", running, lag=False, env_old=env_old,
+                       pyinfra=a.pyinfra, workdir=workdir)
+            count_per_status(tb, env, hosts, state_dir, "lan", res)
+            print("per-row remote CPU (pct exec + the status exec vs pct exec + nvidia-smi) ...", flush=True)
+            bench_row_cpu(tb, res, env, env_old, hosts[0], "/root/ml-env/bin/python", "/var/lib/vllm-pve-deploy",
+                          a.runs, budget)
+            print("agent CPU per status exec in the container ...", flush=True)
+            bench_agent_cpu(tb, res, env, env_old, hosts[0], "/root/ml-env/bin/python", "/var/lib/vllm-pve-deploy",
+                            a.runs, budget)
+            if not a.no_watch:
+                bench_watch(tb.inventory_path, [f"{hosts[0]}/{VMID}"], a.runs + 1, budget, "watch1:lan", res)
+                bench_watch(tb.inventory_path, [], a.runs + 1, budget, "watchN:lan", res)
+            if running and a.up_runs:
+                print("deploy up's own overhead ...", flush=True)
+                bench_up(tb, res, env, env_old, a.up_runs, budget)
 
-        print(f"latency {a.latency_ms} ms round trip on every host ...", flush=True)
-        for h in hosts:
-            tb.set_fault(h, None, "latency_ms", a.latency_ms)
-        bench_pair(tb, res, env, hosts, a.runs, budget, "wan", running, lag=True, env_old=env_old,
-                   pyinfra=a.pyinfra, workdir=workdir)
-        count_per_status(tb, env, hosts, state_dir, "wan", res)
-        if not a.no_watch:
-            bench_watch(tb.inventory_path, [f"{hosts[0]}/{VMID}"], a.runs + 1, budget, "watch1:wan", res)
-            bench_watch(tb.inventory_path, [], a.runs + 1, budget, "watchN:wan", res)
+            print(f"latency {a.latency_ms} ms round trip on every host ...", flush=True)
+            for h in hosts:
+                tb.set_fault(h, None, "latency_ms", a.latency_ms)
+            bench_pair(tb, res, env, hosts, a.runs, budget, "wan", running, lag=True, env_old=env_old,
+                       pyinfra=a.pyinfra, workdir=workdir)
+            count_per_status(tb, env, hosts, state_dir, "wan", res)
+            if not a.no_watch:
+                bench_watch(tb.inventory_path, [f"{hosts[0]}/{VMID}"], a.runs + 1, budget, "watch1:wan", res)
+                bench_watch(tb.inventory_path, [], a.runs + 1, budget, "watchN:wan", res)
     finally:
         teardown()
 
-    report(res, a, hosts, startup_names)
+    if fleet_only:
+        report_fleet(res, a, hosts, vmids)
+    else:
+        report(res, a, hosts, startup_names)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"samples": res.samples, "facts": res.facts, "args": vars(a)}, fh, indent=1)
+
+
+def print_machine(res: Results, a):
+    mc = res.facts["machine"]
+    print(f"machine: nproc={mc['nproc']}  cpu={mc['cpu']}  python={mc['python']}  kernel={mc['kernel']}")
+    la0, la1 = mc["load_avg_at_start"], os.getloadavg()
+    print(f"load average (1/5/15 min) at start {la0[0]:.2f}/{la0[1]:.2f}/{la0[2]:.2f}, at end "
+          f"{la1[0]:.2f}/{la1[1]:.2f}/{la1[2]:.2f} (other work on the machine skews every number)")
+
+
+def print_row_cpu(res: Results, a):
+    m = res.m
+    raw = m("row_cpu:raw")
+    print("remote CPU per status row on its host (pct exec + the status exec, or pct exec + nvidia-smi; "
+          "RUSAGE_CHILDREN):")
+    print(f"  raw probe (pct exec 129 -- nvidia-smi ...)   {raw * 1000:6.1f} ms")
+    if a.baseline:
+        print(f"  baseline deploy's status exec                {m('row_cpu:old') * 1000:6.1f} ms   "
+              f"{m('row_cpu:old') / raw:.2f}x raw")
+    print(f"  this deploy's status exec                    {m('row_cpu:new') * 1000:6.1f} ms   "
+          f"{m('row_cpu:new') / raw:.2f}x raw")
+
+
+def report_fleet(res: Results, a, hosts, vmids):
+    """--containers > 1: the whole-fleet status with the default deadline, and the per-row CPU."""
+    m = res.m
+    print()
+    print_machine(res, a)
+    print(f"containers: {len(hosts)} hosts x {len(vmids)} = {len(hosts) * len(vmids)} rows, idle (no vLLM); "
+          f"medians of {a.runs} runs" + (f"; baseline: {a.baseline}" if a.baseline else ""))
+    print()
+    print(f"  raw OpenSSH, every container's probe at once   {fmt_ms(m('fleet:raw'))}")
+    for name in (["old"] if a.baseline else []) + ["new"]:
+        ex = res.samples.get(f"fleet:{name}:exit", [])
+        late = res.samples.get(f"fleet:{name}:late_rows", [])
+        print(f"  {'baseline' if name == 'old' else 'this deploy':12} deploy --json status (default deadline)  "
+              f"{fmt_ms(m(f'fleet:{name}'))}  {m(f'fleet:{name}') / m('fleet:raw'):.2f}x raw; exit statuses "
+              f"{sorted(set(int(x) for x in ex))}, rows not answered per run {[int(x) for x in late]} "
+              f"{res.facts.get(f'fleet:{name}:late_examples') or ''}")
+    print()
+    print_row_cpu(res, a)
+    print()
+    ok = all(int(x) == 0 for x in res.samples.get("fleet:new:exit", [1]))
+    print(f"  {'PASS' if ok else 'MISS'}  {len(hosts)} hosts / {len(hosts) * len(vmids)} containers: deploy status "
+          "exits 0 inside the default deadline in every run")
+    print(f"  {'PASS' if m('row_cpu:new') <= 1.5 * m('row_cpu:raw') else 'MISS'}  per-row remote CPU at most 1.5x "
+          f"raw's: {m('row_cpu:new') / m('row_cpu:raw'):.2f}x")
 
 
 def report(res: Results, a, hosts, startup_names):
@@ -533,6 +672,8 @@ def report(res: Results, a, hosts, startup_names):
               f"over bare Python; stdin {sizes.get('old', 0):,} bytes)")
     print(f"  this agent (archive cached)         {cpu_new * 1000:6.1f} ms   (+{(cpu_new - cpu_pass) * 1000:.1f} ms "
           f"over bare Python; stdin {sizes.get('new', 0):,} bytes)")
+    print()
+    print_row_cpu(res, a)
     if m("up:new:wall") == m("up:new:wall"):
         print()
         print("deploy up qwen36-mtp (after a down): wall, what it waits for (verify + wait-ready + acceptance), "
@@ -577,6 +718,19 @@ def report(res: Results, a, hosts, startup_names):
         targets.append(("deploy up's own overhead at most 1 s", m("up:new:overhead") <= 1.0,
                         f"{m('up:new:overhead'):.2f} s"))
     print("targets (issue 23):")
+    for name, ok, val in targets:
+        print(f"  {'PASS' if ok else 'MISS'}  {name}: {val}")
+    targets = [
+        ("1 host, LAN: at most 1.05x raw OpenSSH", m("lan:deploy1") <= 1.05 * m("lan:raw1"),
+         f"{m('lan:deploy1') / m('lan:raw1'):.2f}x"),
+        (f"1 host, +{a.latency_ms} ms RTT: at most 1.0x raw OpenSSH", m("wan:deploy1") <= m("wan:raw1"),
+         f"{m('wan:deploy1') / m('wan:raw1'):.2f}x"),
+        (f"{n} hosts: at most 0.85x raw OpenSSH {n}-wide (no added latency)", m("lan:deployN") <= 0.85 * m("lan:rawN"),
+         f"{m('lan:deployN') / m('lan:rawN'):.2f}x"),
+        ("per-row remote CPU at most 1.5x raw's", m("row_cpu:new") <= 1.5 * m("row_cpu:raw"),
+         f"{m('row_cpu:new') / m('row_cpu:raw'):.2f}x"),
+    ]
+    print("targets (issue 54):")
     for name, ok, val in targets:
         print(f"  {'PASS' if ok else 'MISS'}  {name}: {val}")
 

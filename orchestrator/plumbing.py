@@ -155,7 +155,7 @@ def parse_node_line(ln: str) -> dict | None:
     except ValueError:
         major = minor = None
     if kind == "file":
-        m = SIM_NODE.search(f[5].encode() if len(f) > 5 else b"")
+        m = re.search(SIM_NODE, f[5].encode() if len(f) > 5 else b"")
         if m:  # the test bed's simulated node: a device as far as this check is concerned
             kind, major, minor = "char", int(m.group(1)), int(m.group(2))
         else:

@@ -25,6 +25,7 @@ from .facts import nvml_mismatch_fix, parse_pct_status
 from .remote import Fleet, run_parallel, shell_word, state_dir, warm_when_connected
 from .report import Progress, dump_json, own, term_width
 from .spec import DEFAULT_STATE_DIR  # noqa: F401 (one spelling; ops.py imports it from status)
+from .locate import playbook_dirs
 from .spec import list_playbooks, load_playbook
 from .status_render import (NO_RUNTIME, render_endpoints, render_history, render_router, render_table,
                             render_totals)
@@ -120,14 +121,49 @@ def sizing_row(row: dict, lines, inv, st: dict, host: str, vmid: int) -> None:
     if not rep:
         return
     out = {"reported": rep, "rows": [], "off": [], "verdict": None}
-    m = local_playbook(inv, st.get("playbook"), host, vmid)
-    inp = Z.from_playbook(m) if m is not None else None
-    if inp is not None:
-        c = Z.compare(Z.size(inp, fixes=False), rep)
+    predicted = predicted_size(inv, st.get("playbook"), host, vmid)
+    if predicted is not None:
+        c = Z.compare(predicted, rep)
         out.update(c)
         if c["off"]:
             row["notes"].append(Z.compare_line(c))
     row["sizing"] = out
+
+
+_PREDICTED: dict = {}  # (inventory, playbook, HOST, VMID) -> (the files' stamp, the sizing model's prediction)
+
+
+def _stamp(paths) -> tuple:
+    out = []
+    for p in paths:
+        try:
+            s = os.stat(p)
+            out.append((p, s.st_mtime_ns, s.st_size, s.st_ino))
+        except OSError:
+            out.append((p, None))
+    return tuple(out)
+
+
+def predicted_size(inv, playbook, host: str, vmid: int):
+    """The sizing model's prediction for the local playbook named `playbook` on HOST/VMID (None when none targets
+    it or it has no sizing.target_config), kept while the playbook files and the target's config.json are
+    unchanged: a --watch refresh and every row of a large fleet would otherwise parse the playbooks and run the
+    model again (issue 54: a few ms of the one client process per row and refresh)."""
+    from . import sizing as Z
+
+    if not isinstance(playbook, str) or inv is None:
+        return None
+    key = (id(inv), playbook, host, vmid)
+    files = [d / f"{n}.yaml" for _, d in playbook_dirs() for n in list_playbooks()]
+    kept = _PREDICTED.get(key)
+    if kept is not None and kept[0] == _stamp(files + kept[2]):
+        return kept[1]
+    m = local_playbook(inv, playbook, host, vmid)
+    inp = Z.from_playbook(m) if m is not None else None
+    extra = [m.target_config_path] if m is not None and m.target_config_path else []
+    predicted = Z.size(inp, fixes=False) if inp is not None else None
+    _PREDICTED[key] = (_stamp(files + extra), predicted, extra)
+    return predicted
 
 
 def _iso(t: float) -> str:
@@ -403,10 +439,25 @@ def plumbing_row(row: dict, facts, st, host: str, vmid: int) -> None:
         if a == "--tensor-parallel-size" and i + 1 < len(argv) and str(argv[i + 1]).isdigit():
             tp = min(int(argv[i + 1]), 64)
     found = PL.findings(None, facts, host_name=host, vmid=vmid, gpus=gpus, tp=tp)
-    row["gpu_plumbing"] = {"summary": PL.summary(found), "findings": found}
+    rec = record_of(facts)
+    row["gpu_plumbing"] = {"summary": PL.summary(found), "findings": found, "record": rec}
+    if rec and rec["error"]:  # status still works, reading them fresh each time
+        row["notes"].append(f"GPU plumbing facts are read fresh on every status: {rec['error']}")
     if found:
         row["problems"].append("GPU plumbing: " + PL.summary(found))
         row["healthy"] = False
+
+
+def record_of(facts: dict) -> dict | None:
+    """Where the container's plumbing facts came from (agent/container/plumbing.py facts_recorded): {reused: the
+    record kept since the container's boot / the driver's load was still current, at: when they were read, error:
+    why no record could be kept}; the container's word, bounded."""
+    rec = facts.get("record")
+    if not isinstance(rec, dict):
+        return None
+    at = rec.get("at")
+    return {"reused": rec.get("reused") is True, "at": at if isinstance(at, (int, float)) else None,
+            "error": PL.clean(rec["error"], 300) if rec.get("error") else None}
 
 
 def _at(t) -> str:

@@ -20,8 +20,13 @@ def _json_literal(obj) -> str:
 # The first line of a status exec: start nvidia-smi at once (tens of ms on the test bed, 100-500 ms on real GPUs), so
 # that it runs while the interpreter verifies the cached agent and imports what status needs; the agent's
 # read_gpu_memory adopts that process (gpus.py: nvidia_smi), with the same timeout and error handling as its own.
-EARLY_SMI = ("import subprocess as _s\ntry: _SMI = (%r, _s.Popen(['nvidia-smi', *%r], stdin=_s.DEVNULL, "
-             "stdout=_s.PIPE, stderr=_s.PIPE))\nexcept OSError as _x: _SMI = (%r, _x)\n"
+# By os.posix_spawnp with two pipes, not subprocess: importing subprocess (and with it signal, threading, selectors,
+# locale) cost ~6 ms of CPU in every status exec (issue 54); _SMI holds (args, (pid, stdout fd, stderr fd)).
+EARLY_SMI = ("import os as _o\ntry:\n _r, _w = _o.pipe(); _q, _e = _o.pipe()\n"
+             " _p = _o.posix_spawnp('nvidia-smi', ['nvidia-smi', *%r], _o.environ, file_actions=["
+             "(_o.POSIX_SPAWN_OPEN, 0, '/dev/null', _o.O_RDONLY, 0), (_o.POSIX_SPAWN_DUP2, _w, 1), "
+             "(_o.POSIX_SPAWN_DUP2, _e, 2)])\n _o.close(_w); _o.close(_e); _SMI = (%r, (_p, _r, _q))\n"
+             "except OSError as _x: _SMI = (%r, _x)\n"
              % (list(SMI_MEMORY_ARGS), list(SMI_MEMORY_ARGS), list(SMI_MEMORY_ARGS))).encode()
 
 

@@ -75,3 +75,31 @@ def test_cuda_above_the_drivers_maximum(tb, deploy):
     assert "CUDA 12.8 (570.26 or newer)" in f["expected"] and "driver 550.54.15 supports CUDA 12.4 at most" in f["found"]
     tb.clear_faults("pve1", 129)
     assert "cuda-above-driver" not in plumbing(deploy("--json", "verify", "qwen36-dflash").json)
+
+
+def test_status_reads_the_facts_from_their_record_until_its_key_moves_and_verify_reads_fresh(tb, deploy):
+    """Issue 54: status keeps the container's plumbing facts in a record (STATE_DIR/plumbing.json) keyed by what
+    proves them current. A fault planted after the record was made, without moving the key, is found by verify at
+    once; status finds it at its next refresh once the key moves (here: the container restarts)."""
+    import os
+
+    assert deploy("--json", "verify", "qwen36-dflash").json["gpu_plumbing"]["findings"] == []  # makes the state dir
+    deploy("--json", "status", "pve1/129")
+    s = deploy("--json", "status", "pve1/129").json["rows"][0]
+    assert s["gpu_plumbing"]["record"]["reused"] is True and s["gpu_plumbing"]["findings"] == [], s["gpu_plumbing"]
+    nvlib = tb.ctdir("pve1", 129) / "nvlib"  # the container's /usr/lib/x86_64-linux-gnu/nvidia/current
+    before = os.stat(nvlib)
+    tb.set_fault("pve1", None, "nvidia_smi_mismatch", "containers")  # the user space becomes 550.90
+    os.utime(nvlib, ns=(before.st_atime_ns, before.st_mtime_ns))  # ... with the folder's mtime put back
+    s = deploy("--json", "status", "pve1/129").json["rows"][0]
+    assert s["gpu_plumbing"]["record"]["reused"] is True and s["gpu_plumbing"]["findings"] == [], s["gpu_plumbing"]
+    v = deploy("--json", "verify", "qwen36-dflash")  # verify reads fresh: found at once
+    assert v.returncode == 1 and "550.90" in plumbing(v.json)["driver-version-mismatch"]["found"]
+    tb.stop_container("pve1", 129)
+    tb.start_container("pve1", 129)  # the key moves: init's start time
+    s = deploy("--json", "status", "pve1/129").json["rows"][0]
+    assert s["gpu_plumbing"]["record"]["reused"] is False, s["gpu_plumbing"]
+    line = [x for x in s["problems"] if x.startswith("GPU plumbing: ")]
+    assert line and "driver-version-mismatch" in line[0] and "550.90" in line[0], s["problems"]
+    s = deploy("--json", "status", "pve1/129").json["rows"][0]  # and from the new record after that
+    assert s["gpu_plumbing"]["record"]["reused"] is True and "driver-version-mismatch" in s["gpu_plumbing"]["summary"]

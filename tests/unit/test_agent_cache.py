@@ -118,7 +118,33 @@ def test_each_exec_sends_a_small_bootstrap_not_the_agent():
     boot = archive.cache_bootstrap("/var/lib/vllm-pve-deploy/vpd-agent")
     assert len(boot) < 2048 and archive.sha256().encode() in boot
     assert len(archive.archive()) > 10 * len(boot)
-    assert archive.archive() == archive.archive.__wrapped__()  # the same bytes for the same sources
+    assert archive.archive() == archive._build.__wrapped__()  # the same bytes for the same sources
+
+
+def test_the_archive_hash_is_kept_with_its_sources_stats_and_a_record_that_lies_is_caught(tmp_path):
+    """Issue 54: the archive's sha256 comes from the workstation's record while the sources' stats are unchanged
+    (no zip built in a deploy that sends only the bootstrap); bytes that do not match the record are never sent:
+    the record is removed and the error says so."""
+    code = ("import json, sys\nfrom orchestrator.agent import archive\nprint(archive.sha256())\n"
+            "try:\n    archive.archive()\nexcept Exception as e:\n    print('ERR', e)\n")
+    env = dict(os.environ, DEPLOY_STATE_DIR=str(tmp_path))
+
+    def run():
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                              ).stdout.split("\n")
+
+    first = run()
+    assert first[0] == archive.sha256() and not first[1].startswith("ERR")
+    rec = json.loads((tmp_path / archive.ARCHIVE_RECORD).read_text())
+    assert rec["sha256"] == archive.sha256()
+    assert run()[0] == archive.sha256()  # from the record
+    rec["sha256"] = "0" * 64
+    (tmp_path / archive.ARCHIVE_RECORD).write_text(json.dumps(rec))
+    lied = run()
+    assert lied[0] == "0" * 64 and lied[1].startswith("ERR ") and "does not match its sources" in lied[1]
+    assert not (tmp_path / archive.ARCHIVE_RECORD).exists()
+    assert run()[0] == archive.sha256()  # computed again, recorded again
 
 
 def test_the_agent_modules_import_each_other_without_cycles_and_remote_imports_no_agent():

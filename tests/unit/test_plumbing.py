@@ -223,3 +223,79 @@ def test_the_host_script_runs_and_parses(tmp_path):
     assert h["config"] == ["arch: amd64", "dev0: /dev/nvidia0"] and h["config_rc"] == 0
     bad = subprocess.run(["sh", "-c", PL.HOST_PLUMBING_SH, "sh", "130"], env=env, capture_output=True, text=True)
     assert PL.parse_host(bad.stdout)["config_rc"] == 2
+
+
+def _recorded_bed(tmp_path, monkeypatch):
+    """A library folder with the 550.54.15 user space, a venv prefix without torch, a private state directory."""
+    import os
+    import sys
+
+    import pytest
+
+    from orchestrator.agent.container import plumbing as AP
+
+    if os.geteuid() != 0:
+        pytest.skip("the record is a state file: read back only when root-owned (as in a container)")
+    lib = tmp_path / "libdir"
+    lib.mkdir()
+    for n in ("libcuda.so.550.54.15", "libnvidia-ml.so.550.54.15"):
+        (lib / n).write_text("")
+    monkeypatch.setattr(AP, "LIB_DIRS", (str(lib),))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    return AP, lib, str(state)
+
+
+def test_status_reads_the_plumbing_facts_from_their_record_while_its_key_holds(tmp_path, monkeypatch):
+    """Issue 54: the first status reads the facts and records them with their key; later ones reuse the record; a
+    library installed after it (its folder's mtime moves the key) is seen at the next status."""
+    AP, lib, state = _recorded_bed(tmp_path, monkeypatch)
+    first = AP.facts_recorded(state)
+    assert first["record"]["reused"] is False and first["record"]["error"] is None
+    assert first["libs"] == {"libnvidia-ml": ["550.54.15"], "libcuda": ["550.54.15"]}
+    again = AP.facts_recorded(state)
+    assert again["record"]["reused"] is True and again["libs"] == first["libs"]
+    (lib / "libnvidia-ml.so.550.90").write_text("")  # a second user space installed: the folder changed
+    moved = AP.facts_recorded(state)
+    assert moved["record"]["reused"] is False and moved["libs"]["libnvidia-ml"] == ["550.54.15", "550.90"]
+    assert AP.facts_recorded(state)["record"]["reused"] is True
+
+
+def test_the_plumbing_record_is_read_again_when_the_container_restarts_or_the_driver_reloads(tmp_path, monkeypatch):
+    """A change the key does not see (the folder's mtime put back) stays unseen by status until the key moves: a
+    container restart (init's start time) or another kernel module; verify/up/doctor read fresh (facts())."""
+    import os
+
+    from orchestrator.agent.container import procs
+
+    AP, lib, state = _recorded_bed(tmp_path, monkeypatch)
+    assert AP.facts_recorded(state)["record"]["reused"] is False
+    before = os.stat(lib)
+    (lib / "libcuda.so.550.90").write_text("")
+    os.utime(lib, ns=(before.st_atime_ns, before.st_mtime_ns))  # the key does not move
+    kept = AP.facts_recorded(state)
+    assert kept["record"]["reused"] is True and kept["libs"]["libcuda"] == ["550.54.15"]
+    assert AP.facts()["libs"]["libcuda"] == ["550.54.15", "550.90"]  # what verify, up and doctor read: fresh
+    monkeypatch.setattr(procs, "init_starttime", lambda: 123456789)  # the container restarted
+    rebooted = AP.facts_recorded(state)
+    assert rebooted["record"]["reused"] is False and rebooted["libs"]["libcuda"] == ["550.54.15", "550.90"]
+    assert AP.facts_recorded(state)["record"]["reused"] is True
+    real_read = AP._read_small
+    monkeypatch.setattr(AP, "_read_small", lambda p, n=400: "NVRM version: NVIDIA UNIX x86_64 Kernel Module  "
+                        "550.90.07" if p == "/proc/driver/nvidia/version" else real_read(p, n))  # driver reloaded
+    assert AP.facts_recorded(state)["record"]["reused"] is False
+
+
+def test_the_plumbing_record_is_not_kept_where_it_cannot_be_trusted(tmp_path, monkeypatch):
+    """No state directory (nothing deployed): fresh facts, no record, no error. A state directory others may write:
+    fresh facts and the reason no record is kept (status shows it as a note), never a failure."""
+    import os
+
+    AP, lib, state = _recorded_bed(tmp_path, monkeypatch)
+    none = AP.facts_recorded(str(tmp_path / "absent"))
+    assert none["record"] == {"reused": False, "at": none["record"]["at"], "error": None}
+    os.chmod(state, 0o777)
+    shared = AP.facts_recorded(state)
+    assert shared["record"]["reused"] is False and "not recorded in" in shared["record"]["error"]
+    assert shared["libs"]["libcuda"] == ["550.54.15"] and not os.path.exists(os.path.join(state, AP.RECORD))

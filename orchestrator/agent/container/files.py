@@ -9,7 +9,7 @@ import os
 import re
 import time
 
-from .core import ANSI, now
+from .core import ANSI, LazyRe, now
 from .protocol import DEFAULT_STATE_DIR
 
 
@@ -310,8 +310,8 @@ def read_state_file(path, limit=1 << 20):
         return fh.read(limit + 1)[:limit]
 
 
-STATE_FILES = re.compile(r"(vllm-.*\.env|state\.json|state\.stopped\.json|last_failure\.json|vllm\.log(\.1)?|exit_code|lock"
-                         r"|install\.json|install\.lock|install-.*\.log|runtime\.json"
+STATE_FILES = LazyRe(r"(vllm-.*\.env|state\.json|state\.stopped\.json|last_failure\.json|vllm\.log(\.1)?|exit_code|lock"
+                         r"|install\.json|install\.lock|install-.*\.log|runtime\.json|plumbing\.json"
                          r"|lock\.break|\.lock\.stale-.*|lock\.break\.stale-.*|\..*\.tmp-.*|vpd-agent)$")
 
 

@@ -4,7 +4,6 @@ a container, never on a Proxmox host)."""
 
 import os
 import re
-import subprocess
 import time
 
 from . import core
@@ -23,10 +22,11 @@ def nvidia_smi(args, timeout):
         if early is not None and list(early[0]) == list(args):
             if isinstance(early[1], OSError):
                 raise early[1]
-            p = early[1]
-        else:
-            p = subprocess.Popen(["nvidia-smi"] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 stdin=subprocess.DEVNULL)
+            return _wait_spawned(*early[1], timeout=timeout)
+        import subprocess  # here: a status exec adopts the preamble's run and never loads it
+
+        p = subprocess.Popen(["nvidia-smi"] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL)
         with p:
             try:
                 out, err = p.communicate(timeout=timeout)
@@ -39,9 +39,50 @@ def nvidia_smi(args, timeout):
         return 127, "", str(e), False
 
 
-def read_gpu_memory(timeout):
-    """{index: {"used": MiB, "total": MiB}} or {"error": ...}."""
-    rc, out, err, timed_out = nvidia_smi(list(SMI_MEMORY_ARGS), timeout)
+def _wait_spawned(pid, out_fd, err_fd, timeout):
+    """The preamble's nvidia-smi (os.posix_spawnp, call.py EARLY_SMI): both pipes read until they close and the
+    process reaped, within `timeout`; past it, killed and reaped as subprocess.run does. -> nvidia_smi's tuple."""
+    import select
+
+    bufs = {out_fd: [], err_fd: []}
+    poll = select.poll()
+    for fd in bufs:
+        poll.register(fd, select.POLLIN)
+    deadline = now() + timeout
+    status, done = None, 0
+    try:
+        open_fds = set(bufs)
+        while open_fds:
+            events = poll.poll(max(0.0, deadline - now()) * 1000)
+            if not events and now() >= deadline:
+                break
+            for fd, _ in events:
+                chunk = os.read(fd, 65536)
+                if chunk:
+                    bufs[fd].append(chunk)
+                else:
+                    poll.unregister(fd)
+                    open_fds.discard(fd)
+        while not open_fds:  # output complete: reap it (it may linger a moment after closing its pipes)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done or now() >= deadline:
+                break
+            time.sleep(0.005)
+        if status is None or not done:
+            os.kill(pid, 9)  # SIGKILL (the signal module would cost an import), then reap
+            os.waitpid(pid, 0)
+            return None, "", "", True
+    finally:
+        os.close(out_fd)
+        os.close(err_fd)
+    return (os.waitstatus_to_exitcode(status), b"".join(bufs[out_fd]).decode("utf-8", "replace"),
+            b"".join(bufs[err_fd]).decode("utf-8", "replace"), False)
+
+
+def read_gpu_memory(timeout, wait=None):
+    """{index: {"used": MiB, "total": MiB}} or {"error": ...}. wait: how long to wait now, when part of `timeout`
+    has passed already (status adopts the preamble's run at its end)."""
+    rc, out, err, timed_out = nvidia_smi(list(SMI_MEMORY_ARGS), timeout if wait is None else wait)
     if timed_out:
         return {"error": "timeout", "message": "nvidia-smi did not answer within %gs" % timeout}
     if rc != 0:
@@ -132,6 +173,8 @@ def fuser_kill(gpus, grace):
         return res
     # who each signalled pid was, read before the signal (a killed process's cmdline is gone): issue 41
     seen = {h["pid"]: h for h in before}
+    import subprocess
+
     p = subprocess.run(["fuser", "-k", "-TERM"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
     res["term"] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
     res["term_procs"] = [named(pid, seen) for pid in res["term"]]

@@ -2,22 +2,27 @@
 their majors/minors, the versions of libnvidia-ml.so.* / libcuda.so.*, the kernel module's version as the
 container sees it, the size of /dev/shm, and the runtime's torch.version.cuda read from torch/version.py
 (not imported: cheap). Read-only, bounded, no subprocess; part of the status and doctor results and the
-`plumbing` action."""
+`plumbing` action.
 
-import importlib.util
+Status reads them from a record (STATE_DIR/plumbing.json, facts_recorded) while the record's key still holds: these
+facts change only when the container restarts, the host's driver is reloaded, or the files themselves change, and
+the key proves none of that happened (record_key). verify, up and doctor always read them fresh (facts)."""
+
 import os
 import re
 import stat
 import sys
+import time
 
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu/nvidia/current", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu", "/lib64",
             "/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/aarch64-linux-gnu")
-LIB_RE = re.compile(r"^(libnvidia-ml|libcuda)\.so\.(\d{2,4}\.\d{1,4}(?:\.\d{1,4})?)$")
-MODULE_RE = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)")
+# patterns, compiled where used (status reads the record and compiles none of them)
+LIB_RE = r"^(libnvidia-ml|libcuda)\.so\.(\d{2,4}\.\d{1,4}(?:\.\d{1,4})?)$"
+MODULE_RE = r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)"
 # The test bed's simulated device nodes are regular files whose first bytes say "vpd-testbed-node c MAJ:MIN": read as
 # that character device here and by orchestrator/plumbing.py (the host side), from this one pattern. Why the test
 # bed cannot give real character devices instead: docs/testbed.md, "Why the GPU nodes are files".
-SIM_NODE = re.compile(rb"vpd-testbed-node c (\d+):(\d+)")
+SIM_NODE = rb"vpd-testbed-node c (\d+):(\d+)"
 MAX_ENTRIES = 4000
 
 
@@ -42,7 +47,7 @@ def read_nodes():
             node.update(kind="file", size=st.st_size)
             try:
                 with open(p, "rb") as f:
-                    m = SIM_NODE.search(f.read(48))
+                    m = re.search(SIM_NODE, f.read(48))
                 if m:
                     node.update(kind="char", major=int(m.group(1)), minor=int(m.group(2)), size=None)
             except OSError:
@@ -53,6 +58,7 @@ def read_nodes():
 
 def read_libs():
     libs = {"libnvidia-ml": set(), "libcuda": set()}
+    lib_re = re.compile(LIB_RE)
     seen = set()
     for d in LIB_DIRS:
         try:
@@ -64,7 +70,7 @@ def read_libs():
                 for i, e in enumerate(it):
                     if i > MAX_ENTRIES:
                         break
-                    m = LIB_RE.match(e.name)
+                    m = lib_re.match(e.name)
                     if m:
                         libs[m.group(1)].add(m.group(2))
         except OSError:
@@ -78,7 +84,7 @@ def read_module_version():
             text = f.read(400).decode("ascii", "replace")
     except OSError:
         return None
-    m = MODULE_RE.search(text)
+    m = re.search(MODULE_RE, text)
     return m.group(1) if m else None
 
 
@@ -90,11 +96,17 @@ def read_shm_mib():
     return int(st.f_blocks * st.f_frsize // (1 << 20))
 
 
+def venv_torch_dir():
+    return os.path.join(sys.prefix, "lib", "python%d.%d" % sys.version_info[:2], "site-packages", "torch")
+
+
 def read_torch_cuda():
     """torch.version.cuda of this Python, from torch/version.py's text (importing torch takes seconds). The
     venv's own site-packages first, by path: `deploy status` runs with -I -S, where nothing of the venv loads."""
-    dirs = [os.path.join(sys.prefix, "lib", "python%d.%d" % sys.version_info[:2], "site-packages", "torch")]
+    dirs = [venv_torch_dir()]
     try:
+        import importlib.util  # here: only a fresh read pays for it
+
         spec = importlib.util.find_spec("torch")
         if spec and spec.submodule_search_locations:
             dirs += list(spec.submodule_search_locations)[:2]
@@ -120,6 +132,78 @@ def facts():
         except Exception as e:  # noqa: BLE001 - one unreadable fact is not the others' failure
             out[key] = None
             out.setdefault("errors", []).append("%s: %s" % (key, str(e)[:200]))
+    return out
+
+
+# ------------------------------------------------------------------ the record status reads (issue 54)
+
+RECORD = "plumbing.json"
+RECORD_VERSION = 1
+
+
+def _stat_key(path):
+    """What changes when a file or directory changes: device, inode, mtime (a directory's mtime moves when an
+    entry is added, removed or renamed); the errno when it is absent."""
+    try:
+        s = os.stat(path)
+    except OSError as e:
+        return e.errno
+    return [s.st_dev, s.st_ino, s.st_mtime_ns]
+
+
+def _read_small(path, n=400):
+    try:
+        with open(path, "rb") as f:
+            return f.read(n).decode("ascii", "replace")
+    except OSError as e:
+        return e.errno
+
+
+def record_key():
+    """What proves a record of the facts current, each read cheaply (a few stats and small reads, no scan):
+    - the container's boot: init's start time (/proc/1/stat) and the host's boot id. `pct config` lines (devN:,
+      lxc.mount.entry, cgroup rules) act only at a container start, so a changed config moves this too;
+    - the host's driver load: the kernel module's version file (/proc/driver/nvidia/version, whole);
+    - the device nodes: /dev itself (a node made or removed moves its mtime);
+    - the user-space libraries: each library folder (a library installed or removed moves its mtime);
+    - torch's CUDA: the venv's torch/version.py and its site-packages folder (an install moves them);
+    - this Python (sys.prefix): another runtime has another torch."""
+    from .procs import init_starttime
+
+    sp = os.path.dirname(venv_torch_dir())
+    return {"boot_id": _read_small("/proc/sys/kernel/random/boot_id", 64), "init_start": init_starttime(),
+            "module": _read_small("/proc/driver/nvidia/version"), "dev": _stat_key("/dev"),
+            "libs": [_stat_key(d) for d in LIB_DIRS], "prefix": sys.prefix,
+            "torch": [_stat_key(os.path.join(sp, "torch", "version.py")), _stat_key(sp)]}
+
+
+def facts_recorded(state_dir):
+    """status: the facts from STATE_DIR/plumbing.json while its key (record_key) is the one they were read under,
+    else read fresh and recorded. /dev/shm's size is always read now (a remount changes it at any time, and a
+    statvfs costs nothing). out["record"]: {reused, at (when the facts were read), error (why no record could be
+    kept; the facts are fresh then)}."""
+    from .files import _read_json, write_json_atomic
+
+    key = record_key()
+    path = os.path.join(state_dir, RECORD)
+    rec = _read_json(path) if os.path.isdir(state_dir) else None
+    if isinstance(rec, dict) and rec.get("v") == RECORD_VERSION and rec.get("key") == key \
+            and isinstance(rec.get("facts"), dict):
+        out = dict(rec["facts"])
+        out["shm_mib"] = read_shm_mib()
+        out["record"] = {"reused": True, "at": rec.get("at"), "error": None}
+        return out
+    out = facts()
+    error = None
+    if out.get("errors"):
+        error = "not recorded: a fact could not be read (%s)" % "; ".join(out["errors"])[:300]
+    elif os.path.isdir(state_dir):  # (without one, no deployment is here yet: no record, nothing wrong)
+        try:
+            write_json_atomic(path, {"v": RECORD_VERSION, "key": key, "at": time.time(), "facts": out})
+        except Exception as e:  # noqa: BLE001 - a record is a saving, never status's failure: said, not raised
+            error = "not recorded in %s: %s" % (path, str(e)[:300])
+    out = dict(out)
+    out["record"] = {"reused": False, "at": time.time(), "error": error}
     return out
 
 

@@ -4,7 +4,6 @@ pidfd right before a signal. Also the server's recorded exit code and last_failu
 
 import json
 import os
-import signal
 import time
 
 from .core import LAUNCH_ID_VAR, now
@@ -79,6 +78,8 @@ def signal_proven(st, sig):
     """Signal each proven process through a pidfd opened, then proven again, so the signal reaches exactly the
     process that was checked even if it exits and its pid is reused in between (os.kill where pidfds are missing).
     -> the pids signalled."""
+    import signal  # here: status, which imports this module, signals nothing
+
     done = []
     for p in proven_members(st):
         fd = None

@@ -6,7 +6,7 @@ import json
 import os
 import re
 
-from .core import sha256_file
+from .core import LazyRe, sha256_file
 from .files import _read_json, tail_file
 from .gate import gate_status
 from .gpus import read_gpu_memory
@@ -19,7 +19,7 @@ from .weights import serving_weights
 from . import core
 
 
-ERROR_LINE = re.compile(r"Error|error:|Traceback|died|failed")
+ERROR_LINE = LazyRe(r"Error|error:|Traceback|died|failed")
 
 
 def pick_last_error(entries, fatal=()):
@@ -40,18 +40,36 @@ def pick_last_error(entries, fatal=()):
 
 
 def act_status(a):
-    import threading
-
     state_dir = a["state_dir"]
+    timeout = a.get("nvidia_smi_timeout_s", 5)
     res = {"state": read_state(state_dir), "memory": None, "_fatal": a.get("fatal_regex")}
     argv = (res["state"] or {}).get("argv") or []
     if argv and isinstance(argv[0], str):
         res["argv0_real_now"] = os.path.realpath(argv[0])
+    if "nvidia-smi" in core.EARLY:
+        # the exec's preamble started nvidia-smi (call.py EARLY_SMI): it runs while the state, lock and HTTP checks
+        # run here, and is collected after them within the same timeout, counted from now (no thread to import)
+        t0 = core.now()
+        _status_rest(res, state_dir)
+        res["memory"] = read_gpu_memory(timeout, wait=max(0.0, timeout - (core.now() - t0)))
+    else:
+        _status_with_smi_thread(res, state_dir, timeout)
+    res.pop("_fatal", None)
+    if a.get("plumbing"):  # the gpu-plumbing check's container facts: from their record while its key holds
+        from .plumbing import facts_recorded
+        res["plumbing"] = facts_recorded(state_dir)
+    return res
+
+
+def _status_with_smi_thread(res, state_dir, timeout):
+    """nvidia-smi in a thread while the rest runs (an agent session's `current`: no preamble started it)."""
+    import threading
+
     failed = []
 
     def gpu():  # nvidia-smi (tens of ms here, often hundreds on real GPUs) runs while the HTTP checks run
         try:
-            res["memory"] = read_gpu_memory(a.get("nvidia_smi_timeout_s", 5))
+            res["memory"] = read_gpu_memory(timeout)
         except BaseException as e:  # noqa: BLE001 - re-raised below, as if it had run inline
             failed.append(e)
 
@@ -63,11 +81,6 @@ def act_status(a):
         smi.join()
     if failed:
         raise failed[0]
-    res.pop("_fatal", None)
-    if a.get("plumbing"):  # the gpu-plumbing check's container facts (a few stats, no subprocess)
-        from .plumbing import facts
-        res["plumbing"] = facts()
-    return res
 
 
 def _status_rest(res, state_dir):

@@ -6,8 +6,6 @@ and what systemd says about a state file's unit (supervision). See docs/domain/s
 
 import json
 import os
-import signal
-import subprocess
 import time
 
 from .core import ANSI, clean
@@ -32,6 +30,8 @@ def systemd_running():
 
 def systemctl(args, timeout=60):
     """-> (returncode, stdout+stderr) of `systemctl ARGS`, bounded by a deadline."""
+    import subprocess  # here: a status exec in a container without systemd never runs it
+
     try:
         p = subprocess.run(["systemctl"] + list(args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, timeout=timeout)
@@ -52,6 +52,8 @@ def unit_show(unit):
 
 def journal(args, timeout=20, limit=8 << 20):
     """journalctl ARGS --no-pager -> its stdout lines (control sequences stripped), [] where it fails."""
+    import subprocess
+
     try:
         p = subprocess.run(["journalctl", "--no-pager", "-q"] + list(args), stdin=subprocess.DEVNULL,
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=timeout)
@@ -71,6 +73,8 @@ _CLD = {"1": "exited", "2": "killed", "3": "dumped"}  # ExecMainCode (siginfo CL
 
 def _exit_status(code, status):
     if code in ("killed", "dumped") and status and str(status).isdigit():
+        import signal
+
         try:
             return signal.Signals(int(status)).name
         except ValueError:

@@ -7,7 +7,7 @@ import json
 import os
 import re
 
-from .core import _some
+from .core import LazyRe, _some
 from .files import _read_json, open_beneath
 
 
@@ -32,10 +32,10 @@ MANIFEST_NAME = "deploy-manifest.json"
 MANIFEST_FORMAT = "vllm-pve-deploy-manifest/1"
 
 
-COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+COMMIT_RE = LazyRe(r"^[0-9a-f]{40}$")
 
 
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+SHA256_RE = LazyRe(r"^[0-9a-f]{64}$")
 
 
 MAX_FILE_BYTES = 1 << 42  # 4 TiB: what a hub (or a record) may say one file is; larger is not believed
