@@ -314,6 +314,13 @@ def r_current(run: Run, step: P.Step) -> None:
     key = ctx.secrets.get("VLLM_API_KEY")
     cur: CurrentResult = ctx.call(step, secrets={"api_key": key} if key else None)
     run.cur = cur
+    mem = cur.memory if isinstance(cur.memory, dict) else {}
+    if mem.get("error") == "timeout":  # the probe did not answer: fail now, naming it (never an ok unlooked)
+        ctx.fail("current", t0, f"`{P.NVIDIA_SMI_QUERY}` in container {pb.vmid} {mem.get('message')}: what holds "
+                                "the GPUs cannot be read; nothing was stopped",
+                 fix=f"the NVIDIA driver may be wedged: run nvidia-smi on {pb.host} itself (a hung one needs the "
+                     "driver reloaded or the host rebooted); gpu.nvidia_smi_timeout_s in the playbook sets the bound",
+                 state_left="unchanged: nothing was stopped or started")
     s = cur.state or {}
     running = st.running = bool(s.get("alive"))
     st.foreign_vllm = bool(cur.vllm_processes)

@@ -259,7 +259,8 @@ def step_plumbing(pb):
     return Step("gpu-plumbing", "the container sees its GPUs: pct config lines, host and container /dev/nvidia* "
                                 "(majors), nvidia-uvm, driver version in user space = the host's module, the "
                                 "driver's CUDA >= torch's, /dev/shm for tensor parallelism",
-                action="plumbing", args={}, timeout=30, host_argv=PL.host_argv(pb.vmid),
+                action="plumbing", args={}, timeout=30,
+                host_argv=PL.host_argv(pb.vmid, pb.data["gpu"]["nvidia_smi_timeout_s"]),
                 runs=[f"pct config {pb.vmid}; grep nvidia /proc/devices; stat /dev/nvidia*; "
                       "cat /proc/driver/nvidia/version; nvidia-smi   # on the host, one exec",
                       f"stat /dev/nvidia*; ls /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.* libcuda.so.*; "

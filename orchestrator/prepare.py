@@ -155,8 +155,11 @@ def parse_probe(text: str) -> dict:
     return out
 
 
-def wanted_nodes(gpus: list[int]) -> list[str]:
-    return [f"/dev/nvidia{g}" for g in gpus] + ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+def wanted_nodes(gpus: list[int], host_nodes: dict | None = None) -> list[str]:
+    """The nodes prepare passes in: the GPUs', nvidiactl and nvidia-uvm (CUDA's); nvidia-uvm-tools (profilers
+    only) when the host has it, since a devN: line for a missing node stops the container from starting."""
+    tools = [PL.UVM_TOOLS] if ((host_nodes or {}).get(PL.UVM_TOOLS) or {}).get("kind") == "char" else []
+    return [f"/dev/nvidia{g}" for g in gpus] + ["/dev/nvidiactl", "/dev/nvidia-uvm"] + tools
 
 
 def plan(host_facts: dict, probe: dict, *, host: str, vmid: int, gpus: list[int], style: str | None = None) -> dict:
@@ -164,7 +167,7 @@ def plan(host_facts: dict, probe: dict, *, host: str, vmid: int, gpus: list[int]
     that passes every wanted node in (nothing when all are). Pure."""
     cfg = PL.parse_config(host_facts["config"])
     nodes = host_facts.get("nodes") or {}
-    want = wanted_nodes(gpus)
+    want = wanted_nodes(gpus, nodes)
     blockers = [f for f in PL.findings(host_facts, None, host_name=host, vmid=vmid, gpus=gpus)
                 if f["problem"] in ("uvm-missing-on-host", "host-node-missing")]
     raw_used = bool(cfg["mounts"] or any(a["major"] not in ("*",) for a in cfg["allow"])) and not cfg["dev"]

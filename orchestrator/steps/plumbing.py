@@ -20,7 +20,7 @@ def check(ctx: Context, host_facts: dict | None, ct_facts: dict | None) -> list[
 
 def run_check(ctx: Context, step: Step) -> tuple[list[dict], dict]:
     """-> (findings, facts {host, container}); raises only when the container's agent cannot be reached."""
-    host = PL.read_host(ctx.session, ctx.pb.vmid)
+    host = PL.read_host(ctx.session, ctx.pb.vmid, smi_timeout_s=ctx.pb.data["gpu"]["nvidia_smi_timeout_s"])
     r = ctx.call(step)
     ct = r.plumbing if isinstance(r.plumbing, dict) else {}
     return check(ctx, host, ct), {"host": host, "container": ct}
@@ -43,6 +43,8 @@ def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]
                                 "nothing was stopped\n" + PL.render(found),
                  fix="; ".join(dict.fromkeys(f["fix"] for f in found)), findings=found)
     note = f" (host side not read: {herr})" if herr else ""
+    for n in PL.notes(None if herr else facts["host"], host_name=ctx.pb.host, vmid=ctx.pb.vmid):
+        ctx.progress.say(ctx.where, "     " + n)
     fits = sized_on_measured_gpus(ctx, facts["host"])
     if fits and fits["level"] == "refuse":
         msg, fix = Z.measured_refusal(ctx.pb, fits)

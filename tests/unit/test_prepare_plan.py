@@ -92,3 +92,12 @@ def test_check_create_refuses_what_pct_would_not_take():
                 {"net0": "bridge=vmbr0,ip=$(id)"}, {"storage": "a/b"}):
         with pytest.raises(UsageError):
             check_create({**good, **bad}, 131)
+
+
+def test_a_host_without_uvm_tools_gets_no_line_for_it():
+    """Issue 53 item 2: a devN: line for a node the host lacks stops the container; uvm-tools is not required."""
+    hf = facts(["arch: amd64"])
+    del hf["nodes"]["/dev/nvidia-uvm-tools"]
+    r = P.plan(hf, {"pve": (8, 2)}, host="pve1", vmid=130, gpus=[0])
+    assert r["blockers"] == [] and r["add_lines"] == ["dev0: /dev/nvidia0", "dev1: /dev/nvidiactl",
+                                                      "dev2: /dev/nvidia-uvm"]
