@@ -709,7 +709,7 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
 
         found, facts = GP.run_check(ctx, P.step_plumbing(pb))
         out.info["gpu_plumbing"] = {"findings": found, "host_error": (facts["host"] or {}).get("error")}
-        fits = GP.sized_on_measured_gpus(ctx, facts["host"])
+        fits = GP.sized_on_measured_gpus(ctx, facts["host"], facts["container"])
         if fits:
             out.info["fits"] = fits
             ctx.progress.say(ctx.where, f"sizing on the measured GPUs: {fits['line']}")

@@ -40,8 +40,9 @@ def _files(src: Path) -> list[tuple[Path, str]]:
     for p in sorted(src.glob("*.yaml")):
         if p.name != INVENTORY_EXAMPLE:
             out.append((Path("playbooks") / p.name, p.read_text()))
-    for p in sorted((src / "drafters").glob("*.json")):
-        out.append((Path("playbooks") / "drafters" / p.name, p.read_text()))
+    for sub in ("drafters", "targets"):  # pinned drafter configs; the targets' config.json (sizing.target_config)
+        for p in sorted((src / sub).glob("*.json")):
+            out.append((Path("playbooks") / sub / p.name, p.read_text()))
     for kind in KINDS:
         out.append((Path("playbooks") / "schemas" / f"{kind}.schema.json", schema_text(kind)))
     return out

@@ -110,7 +110,7 @@ def test_init_writes_refuses_and_backs_up(place):
     assert sorted(os.path.relpath(p, site) for p in out["written"]) == [
         "hosts.yaml", "playbooks/drafters/qwen36-27b-dflash.config.json", "playbooks/qwen36-dflash.yaml",
         "playbooks/qwen36-mtp.yaml", "playbooks/schemas/inventory.schema.json",
-        "playbooks/schemas/playbook.schema.json"]
+        "playbooks/schemas/playbook.schema.json", "playbooks/targets/qwen36-27b.config.json"]
     assert (site / "hosts.yaml").read_text().startswith(MODELINE + "playbooks/schemas/inventory.schema.json\n")
     assert init(str(site))["written"] == []  # identical files are left alone
     (site / "hosts.yaml").write_text("hosts: []  # mine\n")

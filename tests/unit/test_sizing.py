@@ -225,12 +225,12 @@ def _playbook(tmp_path, sizing_block, serve_extra=""):
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from playbook_support import copy_playbooks, edit_file
+    from playbook_support import copy_playbooks, edit_file, without_sizing
 
     pbs = copy_playbooks(tmp_path / "playbooks")
     (pbs / "llama.config.json").write_text(json.dumps(dict(LLAMA, mtp_num_hidden_layers=1)))  # qwen36-mtp: MTP
     p = pbs / "qwen36-mtp.yaml"
-    text = p.read_text()
+    text = without_sizing(p.read_text())
     assert "\nsizing:" not in text
     p.write_text(text + "\nsizing:\n" + sizing_block)
     if serve_extra:
@@ -386,3 +386,55 @@ def test_logged_tokens_equal_the_tokens_that_fit_without_linear_layers():
     h = S.size(playbook_inputs())
     assert h.kv_tokens_logged < h.kv_tokens and any("vLLM will log" in n for n in h.notes)
     assert any("as vLLM logs it" in ln for ln in S.table(h))
+
+
+# ------------------------------------------------------------------ issue 53 item 3/4: fixes possible on the target
+
+
+def test_the_published_config_is_the_test_inputs_whole():
+    """The full published config (shipped in playbooks/targets and the test bed) carries the linear-attention dims
+    qwen36_full() chose as test inputs: they are the real values."""
+    full = load("qwen36-27b-target.config.json")
+    with open(os.path.join(REPO, "playbooks", "targets", "qwen36-27b.config.json")) as fh:
+        assert json.load(fh) == full
+    for k, v in qwen36_full()["text_config"].items():
+        assert full["text_config"][k] == v, k
+    s = S.size(playbook_inputs(target=full))
+    assert s.verdict == "fits" and not s.unknown
+
+
+def test_longest_max_model_len_is_capped_by_max_position_embeddings():
+    s = S.size(playbook_inputs(max_model_len=32768))
+    assert s.max_model_len_that_fits == 262144  # the KV cache holds millions of tokens; the model stops there
+    assert any("max_position_embeddings (262,144)" in n for n in s.notes)
+    # below the cap: the figure stays what fits
+    s = S.size(playbook_inputs(gpu_total_mib=20480, tp=4, max_model_len=500000))
+    assert s.max_model_len_that_fits < 262144 and not any("max_position_embeddings" in n for n in s.notes)
+    assert s.verdict == "does-not-fit" and f"max_model_len {s.max_model_len_that_fits}" in " ".join(s.fixes)
+
+
+def test_no_fix_asks_for_more_gpus_than_the_target_has():
+    """A 4-GPU container is never told `tensor_parallel_size 8 (8 GPUs)`."""
+    free = S.size(playbook_inputs(tp=1, gpu_total_mib=40960, max_model_len=4096))
+    assert any(f.startswith("tensor_parallel_size ") for f in free.fixes), free.fixes
+    tps = [int(f.split()[1]) for f in free.fixes if f.startswith("tensor_parallel_size ")]
+    capped = S.size(playbook_inputs(tp=1, gpu_total_mib=40960, max_model_len=4096, max_gpus=1))
+    assert not any(f.startswith("tensor_parallel_size") for f in capped.fixes), capped.fixes
+    two = S.size(playbook_inputs(tp=1, gpu_total_mib=40960, max_model_len=4096, max_gpus=tps[0]))
+    assert f"tensor_parallel_size {tps[0]} ({tps[0]} GPUs of the {tps[0]} the target has)" in two.fixes
+
+
+def test_check_measured_bounds_tp_by_the_gpus_counted():
+    class PB:
+        name, host, gpus = "p", "pve1", [0, 1, 2, 3]
+        target_config, drafter_config, target_weights = qwen36_full(), DRAFTER, None
+        spec = {"method": "dflash", "num_speculative_tokens": 15}
+        serve = {"tensor_parallel_size": 4, "gpu_memory_utilization": 0.9, "max_model_len": 32768,
+                 "max_num_batched_tokens": 32768, "extra_args": [], "env": {}}
+        data = {"sizing": {}}
+        members = []
+
+    mem = {i: {"used": 0, "total": 16384} for i in range(8)}
+    c = S.check_measured(PB, mem, gpu_count=4)
+    assert c["level"] == "refuse" and "tensor_parallel_size 8" not in c["line"], c["line"]
+    assert c["sizing"]["max_model_len_that_fits"] is None or c["sizing"]["max_model_len_that_fits"] <= 262144
