@@ -8,7 +8,8 @@ Classes (docs/domain/field-report.md, "What happened"):
   guessed-config     the drafter config the server read is not the published (pinned) one          FR 1
   stale-write        the file now holds the pinned config, but the server started before it changed FR 3
   missing-fix        vLLM lacks the +1 layer-id offset (PR #40727) or DFlash sliding windows (#40898) FR 4
-  incomplete-build   compiled extensions missing, or `import vllm` fails                             FR 4
+  incomplete-build   compiled extensions missing (or an import refused: the package is not root-owned) FR 4
+  import-fails       every extension present, but `import vllm` raises: the exception's own line   issue 53
   leftover-holder    a process holds the GPUs that belongs to no running vLLM server               FR 7
   low-acceptance     the server's own /metrics fail the acceptance gate (AL, position 0, cliff)       FR 1
   check-timeout      a check did not finish within its bound (retried once): slow, not a diagnosis   issue 37
@@ -61,8 +62,8 @@ def low_acceptance_verdict(life, p: dict | None):
             return None
     return v
 SCHEMA = "vllm-pve-deploy/doctor/v1"
-CLASSES = ("guessed-config", "stale-write", "missing-fix", "incomplete-build", "leftover-holder", "low-acceptance",
-           "check-timeout", "driver-mismatch")
+CLASSES = ("guessed-config", "stale-write", "missing-fix", "incomplete-build", "import-fails", "leftover-holder",
+           "low-acceptance", "check-timeout", "driver-mismatch")
 
 
 def _get(d, dotted):
@@ -288,8 +289,20 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
         add("check-timeout", f"vLLM {stack.get('version')} at {stack.get('path')}: {stack.get('import_error')}",
             "rerun deploy doctor with a larger --budget (e.g. --budget 60), or when the host is less busy",
             check="import vllm", tries_s=stack.get("import_tries"))
-    if stack.get("installed") and (stack.get("extensions_missing") or
-                                   (stack.get("import_ok") is False and not timed_out)):
+    tried = bool(stack.get("import_tries"))  # an import was run (not refused as untrusted)
+    if stack.get("installed") and tried and stack.get("import_ok") is False and not timed_out \
+            and not stack.get("extensions_missing"):
+        # every compiled extension is there: the build is complete and its import fails (issue 53): say that, with
+        # the exception's own line (what a user searches for)
+        exc = stack.get("import_exception") or stack.get("import_error")
+        add("import-fails", f"vLLM {stack.get('version')} at {stack.get('path')}: every compiled extension is "
+                            f"present, but `import vllm` fails: {exc}",
+            "run `python -c 'import vllm'` with the runtime's Python in the container for the whole traceback; "
+            "a CUDA or driver error: deploy verify " + pbname + " (its gpu-plumbing check names the node or "
+            "version); a missing or mismatched package: deploy install-vllm " + pbname + " (reinstalls the "
+            f"playbook's requires.vllm); then deploy verify {pbname}", exception=exc, **{"stack": stack})
+    elif stack.get("installed") and (stack.get("extensions_missing") or
+                                     (stack.get("import_ok") is False and not timed_out)):
         what = []
         if stack.get("extensions_missing"):
             what.append("compiled extensions missing: " + ", ".join(stack["extensions_missing"]))
