@@ -30,6 +30,7 @@ from . import agent
 from . import gate as G
 from . import plumbing as PL
 from . import vllm_facts as vf
+from .agent.container.protocol import DOCTOR_LOAD_MAX as LOAD_MAX
 from .agent.protocol import FileShaResult
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, Unreachable
 from .facts import nvml_mismatch_fix, parse_pct_config_gpus
@@ -286,7 +287,11 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
     timed_out = bool(stack.get("import_timed_out"))
     if stack.get("installed") and timed_out and not stack.get("extensions_missing"):
         # slow is not broken (issue 37): a timeout says nothing about the build, and is its own finding
-        add("check-timeout", f"vLLM {stack.get('version')} at {stack.get('path')}: {stack.get('import_error')}",
+        load = stack.get("load_factor")
+        scaled = f" (budget {stack.get('budget_s')}s: x{load:g} for the load measured)" \
+            if isinstance(load, (int, float)) and load > 1 else ""
+        add("check-timeout", f"vLLM {stack.get('version')} at {stack.get('path')}: {stack.get('import_error')}"
+                             + scaled,
             "rerun deploy doctor with a larger --budget (e.g. --budget 60), or when the host is less busy",
             check="import vllm", tries_s=stack.get("import_tries"))
     tried = bool(stack.get("import_tries"))  # an import was run (not refused as untrusted)
@@ -535,7 +540,8 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
             return row
         try:
             facts = agent.call(fleet.session(host), vmid, rt["python"], "doctor",
-                               {"budget_s": budget_s, "state_dir": rt.get("state_dir")}, timeout=budget_s + 10)
+                               {"budget_s": budget_s, "state_dir": rt.get("state_dir")},
+                               timeout=budget_s * LOAD_MAX + 10)  # the agent's budget grows with its load
         except DeployError as e:
             row["error"] = e.render()
             row["reachable"] = not isinstance(e, Unreachable)
@@ -586,7 +592,7 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
         return row
 
     with Fleet(inv) as fleet:
-        res = run_parallel(scope, one, deadline_s=budget_s + 20)
+        res = run_parallel(scope, one, deadline_s=budget_s * LOAD_MAX + 20)
     rows = []
     for item, value, err in res:
         if err is not None:

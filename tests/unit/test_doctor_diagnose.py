@@ -213,3 +213,20 @@ def test_a_complete_build_whose_import_raises_is_import_fails_with_the_exception
     # a package refused as untrusted was never imported: not import-fails
     refused = dict(STACK, import_ok=False, import_error="not imported: owned by uid 1000")
     assert classes(diagnose(facts(stack=refused), PINNED, host="pve1", vmid=129)) == ["incomplete-build"]
+
+
+def test_doctor_budget_grows_with_the_load_measured(monkeypatch):
+    """Issue 53 item 15: on a busy machine `import vllm` missed doctor's 8 s bound twice; the agent measures its
+    load as tests/slack.py does and scales its budget (at most x DOCTOR_LOAD_MAX), and the tool waits for that."""
+    from orchestrator.agent.container import doctor as AD
+    from orchestrator.agent.container.protocol import DOCTOR_LOAD_MAX
+
+    monkeypatch.setattr(AD.os, "getloadavg", lambda: (4.0 * (AD.os.cpu_count() or 1), 0, 0))
+    assert AD.load_factor() == DOCTOR_LOAD_MAX
+    monkeypatch.setattr(AD.os, "getloadavg", lambda: (0.0, 0, 0))
+    assert 1.0 <= AD.load_factor() <= DOCTOR_LOAD_MAX
+    slow = dict(STACK, import_ok=False, import_timed_out=True, import_tries=[16.0, 19.5], load_factor=2.0,
+                budget_s=24.0, import_error="import vllm did not finish within 16.0s then 19.5s (a slow or busy "
+                                            "machine, not proof of a broken build)")
+    f = diagnose(facts(stack=slow), PINNED, host="pve1", vmid=129)
+    assert classes(f) == ["check-timeout"] and "(budget 24.0s: x2 for the load measured)" in f[0]["cause"]
