@@ -42,15 +42,18 @@ def install_vllm(obj, playbook, yes, rollback, force, dry_run):
     requires.install.timeout_s is "build not finished", never success. A serving vLLM is not touched (asked
     first; -y to proceed): the next `deploy up`/`restart` starts the new build.
 
-    The shipped playbooks name no requires.vllm: add it to your copy first (deploy init; deploy docs
-    playbooks#requires), e.g. `requires: {vllm: "0.34.0"}`, as my-dflash below.
+    The shipped qwen36-dflash names requires.vllm "0.34.0" (a release that serves its drafter); qwen36-mtp
+    names none: add it to your copy (deploy init; deploy docs playbooks#requires). Without a package index
+    (an air-gapped host): requires.install.find_links names a wheel directory in the container, with
+    no_index: true (docs/playbooks.md#offline-and-air-gapped-hosts).
 
     \b
     Examples:
-      deploy install-vllm my-dflash                # my-dflash.yaml: a copy with requires.vllm
-      deploy install-vllm my-dflash -y
-      deploy install-vllm my-dflash --rollback
-      deploy --json install-vllm my-dflash
+      deploy install-vllm qwen36-dflash --dry-run   # the plan: what is installed from where
+      deploy install-vllm qwen36-dflash
+      deploy install-vllm qwen36-dflash -y          # even while it serves (the serving process is not touched)
+      deploy install-vllm qwen36-dflash --rollback
+      deploy --json install-vllm qwen36-dflash
     """
     def go():
         from ..install import refusal
