@@ -236,3 +236,56 @@ def fault_cmd(target, assignment, clear, list_, root):
     click.echo("%s: %s %s" % (target, name, "off" if value is None else "= " + json.dumps(value) +
                               " (on until: deploy testbed fault %s %s=off, or deploy testbed fault %s --clear)"
                               % (target, name, target)), err=True)
+
+
+@testbed.command("template")
+@click.argument("host")
+@click.argument("name", default="vpd-ml.tar.gz")
+@click.option("--no-wheelhouse", is_flag=True, help="leave the fake vLLM's wheels out")
+@click.option("--no-models", is_flag=True, help="leave the model stand-ins out")
+@click.option("--dir", "root", default=None, help=DIR_HELP)
+def template_cmd(host, name, no_wheelhouse, no_models, root):
+    """Write a container template on HOST's `local` storage that holds what an offline host needs: a wheelhouse
+    of the fake vLLM (every version the test bed builds, in /root/wheelhouse) and the model stand-ins
+    (/root/models/Qwen3.6-27B with the published config.json, and the DFlash drafter). The test bed's
+    containers reach no package index, like an air-gapped host: `deploy prepare HOST/VMID --create --template
+    local:vztmpl/NAME` makes a container from it, and a playbook with requires.install {find_links:
+    [/root/wheelhouse], no_index: true} installs from it (docs/gpu-containers.md).
+
+    \b
+    Examples:
+      deploy testbed template pve1
+      deploy testbed template pve1 vpd-ml.tar.gz --no-models
+    """
+    import re
+
+    from .common import DRAFTER
+    from .core import STALE_CONFIG, TARGET, TARGET_CONFIG, Testbed, TestbedError, safetensors_header
+    from .fake_vllm import wheels as W
+    from .layout import write_template
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}\.tar\.(gz|zst|xz)", name):
+        raise click.UsageError("NAME: a file name ending in .tar.gz (or .tar.zst, .tar.xz), e.g. vpd-ml.tar.gz")
+    try:
+        tb = Testbed.load(_root(root))
+        if host not in tb.hosts:
+            raise TestbedError("no host %s in the test bed (it has %s)" % (host, ", ".join(tb.hosts)))
+        extra = {}
+        if not no_wheelhouse:
+            built = W.wheelhouse(str(tb.root / "fake-vllm-wheels"), pth=tb.site_pth())
+            for path in sorted(set(built.values())):
+                with open(path, "rb") as fh:
+                    extra["wheelhouse/" + os.path.basename(path)] = fh.read()
+        if not no_models:
+            extra["models/%s/config.json" % TARGET] = TARGET_CONFIG.read_bytes()
+            extra["models/%s/config.json" % DRAFTER] = STALE_CONFIG.read_bytes()
+            extra["models/%s/model.safetensors" % DRAFTER] = safetensors_header()
+        cache = tb.hostdir(host) / "vz" / "template" / "cache"
+        cache.mkdir(parents=True, exist_ok=True)
+        write_template(cache / name, extra)
+    except (TestbedError, OSError, RuntimeError) as e:
+        _fail(e)
+    click.echo("local:vztmpl/%s on %s: %d wheel(s) in /root/wheelhouse, %s" % (
+        name, host, sum(1 for k in extra if k.startswith("wheelhouse/")),
+        "models in /root/models" if not no_models else "no models"), err=True)
+    click.echo("local:vztmpl/%s" % name)
