@@ -229,7 +229,7 @@ def fault_cmd(target, assignment, clear, list_, root):
         if not target or not assignment:
             raise click.UsageError("give HOST[/VMID] NAME[=VALUE], or --clear (see --help, --list)")
         name, eq, text = assignment.partition("=")
-        value = True if not eq else (None if text.lower() in ("off", "null", "none") else F.parse_value(text))
+        value = True if not eq else (None if text.lower() in ("off", "null", "none") else F.parse_value(text, name))
         tb.set_fault(host, vmid, name, value)
     except (TestbedError, F.FaultError, ValueError, RuntimeError) as e:
         _fail(e)

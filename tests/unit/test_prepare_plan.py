@@ -101,3 +101,11 @@ def test_a_host_without_uvm_tools_gets_no_line_for_it():
     r = P.plan(hf, {"pve": (8, 2)}, host="pve1", vmid=130, gpus=[0])
     assert r["blockers"] == [] and r["add_lines"] == ["dev0: /dev/nvidia0", "dev1: /dev/nvidiactl",
                                                       "dev2: /dev/nvidia-uvm"]
+
+
+def test_old_proxmox_gets_raw_lines_even_when_the_config_has_dev_lines():
+    """Issue 53 item 10: pve 8.0.4 refuses `pct set --devN`: the version decides before the config's style."""
+    hf = facts(["arch: amd64", "dev0: /dev/nvidia0", "dev1: /dev/nvidiactl", "dev3: /dev/nvidia-uvm"])
+    r = P.plan(hf, {"pve": (8, 0), "conf": "arch: amd64\n"}, host="pve1", vmid=130, gpus=[0, 1])
+    assert r["style"] == "raw" and r["set_argv"] is None, r
+    assert "older than 8.1" in r["why_style"] and "not this version's" in r["why_style"]
