@@ -547,7 +547,7 @@ def r_holders(run: Run, step: P.Step) -> None:
                                     "fuser will have nothing else to kill" if mine else
                    "nothing holds the playbook's GPUs: fuser will have nothing to kill", t0)
         return
-    listing = "".join(f"\n  PID {h['pid']} {h['comm']}: {h['cmdline']}" for h in holders)
+    listing = "".join(f"\n  PID {h['pid']} {h['comm']}: {G.one_line(h['cmdline'])}" for h in holders)
     if run.opts.kill_confirmed or (run.opts.confirm and run.opts.confirm(
             f"Will kill (fuser -k -TERM, then -KILL) in container {ctx.where}, holders of GPU(s) {pb.gpus} that "
             f"deploy did not start:{listing}\nProceed?")):
