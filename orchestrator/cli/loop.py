@@ -206,7 +206,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
     Examples:
       deploy up qwen36-dflash
       deploy up qwen36-dflash --dry-run
-      deploy up my-dflash --install-vllm         # a playbook with requires.vllm
+      deploy up qwen36-dflash --install-vllm     # its requires.vllm ("0.34.0") first, then up
       deploy --json up qwen36-mtp -y > result.json
       deploy up qwen36-replicas --parallel 2      # a playbook with targets:
     """
