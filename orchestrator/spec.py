@@ -19,7 +19,7 @@ from yaml.nodes import MappingNode
 
 from . import spec_schema
 from .errors import SpecError, UsageError
-from .locate import find_playbook, list_playbooks, shipped_dir
+from .locate import find_playbook, list_playbooks, shipped_dir, testbed_inventory
 from .schema import Problems, compose_file, node_of
 from .spec_schema import DEFAULT_STATE_DIR, INVENTORY, PLAYBOOK, RESERVED_FLAGS, is_secret_name
 from .vllm_facts import vtuple
@@ -414,7 +414,7 @@ def _check_target(t: dict, key: str, inv: Inventory | None, serve: dict, problem
                          f"unknown host {t['host']!r} in inventory {inv.path}{hint}; known: "
                          + (", ".join(inv.hosts) if inv.hosts else
                             "none (an empty inventory: edit it, or for the test bed run `deploy testbed up` and "
-                            "export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml)"))
+                            f"export DEPLOY_INVENTORY={testbed_inventory()})"))
         else:
             ct = host.container(t["vmid"])
             if ct is None:

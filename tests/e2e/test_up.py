@@ -133,6 +133,9 @@ def test_port_in_use_is_caught_before_launch(tb, deploy):
     p = deploy("--json", "up", "qwen36-mtp")
     assert p.returncode == 1
     assert "port 8000 is already in use in the container" in p.json["error"]["message"]
+    # issue 53 item 14: the listener is named (its PID and program), and the fix says which PID to stop
+    assert "in the container by PID " in p.json["error"]["message"], p.json["error"]
+    assert p.json["error"]["fix"].startswith("stop PID "), p.json["error"]["fix"]
     assert p.json["error"]["fix"] == "stop what listens there, or set serve.port to a free port"
     assert "launch" not in [s["step"] for s in p.json["steps"]]
 

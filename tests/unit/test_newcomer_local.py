@@ -321,3 +321,17 @@ def test_discover_says_it_found_no_address_and_the_note_is_true():
     note = endpoint(NS(name="pve1"), None, 8000)["note"]
     assert note == "address unknown: none in the inventory; deploy discover pve1 --write reads it, or set address:"
     assert "records it" not in note  # it may find none: not a promise
+
+
+def test_docs_section_not_found_suggests_and_lists_every_level():
+    """Issue 53 item 14: `deploy docs` listed only the ## sections when a section was not found."""
+    import pytest
+
+    from orchestrator.errors import UsageError
+    from orchestrator.scaffold import docs_text
+
+    assert docs_text("playbooks#offline-and-air-gapped-hosts").startswith("#### Offline and air-gapped hosts")
+    with pytest.raises(UsageError) as e:
+        docs_text("playbooks#offline-and-air-gaped-hosts")
+    assert "(did you mean #offline-and-air-gapped-hosts?)" in e.value.message
+    assert "requires" in e.value.fix and "offline-and-air-gapped-hosts" in e.value.fix  # ### and #### too

@@ -134,3 +134,13 @@ def test_the_key_goes_only_to_the_proven_router(state, tmp_path):
         if router.poll() is None:
             router.kill()
             router.wait()
+
+
+def test_router_lines_never_say_router_router():
+    """Issue 53 item 13: `deploy down qwen36-replicas pve2/129` printed `router router: ...`."""
+    from orchestrator.fleet import router_lines
+
+    one = router_lines({"action": "down", "router": {"ok": True, "url": "http://x:9000"}})
+    assert one == ["router: removed from it first"]
+    two = router_lines({"action": "down", "router": {"where": "pve1/140", "ok": True, "stopped": True}})
+    assert two == ["router pve1/140: stopped"]
