@@ -306,6 +306,12 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
         if playbook:
             not_a_container(inv, playbook)
         pbs = [load_playbook(n, inv) for n in names]
+        for pb in pbs:
+            if pb.is_fleet and pb.data.get("router") and not rolling:  # issue 53: clients saw 500/503 meanwhile
+                _echo_wrapped(f"warning: {pb.name} is served through its router: a plain restart stops every "
+                              "replica at once, so clients get errors (500/503) until they are back; deploy restart "
+                              f"{pb.name} --rolling restarts them one at a time while the router keeps serving",
+                              err=True)
         if dry_run:
             for pb in pbs:
                 render_plans(obj.json, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=True,
@@ -313,12 +319,6 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
                                                                .ask_before_kill(m)))
             return
         opts = ops.Options(yes=True, clean_gpus=clean_gpus, wait_lock_s=wait_lock, yes_kill=yes, confirm=_confirm)
-        for pb in pbs:
-            if pb.is_fleet and pb.data.get("router") and not rolling:  # issue 53: clients saw 500/503 meanwhile
-                _echo_wrapped(f"warning: {pb.name} is served through its router: a plain restart stops every "
-                              "replica at once, so clients get errors (500/503) until they are back; deploy restart "
-                              f"{pb.name} --rolling restarts them one at a time while the router keeps serving",
-                              err=True)
         if len(pbs) == 1 and (rolling or pbs[0].is_fleet):
             from .. import fleet as F
 
