@@ -109,14 +109,19 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
     into place. Already fetched and verified: nothing to do. A `source: {path: HOST_DIR}` is copied from the
     Proxmox host instead and verified against its deploy-manifest.json.
 
+    The shipped playbooks give paths only (the test bed's models are in place): the examples name
+    my-hub-dflash, a copy of qwen36-dflash whose model and drafter name a source (model.hub + model.revision,
+    speculative.drafter.hub_id + revision: docs/playbooks.md#fetch-weights-from-the-hub-or-a-host-directory).
+
     \b
     Examples:
-      deploy fetch qwen36-dflash
-      deploy fetch qwen36-dflash --timeout 7200    # the token: export the variable named in token_env first
-      deploy fetch qwen36-dflash --connections 16   # a fast link behind a CDN that caps each connection
-      deploy fetch qwen36-dflash --verify
-      deploy fetch qwen36-dflash --manifest /tmp/qwen36.manifest.json
-      deploy --json fetch qwen36-dflash
+      deploy fetch my-hub-dflash --dry-run          # the plan: what comes from where, nothing run
+      deploy fetch my-hub-dflash
+      deploy fetch my-hub-dflash --timeout 7200     # the token: export the variable named in token_env first
+      deploy fetch my-hub-dflash --connections 16   # a fast link behind a CDN that caps each connection
+      deploy fetch my-hub-dflash --verify
+      deploy fetch my-hub-dflash --manifest /tmp/qwen36.manifest.json
+      deploy --json fetch my-hub-dflash
     """
     def go():
         from ..fetch import refusal
