@@ -112,6 +112,7 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
     The shipped playbooks give paths only (the test bed's models are in place): the examples name
     my-hub-dflash, a copy of qwen36-dflash whose model and drafter name a source (model.hub + model.revision,
     speculative.drafter.hub_id + revision: docs/playbooks.md#fetch-weights-from-the-hub-or-a-host-directory).
+    On the test bed, `deploy testbed hub pve1/129` serves a hub for it (model.endpoint: the URL it prints).
 
     \b
     Examples:

@@ -289,3 +289,73 @@ def template_cmd(host, name, no_wheelhouse, no_models, root):
         name, host, sum(1 for k in extra if k.startswith("wheelhouse/")),
         "models in /root/models" if not no_models else "no models"), err=True)
     click.echo("local:vztmpl/%s" % name)
+
+
+@testbed.command("hub")
+@click.argument("target", metavar="HOST/VMID")
+@click.option("--port", default=8077, show_default=True, type=click.IntRange(1024, 65535),
+              help="the port it listens on, at 127.0.0.1 in that container's own network")
+@click.option("--stop", is_flag=True, help="stop the hub of HOST/VMID")
+@click.option("--dir", "root", default=None, help=DIR_HELP)
+def hub_cmd(target, port, stop, root):
+    """Serve a small Hugging Face hub to one container, for `deploy fetch`: Qwen/Qwen3.6-27B (the published
+    config.json and a stand-in safetensors file) and z-lab/Qwen3.6-27B-DFlash (the published drafter config and
+    a safetensors header), branch main. It listens at http://127.0.0.1:PORT inside the container's own network
+    namespace (the test bed's containers reach nothing else): a playbook names it as model.endpoint. Stopped by
+    --stop and by `deploy testbed down` (docs/testbed.md#a-hub-for-deploy-fetch).
+
+    \b
+    Examples:
+      deploy testbed hub pve1/129
+      deploy testbed hub pve1/129 --stop
+    """
+    import signal
+    import subprocess
+    import time
+
+    from .common import DRAFTER
+    from .core import DATA, TARGET, TARGET_CONFIG, Testbed, TestbedError, safetensors_header
+    from . import hub as H
+
+    host, _, v = target.partition("/")
+    if not v.isdigit():
+        raise click.UsageError("TARGET: HOST/VMID, e.g. pve1/129")
+    try:
+        tb = Testbed.load(_root(root))
+        d = tb.hostdir(host) / ("hub-%d" % int(v))  # under the host's directory: `testbed down` kills it too
+        pidf = d / "hub.pid"
+        if pidf.exists():
+            try:
+                os.killpg(int(pidf.read_text().split()[0]), signal.SIGTERM)
+            except (ProcessLookupError, ValueError):
+                pass
+            pidf.unlink()
+        if stop:
+            click.echo("%s: hub stopped" % target, err=True)
+            return
+        (d / "hub.ready").unlink(missing_ok=True)
+        d.mkdir(parents=True, exist_ok=True)
+        weights = bytes(range(256)) * 4096  # 1 MiB stand-in: an LFS file, fetched in ranges like the real ones
+        H.make_repo(str(d), "Qwen/" + TARGET, {"config.json": TARGET_CONFIG.read_bytes(),
+                                               "model-00001-of-00001.safetensors": weights})
+        H.make_repo(str(d), "z-lab/" + DRAFTER, {"config.json": (DATA / "qwen36-27b-dflash.config.json").read_bytes(),
+                                                 "model.safetensors": safetensors_header()})
+        pid = tb.init_pid(host, int(v))
+        log = open(d / "hub.log", "ab")
+        p = subprocess.Popen(["nsenter", "-t", str(pid), "-n", "--", sys.executable, "-SE", os.path.abspath(H.__file__),
+                              str(d), str(port)], stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        deadline = time.monotonic() + 20
+        while not (d / "hub.ready").exists():
+            if p.poll() is not None or time.monotonic() > deadline:
+                p.kill()
+                raise TestbedError("the hub did not start (exit %s); its log: %s" % (p.poll(), d / "hub.log"))
+            time.sleep(0.05)
+        pidf.write_text("%d\n" % p.pid)
+    except (TestbedError, OSError, RuntimeError) as e:
+        _fail(e)
+    click.echo("%s: hub at http://127.0.0.1:%d (inside that container): Qwen/%s, z-lab/%s (branch main); in a "
+               "playbook: model: {path: /root/models/NAME, hub: Qwen/%s, revision: main, endpoint: "
+               "http://127.0.0.1:%d}; stop it: deploy testbed hub %s --stop" % (target, port, TARGET, DRAFTER, TARGET,
+                                                                                port, target), err=True)
+    click.echo("http://127.0.0.1:%d" % port)
