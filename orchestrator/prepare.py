@@ -579,15 +579,15 @@ class Prepare:
         absent = [p for p in self.pl["missing"] if p not in cfg["dev"] and p not in cfg["mounts"]]
         if lost or absent:
             restored = self._restore_backup()  # never leave a change that did not read back (issue 53)
+            fix = (f"see what changes the config besides deploy (pct config {v} and the file differ?), then "
+                   "deploy prepare again") if restored.startswith("restored") else \
+                f"restore it: {self.res['restore']}"
             raise DeployError(f"read back of {self.conf} (pct config {v}) does not show the change: " +
                               (f"no line passing {', '.join(absent)} in" if absent else "") +
                               ("; " if lost and absent else "") +
                               (f"lines that were there are gone: {'; '.join(lost[:5])}" if lost else "") +
                               (f"; {restored}" if restored else ""),
-                              where=f"{self.host}/{v} {self.conf}",
-                              fix="see what changes the config besides deploy (pct config " + str(v) +
-                                  " and the file differ?), then deploy prepare again" if restored.startswith(
-                                      "restored") else f"restore it: {self.res['restore']}")
+                              where=f"{self.host}/{v} {self.conf}", fix=fix)
         self.hf = after
         self.res["applied"].append(f"read back: pct config {v} passes in {', '.join(self.pl['missing'])}")
 

@@ -57,8 +57,9 @@ def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]
     fits = sized_on_measured_gpus(ctx, facts["host"], facts["container"])
     if fits and fits["level"] == "refuse":  # filed under `sizing`, as verify files it (issue 53)
         msg, fix = Z.measured_refusal(ctx.pb, fits)
-        ctx.record(step.name, True, f"container {ctx.pb.vmid} sees GPUs {list(ctx.pb.gpus)}, nvidia-uvm, the "
-                                    f"host's driver version and enough /dev/shm{note}", t0)
+        if record:
+            ctx.record(step.name, True, f"container {ctx.pb.vmid} sees GPUs {list(ctx.pb.gpus)}, nvidia-uvm, the "
+                                        f"host's driver version and enough /dev/shm{note}", t0)
         ctx.fail("sizing", time.monotonic(), msg + "; nothing was stopped", fix=fix, fits=fits)
     if fits and fits["level"] == "warn":
         ctx.progress.say(ctx.where, f"     warning: sizing on the measured GPUs: {fits['line']}")
