@@ -281,11 +281,16 @@ def router_lines(res: dict) -> list[str]:
     if rr.get("ok"):
         g = rr.get("gate") or {}
         per = g.get("per_replica") or {}
-        spread = "/".join(str((per.get(u) or {}).get("requests")) for u in rr.get("workers") or [])
+        counts = [(per.get(u) or {}).get("requests") for u in rr.get("workers") or []]
+        spread = "/".join(str(c) for c in counts)
+        served = sum(c for c in counts if isinstance(c, (int, float)))
+        # the spread is each replica's request counter over the gate: other clients' requests count too (issue 53)
+        others = f" (the replicas served {served:g} meanwhile: other clients' requests included)" \
+            if isinstance(g.get("sent"), int) and served > g["sent"] else ""
         return [f"router{w}: {'already up' if rr.get('status') == 'already up' else 'up'} at "
                 f"{rr.get('url') or 'port %s (address unknown)' % rr.get('port')}, policy {rr.get('policy')}, "
-                f"{len(rr.get('workers') or [])} replica(s); gate: {g.get('succeeded')} completions through it, "
-                f"spread {spread}"]
+                f"{len(rr.get('workers') or [])} replica(s); gate: {g.get('succeeded')} of {g.get('sent')} "
+                f"completions through it, spread {spread}{others}"]
     return [f"router{w}: FAILED: {rr.get('message')}",
             "  the replicas that passed keep serving on their own addresses (deploy status shows them)"]
 
