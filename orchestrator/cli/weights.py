@@ -116,7 +116,6 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
 
     \b
     Examples:
-      deploy fetch my-hub-dflash --dry-run          # the plan: what comes from where, nothing run
       deploy fetch my-hub-dflash
       deploy fetch my-hub-dflash --timeout 7200     # the token: export the variable named in token_env first
       deploy fetch my-hub-dflash --connections 16   # a fast link behind a CDN that caps each connection
