@@ -434,6 +434,8 @@ def deploy_everywhere(tb, env, hosts, workdir, budget):
     src = os.path.join(REPO, "playbooks", "qwen36-mtp.yaml")
     text = open(src).read()
     argvs = [deploy_argv("up", "qwen36-mtp", "-y")]
+    if not os.path.exists(os.path.join(workdir, "targets")):  # sizing.target_config, relative to the copies
+        os.symlink(os.path.join(REPO, "playbooks", "targets"), os.path.join(workdir, "targets"))
     for h in hosts[1:]:
         p = os.path.join(workdir, f"qwen36-mtp-{h}.yaml")
         with open(p, "w") as fh:

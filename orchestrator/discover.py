@@ -27,7 +27,7 @@ import yaml
 
 from .agent.container import files as _agent_files
 from .atomic import write_atomic
-from .errors import EXIT_FAILED, EXIT_OK, DeployError, SpecError, UsageError
+from .errors import EXIT_FAILED, EXIT_OK, DeployError, HostKeyError, SpecError, UsageError
 from .facts import NVML_MISMATCH, parse_pct_list
 from .locate import find_inventory
 from .remote import AuditLog, HostSession, run_parallel
@@ -743,6 +743,13 @@ def run_discover(obj, target: str, *, write: bool, yes: bool, accept_new: bool, 
     session = HostSession(hs, AuditLog())
     try:
         found = discover(session, timeout=timeout, progress=lambda m: progress.say(where, m))
+    except HostKeyError as e:
+        if inv_name is None and "accept_new_host_keys: true" in (e.fix or ""):
+            # an address outside the inventory has no inventory key to set: the option of this command is the way
+            e.fix = e.fix.replace("set accept_new_host_keys: true for this host",
+                                  f"run again with --accept-new-host-key (deploy discover {target} "
+                                  "--accept-new-host-key; the key is then recorded)")
+        raise
     finally:
         session.close()
     host_name = name or inv_name or (inventory_name(hs.address, 0) if not hs.ssh_config_alias else

@@ -8,7 +8,8 @@ Classes (docs/domain/field-report.md, "What happened"):
   guessed-config     the drafter config the server read is not the published (pinned) one          FR 1
   stale-write        the file now holds the pinned config, but the server started before it changed FR 3
   missing-fix        vLLM lacks the +1 layer-id offset (PR #40727) or DFlash sliding windows (#40898) FR 4
-  incomplete-build   compiled extensions missing, or `import vllm` fails                             FR 4
+  incomplete-build   compiled extensions missing (or an import refused: the package is not root-owned) FR 4
+  import-fails       every extension present, but `import vllm` raises: the exception's own line   issue 53
   leftover-holder    a process holds the GPUs that belongs to no running vLLM server               FR 7
   low-acceptance     the server's own /metrics fail the acceptance gate (AL, position 0, cliff)       FR 1
   check-timeout      a check did not finish within its bound (retried once): slow, not a diagnosis   issue 37
@@ -31,6 +32,7 @@ from . import agent
 from . import gate as G
 from . import plumbing as PL
 from . import vllm_facts as vf
+from .agent.container.protocol import DOCTOR_LOAD_MAX as LOAD_MAX
 from .agent.protocol import FileShaResult
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, Unreachable
 from .facts import nvml_mismatch_fix, parse_pct_config_gpus
@@ -63,8 +65,8 @@ def low_acceptance_verdict(life, p: dict | None):
             return None
     return v
 SCHEMA = "vllm-pve-deploy/doctor/v1"
-CLASSES = ("guessed-config", "stale-write", "missing-fix", "incomplete-build", "leftover-holder", "low-acceptance",
-           "check-timeout", "driver-mismatch", "privileged-store")
+CLASSES = ("guessed-config", "stale-write", "missing-fix", "incomplete-build", "import-fails", "leftover-holder",
+           "low-acceptance", "check-timeout", "driver-mismatch", "privileged-store")
 
 
 def _get(d, dotted):
@@ -287,11 +289,27 @@ def diagnose(facts: dict, pinned: list[dict], *, host: str, vmid: int, playbook:
     timed_out = bool(stack.get("import_timed_out"))
     if stack.get("installed") and timed_out and not stack.get("extensions_missing"):
         # slow is not broken (issue 37): a timeout says nothing about the build, and is its own finding
-        add("check-timeout", f"vLLM {stack.get('version')} at {stack.get('path')}: {stack.get('import_error')}",
+        load = stack.get("load_factor")
+        scaled = f" (budget {stack.get('budget_s')}s: x{load:g} for the load measured)" \
+            if isinstance(load, (int, float)) and load > 1 else ""
+        add("check-timeout", f"vLLM {stack.get('version')} at {stack.get('path')}: {stack.get('import_error')}"
+                             + scaled,
             "rerun deploy doctor with a larger --budget (e.g. --budget 60), or when the host is less busy",
             check="import vllm", tries_s=stack.get("import_tries"))
-    if stack.get("installed") and (stack.get("extensions_missing") or
-                                   (stack.get("import_ok") is False and not timed_out)):
+    tried = bool(stack.get("import_tries"))  # an import was run (not refused as untrusted)
+    if stack.get("installed") and tried and stack.get("import_ok") is False and not timed_out \
+            and not stack.get("extensions_missing"):
+        # every compiled extension is there: the build is complete and its import fails (issue 53): say that, with
+        # the exception's own line (what a user searches for)
+        exc = stack.get("import_exception") or stack.get("import_error")
+        add("import-fails", f"vLLM {stack.get('version')} at {stack.get('path')}: every compiled extension is "
+                            f"present, but `import vllm` fails: {exc}",
+            "run `python -c 'import vllm'` with the runtime's Python in the container for the whole traceback; "
+            "a CUDA or driver error: deploy verify " + pbname + " (its gpu-plumbing check names the node or "
+            "version); a missing or mismatched package: deploy install-vllm " + pbname + " (reinstalls the "
+            f"playbook's requires.vllm); then deploy verify {pbname}", exception=exc, **{"stack": stack})
+    elif stack.get("installed") and (stack.get("extensions_missing") or
+                                     (stack.get("import_ok") is False and not timed_out)):
         what = []
         if stack.get("extensions_missing"):
             what.append("compiled extensions missing: " + ", ".join(stack["extensions_missing"]))
@@ -525,7 +543,8 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
             return row
         try:
             facts = agent.call(fleet.session(host), vmid, rt["python"], "doctor",
-                               {"budget_s": budget_s, "state_dir": rt.get("state_dir")}, timeout=budget_s + 10)
+                               {"budget_s": budget_s, "state_dir": rt.get("state_dir")},
+                               timeout=budget_s * LOAD_MAX + 10)  # the agent's budget grows with its load
         except DeployError as e:
             row["error"] = e.render()
             row["reachable"] = not isinstance(e, Unreachable)
@@ -576,7 +595,7 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
         return row
 
     with Fleet(inv) as fleet:
-        res = run_parallel(scope, one, deadline_s=budget_s + 20)
+        res = run_parallel(scope, one, deadline_s=budget_s * LOAD_MAX + 20)
     rows = []
     for item, value, err in res:
         if err is not None:

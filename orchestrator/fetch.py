@@ -69,7 +69,7 @@ def refusal(pb: Playbook) -> UsageError | None:
         return None
     return UsageError(f"{pb.name} names no source to fetch: model and speculative.drafter give only paths",
                       where=pb.path, fix="add model.hub + model.revision (or source: {path: HOST_DIR}) to the "
-                                         "playbook (docs/playbooks.md#fetch)")
+                                         "playbook (docs/playbooks.md#fetch-weights-from-the-hub-or-a-host-directory)")
 
 
 class _Runner:

@@ -211,9 +211,9 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, o
     if R.spec(pb):
         if only:
             try:
-                rr = R.drain(fleet, pb, progress, members[0])
+                rr = {"where": R.where(pb), **R.drain(fleet, pb, progress, members[0])}
             except DeployError as e:
-                rr = {"ok": False, "message": e.message}
+                rr = {"where": R.where(pb), "ok": False, "message": e.message}
         else:
             rr = R.down(fleet, pb, progress)
     outs = run_each(members, lambda m: ops.down(fleet, m, progress, opts), parallel)
@@ -266,26 +266,32 @@ def router_lines(res: dict) -> list[str]:
     rr = res.get("router")
     if not rr:
         return []
-    w = rr.get("where", "router")
+    w = rr.get("where")
+    w = f" {w}" if w and w != "router" else ""  # never `router router:` (issue 53)
     if res["action"] == "down":
-        return [f"router {w}: " + ("stopped" if rr.get("stopped") else "removed from it first" if rr.get("url") else
+        return [f"router{w}: " + ("stopped" if rr.get("stopped") else "removed from it first" if rr.get("url") else
                                    "nothing was running" if rr.get("ok") else f"NOT stopped: {rr.get('message')}")]
     if res["action"] == "rolling restart":
         d = rr.get("drains") or {}
         if not rr.get("ok"):
             bad = [f"{k}: {v.get('message')}" for k, v in d.items() if not v.get("ok")]
-            return [f"router {w}: drained each target first; FAILED for " + "; ".join(bad)]
-        return [f"router {w}: each target was removed from the router before its restart and added back after its "
+            return [f"router{w}: drained each target first; FAILED for " + "; ".join(bad)]
+        return [f"router{w}: each target was removed from the router before its restart and added back after its "
                 f"gates ({len(d)} drained)"]
     if rr.get("ok"):
         g = rr.get("gate") or {}
         per = g.get("per_replica") or {}
-        spread = "/".join(str((per.get(u) or {}).get("requests")) for u in rr.get("workers") or [])
-        return [f"router {w}: {'already up' if rr.get('status') == 'already up' else 'up'} at "
+        counts = [(per.get(u) or {}).get("requests") for u in rr.get("workers") or []]
+        spread = "/".join(str(c) for c in counts)
+        served = sum(c for c in counts if isinstance(c, (int, float)))
+        # the spread is each replica's request counter over the gate: other clients' requests count too (issue 53)
+        others = f" (the replicas served {served:g} meanwhile: other clients' requests included)" \
+            if isinstance(g.get("sent"), int) and served > g["sent"] else ""
+        return [f"router{w}: {'already up' if rr.get('status') == 'already up' else 'up'} at "
                 f"{rr.get('url') or 'port %s (address unknown)' % rr.get('port')}, policy {rr.get('policy')}, "
-                f"{len(rr.get('workers') or [])} replica(s); gate: {g.get('succeeded')} completions through it, "
-                f"spread {spread}"]
-    return [f"router {w}: FAILED: {rr.get('message')}",
+                f"{len(rr.get('workers') or [])} replica(s); gate: {g.get('succeeded')} of {g.get('sent')} "
+                f"completions through it, spread {spread}{others}"]
+    return [f"router{w}: FAILED: {rr.get('message')}",
             "  the replicas that passed keep serving on their own addresses (deploy status shows them)"]
 
 

@@ -25,7 +25,14 @@ from .errors import UsageError
 
 APP = "vllm-pve-deploy"
 PLAYBOOK_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
-TESTBED_HINT = "for the built-in test bed: deploy testbed up && export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml"
+def testbed_inventory() -> str:
+    """The test bed's inventory as `deploy testbed up` writes it: $VPD_TESTBED_DIR/hosts.yaml (default
+    /tmp/vpd-testbed), so a fix text names the directory this shell's test bed uses (issue 53)."""
+    return os.path.join(os.environ.get("VPD_TESTBED_DIR") or "/tmp/vpd-testbed", "hosts.yaml")
+
+
+def testbed_hint() -> str:
+    return f"for the built-in test bed: deploy testbed up && export DEPLOY_INVENTORY={testbed_inventory()}"
 
 
 def user_config_dir() -> Path:
@@ -115,4 +122,4 @@ def find_inventory(explicit: str | None) -> str:
             return str(p)
     looked = ", ".join(f"{_show(p)} ({why})" for why, p in inventory_candidates())
     raise UsageError(f"no inventory found; looked in: $DEPLOY_INVENTORY and -i (not set), {looked}",
-                     fix="deploy init writes an example hosts.yaml here to edit; " + TESTBED_HINT)
+                     fix="deploy init writes an example hosts.yaml here to edit; " + testbed_hint())

@@ -314,6 +314,13 @@ def r_current(run: Run, step: P.Step) -> None:
     key = ctx.secrets.get("VLLM_API_KEY")
     cur: CurrentResult = ctx.call(step, secrets={"api_key": key} if key else None)
     run.cur = cur
+    mem = cur.memory if isinstance(cur.memory, dict) else {}
+    if mem.get("error") == "timeout":  # the probe did not answer: fail now, naming it (never an ok unlooked)
+        ctx.fail("current", t0, f"`{P.NVIDIA_SMI_QUERY}` in container {pb.vmid} {mem.get('message')}: what holds "
+                                "the GPUs cannot be read; nothing was stopped",
+                 fix=f"the NVIDIA driver may be wedged: run nvidia-smi on {pb.host} itself (a hung one needs the "
+                     "driver reloaded or the host rebooted); gpu.nvidia_smi_timeout_s in the playbook sets the bound",
+                 state_left="unchanged: nothing was stopped or started")
     s = cur.state or {}
     running = st.running = bool(s.get("alive"))
     st.foreign_vllm = bool(cur.vllm_processes)
@@ -390,7 +397,7 @@ def r_plumbing(run: Run, step: P.Step) -> None:
     ctx = run.ctx  # deploy verify: the findings and the sizing on the measured GPUs, judged by verify_only
     found, facts = GP.run_check(ctx, step)
     run.out.info["gpu_plumbing"] = {"findings": found, "host_error": (facts["host"] or {}).get("error")}
-    fits = GP.sized_on_measured_gpus(ctx, facts["host"])
+    fits = GP.sized_on_measured_gpus(ctx, facts["host"], facts["container"])
     if fits:
         run.out.info["fits"] = fits
         ctx.progress.say(ctx.where, f"sizing on the measured GPUs: {fits['line']}")
@@ -565,7 +572,7 @@ def r_holders(run: Run, step: P.Step) -> None:
                                     "fuser will have nothing else to kill" if mine else
                    "nothing holds the playbook's GPUs: fuser will have nothing to kill", t0)
         return
-    listing = "".join(f"\n  PID {h['pid']} {h['comm']}: {h['cmdline']}" for h in holders)
+    listing = "".join(f"\n  PID {h['pid']} {h['comm']}: {G.one_line(h['cmdline'])}" for h in holders)
     if run.opts.kill_confirmed or (run.opts.confirm and run.opts.confirm(
             f"Will kill (fuser -k -TERM, then -KILL) in container {ctx.where}, holders of GPU(s) {pb.gpus} that "
             f"deploy did not start:{listing}\nProceed?")):

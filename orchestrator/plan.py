@@ -222,8 +222,8 @@ def step_current(pb):
                            "already runs healthy and its launch passed the gate, stop here: already up (without a "
                            "passed verdict: gate it now)", action="status",
                 args={"state_dir": pb.runtime["state_dir"],
-                      "nvidia_smi_timeout_s": pb.data["gpu"]["nvidia_smi_timeout_s"]},
-                timeout=pb.data["gpu"]["nvidia_smi_timeout_s"] + 20,
+                      "nvidia_smi_timeout_s": pb.conf.gpu.nvidia_smi_timeout_s},
+                timeout=pb.conf.gpu.nvidia_smi_timeout_s + 20,
                 runs=[f"cat {_state(pb, 'state.json')}; check its process group is alive (pid, start time, launch id)",
                       "sha256sum the drafter config the state file names; ps for vLLM processes deploy did not start",
                       f"curl -s http://127.0.0.1:{port}/health; curl -s http://127.0.0.1:{port}/v1/models "
@@ -266,7 +266,8 @@ def step_plumbing(pb):
     return Step("gpu-plumbing", "the container sees its GPUs: pct config lines, host and container /dev/nvidia* "
                                 "(majors), nvidia-uvm, driver version in user space = the host's module, the "
                                 "driver's CUDA >= torch's, /dev/shm for tensor parallelism",
-                action="plumbing", args={}, timeout=30, host_argv=PL.host_argv(pb.vmid),
+                action="plumbing", args={}, timeout=30,
+                host_argv=PL.host_argv(pb.vmid, pb.conf.gpu.nvidia_smi_timeout_s),
                 runs=[f"pct config {pb.vmid}; grep nvidia /proc/devices; stat /dev/nvidia*; "
                       "cat /proc/driver/nvidia/version; nvidia-smi   # on the host, one exec",
                       f"stat /dev/nvidia*; ls /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.* libcuda.so.*; "

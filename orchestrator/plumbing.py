@@ -39,12 +39,15 @@ for f in /dev/nvidia*; do
 done
 echo "@@ version"; head -c 400 /proc/driver/nvidia/version 2>/dev/null
 echo "@@ smi"
-T=""; command -v timeout >/dev/null 2>&1 && T="timeout -k 2 10"
-F=$(mktemp 2>/dev/null) && { $T @SMI_MEMORY@ \
-  > "$F" 2>/dev/null & }
-$T nvidia-smi 2>&1 | head -c 4000 | grep -E 'Driver Version|CUDA Version|NVML|Failed' | head -n 4
+T=""; command -v timeout >/dev/null 2>&1 && T="timeout -k 2 ${2:-10}"
+F=$(mktemp 2>/dev/null) && { { $T @SMI_MEMORY@ > "$F" 2>/dev/null; echo "@@ smi_rc $?" >> "$F"; } & }
+H=$(mktemp 2>/dev/null) || H=/dev/null
+$T nvidia-smi > "$H" 2>&1; R=$?
+head -c 4000 "$H" | grep -E 'Driver Version|CUDA Version|NVML|Failed' | head -n 4
+[ "$H" = /dev/null ] || rm -f "$H"
+echo "@@ smi_rc $R"
 wait
-echo "@@ gpumem"; if [ -n "$F" ]; then head -n 64 "$F" | head -c 4000; rm -f "$F"; fi
+echo "@@ gpumem"; if [ -n "$F" ]; then head -n 65 "$F" | head -c 4100; rm -f "$F"; fi
 exit 0
 """
 HOST_PLUMBING_SH = HOST_PLUMBING_SH.replace("@SMI_MEMORY@", shlex.join(["nvidia-smi", *SMI_MEMORY_ARGS]))  # one spelling
@@ -102,7 +105,7 @@ def parse_host(text: str) -> dict:
     module_version, smi_driver, smi_cuda, smi_error, gpu_mem: {index: {used, total}}}. A node: {kind: "char"|"file"|
     "other", major, minor}."""
     out = {"config": [], "config_rc": None, "proc_devices": {}, "nodes": {}, "module_version": None,
-           "smi_driver": None, "smi_cuda": None, "smi_error": None, "gpu_mem": {}}
+           "smi_driver": None, "smi_cuda": None, "smi_error": None, "gpu_mem": {}, "smi_timeout": []}
     sec = None
     for raw in (text or "").splitlines()[: MAX_LINES * 4]:
         ln = raw[:1000]
@@ -110,6 +113,10 @@ def parse_host(text: str) -> dict:
             word = ln[3:].strip()
             if word.startswith("rc "):
                 out["config_rc"] = int(word[3:]) if word[3:].strip().isdigit() else None
+            elif word.startswith("smi_rc "):  # 124/137: `timeout` ended an nvidia-smi that did not answer
+                if word[7:].strip() in ("124", "137"):
+                    out["smi_timeout"] = [*out.get("smi_timeout", []),
+                                          "nvidia-smi" if sec == "smi" else shlex.join(["nvidia-smi", *SMI_MEMORY_ARGS])]
             else:
                 sec = word
             continue
@@ -266,16 +273,25 @@ def findings(host: dict | None, ct: dict | None, *, host_name: str, vmid: int, g
         next_dev = max(idx) + 1 if idx else 0
     raw_style = bool(cfg and not cfg["dev"] and (cfg["mounts"] or cfg["allow"]))
 
-    # 1. the host's nodes: each one the container needs must exist there first
+    # 0. a probe that did not answer: nothing it would have said is known (never an ok without having looked)
+    for cmd in (host or {}).get("smi_timeout") or []:
+        _f(out, "nvidia-smi-timeout", f"{host_name}: `{cmd}`",
+           f"an answer within {(host or {}).get('smi_timeout_s') or SMI_TIMEOUT_S:g}s",
+           "no answer: the driver version, CUDA version and GPU memory were not read",
+           f"the NVIDIA driver may be wedged: run nvidia-smi on {hw} itself (a hung one needs the driver reloaded "
+           "or the host rebooted)",
+           "a hung nvidia-smi usually means a wedged driver or a GPU that fell off the bus (dmesg shows Xid errors)")
+
+    # 1. the host's nodes: each one the container needs must exist there first (nvidia-uvm-tools: only a note)
     host_missing = set()
     if host:
-        for p in wanted + ["/dev/nvidia-uvm-tools"]:
+        for p in wanted:
             if p not in hn or hn[p]["kind"] != "char":  # a plain file there is no device either
                 host_missing.add(p)
-        if "/dev/nvidia-uvm" in host_missing or "/dev/nvidia-uvm-tools" in host_missing:
-            miss = sorted(p for p in host_missing if "uvm" in p)
+        if "/dev/nvidia-uvm" in host_missing:
+            miss = ["/dev/nvidia-uvm"]
             _f(out, "uvm-missing-on-host", f"{host_name}: {', '.join(miss)}",
-               "/dev/nvidia-uvm and /dev/nvidia-uvm-tools on the host",
+               "/dev/nvidia-uvm on the host",
                "missing" + (f" (nvidia-uvm is loaded: major {uvm_major} in /proc/devices)" if uvm_major
                             else " (nvidia_uvm not in /proc/devices: the module is not loaded)"),
                f"on {hw}: nvidia-modprobe -u -c=0 (loads nvidia_uvm and creates the nodes), then pct reboot {v}; to "
@@ -284,7 +300,7 @@ def findings(host: dict | None, ct: dict | None, *, host_name: str, vmid: int, g
                "-u -c=0 in a oneshot unit before pve-guests.service)",
                "the node only exists after something loaded nvidia_uvm and created it (a CUDA program on the "
                "host, or nvidia-modprobe); containers started without it fail CUDA while nvidia-smi still works")
-        for p in sorted(host_missing - {"/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}):
+        for p in sorted(host_missing - {"/dev/nvidia-uvm"}):
             _f(out, "host-node-missing", f"{host_name}: {p}", f"{p} on the host", "missing",
                f"on {hw}: check the driver (nvidia-smi; a GPU that fell off the bus shows in dmesg) and "
                f"`ls -l /dev/nvidia*`; nvidia-modprobe -c=0 (or -m) recreates nodes of a loaded driver",
@@ -293,7 +309,7 @@ def findings(host: dict | None, ct: dict | None, *, host_name: str, vmid: int, g
 
     # 2. the config: each needed node passed in, by devN: or by a bind mount plus a cgroup rule for its major
     if cfg is not None:
-        for p in wanted + ["/dev/nvidia-uvm-tools"]:
+        for p in wanted:
             in_dev, mnt = p in cfg["dev"], cfg["mounts"].get(p)
             node = hn.get(p) or {}
             if not in_dev and not mnt:
@@ -403,6 +419,25 @@ def findings(host: dict | None, ct: dict | None, *, host_name: str, vmid: int, g
     return out
 
 
+UVM_TOOLS = "/dev/nvidia-uvm-tools"
+UVM_TOOLS_WHY = ("only profilers and UVM tools (Nsight, cuda-gdb) use it; CUDA and vLLM need /dev/nvidiactl, "
+                 "/dev/nvidia-uvm and the GPUs' own /dev/nvidiaN")
+
+
+def notes(host: dict | None, *, host_name: str, vmid: int) -> list[str]:
+    """What the check saw that does not stop serving: /dev/nvidia-uvm-tools missing on the host or not passed in
+    (docs/gpu-containers.md, "Which nodes a container needs")."""
+    if not host:
+        return []
+    node = (host.get("nodes") or {}).get(UVM_TOOLS) or {}
+    if node.get("kind") != "char":
+        return [f"note: {UVM_TOOLS} is not on {clean(host_name)} ({UVM_TOOLS_WHY}); not required"]
+    cfg = parse_config(host.get("config") or [])
+    if UVM_TOOLS not in cfg["dev"] and UVM_TOOLS not in cfg["mounts"]:
+        return [f"note: container {int(vmid)} is not given {UVM_TOOLS} ({UVM_TOOLS_WHY}); not required"]
+    return []
+
+
 def summary(found: list[dict]) -> str | None:
     """The short `GPU plumbing` line of deploy status: None when nothing is wrong."""
     if not found:
@@ -425,26 +460,34 @@ def render(found: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def host_argv(vmid: int) -> list[str]:
-    """The gpu-plumbing check's one host exec (HOST_PLUMBING_SH), read-only."""
-    return ["sh", "-c", HOST_PLUMBING_SH, "sh", str(int(vmid))]
+SMI_TIMEOUT_S = 10
+
+
+def host_argv(vmid: int, smi_timeout_s: float | None = None) -> list[str]:
+    """The gpu-plumbing check's one host exec (HOST_PLUMBING_SH), read-only; nvidia-smi bounded by smi_timeout_s
+    (the playbook's gpu.nvidia_smi_timeout_s; 10 s without one)."""
+    t = smi_timeout_s if smi_timeout_s else SMI_TIMEOUT_S
+    return ["sh", "-c", HOST_PLUMBING_SH, "sh", str(int(vmid)), f"{float(t):g}"]
 
 
 HOST_TIMEOUT_S = 25
 HOST_OUTPUT_MAX = 256 << 10
 
 
-def read_host(session, vmid: int, label: str = "gpu-plumbing", need_config: bool = True) -> dict:
+def read_host(session, vmid: int, label: str = "gpu-plumbing", need_config: bool = True,
+              smi_timeout_s: float | None = None) -> dict:
     """The host's side (HOST_PLUMBING_SH): parsed, or {"error": ...} when it could not be read. need_config=False:
     a container that does not exist yet (deploy prepare --create) is no error: its config is empty."""
+    t = smi_timeout_s if smi_timeout_s else SMI_TIMEOUT_S
     try:
-        r = session.run(host_argv(vmid), timeout=HOST_TIMEOUT_S,
+        r = session.run(host_argv(vmid, t), timeout=max(HOST_TIMEOUT_S, t + 15),
                         vmid=vmid, label=label, max_output=HOST_OUTPUT_MAX)
     except DeployError as e:
         return {"error": e.message}
     if not r.ok:
         return {"error": clean((r.err or r.out).strip()[:300]) or f"exit {r.exited}"}
     h = parse_host(r.out)
+    h["smi_timeout_s"] = t
     if not need_config:
         h["config"], h["config_rc"] = [], 0
     elif h["config_rc"] not in (0, None) or not h["config"]:

@@ -155,8 +155,11 @@ def parse_probe(text: str) -> dict:
     return out
 
 
-def wanted_nodes(gpus: list[int]) -> list[str]:
-    return [f"/dev/nvidia{g}" for g in gpus] + ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+def wanted_nodes(gpus: list[int], host_nodes: dict | None = None) -> list[str]:
+    """The nodes prepare passes in: the GPUs', nvidiactl and nvidia-uvm (CUDA's); nvidia-uvm-tools (profilers
+    only) when the host has it, since a devN: line for a missing node stops the container from starting."""
+    tools = [PL.UVM_TOOLS] if ((host_nodes or {}).get(PL.UVM_TOOLS) or {}).get("kind") == "char" else []
+    return [f"/dev/nvidia{g}" for g in gpus] + ["/dev/nvidiactl", "/dev/nvidia-uvm"] + tools
 
 
 def plan(host_facts: dict, probe: dict, *, host: str, vmid: int, gpus: list[int], style: str | None = None) -> dict:
@@ -164,13 +167,16 @@ def plan(host_facts: dict, probe: dict, *, host: str, vmid: int, gpus: list[int]
     that passes every wanted node in (nothing when all are). Pure."""
     cfg = PL.parse_config(host_facts["config"])
     nodes = host_facts.get("nodes") or {}
-    want = wanted_nodes(gpus)
+    want = wanted_nodes(gpus, nodes)
     blockers = [f for f in PL.findings(host_facts, None, host_name=host, vmid=vmid, gpus=gpus)
                 if f["problem"] in ("uvm-missing-on-host", "host-node-missing")]
     raw_used = bool(cfg["mounts"] or any(a["major"] not in ("*",) for a in cfg["allow"])) and not cfg["dev"]
     pve = probe.get("pve")
     if style:
         why = f"--style {style}"
+    elif pve and pve < DEV_MIN_PVE:  # before any line of the config: this pct refuses `pct set --devN` (issue 53)
+        style, why = "raw", (f"Proxmox VE {pve[0]}.{pve[1]} is older than 8.1: no devN: keys" +
+                             (" (the devN: lines already in the config are not this version's)" if cfg["dev"] else ""))
     elif cfg["dev"]:
         style, why = "dev", "the config already passes GPUs with devN: lines"
     elif raw_used:
@@ -589,13 +595,29 @@ class Prepare:
         lost = [ln for ln in before if ln not in after["config"]]
         absent = [p for p in self.pl["missing"] if p not in cfg["dev"] and p not in cfg["mounts"]]
         if lost or absent:
+            restored = self._restore_backup()  # never leave a change that did not read back (issue 53)
+            fix = (f"see what changes the config besides deploy (pct config {v} and the file differ?), then "
+                   "deploy prepare again") if restored.startswith("restored") else \
+                f"restore it: {self.res['restore']}"
             raise DeployError(f"read back of {self.conf} (pct config {v}) does not show the change: " +
                               (f"no line passing {', '.join(absent)} in" if absent else "") +
                               ("; " if lost and absent else "") +
-                              (f"lines that were there are gone: {'; '.join(lost[:5])}" if lost else ""),
-                              where=f"{self.host}/{v} {self.conf}", fix=f"restore it: {self.res['restore']}")
+                              (f"lines that were there are gone: {'; '.join(lost[:5])}" if lost else "") +
+                              (f"; {restored}" if restored else ""),
+                              where=f"{self.host}/{v} {self.conf}", fix=fix)
         self.hf = after
         self.res["applied"].append(f"read back: pct config {v} passes in {', '.join(self.pl['missing'])}")
+
+    def _restore_backup(self) -> str:
+        """Put the config back from the backup taken before the change (the container was not restarted yet):
+        -> what was done, for the message."""
+        if self.create or not getattr(self, "backup", None):
+            return ""
+        r = self.session.run(["cp", self.backup, self.conf], timeout=30, vmid=self.vmid, label="prepare: restore")
+        if r.ok:
+            self.res["applied"].append(f"restored {self.conf} from {self.backup} (the change did not read back)")
+            return f"restored {self.conf} from the backup {self.backup}: nothing of the change is left"
+        return f"restoring it from {self.backup} failed too: {PL.clean(r.err or r.out, 200)}"
 
     def restart(self, changed: bool):
         s, v = self.session, self.vmid

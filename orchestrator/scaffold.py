@@ -40,8 +40,9 @@ def _files(src: Path) -> list[tuple[Path, str]]:
     for p in sorted(src.glob("*.yaml")):
         if p.name != INVENTORY_EXAMPLE:
             out.append((Path("playbooks") / p.name, p.read_text()))
-    for p in sorted((src / "drafters").glob("*.json")):
-        out.append((Path("playbooks") / "drafters" / p.name, p.read_text()))
+    for sub in ("drafters", "targets"):  # pinned drafter configs; the targets' config.json (sizing.target_config)
+        for p in sorted((src / sub).glob("*.json")):
+            out.append((Path("playbooks") / sub / p.name, p.read_text()))
     for kind in KINDS:
         out.append((Path("playbooks") / "schemas" / f"{kind}.schema.json", schema_text(kind)))
     return out
@@ -117,7 +118,17 @@ def docs_text(topic: str | None) -> str:
                 start, level = i, n
             elif start is not None and n <= level:
                 return "".join(lines[start:i])
-    if start is None:
-        heads = [_slug(ln.lstrip("#")) for ln in lines if ln.startswith("## ")]
-        raise UsageError(f"no section #{section} in {name}", fix=f"sections of {name}: " + ", ".join(heads))
+    if start is None:  # every heading's anchor (## to ####, not the comments of code blocks), the nearest first
+        import difflib
+
+        heads, fenced = [], False
+        for ln in lines:
+            if ln.startswith("```"):
+                fenced = not fenced
+            elif not fenced and re.match(r"#{2,4} ", ln):
+                heads.append(_slug(ln.lstrip("#")))
+        near = difflib.get_close_matches(section.lower(), heads, n=3, cutoff=0.5)
+        raise UsageError(f"no section #{section} in {name}" + (f" (did you mean #{near[0]}?)" if near else ""),
+                         fix=f"deploy docs {name}#{near[0] if near else heads[0] if heads else ''}; every section "
+                             f"of {name}: " + ", ".join(heads))
     return "".join(lines[start:])

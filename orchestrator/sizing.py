@@ -224,6 +224,7 @@ class Inputs:
     kv_cache_dtype: str | None = None  # fp8* halves the KV bytes
     target_weights: tuple[int, int] | None = None  # (bytes, params) from safetensors headers
     drafter_weights: tuple[int, int] | None = None
+    max_gpus: int | None = None  # the GPUs the target has (measured): no fix suggests a larger tensor_parallel_size
 
 
 @dataclass
@@ -437,6 +438,11 @@ def size(inp: Inputs, *, fixes: bool = True) -> Sizing:
             s.request_mib = req / MIB
             s.max_concurrency = max(0.0, s.kv_cache_mib * MIB / req)
         s.max_model_len_that_fits = _longest(lay, s.kv_cache_mib * MIB, inp.k)
+        mpe = _int(text_config(inp.target), "max_position_embeddings", default=0)
+        if mpe and s.max_model_len_that_fits > mpe:  # vLLM refuses a max_model_len above the model's own limit
+            s.max_model_len_that_fits = int(mpe)
+            s.notes.append(f"the longest max_model_len is the model's max_position_embeddings ({int(mpe):,}): "
+                           "more would fit in the KV cache, but vLLM refuses a longer max_model_len")
     s.unknown = _merge(s.unknown)
     _judge(s, inp, lay, fixes)
     return s
@@ -528,10 +534,13 @@ def _fixes(s: Sizing, inp: Inputs) -> None:
             break
     heads = _int(text_config(inp.target), "num_attention_heads", default=1)
     for tp in (2, 4, 8, 16):
+        if inp.max_gpus is not None and tp > inp.max_gpus:  # never a fix the target cannot take
+            break
         if tp > inp.tp and heads % tp == 0:
             t = size(replace(inp, tp=tp), fixes=False)
             if t.verdict == "fits":
-                s.fixes.append(f"tensor_parallel_size {tp} ({tp} GPUs)")
+                s.fixes.append(f"tensor_parallel_size {tp} ({tp} GPUs" +
+                               (f" of the {inp.max_gpus} the target has)" if inp.max_gpus else ")"))
                 break
     if s.weights_mib and s.budget_mib and s.weights_mib > 0.5 * s.budget_mib:
         s.fixes.append("a quantised checkpoint (fp8 halves the bf16 weights)")
@@ -657,10 +666,11 @@ def check_playbook(pb) -> dict:
     return {"level": level, "line": line, "sizing": s.as_dict() if s else None}
 
 
-def check_measured(pb, gpu_mem: dict | None) -> dict | None:
+def check_measured(pb, gpu_mem: dict | None, gpu_count: int | None = None) -> dict | None:
     """The sizing check on the GPUs as the host's nvidia-smi measures them ({index: {used, total}}, the
     gpu-plumbing check's one host exec): the smallest total of the playbook's GPUs. None without a target config or
-    a reading of every assigned GPU. {"level", "line", "sizing", "gpu_mib"} as check_playbook."""
+    a reading of every assigned GPU. gpu_count: the GPUs the container has (its /dev/nvidiaN), else the host's
+    count bounds a suggested tensor_parallel_size. {"level", "line", "sizing", "gpu_mib"} as check_playbook."""
     if pb.target_config is None or not gpu_mem:
         return None
     got = [gpu_mem.get(g) for g in pb.gpus]
@@ -670,7 +680,8 @@ def check_measured(pb, gpu_mem: dict | None) -> dict | None:
     inp = from_playbook(pb, gpu_mib=total)
     if inp is None:
         return None
-    s = size(replace(inp, gpu_source=f"measured: nvidia-smi on {pb.host}, GPUs {list(pb.gpus)}"))
+    s = size(replace(inp, gpu_source=f"measured: nvidia-smi on {pb.host}, GPUs {list(pb.gpus)}",
+                     max_gpus=gpu_count or len(gpu_mem)))
     level, line = assess(pb, s)
     return {"level": level, "line": line, "sizing": s.as_dict(), "gpu_mib": total}
 

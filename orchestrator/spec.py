@@ -20,7 +20,7 @@ from yaml.nodes import MappingNode
 
 from . import spec_schema
 from .errors import SpecError, UsageError
-from .locate import find_playbook, list_playbooks, shipped_dir
+from .locate import find_playbook, list_playbooks, shipped_dir, testbed_inventory
 from .schema import Problems, compose_file, node_of
 from .spec_schema import DEFAULT_STATE_DIR, INVENTORY, PLAYBOOK, RESERVED_FLAGS, is_secret_name
 from .vllm_facts import vtuple
@@ -154,6 +154,15 @@ class Supervise:
 
 
 @dataclass(frozen=True)
+class Gpu:
+    free_threshold_mib: int
+    free_timeout_s: float
+    stop_grace_s: float
+    clean_gpus: bool
+    nvidia_smi_timeout_s: float
+
+
+@dataclass(frozen=True)
 class SizingConf:
     accept_tight: bool
     gpu_total_mib: int | None
@@ -180,6 +189,7 @@ class Conf:
     supervise: Supervise
     sizing: SizingConf
     fetch: Fetch
+    gpu: Gpu
 
 
 _MARKS = ("__nodes__", "__node__")  # schema.py's line/column bookkeeping, not keys
@@ -208,7 +218,7 @@ def _conf(data: dict) -> Conf:
         speculative=_view(Speculative, sp, drafter=_view(Drafter, sp.get("drafter"))),
         requires=_view(Requires, rq, install=_view(Install, rq["install"])),
         supervise=_view(Supervise, data["supervise"]), sizing=_view(SizingConf, data["sizing"]),
-        fetch=_view(Fetch, data["fetch"]))
+        fetch=_view(Fetch, data["fetch"]), gpu=_view(Gpu, data["gpu"]))
 
 
 @dataclass
@@ -567,7 +577,7 @@ def _check_target(t: dict, key: str, inv: Inventory | None, serve: dict, problem
                          f"unknown host {t['host']!r} in inventory {inv.path}{hint}; known: "
                          + (", ".join(inv.hosts) if inv.hosts else
                             "none (an empty inventory: edit it, or for the test bed run `deploy testbed up` and "
-                            "export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml)"))
+                            f"export DEPLOY_INVENTORY={testbed_inventory()})"))
         else:
             ct = host.container(t["vmid"])
             if ct is None:

@@ -22,6 +22,7 @@ from .agent import AgentError, ContainerNotRunning
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, RemoteTimeout, Unreachable, UsageError
 from .endpoint import endpoint, router_endpoint
 from .facts import nvml_mismatch_fix, parse_pct_status
+from .locate import testbed_inventory
 from .remote import Fleet, run_parallel, shell_word, state_dir, warm_when_connected
 from .report import Progress, dump_json, own, term_width
 from .spec import DEFAULT_STATE_DIR  # noqa: F401 (one spelling; ops.py imports it from status)
@@ -44,7 +45,7 @@ def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
             raise UsageError(f"the inventory {inv.path} lists no " + ("containers" if inv.hosts else "hosts")
                              + ": there is nothing to show",
                              fix="add your Proxmox hosts and containers to it, or try the test bed: deploy testbed "
-                                 "up, then export DEPLOY_INVENTORY=/tmp/vpd-testbed/hosts.yaml (or pass -i PATH)")
+                                 f"up, then export DEPLOY_INVENTORY={testbed_inventory()} (or pass -i PATH)")
         return _with_playbook_runtimes(inv, every)
     playbooks = set(list_playbooks())
     for t in targets:

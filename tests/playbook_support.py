@@ -45,3 +45,11 @@ def playbook_variant(pbdir, name, where, base="qwen36-mtp", append=""):
     with open(path, "w") as fh:
         fh.write(text)
     return path
+
+
+def without_sizing(text):
+    """A playbook's TEXT without its `sizing:` block (the shipped ones name targets/qwen36-27b.config.json), for a
+    test that writes a sizing block of its own."""
+    import re
+
+    return re.sub(r"\nsizing:\n(?:[ #].*\n|\n(?=[ #]))*", "\n", text)

@@ -207,7 +207,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
     Examples:
       deploy up qwen36-dflash
       deploy up qwen36-dflash --dry-run
-      deploy up my-dflash --install-vllm         # a playbook with requires.vllm
+      deploy up qwen36-dflash --install-vllm     # its requires.vllm ("0.34.0") first, then up
       deploy --json up qwen36-mtp -y > result.json
       deploy up qwen36-replicas --parallel 2      # a playbook with targets:
     """
@@ -307,6 +307,12 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
         if playbook:
             not_a_container(inv, playbook)
         pbs = [load_playbook(n, inv) for n in names]
+        for pb in pbs:
+            if pb.is_fleet and pb.data.get("router") and not rolling:  # issue 53: clients saw 500/503 meanwhile
+                _echo_wrapped(f"warning: {pb.name} is served through its router: a plain restart stops every "
+                              "replica at once, so clients get errors (500/503) until they are back; deploy restart "
+                              f"{pb.name} --rolling restarts them one at a time while the router keeps serving",
+                              err=True)
         if dry_run:
             for pb in pbs:
                 render_plans(obj.json, inv, pb, lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=True,

@@ -18,7 +18,14 @@ from .base import CONTEXT, complete_playbooks, complete_targets, json_option, ma
 
 @main.group(context_settings=CONTEXT)
 def monitor():
-    """Watch the deployments with Prometheus and Grafana (see docs/monitoring.md)."""
+    """Watch the deployments with Prometheus and Grafana (see docs/monitoring.md).
+
+    \b
+    Examples:
+      deploy monitor metrics                      # every container's figures, Prometheus text, to stdout
+      deploy monitor export ./monitoring          # Prometheus config, alert rules and a Grafana dashboard
+      deploy monitor render ./monitoring/dashboard.json --prometheus http://127.0.0.1:9090 --out dashboard.png
+    """
 
 
 def _duration(_ctx, param, value):

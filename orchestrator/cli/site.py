@@ -157,7 +157,8 @@ Examples:
   deploy doctor pve1 --json""")
 @click.argument("targets", nargs=-1, metavar="[HOST|HOST/VMID|PLAYBOOK]...", shell_complete=complete_targets)
 @click.option("--budget", type=float, default=12.0, show_default=True, metavar="S",
-              help="Time for the in-container examination (the `import vllm` check gets at most 8 s of it).")
+              help="Time for the in-container examination on a quiet machine (the `import vllm` check gets at "
+                   "most 8 s of it); both grow with the load measured in the container, at most x3.")
 @json_option
 @click.pass_obj
 def doctor(obj, targets, budget):
@@ -165,8 +166,8 @@ def doctor(obj, targets, budget):
     --speculative-config, GPUs held, parent/child tree), the drafter config it read checked against the pinned
     configs of the playbooks and the target model's config, the vLLM build (version, the two DFlash fixes,
     compiled extensions), GPU holders, and draft acceptance from /metrics. Names each failure class of the
-    field report it finds (guessed config, stale write, missing fix, incomplete build, leftover holder, low
-    acceptance) with its cause and the deploy command that fixes it. Changes nothing.
+    field report it finds (guessed config, stale write, missing fix, incomplete build, an import that fails,
+    leftover holder, low acceptance) with its cause and the deploy command that fixes it. Changes nothing.
 
     Exit: 0 nothing found, 1 something found, 3 some host unreachable.
     """

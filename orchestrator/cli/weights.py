@@ -42,15 +42,18 @@ def install_vllm(obj, playbook, yes, rollback, force, dry_run):
     requires.install.timeout_s is "build not finished", never success. A serving vLLM is not touched (asked
     first; -y to proceed): the next `deploy up`/`restart` starts the new build.
 
-    The shipped playbooks name no requires.vllm: add it to your copy first (deploy init; deploy docs
-    playbooks#requires), e.g. `requires: {vllm: "0.34.0"}`, as my-dflash below.
+    The shipped qwen36-dflash names requires.vllm "0.34.0" (a release that serves its drafter); qwen36-mtp
+    names none: add it to your copy (deploy init; deploy docs playbooks#requires). Without a package index
+    (an air-gapped host): requires.install.find_links names a wheel directory in the container, with
+    no_index: true (docs/playbooks.md#offline-and-air-gapped-hosts).
 
     \b
     Examples:
-      deploy install-vllm my-dflash                # my-dflash.yaml: a copy with requires.vllm
-      deploy install-vllm my-dflash -y
-      deploy install-vllm my-dflash --rollback
-      deploy --json install-vllm my-dflash
+      deploy install-vllm qwen36-dflash --dry-run   # the plan: what is installed from where
+      deploy install-vllm qwen36-dflash
+      deploy install-vllm qwen36-dflash -y          # even while it serves (the serving process is not touched)
+      deploy install-vllm qwen36-dflash --rollback
+      deploy --json install-vllm qwen36-dflash
     """
     def go():
         from ..install import refusal
@@ -106,14 +109,19 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
     into place. Already fetched and verified: nothing to do. A `source: {path: HOST_DIR}` is copied from the
     Proxmox host instead and verified against its deploy-manifest.json.
 
+    The shipped playbooks give paths only (the test bed's models are in place): the examples name
+    my-hub-dflash, a copy of qwen36-dflash whose model and drafter name a source (model.hub + model.revision,
+    speculative.drafter.hub_id + revision: docs/playbooks.md#fetch-weights-from-the-hub-or-a-host-directory).
+    On the test bed, `deploy testbed hub pve1/129` serves a hub for it (model.endpoint: the URL it prints).
+
     \b
     Examples:
-      deploy fetch qwen36-dflash
-      deploy fetch qwen36-dflash --timeout 7200    # the token: export the variable named in token_env first
-      deploy fetch qwen36-dflash --connections 16   # a fast link behind a CDN that caps each connection
-      deploy fetch qwen36-dflash --verify
-      deploy fetch qwen36-dflash --manifest /tmp/qwen36.manifest.json
-      deploy --json fetch qwen36-dflash
+      deploy fetch my-hub-dflash
+      deploy fetch my-hub-dflash --timeout 7200     # the token: export the variable named in token_env first
+      deploy fetch my-hub-dflash --connections 16   # a fast link behind a CDN that caps each connection
+      deploy fetch my-hub-dflash --verify
+      deploy fetch my-hub-dflash --manifest /tmp/qwen36.manifest.json
+      deploy --json fetch my-hub-dflash
     """
     def go():
         from ..fetch import refusal

@@ -14,6 +14,12 @@ from ..remote import shell_word
 from ..spec import playbooks_targeting
 
 
+def one_line(cmdline) -> str:
+    """A process's argv as one line: a newline inside an argument (python -c 'SCRIPT') would break the FAILED
+    block it is printed in (issue 53); each line break is shown as ⏎ and runs of spaces as one."""
+    return " ".join(str(cmdline or "").replace("\r", "").replace("\n", " ⏎ ").split())
+
+
 def fmt_mem(readings: dict | None) -> str:
     if not readings:
         return "-"
@@ -81,7 +87,7 @@ def stop(ctx: Context, step: Step) -> StopResult:
                      + ", ".join(f"{p['pid']} {p['comm']}" for p in foreign[:4]) + ")")
     left = rep.leftovers or []
     if left:
-        names = "; ".join(f"PID {p['pid']} ({p['comm']}: {p['cmdline']}) holds {', '.join(p['devices'])}"
+        names = "; ".join(f"PID {p['pid']} ({p['comm']}: {one_line(p['cmdline'])}) holds {', '.join(p['devices'])}"
                           for p in left)
         ctx.record(step.name, None, ("; ".join(parts) + "; " if parts else "") + f"still holding GPUs: {names}",
                    t0, report=rep)
@@ -119,11 +125,12 @@ def gpus_free(ctx: Context, step: Step) -> GpusFreeResult:
                                 f"{r.seen})", fix="check the container's GPU passthrough (pct config)", result=r)
     busy = ", ".join(f"GPU{g} {r.after[str(g)]['used']} MiB" for g in r.busy or [])
     if v == "held_inside":
-        holders = "; ".join(f"PID {h['pid']} ({h['comm']}: {h['cmdline']}) holds {', '.join(h['devices'])}"
+        holders = "; ".join(f"PID {h['pid']} ({h['comm']}: {one_line(h['cmdline'])}) holds {', '.join(h['devices'])}"
                             for h in r.holders)
         ctx.fail(step.name, t0, f"GPU memory still used after {r.seconds:.0f}s ({busy} > {thr} MiB); "
                                 f"holders in this container: {holders}",
-                 fix=f"deploy restart {ctx.pb.name} --clean-gpus (kills those holders), or stop them yourself",
+                 fix=f"deploy restart {ctx.pb.name} --clean-gpus -y (kills those holders; without -y it asks on a "
+                     "terminal and kills nothing elsewhere), or stop them yourself",
                  result=r)
     # held outside: nothing in this container holds the devices
     others = other_containers_sharing(ctx, r.busy or step.args["gpus"])

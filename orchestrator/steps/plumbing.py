@@ -4,6 +4,7 @@ operation's SSH connection, the container's over its agent session; orchestrator
 
 from __future__ import annotations
 
+import re
 import time
 
 from .. import plumbing as PL
@@ -20,17 +21,25 @@ def check(ctx: Context, host_facts: dict | None, ct_facts: dict | None) -> list[
 
 def run_check(ctx: Context, step: Step) -> tuple[list[dict], dict]:
     """-> (findings, facts {host, container}); raises only when the container's agent cannot be reached."""
-    host = PL.read_host(ctx.session, ctx.pb.vmid)
+    host = PL.read_host(ctx.session, ctx.pb.vmid, smi_timeout_s=ctx.pb.conf.gpu.nvidia_smi_timeout_s)
     r = ctx.call(step)
     ct = r.plumbing if isinstance(r.plumbing, dict) else {}
     return check(ctx, host, ct), {"host": host, "container": ct}
 
 
-def sized_on_measured_gpus(ctx: Context, host_facts: dict | None) -> dict | None:
-    """The sizing check with the GPU memory the host's nvidia-smi just reported (sizing.check_measured)."""
+def container_gpu_count(ct_facts: dict | None) -> int | None:
+    """How many GPUs the container has: its /dev/nvidiaN nodes (the agent's plumbing facts), None unknown."""
+    nodes = PL.sane_container(ct_facts)["nodes"] if isinstance(ct_facts, dict) and "nodes" in ct_facts else {}
+    n = sum(1 for p, v in nodes.items() if re.fullmatch(r"/dev/nvidia\d+", p) and v["kind"] == "char")
+    return n or None
+
+
+def sized_on_measured_gpus(ctx: Context, host_facts: dict | None, ct_facts: dict | None = None) -> dict | None:
+    """The sizing check with the GPU memory the host's nvidia-smi just reported (sizing.check_measured); a
+    suggested tensor_parallel_size is bounded by the container's GPUs (else the host's)."""
     if not host_facts or host_facts.get("error"):
         return None
-    return Z.check_measured(ctx.pb, host_facts.get("gpu_mem"))
+    return Z.check_measured(ctx.pb, host_facts.get("gpu_mem"), container_gpu_count(ct_facts))
 
 
 def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]:
@@ -43,10 +52,15 @@ def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]
                                 "nothing was stopped\n" + PL.render(found),
                  fix="; ".join(dict.fromkeys(f["fix"] for f in found)), findings=found)
     note = f" (host side not read: {herr})" if herr else ""
-    fits = sized_on_measured_gpus(ctx, facts["host"])
-    if fits and fits["level"] == "refuse":
+    for n in PL.notes(None if herr else facts["host"], host_name=ctx.pb.host, vmid=ctx.pb.vmid):
+        ctx.progress.say(ctx.where, "     " + n)
+    fits = sized_on_measured_gpus(ctx, facts["host"], facts["container"])
+    if fits and fits["level"] == "refuse":  # filed under `sizing`, as verify files it (issue 53)
         msg, fix = Z.measured_refusal(ctx.pb, fits)
-        ctx.fail(step.name, t0, msg + "; nothing was stopped", fix=fix, fits=fits)
+        if record:
+            ctx.record(step.name, True, f"container {ctx.pb.vmid} sees GPUs {list(ctx.pb.gpus)}, nvidia-uvm, the "
+                                        f"host's driver version and enough /dev/shm{note}", t0)
+        ctx.fail("sizing", time.monotonic(), msg + "; nothing was stopped", fix=fix, fits=fits)
     if fits and fits["level"] == "warn":
         ctx.progress.say(ctx.where, f"     warning: sizing on the measured GPUs: {fits['line']}")
     if record:

@@ -12,6 +12,7 @@ from ..agent.protocol import AcceptanceResult, LaunchResult, PortResult, ReadyRe
 from .. import sizing as Z
 from ..plan import Step
 from . import Context
+from .gpu import one_line
 from ..remote import shell_word
 
 LOW_ACCEPTANCE_CAUSES = [
@@ -43,10 +44,16 @@ def port_free(ctx: Context, step: Step) -> None:
     t0 = time.monotonic()
     r: PortResult = ctx.call(step)
     if r.listeners:
-        ctx.fail(step.name, t0, f"port {step.args['port']} is already in use in the container "
-                                f"({len(r.listeners)} listener(s)); older vLLM binds with SO_REUSEPORT and would "
-                                "not even fail", fix="stop what listens there, or set serve.port to a free port",
-                 result=r)
+        who = {(p.get("pid"), p.get("comm"), p.get("cmdline")) for ln in r.listeners if isinstance(ln, dict)
+               for p in ln.get("pids") or [] if isinstance(p, dict)}
+        named = "; ".join(f"PID {pid} ({comm}: {one_line(cmd)})" for pid, comm, cmd in sorted(who, key=str)[:5])
+        pids = [str(int(pid)) for pid, _, _ in sorted(who, key=str)[:5] if isinstance(pid, int)]
+        ctx.fail(step.name, t0, f"port {step.args['port']} is already in use in the container by "
+                                f"{named or f'{len(r.listeners)} listener(s) whose process this agent cannot see'}; "
+                                "older vLLM binds with SO_REUSEPORT and would not even fail",
+                 fix=(f"stop PID {', '.join(pids)} (pct exec {ctx.pb.vmid} -- kill {' '.join(pids)} on "
+                      f"{ctx.pb.host}, if it is not needed), or set serve.port to a free port" if pids else
+                      "stop what listens there, or set serve.port to a free port"), result=r)
     ctx.record(step.name, True, f"port {step.args['port']} free", t0)
 
 

@@ -229,10 +229,133 @@ def fault_cmd(target, assignment, clear, list_, root):
         if not target or not assignment:
             raise click.UsageError("give HOST[/VMID] NAME[=VALUE], or --clear (see --help, --list)")
         name, eq, text = assignment.partition("=")
-        value = True if not eq else (None if text.lower() in ("off", "null", "none") else F.parse_value(text))
+        value = True if not eq else (None if text.lower() in ("off", "null", "none") else F.parse_value(text, name))
         tb.set_fault(host, vmid, name, value)
     except (TestbedError, F.FaultError, ValueError, RuntimeError) as e:
         _fail(e)
     click.echo("%s: %s %s" % (target, name, "off" if value is None else "= " + json.dumps(value) +
                               " (on until: deploy testbed fault %s %s=off, or deploy testbed fault %s --clear)"
                               % (target, name, target)), err=True)
+
+
+@testbed.command("template")
+@click.argument("host")
+@click.argument("name", default="vpd-ml.tar.gz")
+@click.option("--no-wheelhouse", is_flag=True, help="leave the fake vLLM's wheels out")
+@click.option("--no-models", is_flag=True, help="leave the model stand-ins out")
+@click.option("--dir", "root", default=None, help=DIR_HELP)
+def template_cmd(host, name, no_wheelhouse, no_models, root):
+    """Write a container template on HOST's `local` storage that holds what an offline host needs: a wheelhouse
+    of the fake vLLM (every version the test bed builds, in /root/wheelhouse) and the model stand-ins
+    (/root/models/Qwen3.6-27B with the published config.json, and the DFlash drafter). The test bed's
+    containers reach no package index, like an air-gapped host: `deploy prepare HOST/VMID --create --template
+    local:vztmpl/NAME` makes a container from it, and a playbook with requires.install {find_links:
+    [/root/wheelhouse], no_index: true} installs from it (docs/gpu-containers.md).
+
+    \b
+    Examples:
+      deploy testbed template pve1
+      deploy testbed template pve1 vpd-ml.tar.gz --no-models
+    """
+    import re
+
+    from .common import DRAFTER
+    from .core import STALE_CONFIG, TARGET, TARGET_CONFIG, Testbed, TestbedError, safetensors_header
+    from .fake_vllm import wheels as W
+    from .layout import write_template
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,100}\.tar\.(gz|zst|xz)", name):
+        raise click.UsageError("NAME: a file name ending in .tar.gz (or .tar.zst, .tar.xz), e.g. vpd-ml.tar.gz")
+    try:
+        tb = Testbed.load(_root(root))
+        if host not in tb.hosts:
+            raise TestbedError("no host %s in the test bed (it has %s)" % (host, ", ".join(tb.hosts)))
+        extra = {}
+        if not no_wheelhouse:
+            built = W.wheelhouse(str(tb.root / "fake-vllm-wheels"), pth=tb.site_pth())
+            for path in sorted(set(built.values())):
+                with open(path, "rb") as fh:
+                    extra["wheelhouse/" + os.path.basename(path)] = fh.read()
+        if not no_models:
+            extra["models/%s/config.json" % TARGET] = TARGET_CONFIG.read_bytes()
+            extra["models/%s/config.json" % DRAFTER] = STALE_CONFIG.read_bytes()
+            extra["models/%s/model.safetensors" % DRAFTER] = safetensors_header()
+        cache = tb.hostdir(host) / "vz" / "template" / "cache"
+        cache.mkdir(parents=True, exist_ok=True)
+        write_template(cache / name, extra)
+    except (TestbedError, OSError, RuntimeError) as e:
+        _fail(e)
+    click.echo("local:vztmpl/%s on %s: %d wheel(s) in /root/wheelhouse, %s" % (
+        name, host, sum(1 for k in extra if k.startswith("wheelhouse/")),
+        "models in /root/models" if not no_models else "no models"), err=True)
+    click.echo("local:vztmpl/%s" % name)
+
+
+@testbed.command("hub")
+@click.argument("target", metavar="HOST/VMID")
+@click.option("--port", default=8077, show_default=True, type=click.IntRange(1024, 65535),
+              help="the port it listens on, at 127.0.0.1 in that container's own network")
+@click.option("--stop", is_flag=True, help="stop the hub of HOST/VMID")
+@click.option("--dir", "root", default=None, help=DIR_HELP)
+def hub_cmd(target, port, stop, root):
+    """Serve a small Hugging Face hub to one container, for `deploy fetch`: Qwen/Qwen3.6-27B (the published
+    config.json and a stand-in safetensors file) and z-lab/Qwen3.6-27B-DFlash (the published drafter config and
+    a safetensors header), branch main. It listens at http://127.0.0.1:PORT inside the container's own network
+    namespace (the test bed's containers reach nothing else): a playbook names it as model.endpoint. Stopped by
+    --stop and by `deploy testbed down` (docs/testbed.md#a-hub-for-deploy-fetch).
+
+    \b
+    Examples:
+      deploy testbed hub pve1/129
+      deploy testbed hub pve1/129 --stop
+    """
+    import signal
+    import subprocess
+    import time
+
+    from .common import DRAFTER
+    from .core import DATA, TARGET, TARGET_CONFIG, Testbed, TestbedError, safetensors_header
+    from . import hub as H
+
+    host, _, v = target.partition("/")
+    if not v.isdigit():
+        raise click.UsageError("TARGET: HOST/VMID, e.g. pve1/129")
+    try:
+        tb = Testbed.load(_root(root))
+        d = tb.hostdir(host) / ("hub-%d" % int(v))  # under the host's directory: `testbed down` kills it too
+        pidf = d / "hub.pid"
+        if pidf.exists():
+            try:
+                os.killpg(int(pidf.read_text().split()[0]), signal.SIGTERM)
+            except (ProcessLookupError, ValueError):
+                pass
+            pidf.unlink()
+        if stop:
+            click.echo("%s: hub stopped" % target, err=True)
+            return
+        (d / "hub.ready").unlink(missing_ok=True)
+        d.mkdir(parents=True, exist_ok=True)
+        weights = bytes(range(256)) * 4096  # 1 MiB stand-in: an LFS file, fetched in ranges like the real ones
+        H.make_repo(str(d), "Qwen/" + TARGET, {"config.json": TARGET_CONFIG.read_bytes(),
+                                               "model-00001-of-00001.safetensors": weights})
+        H.make_repo(str(d), "z-lab/" + DRAFTER, {"config.json": (DATA / "qwen36-27b-dflash.config.json").read_bytes(),
+                                                 "model.safetensors": safetensors_header()})
+        pid = tb.init_pid(host, int(v))
+        log = open(d / "hub.log", "ab")
+        p = subprocess.Popen(["nsenter", "-t", str(pid), "-n", "--", sys.executable, "-SE", os.path.abspath(H.__file__),
+                              str(d), str(port)], stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        deadline = time.monotonic() + 20
+        while not (d / "hub.ready").exists():
+            if p.poll() is not None or time.monotonic() > deadline:
+                p.kill()
+                raise TestbedError("the hub did not start (exit %s); its log: %s" % (p.poll(), d / "hub.log"))
+            time.sleep(0.05)
+        pidf.write_text("%d\n" % p.pid)
+    except (TestbedError, OSError, RuntimeError) as e:
+        _fail(e)
+    click.echo("%s: hub at http://127.0.0.1:%d (inside that container): Qwen/%s, z-lab/%s (branch main); in a "
+               "playbook: model: {path: /root/models/NAME, hub: Qwen/%s, revision: main, endpoint: "
+               "http://127.0.0.1:%d}; stop it: deploy testbed hub %s --stop" % (target, port, TARGET, DRAFTER, TARGET,
+                                                                                port, target), err=True)
+    click.echo("http://127.0.0.1:%d" % port)

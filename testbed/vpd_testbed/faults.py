@@ -166,9 +166,17 @@ def validate(name, value, container):
             raise FaultError('foreign_holder needs {"gpu": INT, "mib": INT}')
 
 
-def parse_value(text: str):
-    """CLI value: JSON if it parses (true, 0.5, 30000, {"gpu": 0}), else the plain string."""
+# faults whose value is text (a version, a path, a word): `torch_cuda=12.8` is the string "12.8", not the number
+_STR = {"torch_cuda", "vllm_version", "pve_version", "vllm_build", "missing_extension", "missing_dev_line",
+        "oom_at_startup", "nvidia_smi_mismatch"}
+
+
+def parse_value(text: str, name: str | None = None):
+    """CLI value: JSON if it parses (true, 0.5, 30000, {"gpu": 0}), else the plain string; for a fault whose value
+    is text (_STR), the text as written unless it is a quoted JSON string (issue 53: 12.8 stays "12.8")."""
     import json
+    if name in _STR and not text.startswith('"'):
+        return text
     try:
         return json.loads(text)
     except ValueError:

@@ -24,7 +24,7 @@ STATE = "testbed.json"
 TARGET = "Qwen3.6-27B"
 STALE_CONFIG = DATA / "qwen36-27b-dflash.stale-guess.config.json"
 SITE_DIR = "/root/.vpd-testbed-site"  # in every container: this machine's site-packages (see site_pth)
-TARGET_CONFIG = DATA / "qwen36-27b-target.trimmed.config.json"
+TARGET_CONFIG = DATA / "qwen36-27b-target.config.json"  # the published config, whole (sizing reads it)
 
 
 # back to a fresh container without rebooting it: deploy's units stopped and removed, its state gone

@@ -139,6 +139,9 @@ def test_discover_by_address_follows_the_host_key_policy(dbed, tmp_path):
     common = ["--identity-file", dbed.identity_file, "--known-hosts", str(empty_kh)]
     p = run(dbed, "discover", addr, *common, inventory=str(tmp_path / "none.yaml"))
     assert p.returncode == 3 and "unknown host key" in p.stderr, p.stderr
+    # issue 53 item 12: an address outside the inventory is told this command's option, not an inventory key
+    err = " ".join(p.stderr.split())
+    assert "--accept-new-host-key" in err and "accept_new_host_keys" not in err, p.stderr
     assert empty_kh.read_text() == ""
     p = run(dbed, "discover", addr, "--name", "newpve", "--accept-new-host-key", *common,
             inventory=str(tmp_path / "none.yaml"))

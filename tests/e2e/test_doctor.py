@@ -183,3 +183,25 @@ def test_doctor_with_no_server_names_guessed_configs_in_the_hub_cache_and_models
     finally:
         tb.container_exec("pve1", 129, ["rm", "-rf", "/root/.cache/huggingface", "/root/models/Other-DFlash",
                                         "/root/models/Copy-DFlash"])
+
+
+def test_doctor_on_a_complete_build_whose_import_raises(tb, deploy):
+    """Issue 53 item 5: a RuntimeError planted at the top of vllm/__init__.py, every extension file present: the
+    class says the import fails (not incomplete-build) and the cause carries the exception's own line."""
+    init = tb.container_exec("pve1", 129, ["/root/ml-env/bin/python", "-I", "-c",
+                                           "import importlib.util as u; print(u.find_spec('vllm').origin)"]).stdout.strip()
+    assert init.endswith("vllm/__init__.py"), init
+    plant = "raise RuntimeError('CUDA initialisation failed: no device')\n"
+    tb.container_exec("pve1", 129, ["sh", "-c", 'f="$1"; cp -p "$f" "$f.bak"; { printf %s "$2"; cat "$f.bak"; } > "$f"',
+                                    "sh", init, plant])
+    try:
+        p = deploy("doctor", "pve1/129", "--json")
+        f = p.json["containers"][0]["findings"]
+        assert p.returncode == 1 and "import-fails" in [x["class"] for x in f], f
+        assert "incomplete-build" not in [x["class"] for x in f], f
+        x = next(x for x in f if x["class"] == "import-fails")
+        assert x["cause"].endswith("fails: RuntimeError: CUDA initialisation failed: no device"), x["cause"]
+        text = deploy("doctor", "pve1/129").stdout
+        assert "IMPORT-FAILS: " in text and "RuntimeError: CUDA initialisation failed: no device" in text
+    finally:
+        tb.container_exec("pve1", 129, ["sh", "-c", 'mv "$1.bak" "$1"', "sh", init])

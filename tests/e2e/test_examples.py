@@ -68,6 +68,9 @@ NOT_RUN = {
     ("testbed", "up"): "the suite's test bed is already up (tests/testbed/ runs it)",
     ("testbed", "down"): "would tear down the suite's test bed (tests/testbed/ runs it)",
     ("testbed", "fault"): "changes the test bed (tests/testbed/ runs every fault)",
+    ("testbed", "hub"): "starts a hub server in a container's network (tests/e2e/test_fetch.py runs it with a fetch)",
+    ("testbed", "template"): "writes a template archive on a host's storage (tests/e2e/test_prepare_create.py runs "
+                             "it in the walk-through)",
     "--watch": "runs until Ctrl-C",
     "--tunnel": "runs until Ctrl-C",
     ("monitor", "export"): "writes files into the directory it is given (tests/e2e/test_monitor.py runs it and "

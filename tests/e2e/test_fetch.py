@@ -331,3 +331,27 @@ def test_disk_full_midway_keeps_the_partial_and_resumes(tb, hub, deploy, playboo
             tb, f"sha256sum {small}/target/{WEIGHTS}").split()[0]
     finally:
         tb.container_exec(H, V, ["umount", "-l", small])
+
+
+def test_testbed_hub_cli_serves_a_fetch_that_exits_0(tb, deploy, playbooks):
+    """Issue 53 items 6-7: the test bed seeds and serves its hub from the CLI (`deploy testbed hub`); a playbook
+    with a source fetches from it with exit 0, the published target config arriving whole."""
+    port = 8079  # not the hub fixture's
+    h = deploy("testbed", "hub", f"{H}/{V}", "--port", str(port), "--dir", str(tb.root), timeout=120)
+    assert h.returncode == 0, h.stdout + h.stderr
+    try:
+        assert h.stdout.strip() == f"http://127.0.0.1:{port}" and "Qwen/Qwen3.6-27B" in h.stderr
+        p = playbooks.dir / "my-hub-mtp.yaml"
+        text = (playbooks.dir / "qwen36-mtp.yaml").read_text().replace("name: qwen36-mtp", "name: my-hub-mtp", 1)
+        p.write_text(text.replace("model:\n  path: /root/models/Qwen3.6-27B\n",
+                                  "model:\n  path: /root/models/Hub-Qwen3.6-27B\n  hub: Qwen/Qwen3.6-27B\n"
+                                  f"  revision: main\n  endpoint: http://127.0.0.1:{port}\n", 1))
+        f = deploy("fetch", "my-hub-mtp", env=playbooks.env, timeout=300)
+        assert f.returncode == 0, f.stdout + f.stderr
+        got = sh(tb, "sha256sum /root/models/Hub-Qwen3.6-27B/config.json").split()[0]
+        from vpd_testbed.core import TARGET_CONFIG
+        assert got == __import__("hashlib").sha256(TARGET_CONFIG.read_bytes()).hexdigest()
+    finally:
+        s = deploy("testbed", "hub", f"{H}/{V}", "--stop", "--dir", str(tb.root))
+        sh(tb, "rm -rf /root/models/Hub-Qwen3.6-27B /var/lib/vllm-pve-deploy/fetch*")
+    assert s.returncode == 0, s.stderr

@@ -17,8 +17,11 @@ def _with_sizing(playbooks, gpu_total_mib):
     cfg["text_config"].update(dtype="bfloat16", linear_num_key_heads=16, linear_num_value_heads=48,
                               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
     (playbooks.dir / "target.config.json").write_text(json.dumps(cfg))
+    from playbook_support import without_sizing
+
     p = playbooks.dir / "qwen36-dflash.yaml"
-    p.write_text(p.read_text() + f"\nsizing:\n  target_config: target.config.json\n  gpu_total_mib: {gpu_total_mib}\n")
+    p.write_text(without_sizing(p.read_text()) +
+                 f"\nsizing:\n  target_config: target.config.json\n  gpu_total_mib: {gpu_total_mib}\n")
 
 
 def test_plan_and_up_refuse_a_certain_failure_before_connecting(tb, deploy, playbooks):
@@ -82,9 +85,7 @@ def test_measured_gpus_refuse_before_anything_is_stopped_and_verify_says_so(tb, 
     """No sizing.gpu_total_mib (an assumed 80 GB card: plan only warns); the host's nvidia-smi reports 16 GiB
     cards (host fault gpu_total_mib): the gpu-plumbing step of up refuses with the numbers before anything is
     stopped, and verify fails naming the same."""
-    _with_sizing(playbooks, 81559)
-    p = playbooks.dir / "qwen36-dflash.yaml"
-    p.write_text(p.read_text().replace("  gpu_total_mib: 81559\n", ""))
+    # the shipped playbook as it is (issue 53 item 4: its sizing.target_config is the published config, whole)
     up = deploy("up", "qwen36-mtp", env=playbooks.env)  # something of ours serves on the GPUs
     assert up.returncode == 0, up.stderr
     pid = json.loads(tb.container_exec("pve1", 129, ["cat", "/var/lib/vllm-pve-deploy/state.json"]).stdout)["pid"]
@@ -94,6 +95,14 @@ def test_measured_gpus_refuse_before_anything_is_stopped_and_verify_says_so(tb, 
     err = q.json["error"]
     assert "does not fit on the GPUs as measured on pve1 (16384 MiB each)" in err["message"], err
     assert "nothing was stopped" in err["message"] and "--gpu-mib 16384" in err["fix"]
+    # filed under `sizing` as verify files it, after a gpu-plumbing that passed; every suggestion possible on the
+    # 4-GPU target (no tensor_parallel_size 8) and within the model's max_position_embeddings (issue 53 item 3)
+    assert err["step"] == "sizing", err
+    steps = [(s["step"], s["ok"]) for s in q.json["steps"]]
+    assert ("gpu-plumbing", True) in steps and ("sizing", False) in steps, steps
+    assert "tensor_parallel_size 8" not in err["message"] and "3,370,240" not in err["message"]
+    fits = q.json["steps"][-1]["details"]["fits"]["sizing"]
+    assert fits["max_model_len_that_fits"] is None or fits["max_model_len_that_fits"] <= 262144
     st = json.loads(tb.container_exec("pve1", 129, ["cat", "/var/lib/vllm-pve-deploy/state.json"]).stdout)
     assert st["pid"] == pid and st["playbook"] == "qwen36-mtp"  # the serving one was not touched
     v = deploy("--json", "verify", "qwen36-dflash", env=playbooks.env)

@@ -118,6 +118,23 @@ def test_hanging_nvidia_smi_times_out_with_the_command(tb, deploy, playbooks):
     assert time.monotonic() - t0 < slack(20)
 
 
+@pytest.mark.deadline
+def test_hanging_nvidia_smi_fails_up_at_the_first_probe_naming_it(tb, deploy, playbooks):
+    """Issue 53 item 1: `current` waited for nvidia-smi and said ok; gpu-plumbing too; only gpus-free failed,
+    31 s in. The first probe that timed out fails the run, naming the command and the bound."""
+    playbooks("qwen36-mtp", "nvidia_smi_timeout_s: 10", "nvidia_smi_timeout_s: 1")
+    tb.set_fault("pve1", None, "nvidia_smi_hang", True)
+    t0 = time.monotonic()
+    p = deploy("--json", "up", "qwen36-mtp", env=playbooks.env)
+    assert p.returncode == 1, p.stderr
+    steps = [(s["step"], s["ok"]) for s in p.json["steps"]]
+    assert ("current", False) in steps and "gpu-plumbing" not in [s for s, _ in steps], steps
+    assert "nvidia-smi --query-gpu=index,memory.used,memory.total" in p.json["error"]["message"]
+    assert "did not answer within 1s" in p.json["error"]["message"]
+    assert p.json["error"]["fix"].startswith("the NVIDIA driver may be wedged: run nvidia-smi on pve1 itself")
+    assert time.monotonic() - t0 < slack(15)
+
+
 def test_nvml_version_mismatch_names_both_versions_and_not_a_wedged_driver(tb, deploy, playbooks):
     """Issue 41: `Failed to initialize NVML: Driver/library version mismatch` in the container is two driver
     versions, not a hung one: the fix compares them and installs the host's in the container, user space only."""

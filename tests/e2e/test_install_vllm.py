@@ -254,3 +254,18 @@ def test_hash_pinning_refuses_other_bytes_and_installs_the_pinned_ones(tb, iv, s
     p = iv.run("install-vllm", "qwen36-dflash")
     assert p.returncode == 0, p.stderr[-3000:]
     assert runtime_version(tb) == "0.34.0"
+
+
+def test_the_shipped_playbook_without_an_index_names_the_network_and_the_offline_way(tb, deploy):
+    """Issue 53 item 7: a test-bed container (like an air-gapped host) cannot reach PyPI; the failure says so and
+    the fix names the network, an index mirror and the wheelhouse an offline host installs from."""
+    t0 = time.monotonic()
+    p = deploy("--json", "install-vllm", "qwen36-dflash", timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    err = p.json["error"]
+    assert "could not reach the package index" in err["message"], err
+    for words in ("HTTPS_PROXY", "requires.install.index_url", "pip download vllm==VERSION",
+                  "find_links: [/root/wheelhouse], no_index: true", "docs/playbooks.md#offline-and-air-gapped-hosts"):
+        assert words in err["fix"], (words, err["fix"])
+    assert runtime_version(tb) != "", "the runtime was not switched"
+    print("install-vllm without an index failed in %.1fs" % (time.monotonic() - t0))

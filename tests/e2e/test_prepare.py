@@ -124,6 +124,23 @@ def test_old_proxmox_gets_raw_lines(tb, deploy):
     assert "lxc.cgroup2.devices.allow: c 195:* rwm" in p.json["add_lines"]
     h = tb.host_exec("pve1", ["pct", "set", "130", "--dev0", "/dev/nvidia1"])
     assert h.returncode == 255 and "Unknown option: dev0" in h.stderr  # the old pve-container has no devN:
+    # issue 53 item 10: a config that already has devN: lines (129) gets raw lines too on that version
+    tb.set_fault("pve1", 129, "missing_dev_line", "/dev/nvidia1")
+    p = deploy("--json", "prepare", "pve1/129", "--dry-run")
+    assert p.json["style"] == "raw" and "older than 8.1" in p.json["why_style"], p.json
+    assert not any(s["command"].startswith("pct set") for s in p.json["plan"]), p.json["plan"]
+
+
+def test_a_change_that_does_not_read_back_is_restored(tb, deploy):
+    """Issue 53 item 10: --style raw under missing_dev_line wrote a raw line, failed its read-back and left the line
+    in 129.conf; the backup is now put back at once, and the message says so."""
+    tb.set_fault("pve1", 129, "missing_dev_line", "/dev/nvidia1")
+    before = conf(tb, 129).read_text()
+    p = deploy("--json", "prepare", "pve1/129", "--style", "raw", "-y")
+    assert p.returncode == 1, p.stdout + p.stderr
+    msg = " ".join((p.stdout + p.stderr).split())
+    assert "does not show the change" in msg and "restored" in msg, msg
+    assert conf(tb, 129).read_text() == before
 
 
 def test_driver_mismatch_fixed_from_the_hosts_run_file(tb, deploy):

@@ -141,14 +141,13 @@ def _tree(base, prefix):
     return out
 
 
-def test_from_a_bare_host_to_deploy_up(tb, new_ct, wheels, tmp_path):
-    """One prepare --create: container, GPUs, driver, the playbook's venv and vLLM (install-vllm from a wheel
-    directory in the template); then deploy up passes the acceptance gate there."""
-    from vpd_testbed.core import write_template
-
-    extra = _tree(os.path.dirname(wheels["0.34.0"]), "wheelhouse")
-    extra.update(_tree(tb.ctdir("pve1", 129) / "root" / "models", "models"))  # the weights (stand-ins) as shipped
-    write_template(tb.hostdir("pve1") / "vz" / "template" / "cache" / "vpd-ml.tar.gz", extra)
+def test_from_a_bare_host_to_deploy_up(tb, new_ct, tmp_path):
+    """docs/gpu-containers.md's walk-through, as written (issue 53 item 7): `deploy testbed template` writes a
+    template with a wheelhouse and the models (the offline way); one prepare --create: container, GPUs, driver, the
+    playbook's venv and vLLM (install-vllm from that wheelhouse); then deploy up passes the acceptance gate."""
+    t = new_ct.deploy("testbed", "template", "pve1", "vpd-ml.tar.gz", "--dir", str(tb.root), timeout=300)
+    assert t.returncode == 0, t.stdout + t.stderr
+    assert t.stdout.strip() == "local:vztmpl/vpd-ml.tar.gz" and "/root/wheelhouse" in t.stderr, t.stderr
     from playbook_support import copy_playbooks
 
     d = copy_playbooks(tmp_path / "playbooks")

@@ -289,6 +289,10 @@ def test_three_hosts_spread_rolling_restart_under_load_kill_and_down(tb, deploy,
     assert states & {"open", "half_open"}, s.json["routers"][0]
     p = deploy("--json", "restart", "qwen36-fleet", env=env, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
+    # issue 53 item 13: a plain restart of a routed fleet says what clients will see, and names --rolling
+    err = " ".join(p.stderr.split())
+    assert "warning: qwen36-fleet is served through its router: a plain restart stops every replica at once" in err
+    assert "deploy restart qwen36-fleet --rolling" in err
     r = p.json["router"]
     print(f"plain restart after {len(answers)} failed requests: circuits re-added: "
           f"{[(c['url'], c['circuit']) for c in r['circuits_reset']]}")

@@ -55,6 +55,7 @@ def pbdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("sd-playbooks")
     src = open(os.path.join(REPO, "playbooks", "qwen36-dflash.yaml")).read()
     os.symlink(os.path.join(REPO, "playbooks", "drafters"), d / "drafters")
+    os.symlink(os.path.join(REPO, "playbooks", "targets"), d / "targets")  # sizing.target_config
     for name, vmid, gpus in (("sd-dflash", SD, "[0, 1]"), ("ns-dflash", NS, "[2, 3]")):
         text = (src.replace("name: qwen36-dflash", f"name: {name}").replace("vmid: 129", f"vmid: {vmid}")
                 .replace("gpus: [0, 1, 2, 3]", f"gpus: {gpus}").replace("tensor_parallel_size: 4",

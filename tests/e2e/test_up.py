@@ -133,7 +133,11 @@ def test_port_in_use_is_caught_before_launch(tb, deploy):
     p = deploy("--json", "up", "qwen36-mtp")
     assert p.returncode == 1
     assert "port 8000 is already in use in the container" in p.json["error"]["message"]
-    assert p.json["error"]["fix"] == "stop what listens there, or set serve.port to a free port"
+    # issue 53 item 14: the listener is named (its PID and program), and the fix says which PID to stop
+    assert "in the container by PID " in p.json["error"]["message"], p.json["error"]
+    assert p.json["error"]["fix"].startswith("stop PID "), p.json["error"]["fix"]
+    assert "(pct exec 129 -- kill " in p.json["error"]["fix"] and "set serve.port to a free port" in \
+        p.json["error"]["fix"]
     assert "launch" not in [s["step"] for s in p.json["steps"]]
 
 

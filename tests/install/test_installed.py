@@ -52,6 +52,7 @@ def test_wheel_ships_playbooks_drafters_and_schemas(wheel):
     for f in ("orchestrator/examples/qwen36-dflash.yaml", "orchestrator/examples/qwen36-mtp.yaml",
               "orchestrator/examples/hosts.example.yaml",
               "orchestrator/examples/drafters/qwen36-27b-dflash.config.json",
+              "orchestrator/examples/targets/qwen36-27b.config.json",  # sizing.target_config (issue 53)
               "orchestrator/examples/schemas/playbook.schema.json",
               "orchestrator/examples/schemas/inventory.schema.json",
               # the docs, for `deploy docs` (pip users have no clone; issue 26)
@@ -66,7 +67,8 @@ def test_product_wheel_holds_no_test_bed_and_no_fake_vllm(wheel, testbed_wheel):
                 or n.startswith("vllm/")], names  # the shipped docs may describe the test bed (deploy docs testbed)
     tb = set(zipfile.ZipFile(testbed_wheel).namelist())
     for f in ("vpd_testbed/core.py", "vpd_testbed/scripts/pct.py", "vpd_testbed/fake_vllm/vllm/__init__.py",
-              "vpd_testbed/fake_vllm/vllm/_fake/server.py", "vpd_testbed/data/qwen36-27b-target.trimmed.config.json"):
+              "vpd_testbed/fake_vllm/vllm/_fake/server.py", "vpd_testbed/data/qwen36-27b-target.trimmed.config.json",
+              "vpd_testbed/data/qwen36-27b-target.config.json"):
         assert f in tb, f
 
 

@@ -594,3 +594,15 @@ def test_a_static_ip_option_is_the_container_address(tb, tmp_path):
         bed.down()
     r = subprocess.run(["ip", "link", "show", "dev", bed.ws_if], capture_output=True)
     assert r.returncode != 0  # its link went with it
+
+
+def test_text_fault_values_need_no_quotes():
+    """Issue 53 item 10: `deploy testbed fault pve1/129 torch_cuda=12.8` is the string "12.8" (JSON made it a
+    number, refused); numbers and JSON stay JSON for the other faults."""
+    from vpd_testbed import faults as F
+
+    assert F.parse_value("12.8", "torch_cuda") == "12.8" and F.parse_value('"12.8"', "torch_cuda") == "12.8"
+    assert F.parse_value("8.0.4", "pve_version") == "8.0.4" and F.parse_value("0.25.0", "vllm_version") == "0.25.0"
+    F.validate("torch_cuda", F.parse_value("12.8", "torch_cuda"), True)
+    assert F.parse_value("5", "load_s") == 5 and F.parse_value('{"gpu": 0, "mib": 1}', "foreign_holder") == {
+        "gpu": 0, "mib": 1}

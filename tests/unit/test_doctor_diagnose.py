@@ -184,3 +184,49 @@ def test_an_nvml_version_mismatch_is_its_own_finding_with_the_version_check():
     assert "wedged" not in f[0]["fix"]
     other = {"error": "timeout", "message": "nvidia-smi did not answer within 4s"}
     assert diagnose(facts(mem=other), PINNED, host="pve1", vmid=129) == []
+
+
+def test_a_complete_build_whose_import_raises_is_import_fails_with_the_exception_line(tmp_path):
+    """Issue 53 item 5: every extension present and `import vllm` raising is not an incomplete build; the finding
+    says the import fails and shows the exception's own line, the words a user searches for."""
+    import subprocess
+    import sys
+
+    from orchestrator.agent.container.stack import import_exception
+
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('raise RuntimeError("CUDA initialisation failed: no device")\n')
+    p = subprocess.run([sys.executable, "-c", "import vllm"], cwd=tmp_path, capture_output=True, text=True)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert lines[0].startswith("Traceback")
+    assert import_exception(lines) == "RuntimeError: CUDA initialisation failed: no device"
+    assert import_exception(["  only indented lines", "Traceback (most recent call last):"]) is None
+    err = "exit 1: RuntimeError: CUDA initialisation failed: no device | Traceback (most recent call last): | ..."
+    raised = dict(STACK, import_ok=False, import_tries=[8.0], import_error=err,
+                  import_exception="RuntimeError: CUDA initialisation failed: no device")
+    f = diagnose(facts(stack=raised), PINNED, host="pve1", vmid=129, playbook={"playbook": "qwen36-dflash"})
+    assert classes(f) == ["import-fails"], f
+    assert f[0]["cause"].endswith("`import vllm` fails: RuntimeError: CUDA initialisation failed: no device")
+    assert "every compiled extension is present" in f[0]["cause"] and "deploy verify qwen36-dflash" in f[0]["fix"]
+    assert f[0]["evidence"]["exception"] == "RuntimeError: CUDA initialisation failed: no device"
+    # a package refused as untrusted was never imported: not import-fails
+    refused = dict(STACK, import_ok=False, import_error="not imported: owned by uid 1000")
+    assert classes(diagnose(facts(stack=refused), PINNED, host="pve1", vmid=129)) == ["incomplete-build"]
+
+
+def test_doctor_budget_grows_with_the_load_measured(monkeypatch):
+    """Issue 53 item 15: on a busy machine `import vllm` missed doctor's 8 s bound twice; the agent measures its
+    load as tests/slack.py does and scales its budget (at most x DOCTOR_LOAD_MAX), and the tool waits for that."""
+    from orchestrator.agent.container import doctor as AD
+    from orchestrator.agent.container.protocol import DOCTOR_LOAD_MAX
+
+    monkeypatch.setattr(AD.os, "getloadavg", lambda: (4.0 * (AD.os.cpu_count() or 1), 0, 0))
+    assert AD.load_factor() == DOCTOR_LOAD_MAX
+    monkeypatch.setattr(AD.os, "getloadavg", lambda: (0.0, 0, 0))
+    assert 1.0 <= AD.load_factor() <= DOCTOR_LOAD_MAX
+    slow = dict(STACK, import_ok=False, import_timed_out=True, import_tries=[16.0, 19.5], load_factor=2.0,
+                budget_s=24.0, import_error="import vllm did not finish within 16.0s then 19.5s (a slow or busy "
+                                            "machine, not proof of a broken build)")
+    f = diagnose(facts(stack=slow), PINNED, host="pve1", vmid=129)
+    assert classes(f) == ["check-timeout"] and "(budget 24.0s: x2 for the load measured)" in f[0]["cause"]

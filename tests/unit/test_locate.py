@@ -110,7 +110,7 @@ def test_init_writes_refuses_and_backs_up(place):
     assert sorted(os.path.relpath(p, site) for p in out["written"]) == [
         "hosts.yaml", "playbooks/drafters/qwen36-27b-dflash.config.json", "playbooks/qwen36-dflash.yaml",
         "playbooks/qwen36-mtp.yaml", "playbooks/schemas/inventory.schema.json",
-        "playbooks/schemas/playbook.schema.json"]
+        "playbooks/schemas/playbook.schema.json", "playbooks/targets/qwen36-27b.config.json"]
     assert (site / "hosts.yaml").read_text().startswith(MODELINE + "playbooks/schemas/inventory.schema.json\n")
     assert init(str(site))["written"] == []  # identical files are left alone
     (site / "hosts.yaml").write_text("hosts: []  # mine\n")
@@ -187,3 +187,13 @@ def test_completion_offers_playbooks_and_targets(tmp_path):
     assert "restart" in complete("deploy re", 1)
     r = _deploy(cwd=REPO, env={"_DEPLOY_COMPLETE": "bash_source"})
     assert r.returncode == 0 and "_DEPLOY_COMPLETE=bash_complete" in r.stdout
+
+
+def test_testbed_hint_names_this_shells_test_bed_directory(monkeypatch):
+    """Issue 53 item 14: fix texts named /tmp/vpd-testbed/hosts.yaml whatever VPD_TESTBED_DIR was."""
+    from orchestrator.locate import testbed_hint, testbed_inventory
+
+    monkeypatch.delenv("VPD_TESTBED_DIR", raising=False)
+    assert testbed_inventory() == "/tmp/vpd-testbed/hosts.yaml"
+    monkeypatch.setenv("VPD_TESTBED_DIR", "/srv/bed")
+    assert testbed_inventory() == "/srv/bed/hosts.yaml" and "export DEPLOY_INVENTORY=/srv/bed/hosts.yaml" in testbed_hint()

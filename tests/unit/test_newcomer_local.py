@@ -321,3 +321,44 @@ def test_discover_says_it_found_no_address_and_the_note_is_true():
     note = endpoint(NS(name="pve1"), None, 8000)["note"]
     assert note == "address unknown: none in the inventory; deploy discover pve1 --write reads it, or set address:"
     assert "records it" not in note  # it may find none: not a promise
+
+
+def test_docs_section_not_found_suggests_and_lists_every_level():
+    """Issue 53 item 14: `deploy docs` listed only the ## sections when a section was not found."""
+    import pytest
+
+    from orchestrator.errors import UsageError
+    from orchestrator.scaffold import docs_text
+
+    assert docs_text("playbooks#offline-and-air-gapped-hosts").startswith("#### Offline and air-gapped hosts")
+    with pytest.raises(UsageError) as e:
+        docs_text("playbooks#offline-and-air-gaped-hosts")
+    assert "(did you mean #offline-and-air-gapped-hosts?)" in e.value.message
+    assert "requires" in e.value.fix and "offline-and-air-gapped-hosts" in e.value.fix  # ### and #### too
+
+
+def test_every_docs_anchor_named_in_the_code_exists():
+    """Issue 53 item 6: a fix text linked docs/playbooks.md#fetch, which does not exist. Every
+    `docs/PAGE.md#ANCHOR` (and `deploy docs PAGE#ANCHOR`) in the code and its help texts names a real heading."""
+    import glob
+    import re
+
+    from orchestrator.scaffold import _slug
+
+    anchors = {}
+    for md in glob.glob(os.path.join(REPO, "docs", "*.md")):
+        fenced, heads = False, set()
+        for ln in open(md, encoding="utf-8"):
+            if ln.startswith("```"):
+                fenced = not fenced
+            elif not fenced and re.match(r"#{1,6} ", ln):
+                heads.add(_slug(ln.lstrip("#")))
+        anchors[os.path.basename(md)[:-3]] = heads
+    bad = []
+    for py in glob.glob(os.path.join(REPO, "orchestrator", "**", "*.py"), recursive=True):
+        text = open(py, encoding="utf-8").read()
+        for page, anchor in re.findall(r"docs/([a-z-]+)\.md#([a-z0-9-]+)", text) + \
+                re.findall(r"deploy docs ([a-z-]+)#([a-z0-9-]+)", text):
+            if page in anchors and anchor not in anchors[page]:
+                bad.append(f"{os.path.relpath(py, REPO)}: {page}#{anchor}")
+    assert not bad, bad

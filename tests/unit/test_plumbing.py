@@ -102,7 +102,7 @@ def test_uvm_missing_on_host_with_optional_bind_skipped():
 def test_stale_cgroup_major_after_a_driver_update():
     nodes = dict(NODES, **{"/dev/nvidia-uvm": (511, 0), "/dev/nvidia-uvm-tools": (511, 1)})
     f = run(host_text(conf=CONF_RAW, nodes=nodes, uvm=511), ct_facts(nodes=nodes))
-    assert problems(f) == ["cgroup-stale-major", "cgroup-stale-major"]
+    assert problems(f) == ["cgroup-stale-major"]  # nvidia-uvm's; nvidia-uvm-tools is not required (issue 53)
     assert "c 511:* rwm" in f[0]["fix"] and "508" in f[0]["found"]
 
 
@@ -299,3 +299,44 @@ def test_the_plumbing_record_is_not_kept_where_it_cannot_be_trusted(tmp_path, mo
     shared = AP.facts_recorded(state)
     assert shared["record"]["reused"] is False and "not recorded in" in shared["record"]["error"]
     assert shared["libs"]["libcuda"] == ["550.54.15"] and not os.path.exists(os.path.join(state, AP.RECORD))
+
+
+def test_the_host_script_reports_a_hung_nvidia_smi_as_a_timeout_finding(tmp_path):
+    """Issue 53 item 1: a probe that timed out is no ok: the check names it, with the bound it waited."""
+    import os
+    import subprocess
+
+    (tmp_path / "pct").write_text('#!/bin/sh\nprintf "arch: amd64\\ndev0: /dev/nvidia0\\n"\n')
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexec sleep 30\n")
+    for f in ("pct", "nvidia-smi"):
+        (tmp_path / f).chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    p = subprocess.run(PL.host_argv(129, 0.5), env=env, capture_output=True, text=True, timeout=20)
+    h = PL.parse_host(p.stdout)
+    assert sorted(h["smi_timeout"]) == sorted(["nvidia-smi", PL.shlex.join(["nvidia-smi", *PL.SMI_MEMORY_ARGS])])
+    h["smi_timeout_s"] = 0.5
+    f = [x for x in PL.findings(h, None, host_name="pve1", vmid=129, gpus=[0]) if x["problem"] == "nvidia-smi-timeout"]
+    assert len(f) == 2 and f[0]["expected"] == "an answer within 0.5s" and "may be wedged" in f[0]["fix"]
+    assert "were not read" in f[0]["found"]
+
+
+def test_an_answering_nvidia_smi_is_no_timeout():
+    t = host_text().replace("@@ smi\n", "@@ smi\n").rstrip("\n") + "\n@@ smi_rc 0\n@@ gpumem\n0, 10, 81559\n@@ smi_rc 0\n"
+    h = PL.parse_host(t)
+    assert h["smi_timeout"] == [] and h["gpu_mem"] == {0: {"used": 10, "total": 81559}}
+    assert run(t) == []
+
+
+def test_uvm_tools_missing_is_a_note_not_a_refusal():
+    """Issue 53 item 2: CUDA needs nvidiactl, nvidia-uvm and the GPUs' nodes; nvidia-uvm-tools serves profilers."""
+    nodes = {k: v for k, v in NODES.items() if k != "/dev/nvidia-uvm-tools"}
+    conf = CONF_DEV.replace("dev4: /dev/nvidia-uvm-tools\n", "")
+    h = PL.parse_host(host_text(conf=conf, nodes=nodes))
+    assert PL.findings(h, ct_facts(nodes=nodes), host_name="pve1", vmid=129, gpus=[0, 1], tp=2) == []
+    n = PL.notes(h, host_name="pve1", vmid=129)
+    assert len(n) == 1 and "/dev/nvidia-uvm-tools is not on pve1" in n[0] and "not required" in n[0]
+    # on the host but not passed in: a note too; passed in: nothing to say
+    h = PL.parse_host(host_text(conf=conf))
+    assert run(host_text(conf=conf)) == []
+    assert "container 129 is not given /dev/nvidia-uvm-tools" in PL.notes(h, host_name="pve1", vmid=129)[0]
+    assert PL.notes(PL.parse_host(host_text()), host_name="pve1", vmid=129) == []

@@ -92,3 +92,20 @@ def test_check_create_refuses_what_pct_would_not_take():
                 {"net0": "bridge=vmbr0,ip=$(id)"}, {"storage": "a/b"}):
         with pytest.raises(UsageError):
             check_create({**good, **bad}, 131)
+
+
+def test_a_host_without_uvm_tools_gets_no_line_for_it():
+    """Issue 53 item 2: a devN: line for a node the host lacks stops the container; uvm-tools is not required."""
+    hf = facts(["arch: amd64"])
+    del hf["nodes"]["/dev/nvidia-uvm-tools"]
+    r = P.plan(hf, {"pve": (8, 2)}, host="pve1", vmid=130, gpus=[0])
+    assert r["blockers"] == [] and r["add_lines"] == ["dev0: /dev/nvidia0", "dev1: /dev/nvidiactl",
+                                                      "dev2: /dev/nvidia-uvm"]
+
+
+def test_old_proxmox_gets_raw_lines_even_when_the_config_has_dev_lines():
+    """Issue 53 item 10: pve 8.0.4 refuses `pct set --devN`: the version decides before the config's style."""
+    hf = facts(["arch: amd64", "dev0: /dev/nvidia0", "dev1: /dev/nvidiactl", "dev3: /dev/nvidia-uvm"])
+    r = P.plan(hf, {"pve": (8, 0), "conf": "arch: amd64\n"}, host="pve1", vmid=130, gpus=[0, 1])
+    assert r["style"] == "raw" and r["set_argv"] is None, r
+    assert "older than 8.1" in r["why_style"] and "not this version's" in r["why_style"]

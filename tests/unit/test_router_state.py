@@ -134,3 +134,27 @@ def test_the_key_goes_only_to_the_proven_router(state, tmp_path):
         if router.poll() is None:
             router.kill()
             router.wait()
+
+
+def test_router_lines_never_say_router_router():
+    """Issue 53 item 13: `deploy down qwen36-replicas pve2/129` printed `router router: ...`."""
+    from orchestrator.fleet import router_lines
+
+    one = router_lines({"action": "down", "router": {"ok": True, "url": "http://x:9000"}})
+    assert one == ["router: removed from it first"]
+    two = router_lines({"action": "down", "router": {"where": "pve1/140", "ok": True, "stopped": True}})
+    assert two == ["router pve1/140: stopped"]
+
+
+def test_router_gate_line_says_when_other_clients_were_counted():
+    """Issue 53 item 13: under client traffic the gate line read "4 completions ... spread 2/3"."""
+    from orchestrator.fleet import router_lines
+
+    rr = {"where": "pve1/130", "ok": True, "url": "http://a:30000/v1", "policy": "round_robin",
+          "workers": ["u1", "u2"], "gate": {"sent": 4, "succeeded": 4,
+                                            "per_replica": {"u1": {"requests": 2}, "u2": {"requests": 3}}}}
+    line = router_lines({"action": "up", "router": rr})[0]
+    assert "gate: 4 of 4 completions through it, spread 2/3 (the replicas served 5 meanwhile: other clients' " \
+           "requests included)" in line, line
+    rr["gate"]["per_replica"]["u2"]["requests"] = 2
+    assert router_lines({"action": "up", "router": rr})[0].endswith("spread 2/2")

@@ -226,12 +226,12 @@ def _playbook(tmp_path, sizing_block, serve_extra=""):
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from playbook_support import copy_playbooks, edit_file
+    from playbook_support import copy_playbooks, edit_file, without_sizing
 
     pbs = copy_playbooks(tmp_path / "playbooks")
     (pbs / "llama.config.json").write_text(json.dumps(dict(LLAMA, mtp_num_hidden_layers=1)))  # qwen36-mtp: MTP
     p = pbs / "qwen36-mtp.yaml"
-    text = p.read_text()
+    text = without_sizing(p.read_text())
     assert "\nsizing:" not in text
     p.write_text(text + "\nsizing:\n" + sizing_block)
     if serve_extra:
@@ -398,8 +398,10 @@ def test_sizing_and_the_argv_use_the_same_batched_tokens(tmp_path):
 
     pb, inv = _playbook(tmp_path, "  target_config: llama.config.json\n  gpu_total_mib: 81559\n")
     dflash_path = os.path.join(os.path.dirname(pb), "qwen36-dflash.yaml")
+    from playbook_support import without_sizing
+
     with open(dflash_path) as fh:
-        text = fh.read()
+        text = without_sizing(fh.read())
     text = re.sub(r"\n *max_num_batched_tokens: .*", "", text)  # unset: the DFlash default applies
     with open(dflash_path, "w") as fh:
         fh.write(text + "\nsizing:\n  target_config: llama.config.json\n  gpu_total_mib: 81559\n")
@@ -413,3 +415,58 @@ def test_sizing_and_the_argv_use_the_same_batched_tokens(tmp_path):
         assert S.size(S.from_playbook(loaded)).max_num_batched_tokens == want
         r = _run(["--json", "size", path], inv)
         assert json.loads(r.output)["sizing"]["max_num_batched_tokens"] == want, r.output
+
+
+# ------------------------------------------------------------------ issue 53 item 3/4: fixes possible on the target
+
+
+def test_the_published_config_is_the_test_inputs_whole():
+    """The full published config (shipped in playbooks/targets and the test bed) carries the linear-attention dims
+    qwen36_full() chose as test inputs: they are the real values."""
+    full = load("qwen36-27b-target.config.json")
+    with open(os.path.join(REPO, "playbooks", "targets", "qwen36-27b.config.json")) as fh:
+        assert json.load(fh) == full
+    for k, v in qwen36_full()["text_config"].items():
+        assert full["text_config"][k] == v, k
+    s = S.size(playbook_inputs(target=full))
+    assert s.verdict == "fits" and not s.unknown
+
+
+def test_longest_max_model_len_is_capped_by_max_position_embeddings():
+    s = S.size(playbook_inputs(max_model_len=32768))
+    assert s.max_model_len_that_fits == 262144  # the KV cache holds millions of tokens; the model stops there
+    assert any("max_position_embeddings (262,144)" in n for n in s.notes)
+    # below the cap: the figure stays what fits
+    s = S.size(playbook_inputs(gpu_total_mib=20480, tp=4, max_model_len=500000))
+    assert s.max_model_len_that_fits < 262144 and not any("max_position_embeddings" in n for n in s.notes)
+    assert s.verdict == "does-not-fit" and f"max_model_len {s.max_model_len_that_fits}" in " ".join(s.fixes)
+
+
+def test_no_fix_asks_for_more_gpus_than_the_target_has():
+    """A 4-GPU container is never told `tensor_parallel_size 8 (8 GPUs)`."""
+    free = S.size(playbook_inputs(tp=1, gpu_total_mib=40960, max_model_len=4096))
+    assert any(f.startswith("tensor_parallel_size ") for f in free.fixes), free.fixes
+    tps = [int(f.split()[1]) for f in free.fixes if f.startswith("tensor_parallel_size ")]
+    capped = S.size(playbook_inputs(tp=1, gpu_total_mib=40960, max_model_len=4096, max_gpus=1))
+    assert not any(f.startswith("tensor_parallel_size") for f in capped.fixes), capped.fixes
+    two = S.size(playbook_inputs(tp=1, gpu_total_mib=40960, max_model_len=4096, max_gpus=tps[0]))
+    assert f"tensor_parallel_size {tps[0]} ({tps[0]} GPUs of the {tps[0]} the target has)" in two.fixes
+
+
+def test_check_measured_bounds_tp_by_the_gpus_counted():
+    from types import SimpleNamespace
+
+    class PB:
+        name, host, gpus = "p", "pve1", [0, 1, 2, 3]
+        target_config, drafter_config, target_weights = qwen36_full(), DRAFTER, None
+        conf = SimpleNamespace(  # the typed playbook's views sizing reads (spec.Conf)
+            speculative=SimpleNamespace(method="dflash", num_speculative_tokens=15),
+            serve=SimpleNamespace(tensor_parallel_size=4, gpu_memory_utilization=0.9, max_model_len=32768,
+                                  max_num_batched_tokens=32768, extra_args=(), env={}),
+            sizing=SimpleNamespace(accept_tight=False, gpu_total_mib=None, target_config=None))
+        members = []
+
+    mem = {i: {"used": 0, "total": 16384} for i in range(8)}
+    c = S.check_measured(PB, mem, gpu_count=4)
+    assert c["level"] == "refuse" and "tensor_parallel_size 8" not in c["line"], c["line"]
+    assert c["sizing"]["max_model_len_that_fits"] is None or c["sizing"]["max_model_len_that_fits"] <= 262144

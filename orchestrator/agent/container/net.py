@@ -6,7 +6,7 @@ import json
 import os
 
 from .core import now
-from .procs import pids, proc_comm
+from .procs import pids, proc_cmdline, proc_comm
 from .state import proven
 
 
@@ -151,4 +151,10 @@ def listener_check(st, port):
 
 
 def act_port_check(a):
-    return {"port": a["port"], "listeners": port_listeners(int(a["port"]))}
+    listeners = port_listeners(int(a["port"]))
+    if listeners:  # name who listens (issue 53: "1 listener(s)" said nothing of what to stop)
+        owners = socket_owners([ln["inode"] for ln in listeners])
+        for ln in listeners:
+            ln["pids"] = [{"pid": p, "comm": proc_comm(p), "cmdline": proc_cmdline(p)[:300]}
+                          for p, inodes in sorted(owners.items()) if ln["inode"] in inodes][:5]
+    return {"port": a["port"], "listeners": listeners}

@@ -9,6 +9,8 @@ PROTOCOL = 2
 # nvidia-smi's arguments for GPU memory: the status exec's first line starts it with these (orchestrator/agent/
 # call.py EARLY_SMI) and gpus.read_gpu_memory adopts that run only when its own arguments are these same ones
 SMI_MEMORY_ARGS = ("--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits")
+# the most deploy doctor's time budget grows on a busy machine (container/doctor.py load_factor)
+DOCTOR_LOAD_MAX = 3.0
 
 
 # deploy's own directory in the container when runtime.state_dir does not name another (its state files, lock,

@@ -18,6 +18,35 @@ from .install import (
 from .procs import proc_starttime
 
 
+# pip's and uv's words for an index it could not reach (no network, no DNS, a proxy needed, a firewall)
+NETWORK_ERRORS = re.compile(
+    r"Failed to establish a new connection|Temporary failure in name resolution|Name or service not known|"
+    r"Network is unreachable|No route to host|Connection refused|Connection timed out|ConnectTimeoutError|"
+    r"Max retries exceeded|ProxyError|Could not fetch URL|dns error|error sending request|Failed to fetch|"
+    r"tcp connect error|client error \(Connect\)")
+OFFLINE_FIX = ("give the container a way to the index: its network and DNS (pip and uv honour HTTPS_PROXY), or "
+               "requires.install.index_url: a mirror it reaches (a devpi or Artifactory proxy of PyPI); an offline "
+               "(air-gapped) host installs from a wheelhouse: on a machine with access, `pip download vllm==VERSION "
+               "-d wheelhouse` for the container's Python and platform, copy it into the container (root-owned, "
+               "e.g. /root/wheelhouse), then requires.install: {find_links: [/root/wheelhouse], no_index: true} "
+               "(docs/playbooks.md#offline-and-air-gapped-hosts), then deploy install-vllm again")
+
+
+def network_failure(log_path, limit=65536):
+    """The line of the install log that says the index was out of reach, or None."""
+    try:
+        with open(log_path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - limit))
+            text = fh.read().decode("utf-8", "replace")
+    except (OSError, TypeError):
+        return None
+    for ln in reversed(text.splitlines()):
+        if NETWORK_ERRORS.search(ln):
+            return ANSI.sub("", ln).strip()[:200]
+    return None
+
+
 def _pip_ok(base):
     """Can base's pip install into another interpreter (pip --python, pip >= 22.3)?"""
     try:
@@ -100,6 +129,12 @@ def act_install_run(a):
                           "hour), then deploy install-vllm again")
     if rc != 0:
         _remove_stage(stage)
+        net = network_failure(st.get("log"))
+        if net:  # the package index was out of reach: say so, and how an offline host installs (issue 53)
+            return finish("failed", "%s exited with %s in phase %s: the container could not reach the package "
+                                    "index (%s); the runtime was not switched" % ("uv" if uv else "pip", why,
+                                                                                 st["phase"], net),
+                          fix=OFFLINE_FIX)
         return finish("failed", "%s exited with %s in phase %s; the runtime was not switched"
                       % ("uv" if uv else "pip", why, st["phase"]),
                       fix="read the installer's error at the end of the log (shown above; all of it: %s in the "

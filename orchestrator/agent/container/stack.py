@@ -103,9 +103,25 @@ def _vllm_stack(python_timeout, retry_until=None):
         else:
             err = [ln for ln in p.stderr.decode("utf-8", "replace").strip().splitlines() if ln.strip()]
             tail = [ln[:300] for ln in err[-8:]]
-            info["import_error"] = ("exit %d: " % p.returncode) + (" | ".join(tail) if tail else "no output")
+            exc = import_exception(err)
+            if exc:  # the words a user searches for, first: a shortened message still carries them (issue 53)
+                info["import_exception"] = exc
+            info["import_error"] = ("exit %d: " % p.returncode) + (exc + " | " if exc else "") + \
+                (" | ".join(tail) if tail else "no output")
         break
     return info
+
+
+def import_exception(lines):
+    """The exception's own line of a Python traceback (`RuntimeError: CUDA initialisation failed`): the last line
+    that is not indented and not a traceback header; None when there is none."""
+    for ln in reversed(lines):
+        if ln[:1] in (" ", "\t") or ln.startswith(("Traceback (most recent call last)", "During handling",
+                                                    "The above exception")):
+            continue
+        if re.match(r"[A-Za-z_][\w.]*(:|$)", ln.strip()):
+            return ln.strip()[:300]
+    return None
 
 
 def _vtuple(v):

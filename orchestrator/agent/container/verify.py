@@ -324,8 +324,10 @@ def dflash_semantics(disk, stack, check):
         full = [i for i, t in enumerate(lt) if t == "full_attention"]
         check("semantics use_sliding_window", False, expected="layer_types as given", on_disk="every layer sliding",
               reason="%s runs every layer with sliding attention because use_sliding_window is true, layer(s) %s "
-                     "too, which layer_types marks full_attention (window %s): no difference for contexts up to "
-                     "the window; transformers needs the key to keep the window" % (ver, full, eff),
+                     "too, which layer_types marks full_attention (window %s). Does it matter? Not for contexts up "
+                     "to %s tokens (the same attention); beyond, those layer(s) see only the last %s tokens, and "
+                     "the acceptance gate measures what that costs. Nothing to change: transformers needs the key "
+                     "to keep the window, so the published config sets it" % (ver, full, eff, eff, eff),
               severity="warning")
     top, inner = disk.get("mask_token_id", ABSENT), dc.get("mask_token_id", ABSENT)
     if inner is ABSENT and top is ABSENT:
