@@ -79,9 +79,13 @@ def level_figures(lv: dict) -> dict:
     ms = lambda x: round(x * 1000, 2) if x is not None else None  # noqa: E731
     acc = vf.acceptance_from_metrics(lv["before"], lv["after"])
     tokens = sum(r["tokens"] for r in reqs)
+    per = [r["tokens"] / r["seconds"] for r in reqs if r.get("seconds")]
+    # the noise of the level's figure: the relative standard error of the requests' own tokens/s (deploy tune)
+    rse = (statistics.stdev(per) / statistics.fmean(per) / len(per) ** 0.5) if len(per) > 1 and any(per) else None
     return {"concurrency": lv["concurrency"], "requests": len(reqs), "failed": lv.get("failed", 0),
             "output_tokens": tokens, "wall_s": lv["wall_s"],
             "tokens_per_s": round(tokens / lv["wall_s"], 2) if lv["wall_s"] and tokens else None,
+            "tokens_per_s_rse": round(rse, 4) if rse is not None else None,
             "ttft_ms_p50": ms(percentile([r["ttft"] for r in reqs], 50)),
             "ttft_ms_p99": ms(percentile([r["ttft"] for r in reqs], 99)),
             "itl_ms_p50": ms(percentile([r["itl"] for r in reqs], 50)),

@@ -35,6 +35,9 @@ def hub_drafter_dir(pb: Playbook) -> str | None:
 
 
 def spec_config(pb: Playbook) -> dict:
+    """--speculative-config's JSON; {} for deploy tune's baseline (spec_off: no --speculative-config at all)."""
+    if pb.spec_off:
+        return {}
     s = pb.spec
     cfg = {"method": s["method"]}
     d = s.get("drafter")
@@ -42,6 +45,8 @@ def spec_config(pb: Playbook) -> dict:
         cfg["model"] = d["path"] or hub_drafter_dir(pb)
     cfg["num_speculative_tokens"] = s["num_speculative_tokens"]
     cfg.update(s["extra"])
+    if s.get("schedule"):
+        cfg["num_speculative_tokens_per_batch_size"] = [list(r) for r in s["schedule"]]
     return cfg
 
 
@@ -62,7 +67,8 @@ def serve_argv(pb: Playbook) -> list[str]:
     mnbt = sv.get("max_num_batched_tokens") or (32768 if method == "dflash" else None)
     if mnbt:
         argv += ["--max-num-batched-tokens", str(mnbt)]
-    argv += ["--speculative-config", json.dumps(spec_config(pb), separators=(",", ":"))]
+    if not pb.spec_off:
+        argv += ["--speculative-config", json.dumps(spec_config(pb), separators=(",", ":"))]
     if sv.get("trust_remote_code"):
         argv += ["--trust-remote-code"]
     argv += list(sv["extra_args"])
@@ -81,9 +87,12 @@ def serve_env(pb: Playbook) -> dict:
 
 
 def state_record(pb: Playbook) -> dict:
-    return {"playbook": pb.name, "playbook_sha256": pb.sha256, "drafter_sha256": (pb.drafter or {}).get("sha256"),
-            "drafter_path": drafter_config_path(pb), "port": pb.serve["port"],
-            "served_model_name": pb.serve["served_model_name"], "method": pb.spec["method"], "gpus": pb.gpus,
+    off = pb.spec_off  # deploy tune's baseline: no drafter, no speculation
+    return {"playbook": pb.name, "playbook_sha256": pb.sha256,
+            "drafter_sha256": None if off else (pb.drafter or {}).get("sha256"),
+            "drafter_path": None if off else drafter_config_path(pb), "port": pb.serve["port"],
+            "served_model_name": pb.serve["served_model_name"], "method": "none" if off else pb.spec["method"],
+            "gpus": pb.gpus,
             "api_key_env": pb.serve.get("api_key_env"), "host": pb.serve["host"]}
 
 

@@ -103,6 +103,81 @@ def _levels(param, value):
     return sorted(levels)
 
 
+# ------------------------------------------------------------------ tune
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy tune qwen36-dflash -y
+  deploy tune qwen36-dflash --concurrency 1,8,32 --max-launches 3 -y
+  deploy tune qwen36-dflash --write -y
+  deploy --json tune qwen36-dflash --plot tune.png -y""")
+@click.argument("playbook", shell_complete=complete_playbooks)
+@click.option("--concurrency", "levels", default="1,4,16,64", show_default=True, metavar="N,N,...",
+              callback=lambda _c, p, v: _levels(p, v),
+              help="Concurrent requests per level (capped by what the sizing model fits at max_model_len).")
+@click.option("--max-launches", type=click.IntRange(0, 16), default=2, show_default=True,
+              help="Candidate values of k measured after the baseline and the largest k.")
+@click.option("--prompts", "prompts_file", default=None, metavar="FILE",
+              help="One prompt per line (default: the playbook's acceptance.probe.prompts).")
+@click.option("--rounds", type=click.IntRange(1, 1000), default=None,
+              help="Times each prompt is sent per level (default: acceptance.probe.rounds).")
+@click.option("--max-tokens", type=click.IntRange(1, 1_000_000), default=None,
+              help="Output tokens per request (default: acceptance.probe.max_tokens).")
+@click.option("--write", is_flag=True, help="Edit the playbook in place (comments kept, a backup beside it).")
+@click.option("--plot", "plot_file", default=None, metavar="FILE",
+              help="Also write tokens/s and ITL against concurrency as a chart (.png, .svg or .pdf).")
+@click.option("-y", "--yes", is_flag=True, help="Replace what runs on the container without asking.")
+@click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
+              help="Wait this long for another deploy's lock instead of failing at once.")
+@json_option
+@click.pass_obj
+def tune(obj, playbook, levels, max_launches, prompts_file, rounds, max_tokens, write, plot_file, yes, wait_lock):
+    """Is speculative decoding faster than none here, with which k, at which load? Measure it and say.
+
+    On the playbook's container, one launch after the other (each a real `up` with its gate): the baseline
+    without --speculative-config, then the largest k (its per-position acceptance predicts tokens/s for every
+    smaller k), then the --max-launches candidates the prediction ranks best; each swept over the concurrency
+    levels like `deploy compare`. Per level the fastest of {off, each k} with its margin; then the playbook change:
+    a batch-size schedule (vLLM >= 0.27) with 0 where no speculation wins, else the k that wins at
+    tune.expected_concurrency. Prints the diff; --write applies it (comments kept, a backup, the schema checked).
+    The best configuration is left running. Exit 0 when it was measured and left running.
+    """
+    def go():
+        from .. import compare as C
+        from .. import ops
+        from .. import tune as T
+
+        inv = obj.inventory()
+        pb = load_playbook(playbook, inv)
+        T.check_args(pb, max_launches)
+        if plot_file:
+            C.check_plot(plot_file)
+        probe = pb.data["acceptance"]["probe"]
+        prompts = C.read_prompts(prompts_file) if prompts_file else list(probe["prompts"])
+        if not yes and not _confirm(f"tune replaces whatever runs on {pb.host}/{pb.vmid} with {pb.name} "
+                                    f"without speculation, then with several values of k; continue?"):
+            raise UsageError("not confirmed; nothing was changed", fix=f"deploy tune {pb.name} -y (in scripts)")
+        with Fleet(inv) as fleet:
+            res = T.tune(fleet, pb, obj.progress(), ops.Options(yes=True, wait_lock_s=wait_lock), prompts=prompts,
+                         rounds=rounds or probe["rounds"], max_tokens=max_tokens or probe["max_tokens"],
+                         timeout_s=probe["timeout_s"] * 2, levels=levels, max_launches=max_launches, write=write,
+                         inventory=inv)
+        if plot_file and res.get("levels"):
+            res["plot"] = T.plot(res, plot_file)
+        if obj.json:
+            dump_json(res)
+        else:
+            for line in T.render(res):
+                click.echo(line)
+            if res.get("plot"):
+                click.echo(f"chart: {res['plot']}")
+        sys.exit(EXIT_OK if res["ok"] else EXIT_FAILED)
+    run_guarded(go, obj)
+
+
 # ------------------------------------------------------------------ discover
 
 

@@ -27,6 +27,7 @@ SLICE_S = 0.004   # the decode sleeps in slices of at least this long (the steps
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 2048  # uvicorn's backlog: a burst of concurrent clients is queued, not dropped
 
     def __init__(self, sock, handler):
         super().__init__(sock.getsockname()[:2], handler, bind_and_activate=False)

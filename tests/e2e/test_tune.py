@@ -1,0 +1,87 @@
+"""`deploy tune`: the baseline without --speculative-config, the largest k, the candidates the prediction ranks
+best, each a gated launch swept over concurrency on the test bed; the fake vLLM's step-time model (docs/testbed.md
+#speed) makes healthy DFlash win at 1 request with a k below 15 and lose at 64; spec_overhead flips it."""
+
+import json
+import re
+
+from e2e_helpers import cat
+
+STATE = "/var/lib/vllm-pve-deploy/state.json"
+ARGS = ("--rounds", "1", "--max-tokens", "64", "--concurrency", "1,4,64")
+
+
+def _steps(playbooks):
+    """4 ms per memory-bound step (the fake's default is 1 ms): decode time, not a busy machine's HTTP overhead,
+    decides the figures, even at 64 concurrent requests."""
+    playbooks("qwen36-dflash", "  env: {}", '  env: {VPD_FAKE_STEP_MS: "4"}')
+    return playbooks.env
+
+
+def test_tune_wins_at_one_loses_at_64_and_writes_a_schedule(tb, deploy, playbooks):
+    env = _steps(playbooks)
+    path = playbooks.dir / "qwen36-dflash.yaml"
+    before = path.read_text()
+    p = deploy("--json", "tune", "qwen36-dflash", "-y", *ARGS, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    res = p.json
+    by = {x["concurrency"]: x for x in res["levels"]}
+    assert by[1]["winner"] not in ("off", None) and int(by[1]["winner"]) < 15, by[1]
+    assert by[64]["winner"] == "off", by[64]
+    assert set(by[1]["tokens_per_s"]) >= {"off", "15"} and len(by[1]["tokens_per_s"]) >= 3
+    # the prediction is checked against every measured k, within the stated tolerance
+    assert res["prediction_error"] and set(res["prediction_error"]) == set(by[1]["tokens_per_s"]) - {"off"}
+    for k, errs in res["prediction_error"].items():
+        for c, e in errs.items():
+            assert abs(e) <= res["prediction_tolerance"], (k, c, e, res["predicted"][k][c])
+    # the schedule (vLLM 0.34.0 has it): drafts at 1 request, none at 64
+    sch = res["chosen"]["schedule"]
+    assert res["schedule_supported"] and sch[0][0] == 1 and sch[0][2] == int(by[1]["winner"]) and sch[-1][2] == 0
+    assert res["chosen"]["k"] == max(r[2] for r in sch)
+    assert [ln["config"] for ln in res["launches"]][:2] == ["off", "k=15"]
+    assert all(ln["seconds"] > 0 for ln in res["launches"])
+    assert res["written"] is None and path.read_text() == before  # without --write: only the diff
+    assert "+  schedule: [[1, " in res["diff"] and "num_speculative_tokens" in res["diff"]
+    assert res["kept"]["ok"]
+    running = json.loads(cat(tb, "pve1", 129, STATE))
+    spec = json.loads(running["argv"][running["argv"].index("--speculative-config") + 1])
+    assert spec["num_speculative_tokens_per_batch_size"] == sch  # the best configuration is left running
+
+    # --write: the same change applied in place; every comment kept; the schema passes; it comes up gated
+    p = deploy("tune", "qwen36-dflash", "-y", "--write", "--max-launches", "1", *ARGS, env=playbooks.env,
+               timeout=300)
+    assert p.returncode == 0, p.stderr
+    after = path.read_text()
+    assert "schedule: [[1, " in after
+    for comment in re.findall(r"#.*", before):
+        assert comment in after, comment
+    assert re.search(r"written: .*qwen36-dflash.yaml \(backup .*\.bak-", p.stdout)
+    assert "verdict: " in p.stdout and "predicted vs measured" in p.stdout
+    v = deploy("--json", "plan", "qwen36-dflash", env=playbooks.env)
+    assert v.returncode == 0, v.stderr
+    up = deploy("--json", "up", "qwen36-dflash", env=playbooks.env)
+    assert up.returncode == 0 and up.json["status"] in ("up", "already up"), up.stderr
+
+
+def test_tune_with_spec_overhead_proposes_turning_speculation_off(tb, deploy, playbooks):
+    tb.set_fault("pve1", 129, "spec_overhead", 4.0)
+    p = deploy("--json", "tune", "qwen36-dflash", "-y", "--max-launches", "1", "--rounds", "1", "--max-tokens", "64",
+               "--concurrency", "1,4", env=_steps(playbooks), timeout=300)
+    assert p.returncode == 0, p.stderr
+    res = p.json
+    assert all(x["winner"] == "off" for x in res["levels"]), res["levels"]
+    assert res["chosen"]["off"] and all(r[2] == 0 for r in res["chosen"]["schedule"])
+    assert res["verdict"] == "speculation loses at every measured level: turn it off"
+    assert any("turn it off" in w for w in res["warnings"])
+
+
+def test_tune_without_the_schedule_picks_one_k_and_names_the_losing_levels(tb, deploy, playbooks):
+    tb.set_fault("pve1", 129, "vllm_version", "0.26.0")
+    playbooks("qwen36-dflash", '  vllm: "0.34.0"', '  vllm: "0.26.0"')
+    p = deploy("--json", "tune", "qwen36-dflash", "-y", "--max-launches", "1", *ARGS, env=_steps(playbooks), timeout=300)
+    assert p.returncode == 0, p.stderr
+    res = p.json
+    assert res["schedule_supported"] is False and res["chosen"]["schedule"] is None
+    assert res["chosen"]["expected_concurrency"] == 1 and res["chosen"]["k"] < 15
+    assert any(w.startswith("speculation loses at 64 requests") for w in res["warnings"]), res["warnings"]
+    assert "schedule" not in res["diff"]
