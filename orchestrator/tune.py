@@ -41,10 +41,11 @@ MAX_BATCH = 4096          # the schedule's last range ends here (vLLM caps it at
 
 
 def variant(pb: Playbook, *, k: int | None = None, schedule: list | None = None, off: bool = False) -> Playbook:
-    """The playbook as one launch of tune runs it: its fallback off (the playbook itself is measured, or it failed),
-    k and the schedule replaced; off: the baseline, without --speculative-config."""
-    spec = {key: v for key, v in pb.data["speculative"].items() if key != "schedule"}
+    """The playbook as one launch of tune runs it: its fallback off (the playbook itself is measured, or it failed);
+    k given: that fixed k (its schedule dropped, or the one given); off: the baseline, without --speculative-config."""
+    spec = dict(pb.data["speculative"])
     if k is not None:
+        spec.pop("schedule", None)
         spec["num_speculative_tokens"] = k
     if schedule:
         spec["schedule"] = [list(r) for r in schedule]

@@ -48,8 +48,8 @@ def test_tune_wins_at_one_loses_at_64_and_writes_a_schedule(tb, deploy, playbook
     assert spec["num_speculative_tokens_per_batch_size"] == sch  # the best configuration is left running
 
     # --write: the same change applied in place; every comment kept; the schema passes; it comes up gated
-    p = deploy("tune", "qwen36-dflash", "-y", "--write", "--max-launches", "1", *ARGS, env=playbooks.env,
-               timeout=300)
+    p = deploy("tune", "qwen36-dflash", "-y", "--write", "--max-launches", "1", "--rounds", "1", "--max-tokens", "64",
+               "--concurrency", "1,64", env=playbooks.env, timeout=300)
     assert p.returncode == 0, p.stderr
     after = path.read_text()
     assert "schedule: [[1, " in after
