@@ -121,8 +121,8 @@ def pick_candidates(pred: dict, off: dict, big_k: int, n: int) -> list[int]:
     ratio = {k: max((v / off[c] for c, v in by.items() if v and off.get(c)), default=0) for k, by in pred.items()}
     order = []
     for c in sorted(off):
-        best = max((k for k in pred if pred[k].get(c)), key=lambda k: pred[k][c], default=None)
-        if best is not None and best != big_k and pred[best][c] > off[c] and best not in order:
+        best = max((k for k in pred if pred[k].get(c) and k != big_k), key=lambda k: pred[k][c], default=None)
+        if best is not None and pred[best][c] > off[c] and best not in order:
             order.append(best)
     order += [k for k in sorted(ratio, key=ratio.get, reverse=True) if k != big_k and ratio[k] > 1 and k not in order]
     return order[:n]

@@ -11,15 +11,19 @@ STATE = "/var/lib/vllm-pve-deploy/state.json"
 ARGS = ("--rounds", "1", "--max-tokens", "64", "--concurrency", "1,4,64")
 
 
-def _steps(playbooks):
+def _steps(playbooks, tb=None):
     """4 ms per memory-bound step (the fake's default is 1 ms): decode time, not a busy machine's HTTP overhead,
-    decides the figures, even at 64 concurrent requests."""
+    decides the figures, even at 64 concurrent requests. A shorter gate probe (64 tokens still gives it > 100
+    drafts) and a faster load keep the launches quick."""
     playbooks("qwen36-dflash", "  env: {}", '  env: {VPD_FAKE_STEP_MS: "4"}')
+    playbooks("qwen36-dflash", "    max_tokens: 128", "    max_tokens: 64")
+    if tb is not None:
+        tb.set_fault("pve1", 129, "load_s", 0.3)
     return playbooks.env
 
 
 def test_tune_wins_at_one_loses_at_64_and_writes_a_schedule(tb, deploy, playbooks):
-    env = _steps(playbooks)
+    env = _steps(playbooks, tb)
     path = playbooks.dir / "qwen36-dflash.yaml"
     before = path.read_text()
     p = deploy("--json", "tune", "qwen36-dflash", "-y", *ARGS, env=env, timeout=300)
@@ -66,7 +70,7 @@ def test_tune_wins_at_one_loses_at_64_and_writes_a_schedule(tb, deploy, playbook
 def test_tune_with_spec_overhead_proposes_turning_speculation_off(tb, deploy, playbooks):
     tb.set_fault("pve1", 129, "spec_overhead", 4.0)
     p = deploy("--json", "tune", "qwen36-dflash", "-y", "--max-launches", "1", "--rounds", "1", "--max-tokens", "64",
-               "--concurrency", "1,4", env=_steps(playbooks), timeout=300)
+               "--concurrency", "1,4", env=_steps(playbooks, tb), timeout=300)
     assert p.returncode == 0, p.stderr
     res = p.json
     assert all(x["winner"] == "off" for x in res["levels"]), res["levels"]
@@ -78,7 +82,7 @@ def test_tune_with_spec_overhead_proposes_turning_speculation_off(tb, deploy, pl
 def test_tune_without_the_schedule_picks_one_k_and_names_the_losing_levels(tb, deploy, playbooks):
     tb.set_fault("pve1", 129, "vllm_version", "0.26.0")
     playbooks("qwen36-dflash", '  vllm: "0.34.0"', '  vllm: "0.26.0"')
-    p = deploy("--json", "tune", "qwen36-dflash", "-y", "--max-launches", "1", *ARGS, env=_steps(playbooks), timeout=300)
+    p = deploy("--json", "tune", "qwen36-dflash", "-y", "--max-launches", "1", *ARGS, env=_steps(playbooks, tb), timeout=300)
     assert p.returncode == 0, p.stderr
     res = p.json
     assert res["schedule_supported"] is False and res["chosen"]["schedule"] is None
