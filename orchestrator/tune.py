@@ -391,7 +391,26 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
         launches.append(rec)
         res["kept"] = {"config": rec["config"], "ok": rec["ok"], "status": rec["status"], "error": rec["error"]}
     res["ok"] = bool(res["kept"]["ok"])
+    if res["ok"]:
+        _record(fleet, final, progress, res)
     return res
+
+
+def _record(fleet, pb: Playbook, progress: Progress, res: dict) -> None:
+    """tune.json beside the state file: deploy status shows the verdict for the launch left running. A failure to
+    record is a warning (status then says `not tuned`)."""
+    ctx = ops.new_context(fleet, pb, progress)
+    step = P.Step("tune-record", "record the tune's verdict with the launch left running", action="tune_record",
+                  args={"state_dir": pb.runtime["state_dir"], "playbook": pb.name, "verdict": res["verdict"],
+                        "chosen": res["chosen"]}, timeout=20, host=pb.host, vmid=pb.vmid, playbook=pb.name)
+    try:
+        r = ctx.call(step)
+        ok, msg = bool(r.get("ok")), r.get("message")
+    except DeployError as e:
+        ok, msg = False, e.message
+    if not ok:
+        res["warnings"].append(f"could not record the verdict in {pb.runtime['state_dir']}/tune.json ({msg}): "
+                               "deploy status says `not tuned`")
 
 
 def _launch_only(fleet, pb: Playbook, progress: Progress, opts: ops.Options) -> tuple[dict, None]:

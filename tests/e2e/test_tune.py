@@ -50,6 +50,9 @@ def test_tune_wins_at_one_loses_at_64_and_writes_a_schedule(tb, deploy, playbook
     running = json.loads(cat(tb, "pve1", 129, STATE))
     spec = json.loads(running["argv"][running["argv"].index("--speculative-config") + 1])
     assert spec["num_speculative_tokens_per_batch_size"] == sch  # the best configuration is left running
+    row = deploy("--json", "status", "pve1/129").json["rows"][0]
+    assert row["tune"]["verdict"] == res["verdict"] and row["tune"]["text"].startswith("tuned ")
+    assert "Speculation (deploy tune):" in deploy("status", "pve1/129").stdout
 
     # --write: the same change applied in place; every comment kept; the schema passes; it comes up gated
     p = deploy("tune", "qwen36-dflash", "-y", "--write", "--max-launches", "1", "--rounds", "1", "--max-tokens", "64",
@@ -64,7 +67,7 @@ def test_tune_wins_at_one_loses_at_64_and_writes_a_schedule(tb, deploy, playbook
     v = deploy("--json", "plan", "qwen36-dflash", env=playbooks.env)
     assert v.returncode == 0, v.stderr
     up = deploy("--json", "up", "qwen36-dflash", env=playbooks.env)
-    assert up.returncode == 0 and up.json["status"] in ("up", "already up"), up.stderr
+    assert up.returncode == 0 and up.json["status"] == "already up", up.stderr  # tune left the written one running
 
 
 def test_tune_with_spec_overhead_proposes_turning_speculation_off(tb, deploy, playbooks):
@@ -74,9 +77,12 @@ def test_tune_with_spec_overhead_proposes_turning_speculation_off(tb, deploy, pl
     assert p.returncode == 0, p.stderr
     res = p.json
     assert all(x["winner"] == "off" for x in res["levels"]), res["levels"]
-    assert res["chosen"]["off"] and all(r[2] == 0 for r in res["chosen"]["schedule"])
+    assert res["chosen"]["off"] and res["chosen"]["schedule"] is None
     assert res["verdict"] == "speculation loses at every measured level: turn it off"
     assert any("turn it off" in w for w in res["warnings"])
+    assert res["diff"] == "" and res["kept"]["config"] == "off"  # no key turns it off: the baseline is left running
+    running = json.loads(cat(tb, "pve1", 129, STATE))
+    assert "--speculative-config" not in running["argv"]
 
 
 def test_tune_without_the_schedule_picks_one_k_and_names_the_losing_levels(tb, deploy, playbooks):
@@ -86,6 +92,7 @@ def test_tune_without_the_schedule_picks_one_k_and_names_the_losing_levels(tb, d
     assert p.returncode == 0, p.stderr
     res = p.json
     assert res["schedule_supported"] is False and res["chosen"]["schedule"] is None
-    assert res["chosen"]["expected_concurrency"] == 1 and res["chosen"]["k"] < 15
+    by = {x["concurrency"]: x for x in res["levels"]}
+    assert res["chosen"]["expected_concurrency"] == 1 and res["chosen"]["k"] == int(by[1]["winner"])
     assert any(w.startswith("speculation loses at 64 requests") for w in res["warnings"]), res["warnings"]
     assert "schedule" not in res["diff"]

@@ -23,7 +23,7 @@ ACTIONS = {
     "status": "status:act_status", "note_failure": "state:act_note_failure", "verify": "verify:act_verify",
     "doctor": "doctor:act_doctor", "hub_drafter": "hub:act_hub_drafter", "stack_check": "stack:act_stack_check",
     "install_vllm": "install:act_install_vllm", "install_run": "runner:act_install_run",
-    "gate_record": "gate:act_gate_record", "sweep": "probe:act_sweep", "fetch": "fetch:act_fetch",
+    "gate_record": "gate:act_gate_record", "tune_record": "gate:act_tune_record", "sweep": "probe:act_sweep", "fetch": "fetch:act_fetch",
     "fetch_run": "fetch_runner:act_fetch_run", "router": "router:act_router",
     "drafter_scan": "scan:act_drafter_scan", "plumbing": "plumbing:act_plumbing", "store": "store:act_store",
 }
