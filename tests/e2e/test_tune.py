@@ -95,4 +95,4 @@ def test_tune_without_the_schedule_picks_one_k_and_names_the_losing_levels(tb, d
     by = {x["concurrency"]: x for x in res["levels"]}
     assert res["chosen"]["expected_concurrency"] == 1 and res["chosen"]["k"] == int(by[1]["winner"])
     assert any(w.startswith("speculation loses at 64 requests") for w in res["warnings"]), res["warnings"]
-    assert "schedule" not in res["diff"]
+    assert "+  schedule:" not in res["diff"] and "+  num_speculative_tokens: " in res["diff"]
