@@ -158,14 +158,27 @@ def level_winners(results: list[dict]) -> list[dict]:
     return out
 
 
+def label(pb: Playbook) -> str:
+    """The name a result row shows: the playbook's, `NAME (no speculation)` for the baseline of --baseline."""
+    return f"{pb.name} (no speculation)" if pb.spec_off else pb.name
+
+
+def baseline_of(pb: Playbook) -> Playbook:
+    """`compare A --baseline`: A without --speculative-config, as deploy tune's baseline (gated on serving)."""
+    from .tune import variant  # lazy: tune imports this module
+
+    return variant(pb, off=True)
+
+
 def compare(fleet, a: Playbook, b: Playbook, progress: Progress, opts: ops.Options, *, prompts: list[str],
             rounds: int, max_tokens: int, timeout_s: float, keep: str | None = None,
             levels: list[int] = (1, 4, 16)) -> dict:
     results = []
     for pb in (a, b):
-        progress.say(f"{pb.host}/{pb.vmid}", f"compare: bringing up {pb.name} ({pb.spec['method']})")
+        method = "none" if pb.spec_off else pb.spec["method"]
+        progress.say(f"{pb.host}/{pb.vmid}", f"compare: bringing up {label(pb)} ({method})")
         out = _bring_up(fleet, pb, progress, opts)
-        row = {"playbook": pb.name, "method": pb.spec["method"], "ok": out.ok, "status": out.status,
+        row = {"playbook": label(pb), "method": method, "ok": out.ok, "status": out.status,
                "error": out.error.as_dict() if out.error else None,
                "gate_acceptance": out.info.get("acceptance")}
         if out.ok:
@@ -180,10 +193,10 @@ def compare(fleet, a: Playbook, b: Playbook, progress: Progress, opts: ops.Optio
     kept = None
     if keep_name:
         if keep_name != results[-1]["playbook"] or not results[-1]["ok"]:
-            pb = a if keep_name == a.name else b
-            progress.say(f"{pb.host}/{pb.vmid}", f"compare: leaving {pb.name} running")
+            pb = a if keep_name == label(a) else b
+            progress.say(f"{pb.host}/{pb.vmid}", f"compare: leaving {label(pb)} running")
             out = _bring_up(fleet, pb, progress, opts)
-            kept = {"playbook": pb.name, "ok": out.ok, "status": out.status,
+            kept = {"playbook": label(pb), "ok": out.ok, "status": out.status,
                     "error": out.error.as_dict() if out.error else None}
         else:
             kept = {"playbook": keep_name, "ok": True, "status": "up", "error": None}

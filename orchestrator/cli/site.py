@@ -27,9 +27,12 @@ Examples:
   deploy compare qwen36-dflash qwen36-mtp -y
   deploy compare qwen36-dflash qwen36-mtp --rounds 5 --prompts my-prompts.txt -y
   deploy --json compare qwen36-dflash qwen36-mtp --keep qwen36-mtp -y
-  deploy compare qwen36-dflash qwen36-mtp --concurrency 1,8,32 --plot sweep.png -y""")
+  deploy compare qwen36-dflash qwen36-mtp --concurrency 1,8,32 --plot sweep.png -y
+  deploy compare qwen36-dflash --baseline -y""")
 @click.argument("playbook_a", shell_complete=complete_playbooks)
-@click.argument("playbook_b", shell_complete=complete_playbooks)
+@click.argument("playbook_b", required=False, shell_complete=complete_playbooks)
+@click.option("--baseline", is_flag=True,
+              help="Compare PLAYBOOK_A with itself without speculative decoding (no --speculative-config).")
 @click.option("--prompts", "prompts_file", default=None, metavar="FILE",
               help="One prompt per line (default: PLAYBOOK_A's acceptance.probe.prompts).")
 @click.option("--rounds", type=click.IntRange(1, 1000), default=None,
@@ -46,7 +49,8 @@ Examples:
               help="Wait this long for another deploy's lock instead of failing at once.")
 @json_option
 @click.pass_obj
-def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep, levels, plot_file, yes, wait_lock):
+def compare(obj, playbook_a, playbook_b, baseline, prompts_file, rounds, max_tokens, keep, levels, plot_file, yes,
+            wait_lock):
     """Which of two playbooks serves faster on one container: bring each up, time the same prompts, compare.
 
     Both playbooks must target the same host and container. Each is brought up with its own gates (its
@@ -55,24 +59,30 @@ def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep,
     latency p50/p99 and the acceptance length per level, the winner per level, a terminal chart (and --plot a
     chart file). Draft acceptance and per-position acceptance over the whole sweep from /metrics deltas. The
     overall winner is the faster at the first level (`--keep` picks another); it is left running. Exit 0 when a
-    winner was measured and left running.
+    winner was measured and left running. `--baseline` instead of PLAYBOOK_B: PLAYBOOK_A without speculative
+    decoding (deploy tune's baseline), `--keep "NAME (no speculation)"` to keep it.
     """
     def go():
         from .. import compare as C
         from .. import ops
 
         inv = obj.inventory()
-        a, b = load_playbook(playbook_a, inv), load_playbook(playbook_b, inv)
-        C.check_pair(a, b)
+        if baseline == bool(playbook_b):
+            raise UsageError("compare needs PLAYBOOK_B or --baseline (not both)",
+                             fix=f"deploy compare {playbook_a} qwen36-mtp, or deploy compare {playbook_a} --baseline")
+        a = load_playbook(playbook_a, inv)
+        b = C.baseline_of(a) if baseline else load_playbook(playbook_b, inv)
+        if not baseline:
+            C.check_pair(a, b)
         if plot_file:
             C.check_plot(plot_file)
-        if keep and keep not in (a.name, b.name):
-            raise UsageError(f"--keep {keep} is neither {a.name} nor {b.name}", fix=f"--keep {a.name}")
+        if keep and keep not in (C.label(a), C.label(b)):
+            raise UsageError(f"--keep {keep} is neither {C.label(a)} nor {C.label(b)}", fix=f"--keep {a.name}")
         probe = a.data["acceptance"]["probe"]
         prompts = C.read_prompts(prompts_file) if prompts_file else list(probe["prompts"])
         rounds_ = rounds or probe["rounds"]
         if not yes and not _confirm(f"compare replaces whatever runs on {a.host}/{a.vmid} with {a.name}, then "
-                                    f"{b.name}; continue?"):
+                                    f"{C.label(b)}; continue?"):
             raise UsageError("not confirmed; nothing was changed",
                              fix=f"deploy compare {a.name} {b.name} -y (in scripts)")
         with Fleet(inv) as fleet:

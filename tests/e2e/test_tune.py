@@ -95,4 +95,20 @@ def test_tune_without_the_schedule_picks_one_k_and_names_the_losing_levels(tb, d
     by = {x["concurrency"]: x for x in res["levels"]}
     assert res["chosen"]["expected_concurrency"] == 1 and res["chosen"]["k"] == int(by[1]["winner"])
     assert any(w.startswith("speculation loses at 64 requests") for w in res["warnings"]), res["warnings"]
-    assert "+  schedule:" not in res["diff"] and "+  num_speculative_tokens: " in res["diff"]
+    assert "+  schedule:" not in res["diff"]
+    assert ("+  num_speculative_tokens: " in res["diff"]) == (res["chosen"]["k"] != 15)  # 15: no change
+
+
+def test_compare_baseline_measures_the_playbook_against_itself_without_speculation(tb, deploy, playbooks):
+    p = deploy("--json", "compare", "qwen36-dflash", "--baseline", "-y", "--rounds", "1", "--max-tokens", "64",
+               "--concurrency", "1,64", env=_steps(playbooks, tb), timeout=300)
+    assert p.returncode == 0, p.stderr
+    res = p.json
+    off = "qwen36-dflash (no speculation)"
+    assert [(r["playbook"], r["method"], r["ok"]) for r in res["results"]] == [
+        ("qwen36-dflash", "dflash", True), (off, "none", True)]
+    assert [lv["winner"] for lv in res["levels"]] == ["qwen36-dflash", off]
+    assert res["kept"]["playbook"] == "qwen36-dflash" and res["kept"]["ok"]  # the faster at the first level
+    assert "--speculative-config" in json.loads(cat(tb, "pve1", 129, STATE))["argv"]
+    bad = deploy("compare", "qwen36-dflash", "qwen36-mtp", "--baseline", "-y")
+    assert bad.returncode == 2 and "compare needs PLAYBOOK_B or --baseline (not both)" in bad.stderr
