@@ -128,3 +128,36 @@ def test_fake_step_model_calibration():
     mtp = A.for_mtp(2)
     assert (1 + sum(mtp.per_pos)) / A.step_units("mtp", 2, 1) < speedup(15, 1) / 1.2
     assert A.step_units("dflash", 0, 4, drafter_loaded=True) == pytest.approx(A.step_units(None, 0, 4) * A.K0_TAX)
+
+
+def _res():
+    levels = T.choose([1, 64], {"off": [_lv(1, 100.0), _lv(64, 1000.0)], "5": [_lv(1, 210.0), _lv(64, 600.0)],
+                                "15": [_lv(1, 190.0), _lv(64, 300.0)]})
+    return {"ok": True, "target": "pve1/129", "playbook": "qwen36-dflash", "concurrency": [1, 64], "levels": levels,
+            "predicted": {"5": {"1": 200.0, "64": 650.0}}, "prediction_error": {"5": {"1": -0.0476, "64": 0.0833}},
+            "prediction_tolerance": T.PREDICTION_TOLERANCE,
+            "launches": [{"config": "off", "seconds": 3.2, "ok": True, "error": None, "status": "up"},
+                         {"config": "k=9", "seconds": 4.0, "ok": False, "status": "failed",
+                          "error": {"message": "acceptance gate failed"}}],
+            "warnings": ["no drafts (k=0) at 64 requests: ..."], "chosen": {"k": 5, "schedule": [[1, 7, 5], [8, 4096, 0]],
+                                                                          "off": False},
+            "verdict": "k=5 at 1-7 requests; off at 8+ requests; 2.10x plain at 1 request", "diff": "--- a\n+++ b\n",
+            "written": None, "kept": {"config": "k=5 schedule [[1, 7, 5], [8, 4096, 0]]", "ok": True}}
+
+
+def test_render_shows_the_table_the_check_of_the_prediction_and_each_launch():
+    out = "\n".join(T.render(_res()))
+    assert re.search(r"^1 +100 \(1\) +210 \(1\) +190 \(1\) +k=5 +\+10\.5%", out, re.M), out
+    assert re.search(r"^64 +1000 \(1\) .* off +\+66\.7%", out, re.M), out
+    assert "k=5 predicted vs measured tok/s: 1: 200 vs 210 (-5%), 64: 650 vs 600 (+8%)" in out
+    assert "launch k=9: 4.0 s, dropped: acceptance gate failed" in out
+    assert "verdict: k=5 at 1-7 requests; off at 8+ requests; 2.10x plain at 1 request" in out
+    assert "the playbook change (not written; --write applies it):" in out
+    assert out.rstrip().endswith("left running on pve1/129: k=5 schedule [[1, 7, 5], [8, 4096, 0]]")
+    assert "output tokens/s by concurrency (# off, = k=5, * k=15):" in out
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = T.plot(_res(), str(tmp_path / "t.png"))
+    assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
