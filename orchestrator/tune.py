@@ -345,7 +345,10 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
                         "still costs its memory and a few % per step, vLLM #49548); the baseline is left running")
     elif sched_ok:
         schedule = schedule_of(chosen)
-        proposal = {"k": max(r[2] for r in schedule), "schedule": schedule, "off": False}
+        # one k for every batch size is no schedule: plain num_speculative_tokens (a schedule switches vLLM's CUDA
+        # graphs to PIECEWISE, which costs even where k does not change: vLLM #49548)
+        proposal = {"k": max(r[2] for r in schedule), "schedule": schedule if len(schedule) > 1 else None,
+                    "off": False}
         if loses:
             warnings.append("no drafts (k=0) at " + ", ".join(str(x["concurrency"]) for x in loses) + " requests: "
                             "the loaded drafter still costs its memory and a few % per step there (vLLM #49548)")
