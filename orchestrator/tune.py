@@ -128,25 +128,28 @@ def pick_candidates(pred: dict, off: dict, big_k: int, n: int) -> list[int]:
     return order[:n]
 
 
-def _rse(lv: dict) -> float:
-    return lv.get("tokens_per_s_rse") or 0.0
+def run_noise(first: dict | None, again: dict | None) -> float | None:
+    """The run-to-run noise: the baseline's first level measured twice in its launch, |a - b| / their mean."""
+    a, b = (first or {}).get("tokens_per_s"), (again or {}).get("tokens_per_s")
+    return round(abs(a - b) / ((a + b) / 2), 4) if a and b else None
 
 
-def choose(levels: list[int], measured: dict) -> list[dict]:
+def choose(levels: list[int], measured: dict, noise_run: float | None = None) -> list[dict]:
     """Per level, the fastest of {off, each measured k}; its margin over the runner-up and whether that margin is
-    beyond the noise (2 standard errors of the two, at least NOISE_FLOOR). measured: {"off"|"k": [level figures]}."""
+    beyond the noise: twice the run-to-run noise measured (run_noise), at least NOISE_FLOOR.
+    measured: {"off"|"k": [level figures]}."""
     out = []
-    for i, c in enumerate(levels):
-        tps, itl, rse = {}, {}, {}
+    for c in levels:
+        tps, itl = {}, {}
         for name, figs in measured.items():
             lv = next((x for x in figs if x["concurrency"] == c), None)
             if lv is not None:
-                tps[name], itl[name], rse[name] = lv.get("tokens_per_s"), lv.get("itl_ms_p50"), _rse(lv)
+                tps[name], itl[name] = lv.get("tokens_per_s"), lv.get("itl_ms_p50")
         ok = {k: v for k, v in tps.items() if v}
         win = max(ok, key=ok.get) if ok else None
         rest = sorted(((v, k) for k, v in ok.items() if k != win), reverse=True)
         margin = round(ok[win] / rest[0][0] - 1, 4) if win and rest else None
-        noise = max(NOISE_FLOOR, 2 * math.hypot(rse.get(win, 0), rse.get(rest[0][1], 0))) if win and rest else None
+        noise = max(NOISE_FLOOR, 2 * (noise_run or 0.0)) if win and rest else None
         vs_off = round(ok[win] / ok["off"], 3) if win and ok.get("off") else None
         out.append({"concurrency": c, "tokens_per_s": tps, "itl_ms_p50": itl, "winner": win, "runner_up":
                     rest[0][1] if rest else None, "margin": margin, "noise": round(noise, 4) if noise else None,
@@ -284,9 +287,12 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
     levels, capped = cap_levels(pb, sorted(levels))
     warnings = [capped] if capped else []
     step = C.step_sweep(pb, prompts, rounds, max_tokens, timeout_s * len(levels), list(levels))
+    # the baseline sweeps its first level once more at the end: the run-to-run noise, measured
+    step_off = C.step_sweep(pb, prompts, rounds, max_tokens, timeout_s * (len(levels) + 1),
+                            list(levels) + [levels[0]])
     launches, measured, acceptance = [], {}, None
 
-    def run(v: Playbook) -> dict | None:
+    def run(v: Playbook, step=step) -> dict | None:
         rec, m = _launch(fleet, v, progress, opts, step)
         launches.append(rec)
         return m if rec["ok"] else None
@@ -296,10 +302,12 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
            "levels": [], "predicted": {}, "prediction_error": {}, "chosen": None, "written": None, "backup": None,
            "diff": "", "warnings": warnings, "verdict": None, "kept": None,
            "prediction_tolerance": PREDICTION_TOLERANCE}
-    base = run(variant(pb, off=True))
+    base = run(variant(pb, off=True), step_off)
     if base is None:
         res["error"] = launches[-1]["error"]
         return res
+    again = base["levels"].pop() if len(base["levels"]) > len(levels) else None
+    res["run_to_run_noise"] = noise = run_noise(base["levels"][0] if base["levels"] else None, again)
     measured["off"] = base["levels"]
     sched_ok, version = _schedule_supported(fleet, pb, progress)
     res["vllm_version"], res["schedule_supported"] = version, sched_ok
@@ -330,7 +338,7 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
     elif big is None:
         warnings.append(f"the largest k ({big_k}) failed its launch: nothing predicts the other values of k; only the "
                         "baseline was measured")
-    chosen = choose(levels, measured)
+    chosen = choose(levels, measured, noise)
     res["levels"] = chosen
     # the proposal
     orig_k = pb.spec["num_speculative_tokens"]

@@ -50,9 +50,12 @@ def test_candidates_each_levels_best_first_never_the_largest_only_winners():
 def test_choose_names_winner_margin_and_noise():
     measured = {"off": [_lv(1, 100.0), _lv(64, 1000.0)], "5": [_lv(1, 210.0), _lv(64, 990.0)],
                 "2": [_lv(1, 170.0, rse=0.2), _lv(64, 800.0)]}
-    c1, c64 = T.choose([1, 64], measured)
+    c1, c64 = T.choose([1, 64], measured, noise_run=0.15)
     assert c1["winner"] == "5" and c1["runner_up"] == "2" and c1["margin"] == pytest.approx(210 / 170 - 1, abs=1e-4)
-    assert c1["noise"] == pytest.approx(2 * (0.01 ** 2 + 0.2 ** 2) ** 0.5, abs=1e-3) and not c1["significant"]
+    assert c1["noise"] == pytest.approx(0.30) and not c1["significant"]  # 23.5 % < twice the measured 15 %
+    assert T.choose([1], measured, noise_run=0.05)[0]["significant"]
+    assert T.run_noise({"tokens_per_s": 100.0}, {"tokens_per_s": 110.0}) == pytest.approx(0.0952, abs=1e-4)
+    assert T.run_noise({"tokens_per_s": 100.0}, None) is None
     assert c1["speedup_vs_off"] == 2.1
     assert c64["winner"] == "off" and c64["margin"] == pytest.approx(0.0101, abs=1e-4)
     assert not c64["significant"]  # 1 % is under the noise floor
