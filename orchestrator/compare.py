@@ -79,9 +79,13 @@ def level_figures(lv: dict) -> dict:
     ms = lambda x: round(x * 1000, 2) if x is not None else None  # noqa: E731
     acc = vf.acceptance_from_metrics(lv["before"], lv["after"])
     tokens = sum(r["tokens"] for r in reqs)
+    per = [r["tokens"] / r["seconds"] for r in reqs if r.get("seconds")]
+    # the noise of the level's figure: the relative standard error of the requests' own tokens/s (deploy tune)
+    rse = (statistics.stdev(per) / statistics.fmean(per) / len(per) ** 0.5) if len(per) > 1 and any(per) else None
     return {"concurrency": lv["concurrency"], "requests": len(reqs), "failed": lv.get("failed", 0),
             "output_tokens": tokens, "wall_s": lv["wall_s"],
             "tokens_per_s": round(tokens / lv["wall_s"], 2) if lv["wall_s"] and tokens else None,
+            "tokens_per_s_rse": round(rse, 4) if rse is not None else None,
             "ttft_ms_p50": ms(percentile([r["ttft"] for r in reqs], 50)),
             "ttft_ms_p99": ms(percentile([r["ttft"] for r in reqs], 99)),
             "itl_ms_p50": ms(percentile([r["itl"] for r in reqs], 50)),
@@ -154,14 +158,27 @@ def level_winners(results: list[dict]) -> list[dict]:
     return out
 
 
+def label(pb: Playbook) -> str:
+    """The name a result row shows: the playbook's, `NAME (no speculation)` for the baseline of --baseline."""
+    return f"{pb.name} (no speculation)" if pb.spec_off else pb.name
+
+
+def baseline_of(pb: Playbook) -> Playbook:
+    """`compare A --baseline`: A without --speculative-config, as deploy tune's baseline (gated on serving)."""
+    from .tune import variant  # lazy: tune imports this module
+
+    return variant(pb, off=True)
+
+
 def compare(fleet, a: Playbook, b: Playbook, progress: Progress, opts: ops.Options, *, prompts: list[str],
             rounds: int, max_tokens: int, timeout_s: float, keep: str | None = None,
             levels: list[int] = (1, 4, 16)) -> dict:
     results = []
     for pb in (a, b):
-        progress.say(f"{pb.host}/{pb.vmid}", f"compare: bringing up {pb.name} ({pb.spec['method']})")
+        method = "none" if pb.spec_off else pb.spec["method"]
+        progress.say(f"{pb.host}/{pb.vmid}", f"compare: bringing up {label(pb)} ({method})")
         out = _bring_up(fleet, pb, progress, opts)
-        row = {"playbook": pb.name, "method": pb.spec["method"], "ok": out.ok, "status": out.status,
+        row = {"playbook": label(pb), "method": method, "ok": out.ok, "status": out.status,
                "error": out.error.as_dict() if out.error else None,
                "gate_acceptance": out.info.get("acceptance")}
         if out.ok:
@@ -176,10 +193,10 @@ def compare(fleet, a: Playbook, b: Playbook, progress: Progress, opts: ops.Optio
     kept = None
     if keep_name:
         if keep_name != results[-1]["playbook"] or not results[-1]["ok"]:
-            pb = a if keep_name == a.name else b
-            progress.say(f"{pb.host}/{pb.vmid}", f"compare: leaving {pb.name} running")
+            pb = a if keep_name == label(a) else b
+            progress.say(f"{pb.host}/{pb.vmid}", f"compare: leaving {label(pb)} running")
             out = _bring_up(fleet, pb, progress, opts)
-            kept = {"playbook": pb.name, "ok": out.ok, "status": out.status,
+            kept = {"playbook": label(pb), "ok": out.ok, "status": out.status,
                     "error": out.error.as_dict() if out.error else None}
         else:
             kept = {"playbook": keep_name, "ok": True, "status": "up", "error": None}

@@ -77,8 +77,14 @@ class Thresholds:
 
 def playbook_thresholds(pb) -> Thresholds:
     """The gate's thresholds of a playbook: its `acceptance` section and spec k (the one place they are derived;
-    plan.step_acceptance carries them to the runner, monitor export and status show them)."""
-    return thresholds(pb.data.get("acceptance") or {}, int(pb.spec["num_speculative_tokens"]))
+    plan.step_acceptance carries them to the runner, monitor export and status show them). With a batch-size
+    schedule (speculative.schedule) the probe, one request at a time, drafts the schedule's k at batch size 1: the
+    positions past it are never drafted, so they are not a cliff."""
+    k = int(pb.spec["num_speculative_tokens"])
+    first = next((r for r in sorted(pb.spec.get("schedule") or []) if r[0] <= 1 <= r[1]), None)
+    if first is not None and first[2] >= 1:
+        k = min(k, int(first[2]))
+    return thresholds(pb.data.get("acceptance") or {}, k)
 
 
 def thresholds(acc_cfg: dict | None, k: int) -> Thresholds:
@@ -153,7 +159,7 @@ class Verdict:
 def judge(acc, th: Thresholds, *, extended: str | None = None) -> Verdict:
     """The verdict on one measurement (vllm_facts.Acceptance) against the thresholds."""
     k = th.k
-    per = list(acc.per_position or [])[:max(k, len(acc.per_position or []))]
+    per = list(acc.per_position or [])[:max(k, 1)]  # a schedule drafts fewer than the configured k: not a cliff
     drafts = acc.drafts or 0
     if not drafts and acc.draft_tokens and k:
         drafts = round(acc.draft_tokens / k)  # the log line gives drafted tokens only

@@ -174,7 +174,7 @@ def diff_running(cur: CurrentResult, pb: Playbook) -> list[str]:
         diffs.append(f"playbook: running {st.get('playbook') or '(not recorded)'}, wanted {pb.name}")
     elif st.get("playbook_sha256") != pb.sha256:
         diffs.append(f"playbook file changed: {sha(st.get('playbook_sha256'), '(not recorded)')} -> {sha(pb.sha256)}")
-    want_d = (pb.drafter or {}).get("sha256")
+    want_d = None if pb.spec_off else (pb.drafter or {}).get("sha256")
     if want_d and cur.drafter_sha256 != want_d:
         have = cur.drafter_sha256
         if have:
@@ -487,6 +487,16 @@ def r_acceptance(run: Run, step: P.Step) -> None:
                      ("; or set acceptance.on_low_acceptance: fallback" if not pb.fallback else ""))
 
 
+def r_serving(run: Run, step: P.Step) -> None:
+    """deploy tune's baseline: up when it serves (no drafts, no acceptance gate)."""
+    ctx, pb = run.ctx, run.ctx.pb
+    ctx.record("serving", True, "serves without speculation (the baseline: no drafts to gate)", time.monotonic())
+    run.out.ok, run.out.status = True, "up"
+    run.out.info = {**_ep(server_endpoint(run.fleet.inventory, pb)), "model": pb.serve["served_model_name"],
+                    "method": "none", "gate": {"passed": True, "reason": "serves (baseline, no speculation)"},
+                    "total_s": round(time.monotonic() - run.t_start, 2)}
+
+
 def low_fix(verdict, playbook: str) -> str:
     """What to do about a failed gate: the cause its shape names first, then the usual suspects."""
     if verdict.too_few and len(verdict.reasons) == 1:
@@ -604,6 +614,7 @@ STEPS = {
     "onboot": (r_onboot, None),
     "wait-ready": (r_wait, "wait_ready"), "aux-layers": (r_aux_layers, None), "drift": (r_drift, "file_sha"),
     "acceptance": (r_acceptance, "acceptance"), "gate-record": (r_gate_record, "gate_record"),
+    "serving": (r_serving, None),
     "fallback": (r_fallback, None), "drift-check": (r_drift_check, "file_sha"), "read-back": (r_read_back, "file_sha"),
     "note-failure": (r_note_failure, "note_failure"), "clear-failure": (r_clear_failure, "note_failure"),
     "unlock": (r_unlock, "unlock"), "revisions": (r_revisions, "fetch"),

@@ -276,7 +276,7 @@ def step_plumbing(pb):
 
 
 def step_verify(pb):
-    if not pb.drafter:
+    if not pb.drafter or pb.spec_off:
         return Step("verify", "verify the serving stack (vLLM version, complete build, import)", action="verify",
                     args={"stack_only": True, "method": pb.spec["method"],
                           "vllm_min_version": pb.data["requires"].get("vllm_min_version"), **launch_check_args(pb)},
@@ -432,6 +432,13 @@ def step_acceptance(pb, when=None, phase="main"):
                       "delta(draft tokens), per position = delta(per_pos[p]) / delta(drafts) (else the SpecDecoding "
                       "log line)"],
                 **_common(pb))
+
+
+def step_serving(pb, when=None, phase="main"):
+    """deploy tune's baseline has no drafts to gate: its gate is that it serves (wait-ready's completion)."""
+    return Step("serving", "the baseline (no --speculative-config) serves: its gate is wait-ready's completion, "
+                           "there are no drafts to measure", local=True, timeout=0, when=when, phase=phase,
+                runs=["(no remote command: wait-ready's completion answered)"], **_common(pb))
 
 
 def step_gate_record(pb, when=None, phase="main"):
@@ -599,6 +606,10 @@ def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, 
     steps = [step_current(pb)]
     if fetch_items(pb):  # weights from the hub or a host directory: fetched (verified) before anything else
         steps.append(step_fetch(pb, allow=fetch))
+    if pb.spec_off:  # deploy tune's baseline: no drafter to write or verify, no drafts to gate
+        return steps + [step_verify(pb), step_plumbing(pb),
+                        step_stop(pb, clean, when=None if restart else something_to_stop),
+                        step_gpus_free(pb), step_port(pb), step_launch(pb), step_wait(pb), step_serving(pb)]
     if pb.drafter and write_config and drafter_config_path(pb):
         steps.append(step_write_config(pb))
     steps.append(step_verify(pb))
@@ -616,6 +627,8 @@ def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, 
 def gate_running_steps(pb: Playbook) -> list[Step]:
     """The same deployment already runs healthy but has no passed verdict for its launch (an up interrupted before
     the gate, a crash of deploy, an older deploy): measure and gate it now, and act on the verdict."""
+    if pb.spec_off:
+        return [step_serving(pb, when=ungated, phase="gate-running")]
     return [step_acceptance(pb, when=ungated, phase="gate-running"),
             step_gate_record(pb, when=ungated, phase="gate-running")]
 

@@ -36,12 +36,17 @@ def hub_drafter_dir(pb: Playbook) -> str | None:
 
 
 def spec_config(pb: Playbook) -> dict:
+    """--speculative-config's JSON; {} for deploy tune's baseline (spec_off: no --speculative-config at all)."""
+    if pb.spec_off:
+        return {}
     s = pb.conf.speculative
     cfg = {"method": s.method}
     if s.drafter:
         cfg["model"] = s.drafter.path or hub_drafter_dir(pb)
     cfg["num_speculative_tokens"] = s.num_speculative_tokens
     cfg.update(s.extra)
+    if s.schedule:
+        cfg["num_speculative_tokens_per_batch_size"] = [list(r) for r in s.schedule]
     return cfg
 
 
@@ -58,7 +63,8 @@ def serve_argv(pb: Playbook) -> list[str]:
         argv += ["--attention-backend", sv.attention_backend]
     if sv.max_num_batched_tokens:  # DFLASH_BATCHED_TOKENS for DFlash when unset (and what sizing.py sizes with)
         argv += ["--max-num-batched-tokens", str(sv.max_num_batched_tokens)]
-    argv += ["--speculative-config", json.dumps(spec_config(pb), separators=(",", ":"))]
+    if not pb.spec_off:  # deploy tune's baseline: no speculation at all
+        argv += ["--speculative-config", json.dumps(spec_config(pb), separators=(",", ":"))]
     if sv.trust_remote_code:
         argv += ["--trust-remote-code"]
     return argv + list(sv.extra_args)
@@ -77,11 +83,12 @@ def serve_env(pb: Playbook) -> dict:
 
 def state_record(pb: Playbook) -> dict:
     c = pb.conf
+    off = pb.spec_off  # deploy tune's baseline: no drafter, no speculation
     return {"playbook": pb.name, "playbook_sha256": pb.sha256,
-            "drafter_sha256": c.speculative.drafter.sha256 if c.speculative.drafter else None,
-            "drafter_path": drafter_config_path(pb), "port": c.serve.port,
-            "served_model_name": c.serve.served_model_name, "method": c.speculative.method, "gpus": pb.gpus,
-            "api_key_env": c.serve.api_key_env, "host": c.serve.host}
+            "drafter_sha256": c.speculative.drafter.sha256 if c.speculative.drafter and not off else None,
+            "drafter_path": None if off else drafter_config_path(pb), "port": c.serve.port,
+            "served_model_name": c.serve.served_model_name, "method": "none" if off else c.speculative.method,
+            "gpus": pb.gpus, "api_key_env": c.serve.api_key_env, "host": c.serve.host}
 
 
 def verify_args(pb: Playbook) -> dict:

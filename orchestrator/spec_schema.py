@@ -257,7 +257,16 @@ PLAYBOOK = Map({
         "num_speculative_tokens": Field(Int(1, 64), required=True),
         "drafter": Field(DRAFTER),
         "extra": Field(FreeMap(r"[a-z_]{1,64}", "lowercase spec-config keys", value=Str()), default=dict),
+        "schedule": Field(List(List(Int(0, 4096), min_len=3, max_len=3), min_len=1, max_len=64),
+                          doc="k by batch size (vLLM >= 0.27: num_speculative_tokens_per_batch_size): [[FIRST, LAST, "
+                              "K], ...], inclusive batch-size ranges, the first from 1, K <= num_speculative_tokens, "
+                              "0 = no drafts there (deploy tune writes it)"),
     }), required=True),
+    "tune": _defaulted(Map({
+        "expected_concurrency": Field(Int(1, 4096), default=1,
+                                      doc="the concurrent requests this deployment usually serves: where vLLM has no "
+                                          "batch-size schedule, deploy tune chooses the k that wins here"),
+    }), doc="deploy tune (docs/playbooks.md#tune)"),
     "requires": _defaulted(Map({
         "vllm": Field(Str(validate=_vllm_source),
                       doc="the vLLM deploy install-vllm installs: a version, git+https://...@BRANCH, a wheel URL or a "

@@ -326,6 +326,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         return row
     row.update(playbook=st.get("playbook"), pid=st.get("pid"), method=st.get("method"),
                served_model=st.get("served_model_name"))
+    row["tune"] = tune_of(r.extra.get("tune"), st)
     row["_gpus"] = st.get("gpus") if isinstance(st.get("gpus"), list) else None  # for shared_gpu_problems
     sup = supervision_of(r.supervision, st)
     row["supervision"] = sup
@@ -463,6 +464,19 @@ def record_of(facts: dict) -> dict | None:
 
 def _at(t) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "an unknown time"
+
+
+def tune_of(rec, st: dict) -> dict:
+    """deploy tune's verdict for the configuration running now (tune.json's argv is the state file's), else
+    `not tuned` (never tuned, or tuned for another configuration)."""
+    if not isinstance(rec, dict) or not rec.get("verdict"):
+        return {"verdict": "not tuned", "at": None, "text": "not tuned"}
+    if rec.get("argv") != st.get("argv"):
+        return {"verdict": "not tuned", "at": None, "text": "not tuned (the last tune, "
+                f"{time.strftime('%Y-%m-%d', time.localtime(rec.get('at') or 0))}, ran another configuration)"}
+    day = time.strftime("%Y-%m-%d", time.localtime(rec.get("at") or 0))
+    return {"verdict": rec["verdict"], "at": rec.get("at"), "chosen": rec.get("chosen"),
+            "text": f"tuned {day}: {rec['verdict']}"}
 
 
 def gate_row(row: dict, r: dict, st: dict | None) -> None:
@@ -631,7 +645,7 @@ def _row(host, vmid, **values) -> dict:
            "url": None, "tunnel": None, "supervision": None, "gate": None, "rejected": None, "sizing": None,
            "healthy": False,
            "timed_out": False, "problems": [], "history": [],
-           "notes": [], "weights": None, "gpu_plumbing": None}
+           "notes": [], "weights": None, "gpu_plumbing": None, "tune": None}
     row.update(values)
     return row
 

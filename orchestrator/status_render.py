@@ -63,6 +63,9 @@ def render_table(rows, color: bool, width: int | None = None) -> str:
     notes = [f"  {r['host']}/{r['vmid']}: {n}" for r in rows for n in r.get("notes") or []]
     if notes:
         text += "\n\nSupervision:\n" + "\n".join(wrap(n, width, indent=4) for n in notes)
+    tuned = [f"  {r['host']}/{r['vmid']}: {r['tune']['text']}" for r in rows if r.get("tune")]
+    if tuned:
+        text += "\n\nSpeculation (deploy tune):\n" + "\n".join(wrap(t, width, indent=4) for t in tuned)
     weights = [f"  {r['host']}/{r['vmid']}: {weights_text(r['weights'])}" for r in rows if r.get("weights")]
     if weights:
         text += "\n\nWeights (fetched and verified by deploy fetch):\n" + "\n".join(wrap(w, width, indent=4)

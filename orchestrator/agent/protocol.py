@@ -364,6 +364,14 @@ class GateRecordResult(AgentResult):
     message: str = None
 
 
+@result("tune_record")
+@dataclass
+class TuneRecordResult(AgentResult):
+    """`tune_record` (deploy tune's verdict beside the launch it left running)."""
+    ok: bool = False
+    message: str = None
+
+
 @result("router")
 @dataclass
 class RouterResult(AgentResult):

@@ -27,9 +27,12 @@ Examples:
   deploy compare qwen36-dflash qwen36-mtp -y
   deploy compare qwen36-dflash qwen36-mtp --rounds 5 --prompts my-prompts.txt -y
   deploy --json compare qwen36-dflash qwen36-mtp --keep qwen36-mtp -y
-  deploy compare qwen36-dflash qwen36-mtp --concurrency 1,8,32 --plot sweep.png -y""")
+  deploy compare qwen36-dflash qwen36-mtp --concurrency 1,8,32 --plot sweep.png -y
+  deploy compare qwen36-dflash --baseline -y""")
 @click.argument("playbook_a", shell_complete=complete_playbooks)
-@click.argument("playbook_b", shell_complete=complete_playbooks)
+@click.argument("playbook_b", required=False, shell_complete=complete_playbooks)
+@click.option("--baseline", is_flag=True,
+              help="Compare PLAYBOOK_A with itself without speculative decoding (no --speculative-config).")
 @click.option("--prompts", "prompts_file", default=None, metavar="FILE",
               help="One prompt per line (default: PLAYBOOK_A's acceptance.probe.prompts).")
 @click.option("--rounds", type=click.IntRange(1, 1000), default=None,
@@ -46,7 +49,8 @@ Examples:
               help="Wait this long for another deploy's lock instead of failing at once.")
 @json_option
 @click.pass_obj
-def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep, levels, plot_file, yes, wait_lock):
+def compare(obj, playbook_a, playbook_b, baseline, prompts_file, rounds, max_tokens, keep, levels, plot_file, yes,
+            wait_lock):
     """Which of two playbooks serves faster on one container: bring each up, time the same prompts, compare.
 
     Both playbooks must target the same host and container. Each is brought up with its own gates (its
@@ -55,24 +59,30 @@ def compare(obj, playbook_a, playbook_b, prompts_file, rounds, max_tokens, keep,
     latency p50/p99 and the acceptance length per level, the winner per level, a terminal chart (and --plot a
     chart file). Draft acceptance and per-position acceptance over the whole sweep from /metrics deltas. The
     overall winner is the faster at the first level (`--keep` picks another); it is left running. Exit 0 when a
-    winner was measured and left running.
+    winner was measured and left running. `--baseline` instead of PLAYBOOK_B: PLAYBOOK_A without speculative
+    decoding (deploy tune's baseline), `--keep "NAME (no speculation)"` to keep it.
     """
     def go():
         from .. import compare as C
         from .. import ops
 
         inv = obj.inventory()
-        a, b = load_playbook(playbook_a, inv), load_playbook(playbook_b, inv)
-        C.check_pair(a, b)
+        if baseline == bool(playbook_b):
+            raise UsageError("compare needs PLAYBOOK_B or --baseline (not both)",
+                             fix=f"deploy compare {playbook_a} qwen36-mtp, or deploy compare {playbook_a} --baseline")
+        a = load_playbook(playbook_a, inv)
+        b = C.baseline_of(a) if baseline else load_playbook(playbook_b, inv)
+        if not baseline:
+            C.check_pair(a, b)
         if plot_file:
             C.check_plot(plot_file)
-        if keep and keep not in (a.name, b.name):
-            raise UsageError(f"--keep {keep} is neither {a.name} nor {b.name}", fix=f"--keep {a.name}")
+        if keep and keep not in (C.label(a), C.label(b)):
+            raise UsageError(f"--keep {keep} is neither {C.label(a)} nor {C.label(b)}", fix=f"--keep {a.name}")
         probe = a.data["acceptance"]["probe"]
         prompts = C.read_prompts(prompts_file) if prompts_file else list(probe["prompts"])
         rounds_ = rounds or probe["rounds"]
         if not yes and not _confirm(f"compare replaces whatever runs on {a.host}/{a.vmid} with {a.name}, then "
-                                    f"{b.name}; continue?"):
+                                    f"{C.label(b)}; continue?"):
             raise UsageError("not confirmed; nothing was changed",
                              fix=f"deploy compare {a.name} {b.name} -y (in scripts)")
         with Fleet(inv) as fleet:
@@ -101,6 +111,81 @@ def _levels(param, value):
         raise click.BadParameter(f"{value!r}: comma-separated distinct numbers of concurrent requests, 1..1024 "
                                  "(e.g. 1,4,16)", param=param)
     return sorted(levels)
+
+
+# ------------------------------------------------------------------ tune
+
+
+@main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+
+\b
+Examples:
+  deploy tune qwen36-dflash -y
+  deploy tune qwen36-dflash --concurrency 1,8,32 --max-launches 3 -y
+  deploy tune qwen36-dflash --write -y
+  deploy --json tune qwen36-dflash --plot tune.png -y""")
+@click.argument("playbook", shell_complete=complete_playbooks)
+@click.option("--concurrency", "levels", default="1,4,16,64", show_default=True, metavar="N,N,...",
+              callback=lambda _c, p, v: _levels(p, v),
+              help="Concurrent requests per level (capped by what the sizing model fits at max_model_len).")
+@click.option("--max-launches", type=click.IntRange(0, 16), default=2, show_default=True,
+              help="Candidate values of k measured after the baseline and the largest k.")
+@click.option("--prompts", "prompts_file", default=None, metavar="FILE",
+              help="One prompt per line (default: the playbook's acceptance.probe.prompts).")
+@click.option("--rounds", type=click.IntRange(1, 1000), default=None,
+              help="Times each prompt is sent per level (default: acceptance.probe.rounds).")
+@click.option("--max-tokens", type=click.IntRange(1, 1_000_000), default=None,
+              help="Output tokens per request (default: acceptance.probe.max_tokens).")
+@click.option("--write", is_flag=True, help="Edit the playbook in place (comments kept, a backup beside it).")
+@click.option("--plot", "plot_file", default=None, metavar="FILE",
+              help="Also write tokens/s and ITL against concurrency as a chart (.png, .svg or .pdf).")
+@click.option("-y", "--yes", is_flag=True, help="Replace what runs on the container without asking.")
+@click.option("--wait-lock", type=float, default=0, metavar="SECONDS",
+              help="Wait this long for another deploy's lock instead of failing at once.")
+@json_option
+@click.pass_obj
+def tune(obj, playbook, levels, max_launches, prompts_file, rounds, max_tokens, write, plot_file, yes, wait_lock):
+    """Is speculative decoding faster than none here, with which k, at which load? Measure it and say.
+
+    On the playbook's container, one launch after the other (each a real `up` with its gate): the baseline
+    without --speculative-config, then the largest k (its per-position acceptance predicts tokens/s for every
+    smaller k), then the --max-launches candidates the prediction ranks best; each swept over the concurrency
+    levels like `deploy compare`. Per level the fastest of {off, each k} with its margin; then the playbook change:
+    a batch-size schedule (vLLM >= 0.27) with 0 where no speculation wins, else the k that wins at
+    tune.expected_concurrency. Prints the diff; --write applies it (comments kept, a backup, the schema checked).
+    The best configuration is left running. Exit 0 when it was measured and left running.
+    """
+    def go():
+        from .. import compare as C
+        from .. import ops
+        from .. import tune as T
+
+        inv = obj.inventory()
+        pb = load_playbook(playbook, inv)
+        T.check_args(pb, max_launches)
+        if plot_file:
+            C.check_plot(plot_file)
+        probe = pb.data["acceptance"]["probe"]
+        prompts = C.read_prompts(prompts_file) if prompts_file else list(probe["prompts"])
+        if not yes and not _confirm(f"tune replaces whatever runs on {pb.host}/{pb.vmid} with {pb.name} "
+                                    f"without speculation, then with several values of k; continue?"):
+            raise UsageError("not confirmed; nothing was changed", fix=f"deploy tune {pb.name} -y (in scripts)")
+        with Fleet(inv) as fleet:
+            res = T.tune(fleet, pb, obj.progress(), ops.Options(yes=True, wait_lock_s=wait_lock), prompts=prompts,
+                         rounds=rounds or probe["rounds"], max_tokens=max_tokens or probe["max_tokens"],
+                         timeout_s=probe["timeout_s"] * 2, levels=levels, max_launches=max_launches, write=write,
+                         inventory=inv)
+        if plot_file and res.get("levels"):
+            res["plot"] = T.plot(res, plot_file)
+        if obj.json:
+            dump_json(res)
+        else:
+            for line in T.render(res):
+                click.echo(line)
+            if res.get("plot"):
+                click.echo(f"chart: {res['plot']}")
+        sys.exit(EXIT_OK if res["ok"] else EXIT_FAILED)
+    run_guarded(go, obj)
 
 
 # ------------------------------------------------------------------ discover

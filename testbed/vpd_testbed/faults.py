@@ -28,6 +28,8 @@ CONTAINER = {
     "port_in_use": "TCP port (int): something listens there",
     "shm_mib": "MiB (int): /dev/shm of the container is remounted that small (default 8192)",
     "missing_dev_line": 'device path, e.g. "/dev/nvidia1": pct config no longer prints the line passing it in',
+    "spec_overhead": "factor (float, default 1.0): every speculative decode step of the fake vLLM costs this many "
+                     "times its modelled time (4: speculation never pays)",
     "torch_cuda": 'CUDA version, e.g. "12.8": the venv gets a torch/version.py saying so (no torch: not importable)',
 }
 HOST = {
@@ -50,7 +52,7 @@ HOST = {
 }
 
 FAKE_VLLM_LAYOUT = {"vllm_version", "vllm_build", "missing_extension", "no_fix_markers"}
-_FLOAT = {"crash_after_s", "load_s", "config_revert_s", "release_delay_s", "ssh_drop_after_s"}
+_FLOAT = {"crash_after_s", "load_s", "spec_overhead", "config_revert_s", "release_delay_s", "ssh_drop_after_s"}
 _INT = {"sigterm_ignoring_holder_mib", "port_in_use", "latency_ms", "oom_exit_code", "shm_mib", "gpu_total_mib"}
 _BOOL = {"no_fix_markers", "readonly_models", "nvidia_smi_hang", "unreachable", "keep_env_supported", "uvm_missing"}
 

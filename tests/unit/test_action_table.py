@@ -22,6 +22,7 @@ NOT_A_STEP = {
     "router": "router.py calls it directly",
     "speed": "compare.py builds its own Step",
     "sweep": "compare.py builds its own Step",
+    "tune_record": "tune.py builds its own Step (the verdict beside the launch it left running)",
     "store": "store.py, driven by the step fetch",
     "fetch_run": "the detached runner: started by the agent's fetch start, in the container",
     "install_run": "the detached runner: started by the agent's install_vllm start, in the container",

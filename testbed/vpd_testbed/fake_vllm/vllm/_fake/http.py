@@ -20,9 +20,14 @@ def _uv(msg):
     logs.raw("INFO:     " + msg, fd=1)
 
 
+MAX_BATCH = 256   # vLLM's default max_num_seqs: the schedule's lookup covers batch sizes 1..256
+SLICE_S = 0.004   # the decode sleeps in slices of at least this long (the steps inside are paced, not slept)
+
+
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 2048  # uvicorn's backlog: a burst of concurrent clients is queued, not dropped
 
     def __init__(self, sock, handler):
         super().__init__(sock.getsockname()[:2], handler, bind_and_activate=False)
@@ -76,6 +81,63 @@ def run(ctx, args, sock, st, acc, r_status):
     engine_gone = threading.Event()
     exit_code = {"code": 0}
     max_len = ctx["max_len"]
+    method = acc.method if k else None
+    overhead = float(ctx["faults"].get("spec_overhead") or 1.0) if k else 1.0
+    sched = (ctx.get("spec") or {}).get("num_speculative_tokens_per_batch_size") if k else None
+    lookup = accept.schedule_lookup(sched, MAX_BATCH, k) if sched else None
+    engine = {"running": 0, "lock": threading.Lock()}
+
+    def decode(prompt, prompt_tokens, mt, emit):
+        """Decode one request step by step at the pace of the step-time model: every step's cost is read for the
+        batch running at that moment (the requests in decode now), k from the batch-size schedule where one is
+        set; sleeps to absolute times in slices of at least SLICE_S (per-step sleeps would cost more than the
+        steps). emit(n): a streamed request's event per step. Returns (generated tokens, spec stats or None)."""
+        dec = accept.Decoder(acc if k else None, prompt, mt)
+        unit = accept.step_seconds()
+        with engine["lock"]:
+            engine["running"] += 1
+        metrics.inc("vllm:num_requests_running", 1)
+        t_req = time.monotonic()
+        t_due = t_req
+        first_at = None
+        gen = 0
+        pending = 0
+        nsteps = 0
+        try:
+            while dec.left > 0:
+                batch = engine["running"]
+                k_eff = min(k, lookup[min(batch, MAX_BATCH)]) if lookup is not None else k
+                t_due += unit * accept.step_units(method, k_eff, batch, overhead, drafter_loaded=bool(k))
+                n = dec.step(k_eff)
+                nsteps += 1
+                gen += n
+                pending += n
+                wait = t_due - time.monotonic()
+                if dec.left > 0 and wait < SLICE_S and first_at is not None:
+                    continue
+                if wait > 0:
+                    time.sleep(wait)
+                if first_at is None:
+                    first_at = time.monotonic()
+                if emit is not None:
+                    emit(pending, dec.left == 0)
+                pending = 0
+        finally:
+            with engine["lock"]:
+                engine["running"] -= 1
+            metrics.inc("vllm:num_requests_running", -1)
+        if getattr(st, "decode_w", None) is not None:  # the torch engine (issue 55): the steps run for real
+            try:
+                os.write(st.decode_w, b"steps %d %d\n" % (max(1, nsteps), 1 + k))
+            except OSError:
+                pass
+        spec = (dec.drafts, dec.accepted, dec.per_pos, dec.draft_tokens) if k else None
+        t_end = time.monotonic()
+        ttft = (first_at or t_end) - t_req
+        metrics.record_request(prompt_tokens, gen, "length", spec)
+        metrics.observe_latency(ttft, (t_end - t_req - ttft) / max(gen - 1, 1), gen, t_end - t_req)
+        stats.add(prompt_tokens, gen, spec[:3] if spec else None)
+        return gen, spec
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -209,41 +271,28 @@ def run(ctx, args, sock, st, acc, r_status):
                                  f"in the completion). Please reduce the length of the messages or completion.",
                             "BadRequestError")
                 return
-            metrics.inc("vllm:num_requests_running", 1)
-            try:
-                spec = None
-                gen = mt
-                if k:
-                    d, a, pp, gen = acc.simulate(prompt, mt)
-                    spec = (d, a, pp)
-                t_req = time.monotonic()
-                dt = accept.decode_seconds(acc.method if k else None, k, spec[0] if spec else 0, gen)
-                steps = max(1, spec[0] if spec else gen)
-                if getattr(st, "decode_w", None) is not None:  # the torch engine: the steps run for real
-                    try:
-                        os.write(st.decode_w, b"steps %d %d\n" % (steps, 1 + k))
-                    except OSError:
-                        pass
-                ttft = dt / steps  # the first step yields the first token
-                if req.get("stream"):
-                    timing = (ttft, (dt - ttft) / max(gen - 1, 1))  # _stream spreads the tokens over the decode
-                else:
-                    timing = None
-                    time.sleep(dt)
-                tokens = [WORDS[(i * 7 + len(prompt)) % len(WORDS)] for i in range(gen)]
-                text = "".join(tokens)
-                metrics.record_request(prompt_tokens, gen, "length", spec)
-                metrics.observe_latency(ttft, (dt - ttft) / max(gen - 1, 1), gen, time.monotonic() - t_req + (
-                    dt if timing else 0))
-                stats.add(prompt_tokens, gen, spec)
-            finally:
-                metrics.inc("vllm:num_requests_running", -1)
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             now = int(time.time())
+            words = [WORDS[(i * 7 + len(prompt)) % len(WORDS)] for i in range(mt)]
+            if req.get("stream"):
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream; charset=utf-8")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                sent = [0]
+
+                def emit(n, last):  # one event per paced slice of steps: the tokens they produced
+                    self._chunk(rid, now, model, chat, "".join(words[sent[0]:sent[0] + n]), sent[0] == 0, last)
+                    sent[0] += n
+            else:
+                emit = None
+            gen, spec = decode(prompt, prompt_tokens, mt, emit)
+            text = "".join(words[:gen])
             usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + gen,
                      "completion_tokens": gen, "prompt_tokens_details": None}
             if req.get("stream"):
-                self._stream(rid, now, model, chat, text, usage, req, timing and (timing, tokens))
+                self._stream_end(rid, now, model, chat, usage, req)
                 return
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
@@ -261,37 +310,24 @@ def run(ctx, args, sock, st, acc, r_status):
                         "kv_transfer_params": None}
             self._send(200, body)
 
-        def _stream(self, rid, now, model, chat, text, usage, req, paced=None):
-            self.send_response(200)
-            self.send_header("content-type", "text/event-stream; charset=utf-8")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.close_connection = True
+        def _chunk(self, rid, now, model, chat, piece, first, last):
             obj = "chat.completion.chunk" if chat else "text_completion"
-            pieces = [text[i:i + 64] for i in range(0, len(text), 64)] or [""]
-            if paced:  # one chunk per token, at the decode's pace: the first after TTFT, then one per ITL
-                (ttft, itl), pieces = paced
-                pieces = pieces or [""]
+            if chat:
+                ch = {"index": 0, "delta": ({"role": "assistant", "content": piece} if first else {"content": piece}),
+                      "logprobs": None, "finish_reason": "length" if last else None}
+            else:
+                ch = {"index": 0, "text": piece, "logprobs": None, "finish_reason": "length" if last else None,
+                      "stop_reason": None}
+            chunk = {"id": rid, "object": obj, "created": now, "model": model, "choices": [ch]}
             try:
-                for i, piece in enumerate(pieces):
-                    if paced:  # to absolute times: per-token overhead does not add up
-                        if i == 0:
-                            t_start = time.monotonic()
-                        wait = t_start + ttft + i * itl - time.monotonic()
-                        if wait > 0:
-                            time.sleep(wait)
-                    last = i == len(pieces) - 1
-                    if chat:
-                        ch = {"index": 0, "delta": ({"role": "assistant", "content": piece} if i == 0 else
-                                                    {"content": piece}),
-                              "logprobs": None, "finish_reason": "length" if last else None}
-                    else:
-                        ch = {"index": 0, "text": piece, "logprobs": None,
-                              "finish_reason": "length" if last else None, "stop_reason": None}
-                    chunk = {"id": rid, "object": obj, "created": now, "model": model, "choices": [ch]}
-                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                    if paced:
-                        self.wfile.flush()
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            except OSError:
+                pass
+
+        def _stream_end(self, rid, now, model, chat, usage, req):
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            try:
                 if (req.get("stream_options") or {}).get("include_usage"):
                     chunk = {"id": rid, "object": obj, "created": now, "model": model, "choices": [],
                              "usage": usage}

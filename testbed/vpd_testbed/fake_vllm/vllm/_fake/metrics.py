@@ -145,9 +145,10 @@ class Metrics:
             self._add("vllm:generation_tokens", (), gen_tokens)
             self._add("vllm:request_success", (finished_reason,), 1)
             if spec and self.spec_k:
-                drafts, accepted, per_pos = spec
+                drafts, accepted, per_pos = spec[:3]
                 self._add("vllm:spec_decode_num_drafts", (), drafts)
-                self._add("vllm:spec_decode_num_draft_tokens", (), drafts * self.spec_k)
+                # each draft's own k (a batch-size schedule varies it), else k per draft
+                self._add("vllm:spec_decode_num_draft_tokens", (), spec[3] if len(spec) > 3 else drafts * self.spec_k)
                 self._add("vllm:spec_decode_num_accepted_tokens", (), accepted)
                 for p, c in enumerate(per_pos):
                     if c:

@@ -46,6 +46,14 @@ def validate(spec: dict, version: str) -> dict:
         errors.append(f"num_speculative_tokens\n  Input should be a valid integer [type=int_type, "
                       f"input_value={k!r}, input_type={_input_type(k)}]\n"
                       f"    For further information visit {PYDANTIC_URL}/int_type")
+    sched = spec.get("num_speculative_tokens_per_batch_size")
+    if sched is not None and "num_speculative_tokens_per_batch_size" in allowed and not (
+            isinstance(sched, list) and all(isinstance(e, list) and len(e) == 3 and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in e) for e in sched)):
+        # pydantic's list[tuple[int, int, int]]: the shape only; the ranges are the scheduler's to check
+        errors.append(f"num_speculative_tokens_per_batch_size\n  Input should be a valid list of (int, int, int) "
+                      f"tuples [type=list_type, input_value={sched!r}, input_type={_input_type(sched)}]\n"
+                      f"    For further information visit {PYDANTIC_URL}/list_type")
     method = spec.get("method")
     if method is not None and (method not in METHODS and method not in MTP_ALIASES):
         lits = ", ".join(f"'{m}'" for m in METHODS + MTP_ALIASES)
