@@ -243,9 +243,9 @@ def count_per_status(tb, env, hosts, state_dir, tag, res: Results):
 def bench_watch(inv_path, hosts_scope, refreshes, budget, tag, res: Results):
     """A --watch loop in-process, as run_status does it: one Fleet, gather(), open_spares(), pause; again.
     The 1st refresh connects, the rest reuse the connections. Only gather() is timed."""
-    from orchestrator.remote import Fleet
-    from orchestrator.spec import load_inventory
-    from orchestrator.status import Sampler, gather, resolve_targets
+    from orchestrator.core.remote import Fleet
+    from orchestrator.core.spec import load_inventory
+    from orchestrator.observe.status import Sampler, gather, resolve_targets
 
     inv = load_inventory(inv_path)
     sampler = Sampler(persist=False)
@@ -294,7 +294,7 @@ AGENT_CPU = ("import atexit, resource, sys\n"
 
 def agent_stdin_of(env, state_dir) -> bytes:
     """What `deploy status` sends for one container, built by the deploy in env (current, or --baseline)."""
-    code = ("import sys, inspect\nfrom orchestrator.agent import agent_stdin\nfrom orchestrator.status import FATAL_BULK\n"
+    code = ("import sys, inspect\nfrom orchestrator.agent import agent_stdin\nfrom orchestrator.observe.status import FATAL_BULK\n"
             "kw = {}\n"
             "if 'cache_dir' in inspect.signature(agent_stdin).parameters:\n"
             "    from orchestrator.agent import archive\n"
@@ -332,7 +332,7 @@ def bench_agent_cpu(tb, res: Results, env, env_old, host, python, state_dir, run
 
 
 ROW_ARGV = ("import json, sys\nfrom orchestrator.agent import archive\nfrom orchestrator.agent.call import agent_argv, "
-            "agent_stdin\nfrom orchestrator.status import FATAL_BULK\nsd, py = sys.argv[1], sys.argv[2]\n"
+            "agent_stdin\nfrom orchestrator.observe.status import FATAL_BULK\nsd, py = sys.argv[1], sys.argv[2]\n"
             "args = {'state_dir': sd, 'nvidia_smi_timeout_s': 5, 'plumbing': True}\n"
             "prog = agent_stdin(None, None, FATAL_BULK, cache_dir=archive.cache_dir(sd), inline=False,\n"
             "                   early_smi=True)\n"

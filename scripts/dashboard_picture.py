@@ -78,8 +78,8 @@ def main():
         raise SystemExit("needs Debian's prometheus (bash scripts/setup.sh installs it)")
     from vpd_testbed import Testbed
 
-    from orchestrator.plan import serve_argv
-    from orchestrator.spec import load_inventory, load_playbook
+    from orchestrator.steps.plan import serve_argv
+    from orchestrator.core.spec import load_inventory, load_playbook
 
     work = tempfile.mkdtemp(prefix="vpd-picture-")
     bed = Testbed(root=os.path.join(work, "bed"), hosts=2, containers={"pve1": {129: [0, 1, 2, 3]},

@@ -5,7 +5,7 @@
 Made for the GPU machine that is lent for this work: it reaches no package registry and receives at most 64 MiB,
 so no CUDA vLLM is installed. The test bed's fake vLLM runs with its torch engine instead (the stand-in,
 testbed/vpd_testbed/fake_vllm/vllm/_fake/torchgpu.py): the fake's CLI, log lines, API and metrics, but its workers
-hold real CUDA contexts and allocate the weights and KV cache that orchestrator/sizing.py predicts for the playbook
+hold real CUDA contexts and allocate the weights and KV cache that orchestrator/core/sizing.py predicts for the playbook
 on this card, and each decode step is a real matrix product. What the machine lacks travels in `gpu-carry/`
 (bench/gpu/carry.py). The steps: `deploy prepare --dry-run`, `deploy up`, `deploy status`,
 `deploy restart --clean-gpus` with a holder in the container that ignores SIGTERM, `deploy doctor`, the field
@@ -247,8 +247,9 @@ def write_playbook(dest: Path, gmu: float) -> Path:
 
 
 def sizing_for(playbooks: Path, inventory: str, total_mib: float) -> dict:
-    """orchestrator/sizing.py's figures for the check's playbook on this card (what the stand-in allocates)."""
-    from orchestrator import sizing, spec
+    """orchestrator/core/sizing.py's figures for the check's playbook on this card (what the stand-in allocates)."""
+    from orchestrator.core import sizing
+    from orchestrator.core import spec
 
     pb = spec.load_playbook(str(playbooks / (PLAYBOOK + ".yaml")), spec.load_inventory(inventory))
     s = sizing.size(sizing.from_playbook(pb, gpu_mib=total_mib))
@@ -570,7 +571,7 @@ def text_report(r) -> str:
     for d in r.get("setup", []):
         lines.append("  setup: " + d)
     if r.get("sizing"):
-        lines.append("sizing (orchestrator/sizing.py, this card): " + json.dumps(r["sizing"]))
+        lines.append("sizing (orchestrator/core/sizing.py, this card): " + json.dumps(r["sizing"]))
     lines.append("phases: " + (", ".join("%s %.1f s" % kv for kv in r["phases"].items()) or "none run"))
     if r.get("baseline_mib") is not None:
         lines.append("baseline: GPU 0 %s MiB used before deploy up; loaded: %s MiB" % (r["baseline_mib"],
@@ -686,7 +687,7 @@ def main(argv=None) -> int:
         report["steps"].insert(1, {"name": "testbed", "outcome": "planned", "expects": "up in seconds",
                                    "what": "test bed in %s: pve1/129 with gpus=real (the fake vLLM's torch engine), "
                                            "playbook %s from %s (one GPU, TP 1, gmu %.2f), sized by "
-                                           "orchestrator/sizing.py on the card's memory.total"
+                                           "orchestrator/core/sizing.py on the card's memory.total"
                                            % (args.dir, PLAYBOOK, BASE_PLAYBOOK, args.gpu_memory_utilization)})
         if facts["refusal"]:
             report["messages"].append("a real run here would be refused: " + facts["refusal"])

@@ -10,7 +10,7 @@ Here, the tool's side of it:
 
 from __future__ import annotations
 
-from ..errors import AgentError, ContainerNotRunning, DeployError  # noqa: F401 (re-exported)
+from orchestrator.core.errors import AgentError, ContainerNotRunning, DeployError  # noqa: F401 (re-exported)
 from .call import MAX_EVENT_BYTES, MAX_EVENT_LINE, MAX_EVENTS, EventBudget  # noqa: F401
 from .call import agent_argv, agent_stdin, call, interpret  # noqa: F401
 from .session import SESSION_BOOT, AgentSession, session_for  # noqa: F401

@@ -54,7 +54,7 @@ def archive() -> bytes:
     data = _build()
     if not _checked:
         if hashlib.sha256(data).hexdigest() != sha256():
-            from ..errors import AgentError
+            from orchestrator.core.errors import AgentError
 
             path = _record_path()
             try:
@@ -72,7 +72,7 @@ ARCHIVE_RECORD = "agent-archive.json"
 
 
 def _record_path() -> str:
-    from ..remote import state_dir
+    from orchestrator.core.remote import state_dir
 
     return os.path.join(state_dir(), ARCHIVE_RECORD)
 
@@ -155,7 +155,7 @@ _known_lock = threading.Lock()
 
 
 def _known_path() -> str:
-    from ..remote import state_dir
+    from orchestrator.core.remote import state_dir
 
     return os.path.join(state_dir(), "agent-cache.json")
 

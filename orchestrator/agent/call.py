@@ -7,7 +7,7 @@ import base64
 import json
 import time
 
-from ..errors import AgentError, ContainerNotRunning, OutputTooLarge
+from orchestrator.core.errors import AgentError, ContainerNotRunning, OutputTooLarge
 from . import archive
 from .container.protocol import SMI_MEMORY_ARGS
 

@@ -392,7 +392,7 @@ class RouterResult(AgentResult):
 @result("plumbing")
 @dataclass
 class PlumbingResult(AgentResult):
-    """`plumbing`: the container's facts for the gpu-plumbing check (orchestrator/plumbing.py sane_container
+    """`plumbing`: the container's facts for the gpu-plumbing check (orchestrator/steps/plumbing_check.py sane_container
     validates them further)."""
     plumbing: dict = None
 

@@ -9,8 +9,8 @@ import select
 import threading
 import time
 
-from ..errors import AgentError, OutputTooLarge, RemoteTimeout, Unreachable
-from ..remote import HostSession, pct_exec_argv
+from orchestrator.core.errors import AgentError, OutputTooLarge, RemoteTimeout, Unreachable
+from orchestrator.core.remote import HostSession, pct_exec_argv
 from . import archive
 from .call import MAX_LINE, MAX_STDERR, EventBudget, agent_argv, interpret
 from .container.protocol import PROTOCOL

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from ..errors import EXIT_USAGE
+from orchestrator.core.errors import EXIT_USAGE
 from . import loop, monitor, serving, site, weights  # noqa: F401 - each registers its commands on `main`
 from .base import Obj, main
 

@@ -9,12 +9,12 @@ import sys
 import click
 
 from .. import __version__
-from ..errors import (EXIT_CODES_HELP, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE,
+from orchestrator.core.errors import (EXIT_CODES_HELP, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE,
                       DeployError, Unreachable, UsageError)
-from ..locate import find_inventory, list_playbooks
-from ..render import _echo_wrapped, render_outcome
-from ..report import Progress, dump_json, guard_std_streams, term_width, wrap
-from ..spec import load_inventory, load_playbook, playbooks_targeting
+from orchestrator.core.locate import find_inventory, list_playbooks
+from orchestrator.cli.render import _echo_wrapped, render_outcome
+from orchestrator.core.report import Progress, dump_json, guard_std_streams, term_width, wrap
+from orchestrator.core.spec import load_inventory, load_playbook, playbooks_targeting
 # lazy, inside the commands, for start-up time (deploy --help, --version and status do not load what they
 # do not run; all of it ~170 ms): fleet
 
@@ -196,7 +196,7 @@ def _confirm(prompt):
 def _fleet_exit(obj, res):
     """A playbook with targets: every failed target's error (fix, state left), then one line per target and the
     totals; --json: every target. Exit 0 all passed, 3 only unreachable hosts failed, else 1."""
-    from .. import fleet as F
+    from orchestrator.serving import fleet as F
 
     if obj.json:
         dump_json(F.as_json(res))

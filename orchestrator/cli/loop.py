@@ -8,12 +8,12 @@ import sys
 
 import click
 
-from ..errors import (EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, SpecError, Unreachable,
+from orchestrator.core.errors import (EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DeployError, SpecError, Unreachable,
                       UsageError)
-from ..remote import Fleet
-from ..render import _echo_wrapped, render_plans, render_verify
-from ..report import dump_json
-from ..spec import list_playbooks, load_playbook
+from orchestrator.core.remote import Fleet
+from orchestrator.cli.render import _echo_wrapped, render_plans, render_verify
+from orchestrator.core.report import dump_json
+from orchestrator.core.spec import list_playbooks, load_playbook
 from .base import (CONTEXT, _confirm, _fleet_exit, _outcome_exit, _outcomes_exit, complete_playbooks, complete_targets,
                    json_option, load, main, not_a_container, run_guarded, up_options)
 # lazy, inside the commands, for start-up time (deploy --help, --version and status do not load what they
@@ -46,11 +46,11 @@ def plan(obj, playbook, op, restart, clean_gpus):
       deploy --json plan qwen36-mtp | jq '.steps[].command'
     """
     def go():
-        from .. import fetch as F
-        from .. import install as I
-        from .. import plan as P
-        from ..ops import Options, apply_config_refusal
-        from ..sizing import refuse_if_certain
+        from orchestrator.provision import weights_fetch as F
+        from orchestrator.provision import vllm_install as I
+        from orchestrator.steps import plan as P
+        from orchestrator.deploy.ops import Options, apply_config_refusal
+        from orchestrator.core.sizing import refuse_if_certain
 
         inv, pb = load(obj, playbook)
         kind = "restart" if restart else op
@@ -105,7 +105,7 @@ def size(obj, playbook, max_model_len, tp, gmu, gpu_mib, target_config):
       deploy --json size qwen36-mtp --max-model-len 131072 | jq .sizing
     """
     def go():
-        from .. import sizing as Z
+        from orchestrator.core import sizing as Z
 
         pb = _load_offline(obj, playbook)
         if target_config:
@@ -144,7 +144,7 @@ def _load_offline(obj, playbook):
 def _local_target(pb, path):
     """--target-config: read the config (and safetensors headers) as sizing.target_config is read at load."""
 
-    from ..sizing import NotUnderstood, weights_from_safetensors
+    from orchestrator.core.sizing import NotUnderstood, weights_from_safetensors
 
     cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:
@@ -212,11 +212,11 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
       deploy up qwen36-replicas --parallel 2      # a playbook with targets:
     """
     def go():
-        from .. import ops
-        from .. import plan as P
+        from orchestrator.deploy import ops
+        from orchestrator.steps import plan as P
 
         inv, pb = load(obj, playbook)
-        from ..sizing import refuse_if_certain
+        from orchestrator.core.sizing import refuse_if_certain
 
         refuse_if_certain(pb)  # a certain does-not-fit stops here, before any connection (nothing is stopped)
         if dry_run:
@@ -224,7 +224,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
                 m, write_config=not skip_config_write, clean_gpus=clean_gpus,
                 ask=ops.Options(clean_gpus=clean_gpus, yes=yes).ask_before_kill(m), fetch=not no_fetch))
         if install_first:
-            from ..install import refusal
+            from orchestrator.provision.vllm_install import refusal
 
             refused = refusal(pb, "--install-vllm")
             if refused:
@@ -235,12 +235,12 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
                                                 f"deploy up {pb.name}")
         opts = ops.Options(yes=yes, write_config=not skip_config_write, clean_gpus=clean_gpus, wait_lock_s=wait_lock,
                            confirm=_confirm, fetch=not no_fetch)
-        from ..fetch import tokens as fetch_tokens
-        from ..plan import fetch_args
+        from orchestrator.provision.weights_fetch import tokens as fetch_tokens
+        from orchestrator.steps.plan import fetch_args
 
         fetch_tokens(pb, fetch_args(pb))  # an unset token variable stops here, before any connection
         if pb.is_fleet:
-            from .. import fleet as F
+            from orchestrator.serving import fleet as F
 
             with Fleet(inv) as fleet:
                 res = F.up(fleet, pb, F.SharedProgress(verbose=obj.verbose), opts, parallel=parallel)
@@ -290,8 +290,8 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
       deploy restart qwen36-replicas --rolling --max-unavailable 2
     """
     def go():
-        from .. import ops
-        from .. import plan as P
+        from orchestrator.deploy import ops
+        from orchestrator.steps import plan as P
 
         if max_unavailable and not rolling:
             raise UsageError("--max-unavailable is for a rolling restart", fix="add --rolling")
@@ -321,7 +321,7 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
             return
         opts = ops.Options(yes=True, clean_gpus=clean_gpus, wait_lock_s=wait_lock, yes_kill=yes, confirm=_confirm)
         if len(pbs) == 1 and (rolling or pbs[0].is_fleet):
-            from .. import fleet as F
+            from orchestrator.serving import fleet as F
 
             with Fleet(inv) as fleet:
                 progress = F.SharedProgress(verbose=obj.verbose)
@@ -332,7 +332,7 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
             outs = []
             for pb in pbs:
                 if pb.is_fleet:  # named by a container's state file (deploy restart without PLAYBOOK)
-                    from .. import fleet as F
+                    from orchestrator.serving import fleet as F
 
                     outs += F.up(fleet, pb, F.SharedProgress(verbose=obj.verbose), opts, restart=True)["_outcomes"]
                 else:
@@ -346,7 +346,7 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
 def _running_playbooks(obj, inv):
     """The playbooks the containers' state files name, kept only if they are local playbooks that target that
     same container: a state file is data from the container, not an instruction to run some other playbook."""
-    from ..status import gather
+    from orchestrator.observe.status import gather
 
     rows = gather(inv, None)
     lost = [r for r in rows if not r["reachable"]]
@@ -399,13 +399,13 @@ def down(obj, playbook, only, clean_gpus, yes, wait_lock):
       deploy down qwen36-replicas pve2/129
     """
     def go():
-        from .. import ops
+        from orchestrator.deploy import ops
 
         inv, pb = load(obj, playbook)
         members = [pb.member(only)] if only else pb.members
         opts = ops.Options(clean_gpus=clean_gpus, wait_lock_s=wait_lock, yes=yes, confirm=_confirm)
         if pb.is_fleet:
-            from .. import fleet as F
+            from orchestrator.serving import fleet as F
 
             with Fleet(inv) as fleet:  # --clean-gpus without -y asks per target: one target at a time then
                 res = F.down(fleet, pb, F.SharedProgress(verbose=obj.verbose), opts, only=only,
@@ -436,7 +436,7 @@ def verify(obj, playbook):
       deploy --json verify qwen36-dflash | jq '.checks[] | select(.ok == false)'
     """
     def go():
-        from .. import ops
+        from orchestrator.deploy import ops
 
         inv, pb = load(obj, playbook)
         members = pb.members if pb.is_fleet else [pb]

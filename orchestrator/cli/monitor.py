@@ -7,10 +7,10 @@ import sys
 
 import click
 
-from ..errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, UsageError
-from ..locate import list_playbooks
-from ..report import dump_json
-from ..spec import load_playbook
+from orchestrator.core.errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, UsageError
+from orchestrator.core.locate import list_playbooks
+from orchestrator.core.report import dump_json
+from orchestrator.core.spec import load_playbook
 from .base import CONTEXT, complete_playbooks, complete_targets, json_option, main, run_guarded
 # lazy, inside the commands, for start-up time (deploy --help, --version and status do not load what they
 # do not run; all of it ~170 ms): monitor, monitor_metrics, monitor_render, status
@@ -29,7 +29,7 @@ def monitor():
 
 
 def _duration(_ctx, param, value):
-    from ..monitor import duration
+    from orchestrator.observe.monitor import duration
 
     try:
         return duration(value)
@@ -68,7 +68,7 @@ def monitor_export(obj, directory, playbooks, for_, rate_window, down_for, scrap
     memory held outside the deployment, endpoint down, deploy's own series stale or unreachable), rules.test.yml
     (promtool unit tests, one per alert), prometheus.yml (uses both) and dashboard.json (Grafana)."""
     def go():
-        from ..monitor import export
+        from orchestrator.observe.monitor import export
 
         inv = obj.inventory()
         names = list(playbooks) or list_playbooks()
@@ -128,10 +128,10 @@ def monitor_metrics(obj, targets, textfile, deadline):
     vpd_status_timestamp_seconds per host, labelled host, vmid, playbook (and unit, gpu) as the targets of
     deploy monitor export are, so the exported alerts (VllmNotGated, VllmStartLimitHit, ...) fire on them."""
     def go():
-        from .. import monitor_metrics as M
+        from orchestrator.observe import monitor_metrics as M
 
         inv = obj.inventory()
-        from ..status import resolve_targets
+        from orchestrator.observe.status import resolve_targets
 
         resolve_targets(inv, targets)  # bad targets fail before any connection
         path = M.check_textfile(textfile) if textfile else None
@@ -190,7 +190,7 @@ def monitor_render(obj, dashboard, prometheus, out, since, step, scrape_interval
     Prometheus (/api/v1/query_range) and matplotlib draws the panels where their gridPos puts them, with
     titles, units and legends; "No data" where a query returns nothing."""
     def go():
-        from .. import monitor_render as R
+        from orchestrator.observe import monitor_render as R
 
         given = {}
         for v in variables:

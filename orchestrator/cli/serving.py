@@ -8,9 +8,9 @@ import sys
 
 import click
 
-from ..endpoint import playbook_endpoints
-from ..errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, UsageError
-from ..report import dump_json
+from orchestrator.core.endpoint import playbook_endpoints
+from orchestrator.core.errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, UsageError
+from orchestrator.core.report import dump_json
 from .base import CONTEXT, Obj, complete_playbooks, complete_targets, json_option, load, main, refuse_json, run_guarded
 # lazy, inside the commands, for start-up time (deploy --help, --version and status do not load what they
 # do not run; all of it ~170 ms): status, foreground
@@ -60,7 +60,7 @@ def endpoint(obj, playbook, tunnel, local_port, where):
         if where is not None:
             rows = [r for r in rows if r["where"] == where]
         if tunnel:
-            from ..foreground import run_tunnel
+            from orchestrator.serving.foreground import run_tunnel
 
             sys.exit(run_tunnel(inv, pb, rows[0], local_port, as_json=obj.json))
         if obj.json:
@@ -102,7 +102,7 @@ def status(obj, targets, watch, deadline):
       deploy status --watch 5
     """
     def go():
-        from ..status import run_status
+        from orchestrator.observe.status import run_status
 
         code = run_status(obj, targets, watch, deadline)
         # Everything is written and every connection closed: skip the interpreter's teardown of paramiko and
@@ -149,7 +149,7 @@ def logs(obj, target, lines, follow, grep, show_all):
       deploy logs pve1/129 --all -n 20
     """
     def go():
-        from ..status import run_logs
+        from orchestrator.observe.status import run_logs
 
         refuse_json(obj, "logs")
         sys.exit(run_logs(obj, target, lines, follow, grep, show_all))

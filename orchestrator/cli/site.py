@@ -7,11 +7,11 @@ import sys
 
 import click
 
-from ..errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, DeployError, UsageError
-from ..remote import Fleet
-from ..render import _echo_wrapped
-from ..report import dump_json
-from ..spec import list_playbooks, load_playbook, playbooks_targeting
+from orchestrator.core.errors import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, DeployError, UsageError
+from orchestrator.core.remote import Fleet
+from orchestrator.cli.render import _echo_wrapped
+from orchestrator.core.report import dump_json
+from orchestrator.core.spec import list_playbooks, load_playbook, playbooks_targeting
 from .base import CONTEXT, _confirm, complete_playbooks, complete_targets, json_option, main, refuse_json, run_guarded
 # lazy, inside the commands, for start-up time (deploy --help, --version and status do not load what they
 # do not run; all of it ~170 ms): ops, prepare, compare, discover, doctor, scaffold, status
@@ -63,8 +63,8 @@ def compare(obj, playbook_a, playbook_b, baseline, prompts_file, rounds, max_tok
     decoding (deploy tune's baseline), `--keep "NAME (no speculation)"` to keep it.
     """
     def go():
-        from .. import compare as C
-        from .. import ops
+        from orchestrator.deploy import compare as C
+        from orchestrator.deploy import ops
 
         inv = obj.inventory()
         if baseline == bool(playbook_b):
@@ -156,9 +156,9 @@ def tune(obj, playbook, levels, max_launches, prompts_file, rounds, max_tokens, 
     The best configuration is left running. Exit 0 when it was measured and left running.
     """
     def go():
-        from .. import compare as C
-        from .. import ops
-        from .. import tune as T
+        from orchestrator.deploy import compare as C
+        from orchestrator.deploy import ops
+        from orchestrator.deploy import tune as T
 
         inv = obj.inventory()
         pb = load_playbook(playbook, inv)
@@ -222,7 +222,7 @@ def discover(obj, host, write, yes, name, user, identity_file, known_hosts, acce
     unknown keys unless --accept-new-host-key.
     """
     def go():
-        from ..discover import run_discover
+        from orchestrator.hosts.discover import run_discover
 
         sys.exit(run_discover(obj, host, write=write, yes=yes, accept_new=accept_new_host_key,
                               identity_file=identity_file, known_hosts=known_hosts, user=user, name=name,
@@ -257,7 +257,7 @@ def doctor(obj, targets, budget):
     Exit: 0 nothing found, 1 something found, 3 some host unreachable.
     """
     def go():
-        from ..doctor import run_doctor
+        from orchestrator.hosts.doctor import run_doctor
 
         sys.exit(run_doctor(obj, targets, budget))
     run_guarded(go, obj)
@@ -286,7 +286,7 @@ def init(obj, directory, force):
     left alone unless --force; identical ones are not rewritten.
     """
     def go():
-        from ..scaffold import init as do_init
+        from orchestrator.deploy.scaffold import init as do_init
 
         out = do_init(directory, force)
         if obj.json:
@@ -319,7 +319,7 @@ def schema(obj, kind):
     shapes, types, ranges and unknown keys; `deploy plan` adds the cross-checks (target in the inventory,
     pinned sha256) with FILE:LINE:COL.
     """
-    from ..scaffold import schema_text
+    from orchestrator.deploy.scaffold import schema_text
 
     click.echo(schema_text(kind), nl=False)
 
@@ -341,7 +341,7 @@ def docs(obj, topic):
     links of the pages and of deploy's messages: playbooks#requires).
     """
     def go():
-        from ..scaffold import docs_text
+        from orchestrator.deploy.scaffold import docs_text
 
         refuse_json(obj, "docs")
         click.echo(docs_text(topic), nl=False)
@@ -370,8 +370,8 @@ def unlock(obj, target, yes):
       deploy unlock qwen36-dflash -y
     """
     def go():
-        from .. import ops
-        from ..status import resolve_targets
+        from orchestrator.deploy import ops
+        from orchestrator.observe.status import resolve_targets
 
         inv = obj.inventory()
         scope = resolve_targets(inv, [target])
@@ -457,8 +457,8 @@ def prepare(obj, target, gpus, driver_run, style, create, template, hostname, me
           --driver-run /root/NVIDIA-Linux-x86_64-550.54.15.run --dry-run
     """
     def go():
-        from .. import prepare as P
-        from ..status import resolve_targets
+        from orchestrator.hosts import prepare as P
+        from orchestrator.observe.status import resolve_targets
 
         inv = obj.inventory()
         if "/" not in target or not target.split("/", 1)[1].isdigit():

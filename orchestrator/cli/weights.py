@@ -9,10 +9,10 @@ import time
 
 import click
 
-from ..errors import EXIT_CODES_HELP, EXIT_OK, UsageError
-from ..remote import Fleet
-from ..render import render_plans
-from ..report import dump_json
+from orchestrator.core.errors import EXIT_CODES_HELP, EXIT_OK, UsageError
+from orchestrator.core.remote import Fleet
+from orchestrator.cli.render import render_plans
+from orchestrator.core.report import dump_json
 from .base import (CONTEXT, _confirm, _fleet_exit, _outcome_exit, _outcomes_exit, complete_playbooks, json_option, load,
                    main, run_guarded)
 # lazy, inside the commands, for start-up time (deploy --help, --version and status do not load what they
@@ -56,9 +56,9 @@ def install_vllm(obj, playbook, yes, rollback, force, dry_run):
       deploy --json install-vllm qwen36-dflash
     """
     def go():
-        from ..install import refusal
-        from ..ops import install_vllm as install
-        from ..plan import plan_install
+        from orchestrator.provision.vllm_install import refusal
+        from orchestrator.deploy.ops import install_vllm as install
+        from orchestrator.steps.plan import plan_install
 
         inv, pb = load(obj, playbook)
         refused = None if rollback else refusal(pb)
@@ -124,9 +124,9 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
       deploy --json fetch my-hub-dflash
     """
     def go():
-        from ..fetch import refusal
-        from ..ops import fetch as do_fetch
-        from ..plan import plan_fetch
+        from orchestrator.provision.weights_fetch import refusal
+        from orchestrator.deploy.ops import fetch as do_fetch
+        from orchestrator.steps.plan import plan_fetch
 
         inv, pb = load(obj, playbook)
         if dry_run:
@@ -151,8 +151,8 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
 def _write_fetch_manifests(fleet, pb, out_path):
 
     from .. import agent
-    from ..fetch import dest_of, manifest_from_record
-    from ..plan import fetch_args
+    from orchestrator.provision.weights_fetch import dest_of, manifest_from_record
+    from orchestrator.steps.plan import fetch_args
 
     its = fetch_args(pb)
     res = agent.call(fleet.session(pb.host), pb.vmid, pb.runtime["python"], "fetch",
@@ -188,7 +188,7 @@ def manifest(obj, directory, hub, revision):
       deploy manifest /srv/models/Qwen3.6-27B --hub Qwen/Qwen3.6-27B --revision 0123456789abcdef0123456789abcdef01234567
     """
     def go():
-        from ..fetch import write_manifest
+        from orchestrator.provision.weights_fetch import write_manifest
 
         if not os.path.isdir(directory):
             raise UsageError(f"{directory} is not a directory; nothing was written",
@@ -216,7 +216,7 @@ def apply_config(obj, playbook):
       deploy apply-config qwen36-dflash
     """
     def go():
-        from .. import ops
+        from orchestrator.deploy import ops
 
         inv, pb = load(obj, playbook)
         refusal = ops.apply_config_refusal(pb)
@@ -224,7 +224,7 @@ def apply_config(obj, playbook):
             raise refusal
         if pb.is_fleet:  # each target's container, in parallel (one connection per host), a line per target
 
-            from .. import fleet as F
+            from orchestrator.serving import fleet as F
 
             t0 = time.monotonic()
             with Fleet(inv) as fleet:

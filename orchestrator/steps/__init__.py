@@ -14,12 +14,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from .. import agent
-from ..errors import DeployError, StepFailed  # noqa: F401 (StepFailed: re-exported)
-from ..facts import parse_pct_status
-from ..plan import HOLDER, TOKEN, Step
-from ..remote import Fleet, HostSession
-from ..report import Progress
-from ..spec import Playbook
+from orchestrator.core.errors import DeployError, StepFailed  # noqa: F401 (StepFailed: re-exported)
+from orchestrator.core.facts import parse_pct_status
+from orchestrator.steps.plan import HOLDER, TOKEN, Step
+from orchestrator.core.remote import Fleet, HostSession
+from orchestrator.core.report import Progress
+from orchestrator.core.spec import Playbook
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 import time
 
-from .. import vllm_facts as vf
-from ..plan import Step
-from ..report import check_rows, sha, table, term_width
+from orchestrator.core import vllm_facts as vf
+from orchestrator.steps.plan import Step
+from orchestrator.core.report import check_rows, sha, table, term_width
 from . import Context
 
 

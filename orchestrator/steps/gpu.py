@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 
 from ..agent.protocol import GpusFreeResult, StopResult
-from ..doctor import HOST_HOLDERS_SH, parse_host_holders
-from ..errors import DeployError
-from ..facts import nvml_mismatch_fix, parse_pct_config_gpus, parse_pct_list
-from ..plan import Step
+from orchestrator.core.facts import HOST_HOLDERS_SH, parse_host_holders
+from orchestrator.core.errors import DeployError
+from orchestrator.core.facts import nvml_mismatch_fix, parse_pct_config_gpus, parse_pct_list
+from orchestrator.steps.plan import Step
 from . import Context
-from ..remote import shell_word
-from ..spec import playbooks_targeting
+from orchestrator.core.remote import shell_word
+from orchestrator.core.spec import playbooks_targeting
 
 
 def one_line(cmdline) -> str:

@@ -1,15 +1,15 @@
 """Step `gpu-plumbing`: does the container see the GPUs its playbook assigns, through the right nodes, with the
 host's driver version, a CUDA the driver supports and enough /dev/shm? The host's facts in one exec over the
-operation's SSH connection, the container's over its agent session; orchestrator/plumbing.py decides."""
+operation's SSH connection, the container's over its agent session; orchestrator/steps/plumbing_check.py decides."""
 
 from __future__ import annotations
 
 import re
 import time
 
-from .. import plumbing as PL
-from .. import sizing as Z
-from ..plan import Step
+from orchestrator.steps import plumbing_check as PL
+from orchestrator.core import sizing as Z
+from orchestrator.steps.plan import Step
 from . import Context
 
 def check(ctx: Context, host_facts: dict | None, ct_facts: dict | None) -> list[dict]:

@@ -6,14 +6,14 @@ import json
 import re
 import time
 
-from .. import gate as G
-from .. import vllm_facts as vf
+from orchestrator.core import gate as G
+from orchestrator.core import vllm_facts as vf
 from ..agent.protocol import AcceptanceResult, LaunchResult, PortResult, ReadyResult
-from .. import sizing as Z
-from ..plan import Step
+from orchestrator.core import sizing as Z
+from orchestrator.steps.plan import Step
 from . import Context
 from .gpu import one_line
-from ..remote import shell_word
+from orchestrator.core.remote import shell_word
 
 LOW_ACCEPTANCE_CAUSES = [
     "a guessed or stale drafter config (wrong target_layer_ids, mask_token_id or layer_types): run deploy verify",
@@ -233,7 +233,7 @@ def measure(ctx: Context, step: Step) -> dict:
 
 
 def gate(ctx: Context, step: Step, m: dict) -> str | None:
-    """Judge the numbers (orchestrator/gate.py) and record the acceptance step; return None when it passes, else
+    """Judge the numbers (orchestrator/core/gate.py) and record the acceptance step; return None when it passes, else
     the reason it failed in words (with the figures)."""
     th = step.judge["thresholds"]  # planned (plan.step_acceptance: gate.playbook_thresholds)
     v = G.judge(m["acceptance"], th, extended=m.get("extended"))

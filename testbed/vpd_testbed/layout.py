@@ -122,7 +122,7 @@ def _mac(host_no: int, v: int) -> str:
 
 
 SIM_NODE_TEXT = "vpd-testbed-node c %d:%d\n"
-BACKUPS = "vllm-pve-deploy-backups"  # what deploy prepare keeps in the host's /root (orchestrator/prepare.py)
+BACKUPS = "vllm-pve-deploy-backups"  # what deploy prepare keeps in the host's /root (orchestrator/hosts/prepare.py)
 
 # the host's pveversion (pve_version, a host fault, changes what it says)
 PVEVERSION = r"""#!/bin/sh

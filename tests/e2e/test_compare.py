@@ -91,7 +91,7 @@ def test_compare_sweeps_concurrency_with_every_figure_and_a_chart(tb, deploy, pl
 
 
 def test_compare_table_has_levels_and_a_terminal_chart():
-    from orchestrator.compare import chart, render
+    from orchestrator.deploy.compare import chart, render
     lv = lambda c, t: {"concurrency": c, "tokens_per_s": t, "ttft_ms_p50": 10.0, "ttft_ms_p99": 12.0,  # noqa: E731
                        "itl_ms_p50": 1.0, "itl_ms_p99": 2.0, "acceptance_length": 3.1}
     res = {"target": "pve1/129", "prompts": 3, "rounds": 1, "concurrency": [1, 16], "winner": "a", "speedup": 2.0,

@@ -105,7 +105,7 @@ def test_discover_yaml_is_an_inventory_and_nothing_is_written_on_the_host(dbed, 
     assert "stopped, address and runtime not read" in text
     f = tmp_path / "hosts.yaml"
     f.write_text(text)
-    from orchestrator.spec import load_inventory
+    from orchestrator.core.spec import load_inventory
     inv = load_inventory(str(f))
     assert [c.vmid for c in inv.hosts["pve1"].containers] == [129, 130, 131, 133, 134, 135]
     after = dbed.host_exec("pve1", ["sh", "-c", "find /root /etc/pve -newer %s/hosts.yaml 2>/dev/null | wc -l"
@@ -228,7 +228,7 @@ def test_up_and_status_print_the_real_address_with_a_tunnel(dbed, tmp_path):
 
 
 def test_a_playbook_runtime_overrides_the_inventory(dbed, tmp_path):
-    from orchestrator.spec import load_inventory, load_playbook
+    from orchestrator.core.spec import load_inventory, load_playbook
     env = _playbooks(tmp_path, 131, [2])
     inv = tmp_path / "hosts.yaml"
     inv.write_text(open(dbed.inventory_path).read().replace(

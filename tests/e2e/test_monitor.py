@@ -37,8 +37,8 @@ def test_export_passes_promtool_check_and_its_unit_tests(tb, deploy, tmp_path):
     assert any("qwen36-dflash, qwen36-mtp" in n for n in out["notes"])
     assert json.loads((d / "targets.json").read_text()) == out["targets"]
     # the gate's threshold, from the playbook (not hard-coded here either)
-    from orchestrator.monitor import gate_thresholds
-    from orchestrator.spec import load_inventory, load_playbook
+    from orchestrator.observe.monitor import gate_thresholds
+    from orchestrator.core.spec import load_inventory, load_playbook
     th = gate_thresholds(load_playbook("qwen36-dflash", load_inventory(tb.inventory_path)))
     rules = yaml.safe_load((d / "rules.yml").read_text())
     alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
@@ -77,8 +77,8 @@ def test_a_real_prometheus_scrapes_the_test_bed_and_fires_for_a_broken_drafter(t
     addr = tb.container_address("pve1", 129)
     import shlex
 
-    from orchestrator.plan import serve_argv
-    from orchestrator.spec import load_inventory, load_playbook
+    from orchestrator.steps.plan import serve_argv
+    from orchestrator.core.spec import load_inventory, load_playbook
     argv = serve_argv(load_playbook("qwen36-dflash", load_inventory(tb.inventory_path)))
     r = tb.container_exec("pve1", 129, ["sh", "-c", "CUDA_VISIBLE_DEVICES=0,1,2,3 setsid -f %s >/tmp/vllm.log 2>&1 "
                                         "</dev/null" % shlex.join(argv)])
@@ -95,7 +95,7 @@ def test_a_real_prometheus_scrapes_the_test_bed_and_fires_for_a_broken_drafter(t
     # a server deploy did not start: its GPU memory is foreign (deploy monitor metrics, to stdout)
     p = deploy("--json", "monitor", "metrics", "pve1/129")
     assert p.returncode == 0, p.stdout + p.stderr
-    from orchestrator.monitor_metrics import parse
+    from orchestrator.observe.monitor_metrics import parse
     foreign = parse(p.json["text"])["vpd_gpu_foreign_memory_mib"]
     assert foreign and all(v > 1024 and lab["playbook"] == "" for lab, v in foreign), foreign
     assert "vpd_gated" not in parse(p.json["text"])  # nothing of ours serves there
@@ -176,7 +176,7 @@ def test_deploy_metrics_through_node_exporter_fire_not_gated_for_an_ungated_serv
     p = deploy("--json", "monitor", "metrics", "pve1", "--textfile", str(prom_file))
     assert p.returncode == 0, p.stdout + p.stderr  # written: unhealthy is for the alerts to judge
     assert p.json["textfile"] == str(prom_file) and p.json["samples"] > 0
-    from orchestrator.monitor_metrics import parse
+    from orchestrator.observe.monitor_metrics import parse
     series = parse(prom_file.read_text())
     assert ({"host": "pve1", "vmid": "129", "playbook": "qwen36-mtp"}, 0.0) in series["vpd_gated"]
     # the killed deploy's lock is still there (its lease has not lapsed), but its process is gone from this
@@ -237,7 +237,7 @@ def test_metrics_of_an_unreachable_host_are_written_with_reachable_0_and_exit_3(
     assert p.returncode == 3, p.stdout + p.stderr
     assert "pve4/129: unreachable, written as vpd_status_reachable 0" in p.stderr
     assert "read back and parsed" in p.stdout
-    from orchestrator.monitor_metrics import parse
+    from orchestrator.observe.monitor_metrics import parse
     s = parse(path.read_text())
     assert {lab["host"]: v for lab, v in s["vpd_status_reachable"]} == {"pve3": 1.0, "pve4": 0.0}
     assert {lab["host"] for lab, _ in s["vpd_status_timestamp_seconds"]} == {"pve3", "pve4"}

@@ -344,7 +344,7 @@ def test_doctor_on_a_hand_started_real_vllm(rbed, deploy):
 def test_port_in_use_real_text_and_exit(rbed, deploy):
     """A real vLLM on a busy port: `OSError: [Errno 98] Address already in use`, exit 1 before the engine; the
     tool's fatal table names it (and `deploy up` catches the busy port before launching)."""
-    from orchestrator import vllm_facts as vf
+    from orchestrator.core import vllm_facts as vf
 
     holder = int(cx(rbed, REAL, "setsid python3 -c 'import socket,time; s=socket.socket(); s.bind((\"127.0.0.1\", %d));"
                                 " s.listen(); time.sleep(900)' > /dev/null 2>&1 < /dev/null & echo $!"
@@ -371,7 +371,7 @@ def test_port_in_use_real_text_and_exit(rbed, deploy):
 
 
 def _phases(log):
-    from orchestrator import vllm_facts as vf
+    from orchestrator.core import vllm_facts as vf
     seen = []
     for ln in log.splitlines():
         for p in vf.PHASES:
@@ -404,7 +404,7 @@ def test_contract_fake_against_real(rbed):
     """Everything the tool reads from vLLM, from the real server and the fake, in the same test. Every difference is
     collected (one real start is expensive) and reported together; the ones that remain on purpose (the fake is a
     CUDA vLLM, the real one a CPU build) are listed in docs/testbed.md ("The fake against the real vLLM")."""
-    from orchestrator import vllm_facts as vf
+    from orchestrator.core import vllm_facts as vf
 
     real = observe(rbed, REAL, {"method": "dflash", "model": "/root/models/tiny-dflash", "num_speculative_tokens": 4},
                    "/tmp/contract.log")
@@ -477,7 +477,7 @@ def test_contract_fake_against_real(rbed):
 
 def test_contract_failure_texts_fake_and_real(rbed):
     """The failures both must print the same way: an unknown spec-config key, a missing drafter directory."""
-    from orchestrator import vllm_facts as vf
+    from orchestrator.core import vllm_facts as vf
 
     cases = {
         "unknown key": ({"method": "dflash", "model": "/root/models/tiny-dflash", "num_speculative_tokens": 4,

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from orchestrator.errors import HostKeyError, RemoteTimeout, Unreachable
-from orchestrator.remote import AuditLog, Fleet, OutputTooLarge, Redactor
-from orchestrator.spec import load_inventory
+from orchestrator.core.errors import HostKeyError, RemoteTimeout, Unreachable
+from orchestrator.core.remote import AuditLog, Fleet, OutputTooLarge, Redactor
+from orchestrator.core.spec import load_inventory
 from slack import slack
 
 HOSTILE = ["it's", 'say "hi"', "$(touch /tmp/pwned)", "`touch /tmp/pwned2`", "a; touch /tmp/pwned3", "x && y",

@@ -239,8 +239,8 @@ def test_watch_shows_a_timestamp_and_history_with_the_gate_and_json_the_window(t
         assert re.match(r"deploy status  \d{4}-\d\d-\d\d \d\d:\d\d:\d\d$", lines[0]), lines[0]
         m = re.search(r"AL ([▁▂▃▄▅▆▇█·]+) ([0-9.]+) \(gate >= ([0-9.]+) ok\)   tok/s ([▁▂▃▄▅▆▇█·]+) ", hist[-1])
         assert m, hist[-1]
-        from orchestrator.monitor import gate_thresholds
-        from orchestrator.spec import load_inventory, load_playbook
+        from orchestrator.observe.monitor import gate_thresholds
+        from orchestrator.core.spec import load_inventory, load_playbook
         assert float(m.group(3)) == gate_thresholds(load_playbook("qwen36-dflash",
                                                                   load_inventory(tb.inventory_path)))["min_al"]
         assert len(m.group(1)) >= 2  # one character per refresh, older ones kept
@@ -251,6 +251,6 @@ def test_watch_shows_a_timestamp_and_history_with_the_gate_and_json_the_window(t
 
 
 def test_sparkline():
-    from orchestrator.status_render import sparkline
+    from orchestrator.observe.status_render import sparkline
     assert sparkline([1.0, 2.0, 3.0, None]) == "▁▅█·"
     assert sparkline([]) == "" and sparkline([None, None]) == "··" and sparkline([5, 5]) == "▅▅"

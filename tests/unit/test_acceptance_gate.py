@@ -1,4 +1,4 @@
-"""The acceptance gate (orchestrator/gate.py) on the published figures, and the agent's parts of it run as a real
+"""The acceptance gate (orchestrator/core/gate.py) on the published figures, and the agent's parts of it run as a real
 process on real files: the probe that extends itself while the drafts are too few, the speculative-config keys
 read from the installed vLLM's own SpeculativeConfig, and how that vLLM reads a DFlash drafter config."""
 
@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from orchestrator import gate as G
+from orchestrator.core import gate as G
 from orchestrator.agent import agent_stdin
-from orchestrator.vllm_facts import Acceptance
+from orchestrator.core.vllm_facts import Acceptance
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.path.join(REPO, "testbed", "vpd_testbed", "data")
@@ -91,7 +91,7 @@ def test_playbook_keys_set_each_threshold_and_the_old_rate_gate_on_request():
 def test_too_few_drafts_is_no_verdict():
     v = G.judge(acc_of(healthy_dflash(15), drafts=40), G.thresholds({}, 15))
     assert not v.passed and v.too_few and "too few drafts to judge: 40 < 100" in v.reason
-    from orchestrator.ops import low_fix
+    from orchestrator.deploy.ops import low_fix
 
     fix = low_fix(v, "qwen36-dflash")  # the next command names the playbook (it printed "{playbook}")
     assert "deploy logs qwen36-dflash shows" in fix and "{" not in fix
@@ -247,7 +247,7 @@ def test_a_mixed_drafter_on_a_cpu_vllm_is_refused_before_launch_with_vllms_own_w
 
 
 def test_install_vllm_warns_that_the_pr_40898_branch_is_stale():
-    from orchestrator.install import stale_source_warning
+    from orchestrator.provision.vllm_install import stale_source_warning
 
     for spec in ("git+https://github.com/vllm-project/vllm@refs/pull/40898/head",
                  "git+https://github.com/vllm-project/vllm@pull/40898"):
@@ -258,7 +258,7 @@ def test_install_vllm_warns_that_the_pr_40898_branch_is_stale():
 
 
 def test_the_shipped_dflash_playbook_requires_a_release_and_probes_natural_text():
-    from orchestrator.spec import load_playbook
+    from orchestrator.core.spec import load_playbook
 
     pb = load_playbook(os.path.join(REPO, "playbooks", "qwen36-dflash.yaml"), None)
     assert pb.data["requires"]["vllm"] == "0.34.0"
@@ -269,8 +269,8 @@ def test_the_shipped_dflash_playbook_requires_a_release_and_probes_natural_text(
 
 
 def test_a_playbooks_own_prompt_file(tmp_path):
-    from orchestrator.errors import SpecError
-    from orchestrator.spec import load_playbook
+    from orchestrator.core.errors import SpecError
+    from orchestrator.core.spec import load_playbook
     from playbook_support import copy_playbooks, edit_file
 
     d = copy_playbooks(tmp_path / "pb")

@@ -8,7 +8,7 @@ from dataclasses import fields
 
 import pytest
 
-from orchestrator import ops
+from orchestrator.deploy import ops
 from orchestrator.agent.container import main as agent_main
 from orchestrator.agent.container import protocol as wire
 from orchestrator.agent.protocol import RESULT_TYPES, AgentResult, ProtocolError, result

@@ -166,6 +166,6 @@ def test_the_agent_modules_import_each_other_without_cycles_and_remote_imports_n
 
     for n in graph:
         visit(n, [])
-    remote = ast.parse(open(os.path.join(REPO, "orchestrator", "remote.py")).read())
+    remote = ast.parse(open(os.path.join(REPO, "orchestrator", "core", "remote.py")).read())
     imported = [getattr(x, "module", None) or "" for x in ast.walk(remote) if isinstance(x, ast.ImportFrom)]
     assert not [m for m in imported if "agent" in m], imported

@@ -5,7 +5,7 @@ import sys
 
 CODE = r"""
 import click
-from orchestrator import report
+from orchestrator.core import report
 report.guard_std_streams()
 click.echo("a\x1b]0;pwned\x07b\x1b[2Jc")
 click.echo(b"d\x1b[2Je")

@@ -1,6 +1,6 @@
 """compare's arithmetic and table, on values (no host)."""
 
-from orchestrator.compare import pick_winner, render, summarize
+from orchestrator.deploy.compare import pick_winner, render, summarize
 
 
 def test_summarize_overall_and_per_request():

@@ -13,12 +13,12 @@ import os
 
 import pytest
 
-from orchestrator import ops
-from orchestrator import plan as P
+from orchestrator.deploy import ops
+from orchestrator.steps import plan as P
 from orchestrator.agent.protocol import PROTOCOL
-from orchestrator.remote import AuditLog, Fleet, Result
-from orchestrator.report import Progress
-from orchestrator.spec import load_inventory, load_playbook
+from orchestrator.core.remote import AuditLog, Fleet, Result
+from orchestrator.core.report import Progress
+from orchestrator.core.spec import load_inventory, load_playbook
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AUDIT = os.path.join(os.environ.get("TMPDIR", "/tmp"), "vpd-decisions-audit-%d.jsonl" % os.getpid())
@@ -468,7 +468,7 @@ def test_one_rule_for_killing_gpu_holders_up_restart_and_down(world):
 
 def test_ctrl_c_before_launch_after_the_config_was_replaced_says_so_and_exits_130(world):
     """Issue 26 item 17: Ctrl-C is exit 130, and `state left:` names the drafter config already replaced."""
-    from orchestrator.errors import EXIT_INTERRUPTED, Interrupted
+    from orchestrator.core.errors import EXIT_INTERRUPTED, Interrupted
 
     inv, pb = world
 
@@ -523,7 +523,7 @@ def test_fix_commands_quote_what_the_container_named(world):
     """Issue 36 item 8: a unit name (or a playbook name) the container sends is one quoted word in every printed
     command a person would paste into a root shell on the Proxmox host."""
     import shlex
-    from orchestrator.remote import shell_word
+    from orchestrator.core.remote import shell_word
     assert shlex.split(shell_word(EVIL_UNIT)) == [EVIL_UNIT]
     script = healthy_script(world[1], launch={"ok": False, "supervisor": "systemd", "unit": EVIL_UNIT,
                                               "message": "start failed"})

@@ -3,8 +3,8 @@
 import pytest
 import yaml
 
-from orchestrator import discover as d
-from orchestrator.spec import load_inventory
+from orchestrator.hosts import discover as d
+from orchestrator.core.spec import load_inventory
 
 DEV = """arch: amd64
 cores: 32
@@ -192,7 +192,7 @@ def test_write_inventory_keeps_a_backup_and_refuses_invalid(tmp_path):
     backup = d.write_inventory(str(p), d.render_inventory(HOST, _found()))
     assert backup and open(backup).read() == "hosts: []\n"
     assert "pve1" in load_inventory(str(p)).hosts
-    from orchestrator.errors import DeployError
+    from orchestrator.core.errors import DeployError
     with pytest.raises(DeployError, match="would not be valid"):
         d.write_inventory(str(p), "hosts:\n  - name: BAD NAME\n")
     assert "pve1" in yaml.safe_load(p.read_text())["hosts"][0]["name"]

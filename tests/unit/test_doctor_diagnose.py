@@ -4,7 +4,7 @@ import hashlib
 import json
 import os
 
-from orchestrator.doctor import config_differences, diagnose, fixes_present
+from orchestrator.hosts.doctor import config_differences, diagnose, fixes_present
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PUB = open(os.path.join(REPO, "playbooks/drafters/qwen36-27b-dflash.config.json"), "rb").read()
@@ -99,7 +99,7 @@ proc 888 pid:[4026532111] cg=lxc/129 VLLM::Worker_TP
 
 
 def test_holders_outside_the_container_are_named_by_where_they_are():
-    from orchestrator.doctor import parse_host_holders
+    from orchestrator.core.facts import parse_host_holders
     hh = parse_host_holders(HOST_OUT)
     assert hh["host_pid_ns"] == "pid:[4026531836]"
     assert [(h["pid"], h["gpu"], h["mib"], h["vmid"]) for h in hh["holders"]] == \

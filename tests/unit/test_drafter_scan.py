@@ -109,7 +109,7 @@ def test_drafter_scan_is_bounded(tmp_path):
 
 
 def test_scan_checks_verdicts():
-    from orchestrator import doctor
+    from orchestrator.hosts import doctor
 
     pub = open(PUBLISHED, "rb").read()
     import json

@@ -3,7 +3,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator import fetch, report
+from orchestrator.provision import weights_fetch as fetch
+from orchestrator.core import report
 
 
 class Progress:
@@ -54,7 +55,7 @@ class InstallRunner(Runner):
 
 def test_install_follow_stops_after_the_same_total_cap_and_ignores_odd_fields():
     """The install-vllm follow (issue 36 item 2, install part): the same total caps, then a clear error."""
-    from orchestrator import install
+    from orchestrator.provision import vllm_install as install
 
     r = InstallRunner()
     ctx = SimpleNamespace(progress=Progress(), where="pve1/1")

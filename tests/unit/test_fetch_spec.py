@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from orchestrator import fetch as F
-from orchestrator import plan as P
-from orchestrator.errors import UsageError
-from orchestrator.spec import fetch_items, load_playbook
+from orchestrator.provision import weights_fetch as F
+from orchestrator.steps import plan as P
+from orchestrator.core.errors import UsageError
+from orchestrator.core.spec import fetch_items, load_playbook
 from test_spec import edit, inv, line_of, problems, work  # noqa: F401 - the fixture
 
 MODEL = "model:\n  path: /root/models/Qwen3.6-27B\n"
@@ -40,7 +40,7 @@ def test_hub_model_and_hub_id_drafter(work, monkeypatch):
     monkeypatch.setenv("MY_HF_TOKEN", "hf_secret")
     assert F.tokens(pb, its) == {"token:drafter": "hf_secret"}
     # the plan shows the step, never the token
-    from orchestrator.plan import plan_up
+    from orchestrator.steps.plan import plan_up
 
     steps = plan_up(pb.members[0] if pb.members else pb)
     fetch = next(s for s in steps if s.name == "fetch")

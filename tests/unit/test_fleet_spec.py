@@ -3,11 +3,11 @@ the per-target playbooks, the JSON Schema, and the fleet summary. Nothing remote
 
 import pytest
 
-from orchestrator import fleet as F
-from orchestrator import ops
-from orchestrator.errors import SpecError, Unreachable, UsageError
-from orchestrator.spec import load_inventory, load_playbook
-from orchestrator.spec_schema import json_schema
+from orchestrator.serving import fleet as F
+from orchestrator.deploy import ops
+from orchestrator.core.errors import SpecError, Unreachable, UsageError
+from orchestrator.core.spec import load_inventory, load_playbook
+from orchestrator.core.spec_schema import json_schema
 from orchestrator.steps import StepFailed
 from playbook_support import ONE_TARGET as ONE, playbook_variant, playbook_work
 

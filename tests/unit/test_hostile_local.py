@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from orchestrator import status
+from orchestrator.observe import status
 
 
 class _Redact:
@@ -35,7 +35,7 @@ class _Fleet:
 
 @pytest.fixture
 def inv(tmp_path, monkeypatch):
-    from orchestrator.spec import load_inventory
+    from orchestrator.core.spec import load_inventory
 
     (tmp_path / "hosts.yaml").write_text(INVENTORY)
     monkeypatch.setenv("DEPLOY_PLAYBOOKS", str(tmp_path / "playbooks"))
@@ -78,7 +78,7 @@ def pty_run(code: str, input: bytes = b"") -> bytes:
 
 
 def test_the_output_boundary_strips_container_controls_on_a_real_terminal():
-    code = ("import click, sys; from orchestrator.report import guard_std_streams, Progress, table, own; "
+    code = ("import click, sys; from orchestrator.core.report import guard_std_streams, Progress, table, own; "
             "guard_std_streams(); h = %r; print('row', h); click.echo('echo ' + h); "
             "Progress().say('pve1/129', 'log: ' + h); print(table([[h, 'x']], ['NAME', 'V'])); "
             "print(own('\\x1b[31m') + 'RED' + own('\\x1b[0m')); "
@@ -93,7 +93,7 @@ def test_the_output_boundary_strips_container_controls_on_a_real_terminal():
 def test_json_output_stays_escaped():
     import json
 
-    code = "from orchestrator.report import guard_std_streams, dump_json; guard_std_streams(); dump_json({'n': %r})" \
+    code = "from orchestrator.core.report import guard_std_streams, dump_json; guard_std_streams(); dump_json({'n': %r})" \
         % HOSTILE
     raw = pty_run(code)
     assert b"\x1b" not in raw
@@ -103,7 +103,7 @@ def test_json_output_stays_escaped():
 def test_discover_write_escapes_newlines_from_the_container_in_yaml_comments(tmp_path):
     import yaml
 
-    from orchestrator import discover
+    from orchestrator.hosts import discover
 
     c = {"vmid": 129, "name": "ct", "status": "running", "lock": None, "gpus": [0], "gpus_all": False,
          "gpu_source": "devN", "address": "10.0.0.5", "address_source": "net0 ip=",
@@ -122,7 +122,7 @@ def test_discover_write_escapes_newlines_from_the_container_in_yaml_comments(tmp
 def test_the_hosts_yaml_backup_is_exclusive_private_and_never_through_a_symlink(tmp_path):
     import os
 
-    from orchestrator import atomic
+    from orchestrator.core import atomic
 
     inv = tmp_path / "hosts.yaml"
     inv.write_text("hosts: []\n")
@@ -169,7 +169,7 @@ def test_odd_nested_data_in_a_status_answer_is_an_error_row_not_a_traceback(monk
 
 def test_event_caps_and_logs_follow_exemption():
     from orchestrator.agent import MAX_EVENT_LINE, MAX_EVENTS, EventBudget
-    from orchestrator.errors import OutputTooLarge
+    from orchestrator.core.errors import OutputTooLarge
 
     b = EventBudget("status", "pve1/129")
     with pytest.raises(OutputTooLarge, match="more than %d events" % MAX_EVENTS):

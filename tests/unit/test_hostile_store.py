@@ -283,7 +283,7 @@ def test_4_a_tampered_host_record_is_not_trusted_where_it_is_read(hub, tmp_path)
     assert not p["in_place"] and "not trusted" in p["why"] and "etc/profile.d/x.sh" in p["why"]
     from orchestrator.agent.container.weights import bad_record
 
-    assert bad_record(rec)  # and the workstation's own check (orchestrator/store.py) says so too
+    assert bad_record(rec)  # and the workstation's own check (orchestrator/provision/weights_store.py) says so too
 
 
 # ------------------------------------------------------------ finding 5: the ranges record read without limits
@@ -371,7 +371,7 @@ def test_7_a_dripping_hub_meets_the_deadline(hub, tmp_path):
 
 
 def test_8_a_source_path_with_a_quote_is_data_and_plan_shows_the_command_that_runs(tmp_path):
-    from orchestrator import plan as P
+    from orchestrator.steps import plan as P
 
     src = str(tmp_path / "it's; touch pwned; '")
     os.makedirs(src)
@@ -439,8 +439,8 @@ def test_missing_files_are_listed_by_name_not_by_letter(hub, tmp_path):
 
 
 def test_a_privileged_container_is_told_what_it_can_do_to_the_store():
-    from orchestrator.doctor import store_findings
-    from orchestrator.prepare import mount_plan
+    from orchestrator.hosts.doctor import store_findings
+    from orchestrator.hosts.prepare import mount_plan
 
     assert mount_plan(["arch: amd64"], [("/srv/store", "/models")], 101)["privileged"]
     assert not mount_plan(["unprivileged: 1"], [("/srv/store", "/models")], 101)["privileged"]
@@ -560,7 +560,7 @@ def test_an_unprivileged_uid_mapped_container_reads_the_store_after_a_fetch(hub)
 
 def test_status_flags_a_store_read_by_a_privileged_container():
     from orchestrator.agent.container.weights import uid_mapped
-    from orchestrator.status_render import weights_text
+    from orchestrator.observe.status_render import weights_text
 
     assert uid_mapped() is False  # this test runs with the host's identity map
     w = {"role": "model", "hub": "acme/M", "commit": "c" * 40, "revision": "c" * 40, "dest": "/root/models/M",
@@ -585,10 +585,10 @@ def test_8_plan_shows_the_argv_that_fetch_runs(work):  # noqa: F811 - the fixtur
     they differed, and the one that ran was built by hand)."""
     import contextlib
 
-    from orchestrator import fetch as OF
-    from orchestrator import plan as P
-    from orchestrator.remote import shell_join
-    from orchestrator.spec import load_playbook
+    from orchestrator.provision import weights_fetch as OF
+    from orchestrator.steps import plan as P
+    from orchestrator.core.remote import shell_join
+    from orchestrator.core.spec import load_playbook
     from test_spec import edit, inv
 
     src = "/srv/it's; id > /tmp/pwned; '"

@@ -10,8 +10,8 @@ import pytest
 from orchestrator.agent.container import install as A
 from orchestrator.agent.container.runner import switch_runtime
 from orchestrator.agent.container.stack import record_check
-from orchestrator.install import requirement
-from orchestrator.spec_schema import _vllm_source
+from orchestrator.provision.vllm_install import requirement
+from orchestrator.core.spec_schema import _vllm_source
 from vpd_testbed.fake_vllm import wheels
 
 

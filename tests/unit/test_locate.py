@@ -10,9 +10,9 @@ import jsonschema
 import pytest
 import yaml
 
-from orchestrator.errors import UsageError
-from orchestrator.locate import find_inventory, find_playbook, list_playbooks, shipped_dir
-from orchestrator.scaffold import MODELINE, init, schema_text
+from orchestrator.core.errors import UsageError
+from orchestrator.core.locate import find_inventory, find_playbook, list_playbooks, shipped_dir
+from orchestrator.deploy.scaffold import MODELINE, init, schema_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -191,7 +191,7 @@ def test_completion_offers_playbooks_and_targets(tmp_path):
 
 def test_testbed_hint_names_this_shells_test_bed_directory(monkeypatch):
     """Issue 53 item 14: fix texts named /tmp/vpd-testbed/hosts.yaml whatever VPD_TESTBED_DIR was."""
-    from orchestrator.locate import testbed_hint, testbed_inventory
+    from orchestrator.core.locate import testbed_hint, testbed_inventory
 
     monkeypatch.delenv("VPD_TESTBED_DIR", raising=False)
     assert testbed_inventory() == "/tmp/vpd-testbed/hosts.yaml"

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from orchestrator.errors import DeployError, SpecError
-from orchestrator.report import Progress, SafeStream, check_rows, table, wrap
-from orchestrator.status import _row
-from orchestrator.status_render import render_table
+from orchestrator.core.errors import DeployError, SpecError
+from orchestrator.core.report import Progress, SafeStream, check_rows, table, wrap
+from orchestrator.observe.status import _row
+from orchestrator.observe.status_render import render_table
 from orchestrator.steps import StepFailed
 
 LONG_PATH = "/root/models/Qwen3.6-27B-DFlash-with-a-very-long-directory-name/snapshots/0123456789abcdef/config.json"
@@ -200,7 +200,7 @@ def _inventory(tmp_path, identity):
 
 
 def test_missing_or_empty_identity_file_is_a_validation_error(tmp_path):
-    from orchestrator.spec import load_inventory
+    from orchestrator.core.spec import load_inventory
 
     with pytest.raises(SpecError) as e:
         load_inventory(_inventory(tmp_path, "keys/nope"))
@@ -228,7 +228,7 @@ def test_status_on_an_empty_inventory_says_what_to_do(tmp_path):
 
 
 def test_every_playbook_problem_at_once_unknown_keys_included(tmp_path, monkeypatch):
-    from orchestrator.spec import load_playbook
+    from orchestrator.core.spec import load_playbook
     from playbook_support import copy_playbooks
 
     p = copy_playbooks(tmp_path / "playbooks") / "qwen36-dflash.yaml"
@@ -246,7 +246,7 @@ def test_every_playbook_problem_at_once_unknown_keys_included(tmp_path, monkeypa
 
 
 def _pb(name="qwen36-dflash"):
-    from orchestrator.spec import load_playbook
+    from orchestrator.core.spec import load_playbook
 
     return load_playbook(f"{REPO}/playbooks/{name}.yaml", None)
 
@@ -271,7 +271,7 @@ def test_verify_fixes_name_the_command_for_each_failure_class():
 
 def test_up_diff_never_prints_none():
     from orchestrator.agent.protocol import CurrentResult
-    from orchestrator.ops import diff_running
+    from orchestrator.deploy.ops import diff_running
 
     pb = _pb()
     diffs = diff_running(CurrentResult.parse("status", {"state": {"alive": True, "pid": 7}}), pb)
@@ -304,9 +304,9 @@ def test_zombie_vllm_workers_are_not_foreign_processes():
 
 
 def test_a_slow_connect_is_timeout_a_refused_one_unreachable():
-    from orchestrator.errors import RemoteTimeout, Unreachable
-    from orchestrator.status import _error_row
-    from orchestrator.status_render import state_word
+    from orchestrator.core.errors import RemoteTimeout, Unreachable
+    from orchestrator.observe.status import _error_row
+    from orchestrator.observe.status_render import state_word
 
     slow = Unreachable("no answer to the connection within 10 s (timed out)", where="pve1")
     slow.timed_out = True
@@ -317,8 +317,8 @@ def test_a_slow_connect_is_timeout_a_refused_one_unreachable():
 
 
 def test_outcomes_and_plans_render_whole(capsys):
-    from orchestrator.render import render_outcome
-    from orchestrator.ops import Outcome
+    from orchestrator.cli.render import render_outcome
+    from orchestrator.deploy.ops import Outcome
 
     err = StepFailed("drift", f"the drafter config changed behind our back while vLLM started: {LONG_PATH} now "
                               f"has sha256 {SHA}", where="pve1/129", fix=f"find what rewrites {LONG_PATH}",

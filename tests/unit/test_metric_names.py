@@ -1,7 +1,7 @@
 """vLLM's metric names: the agent's (agent/container/protocol.py, which travels without the tool's modules) and
 the tool's (vllm_facts.py) agree, and the agent's readers use them."""
 
-from orchestrator import vllm_facts as vf
+from orchestrator.core import vllm_facts as vf
 from orchestrator.agent.container import probe, protocol, router
 
 

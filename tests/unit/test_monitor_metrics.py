@@ -9,10 +9,10 @@ import subprocess
 
 import pytest
 
-from orchestrator import monitor as MON
-from orchestrator import monitor_metrics as M
-from orchestrator.errors import UsageError
-from orchestrator.status import _row
+from orchestrator.observe import monitor as MON
+from orchestrator.observe import monitor_metrics as M
+from orchestrator.core.errors import UsageError
+from orchestrator.observe.status import _row
 
 PROMTOOL = shutil.which("promtool")
 
@@ -138,7 +138,7 @@ def test_promtool_check_metrics_accepts_the_output():
 def test_a_failed_write_says_what_and_leaves_no_temp_file(tmp_path, monkeypatch):
     import errno
 
-    from orchestrator.errors import DeployError
+    from orchestrator.core.errors import DeployError
 
     path = M.check_textfile(str(tmp_path / "v.prom"))
 

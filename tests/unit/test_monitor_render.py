@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from orchestrator import monitor as MON
-from orchestrator import monitor_render as R
-from orchestrator.errors import Unreachable, UsageError
+from orchestrator.observe import monitor as MON
+from orchestrator.observe import monitor_render as R
+from orchestrator.core.errors import Unreachable, UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

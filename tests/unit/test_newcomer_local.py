@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from orchestrator.errors import EXIT_USAGE, UsageError
+from orchestrator.core.errors import EXIT_USAGE, UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -80,7 +80,7 @@ def test_last_error_is_the_newest_crash_not_an_older_named_cause(agent):
 def test_discover_of_a_name_not_in_the_inventory_is_a_usage_error_without_dns(monkeypatch):
     import socket
 
-    from orchestrator import discover as D
+    from orchestrator.hosts import discover as D
 
     def no_dns(*a, **k):
         raise AssertionError("a DNS lookup")
@@ -113,7 +113,7 @@ def test_doctor_counts_the_launch_wrapper_and_vllm_as_one_server_and_names_the_s
     import hashlib
     import json
 
-    from orchestrator.doctor import diagnose, one_server_per_launch
+    from orchestrator.hosts.doctor import diagnose, one_server_per_launch
 
     serve = ["/root/ml-env/bin/vllm", "serve", "/root/models/Qwen3.6-27B", "--port", "8000"]
     procs = [{"pid": 20, "ppid": 1, "argv": ["/bin/sh", "-c", '"$@" </dev/null; echo $? >&0', "vllm-pve-deploy"] + serve},
@@ -146,7 +146,7 @@ def test_doctor_counts_the_launch_wrapper_and_vllm_as_one_server_and_names_the_s
 def test_a_lock_broken_during_the_run_is_warned_at_release():
     from types import SimpleNamespace as NS
 
-    from orchestrator import ops
+    from orchestrator.deploy import ops
 
     from orchestrator.agent.protocol import UnlockResult
 
@@ -168,7 +168,7 @@ def test_still_waiting_names_one_bound_and_a_lock_renewal_prints_no_wait(agent):
     import contextlib
     from types import SimpleNamespace as NS
 
-    from orchestrator.plan import Step
+    from orchestrator.steps.plan import Step
     from orchestrator.steps import Context
 
     beats = []
@@ -200,7 +200,7 @@ def test_still_waiting_names_one_bound_and_a_lock_renewal_prints_no_wait(agent):
 
 
 def test_status_flags_two_running_deployments_on_one_gpu():
-    from orchestrator.status import shared_gpu_problems
+    from orchestrator.observe.status import shared_gpu_problems
 
     def row(host, vmid, gpus, pb):
         return {"host": host, "vmid": vmid, "process": "running", "_gpus": gpus, "playbook": pb, "problems": [],
@@ -216,7 +216,7 @@ def test_status_flags_two_running_deployments_on_one_gpu():
 
 
 def test_deploy_docs_prints_the_shipped_pages_and_sections():
-    from orchestrator.scaffold import doc_topics, docs_text
+    from orchestrator.deploy.scaffold import doc_topics, docs_text
 
     topics = doc_topics()
     for t in ("quickstart", "cli", "playbooks", "troubleshooting", "architecture", "testbed", "domain/field-report"):
@@ -237,7 +237,7 @@ def test_every_deploy_docs_pointer_in_the_code_resolves():
     import glob
     import re
 
-    from orchestrator.scaffold import docs_text
+    from orchestrator.deploy.scaffold import docs_text
 
     seen = set()
     for path in glob.glob(os.path.join(REPO, "orchestrator", "**", "*.py"), recursive=True):
@@ -253,9 +253,10 @@ def test_every_deploy_docs_pointer_in_the_code_resolves():
 
 
 def test_up_summary_and_errors_wrap_between_words_on_a_terminal(monkeypatch, capsys):
-    from orchestrator import render as cli, report
-    from orchestrator.errors import StepFailed
-    from orchestrator.ops import Outcome
+    from orchestrator.cli import render as cli
+    from orchestrator.core import report
+    from orchestrator.core.errors import StepFailed
+    from orchestrator.deploy.ops import Outcome
 
     monkeypatch.setattr(report, "term_width", lambda stream=None: 100)
     long_ep = "http://10.1.2.31:8000/v1 (not routable from here: ssh -N -L 8000:10.1.2.31:8000 root@10.1.2.5, then " \
@@ -310,8 +311,8 @@ def test_rootfs_build_reports_progress(tmp_path, monkeypatch):
 def test_discover_says_it_found_no_address_and_the_note_is_true():
     from types import SimpleNamespace as NS
 
-    from orchestrator.discover import container_yaml
-    from orchestrator.endpoint import endpoint
+    from orchestrator.hosts.discover import container_yaml
+    from orchestrator.core.endpoint import endpoint
 
     c = {"vmid": 129, "name": "ct129", "status": "running", "lock": None, "gpus": [0], "gpus_all": False,
          "gpu_source": "dev0", "address": None, "address_source": None, "runtime": None, "runtimes": [],
@@ -327,8 +328,8 @@ def test_docs_section_not_found_suggests_and_lists_every_level():
     """Issue 53 item 14: `deploy docs` listed only the ## sections when a section was not found."""
     import pytest
 
-    from orchestrator.errors import UsageError
-    from orchestrator.scaffold import docs_text
+    from orchestrator.core.errors import UsageError
+    from orchestrator.deploy.scaffold import docs_text
 
     assert docs_text("playbooks#offline-and-air-gapped-hosts").startswith("#### Offline and air-gapped hosts")
     with pytest.raises(UsageError) as e:
@@ -343,7 +344,7 @@ def test_every_docs_anchor_named_in_the_code_exists():
     import glob
     import re
 
-    from orchestrator.scaffold import _slug
+    from orchestrator.deploy.scaffold import _slug
 
     anchors = {}
     for md in glob.glob(os.path.join(REPO, "docs", "*.md")):

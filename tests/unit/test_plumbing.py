@@ -1,6 +1,6 @@
-"""The gpu-plumbing check's decisions (orchestrator/plumbing.py), on strings and dicts: no host, no container."""
+"""The gpu-plumbing check's decisions (orchestrator/steps/plumbing_check.py), on strings and dicts: no host, no container."""
 
-from orchestrator import plumbing as PL
+from orchestrator.steps import plumbing_check as PL
 
 CONF_DEV = """arch: amd64
 cores: 32
@@ -197,7 +197,7 @@ def test_agent_reads_torch_cuda_and_library_versions_without_importing(tmp_path,
 
 
 def test_status_row_from_the_container_side():
-    from orchestrator.status import _row, plumbing_row
+    from orchestrator.observe.status import _row, plumbing_row
 
     row = _row("pve1", 129)
     plumbing_row(row, {"nodes": {}, "libs": {}, "shm_mib": 64}, None, "pve1", 129)  # no GPUs at all: a router's

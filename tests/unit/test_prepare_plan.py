@@ -1,10 +1,10 @@
-"""deploy prepare's pure planning (orchestrator/prepare.py): the style chosen, the lines added (never removed),
+"""deploy prepare's pure planning (orchestrator/hosts/prepare.py): the style chosen, the lines added (never removed),
 the host's majors used, a stale rule named, snapshot sections kept, and the driver .run's version checked."""
 
 import pytest
 
-from orchestrator import prepare as P
-from orchestrator.errors import UsageError
+from orchestrator.hosts import prepare as P
+from orchestrator.core.errors import UsageError
 
 
 def node(major, minor):
@@ -67,7 +67,7 @@ def test_gpus_and_driver_run_parsing():
 
 # ---- --create: every value one argv word, checked before anything runs -------------------------------------
 def test_check_create_defaults_and_argv():
-    from orchestrator.prepare import check_create, create_argv
+    from orchestrator.hosts.prepare import check_create, create_argv
 
     o = check_create({"template": "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst", "hostname": "vllm-a",
                       "net0": "name=eth0,bridge=vmbr0,ip=10.1.2.31/24,gw=10.1.2.1", "memory": None}, 131)
@@ -81,8 +81,8 @@ def test_check_create_defaults_and_argv():
 def test_check_create_refuses_what_pct_would_not_take():
     import pytest
 
-    from orchestrator.errors import UsageError
-    from orchestrator.prepare import check_create
+    from orchestrator.core.errors import UsageError
+    from orchestrator.hosts.prepare import check_create
 
     good = {"template": "local:vztmpl/t.tar.zst", "hostname": "h", "net0": "bridge=vmbr0,ip=dhcp"}
     check_create(good, 131)

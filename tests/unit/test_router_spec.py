@@ -3,11 +3,11 @@ by address; no port clash), the router's argv, the status flags, the JSON Schema
 
 import pytest
 
-from orchestrator import router as R
-from orchestrator.endpoint import router_endpoint
-from orchestrator.errors import SpecError
-from orchestrator.spec import load_inventory, load_playbook
-from orchestrator.spec_schema import json_schema
+from orchestrator.serving import replica_router as R
+from orchestrator.core.endpoint import router_endpoint
+from orchestrator.core.errors import SpecError
+from orchestrator.core.spec import load_inventory, load_playbook
+from orchestrator.core.spec_schema import json_schema
 from playbook_support import ONE_TARGET as ONE, playbook_variant, playbook_work
 
 INVENTORY = """\

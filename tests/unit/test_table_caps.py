@@ -1,5 +1,5 @@
 """issue 36 item 1: a container-chosen cell cannot make a table huge."""
-from orchestrator import report
+from orchestrator.core import report
 
 
 def test_huge_first_cell_does_not_pad_every_row():

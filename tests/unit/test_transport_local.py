@@ -18,7 +18,7 @@ def run_py(code: str) -> str:
 def test_paramiko_without_invoke_and_fabric_gets_it_back():
     out = run_py(
         "import sys\n"
-        "from orchestrator.remote import paramiko_module, _with_invoke\n"
+        "from orchestrator.core.remote import paramiko_module, _with_invoke\n"
         "pm = paramiko_module()\n"
         "import paramiko.config as pc\n"
         "print('invoke' in sys.modules, pc.invoke is None, pm.SSHClient.__name__)\n"
@@ -31,7 +31,7 @@ def test_paramiko_without_invoke_and_fabric_gets_it_back():
 
 
 def test_dial_connects_early_and_sets_nodelay():
-    from orchestrator.remote import _Dial
+    from orchestrator.core.remote import _Dial
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -48,7 +48,7 @@ def test_dial_connects_early_and_sets_nodelay():
 
 def test_a_refused_dial_falls_back_to_paramikos_own_connect():
     """Refused at once: take() returns None and the caller connects as before (so its error reads as before)."""
-    from orchestrator.remote import _Dial
+    from orchestrator.core.remote import _Dial
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import tune as T
+from orchestrator.deploy import tune as T
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,7 @@ def test_edit_keeps_every_comment_and_layout_and_passes_the_schema(tmp_path):
     shutil.copytree(ROOT / "playbooks", tmp_path / "pb")
     p = tmp_path / "pb" / "qwen36-dflash.yaml"
     p.write_text(out)
-    from orchestrator.spec import load_playbook
+    from orchestrator.core.spec import load_playbook
 
     pb = load_playbook(str(p), None)
     assert pb.spec["schedule"] == [[1, 2, 6], [3, 8, 2], [9, 4096, 0]]
@@ -101,8 +101,8 @@ def test_edit_keeps_every_comment_and_layout_and_passes_the_schema(tmp_path):
 def test_a_bad_schedule_is_refused_at_its_line(tmp_path):
     import shutil
 
-    from orchestrator.errors import SpecError
-    from orchestrator.spec import load_playbook
+    from orchestrator.core.errors import SpecError
+    from orchestrator.core.spec import load_playbook
 
     shutil.copytree(ROOT / "playbooks", tmp_path / "pb")
     p = tmp_path / "pb" / "qwen36-dflash.yaml"

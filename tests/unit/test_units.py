@@ -7,11 +7,11 @@ import subprocess
 
 import pytest
 
-from orchestrator import plan as P
-from orchestrator import vllm_facts as vf
-from orchestrator.facts import parse_pct_config_gpus, parse_pct_list, parse_pct_status
-from orchestrator.remote import pct_exec_argv, shell_join
-from orchestrator.spec import load_inventory, load_playbook
+from orchestrator.steps import plan as P
+from orchestrator.core import vllm_facts as vf
+from orchestrator.core.facts import parse_pct_config_gpus, parse_pct_list, parse_pct_status
+from orchestrator.core.remote import pct_exec_argv, shell_join
+from orchestrator.core.spec import load_inventory, load_playbook
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOSTILE = ["it's", 'say "hi"', "$(touch /tmp/pwned)", "`id`", "a; rm -rf /", "x && y", "line1\nline2", "*",
@@ -188,7 +188,9 @@ def test_agent_parses_with_old_pythons():
 def test_the_state_directory_has_one_spelling_each_side():
     """runtime.state_dir's default: spec.py's for the tool, protocol.py's for the agent (which cannot import the
     tool's modules), and they agree; the other modules take theirs from these two."""
-    from orchestrator import discover, spec, status
+    from orchestrator.hosts import discover
+    from orchestrator.core import spec
+    from orchestrator.observe import status
     from orchestrator.agent import archive
     from orchestrator.agent.container import protocol
 

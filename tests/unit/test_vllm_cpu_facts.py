@@ -6,7 +6,7 @@ import base64
 import hashlib
 import re
 
-from orchestrator import vllm_facts as vf
+from orchestrator.core import vllm_facts as vf
 from orchestrator.agent.container import stack as A
 
 

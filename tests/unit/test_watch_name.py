@@ -1,7 +1,7 @@
 """issue 36 item 6: a playbook name from the container's state is a name, never a workstation path."""
 import os
 
-from orchestrator import status_render
+from orchestrator.observe import status_render
 
 
 def test_gate_of_refuses_a_path_name(tmp_path, monkeypatch):

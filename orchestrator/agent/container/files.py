@@ -222,7 +222,7 @@ def runner_gone(kind, st, a):
 
 
 def follow_runner(a, kind, read, save, final, on_line, finish, tick):
-    """The container's half of following a detached runner (the workstation's: orchestrator/follow.py): the new
+    """The container's half of following a detached runner (the workstation's: orchestrator/provision/follow.py): the new
     lines of its log, in order, through on_line(line); tick(record) each round (progress, heartbeats) until its
     record (read()) says it ended, then the record is marked reported (save(record)) and finish(record, log_pos)
     answers; or follow_s (a["follow_s"]) passes: {"ok", "done": False, KIND: record, "log_pos"}."""

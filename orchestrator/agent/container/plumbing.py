@@ -1,4 +1,4 @@
-"""The container's side of the gpu-plumbing check (orchestrator/plumbing.py decides): its /dev/nvidia* nodes with
+"""The container's side of the gpu-plumbing check (orchestrator/steps/plumbing_check.py decides): its /dev/nvidia* nodes with
 their majors/minors, the versions of libnvidia-ml.so.* / libcuda.so.*, the kernel module's version as the
 container sees it, the size of /dev/shm, and the runtime's torch.version.cuda read from torch/version.py
 (not imported: cheap). Read-only, bounded, no subprocess; part of the status and doctor results and the
@@ -20,7 +20,7 @@ LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu/nvidia/curre
 LIB_RE = r"^(libnvidia-ml|libcuda)\.so\.(\d{2,4}\.\d{1,4}(?:\.\d{1,4})?)$"
 MODULE_RE = r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)"
 # The test bed's simulated device nodes are regular files whose first bytes say "vpd-testbed-node c MAJ:MIN": read as
-# that character device here and by orchestrator/plumbing.py (the host side), from this one pattern. Why the test
+# that character device here and by orchestrator/steps/plumbing_check.py (the host side), from this one pattern. Why the test
 # bed cannot give real character devices instead: docs/testbed.md, "Why the GPU nodes are files".
 SIM_NODE = rb"vpd-testbed-node c (\d+):(\d+)"
 MAX_ENTRIES = 4000

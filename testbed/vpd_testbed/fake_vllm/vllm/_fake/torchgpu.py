@@ -18,7 +18,7 @@ memory-bound decode does. Worker 0 times it at startup; the API server then pace
 
 Switched on by ``engine.json`` beside the faults file (``/etc/vpd-testbed/engine.json``, which the test bed writes
 for ``gpus=real`` containers) or ``VPD_FAKE_VLLM_ENGINE=torch``. Keys (all optional): ``weights_mib`` and
-``kv_cache_mib`` (per GPU, what orchestrator/sizing.py predicts for the playbook on this card; default: the fake's
+``kv_cache_mib`` (per GPU, what orchestrator/core/sizing.py predicts for the playbook on this card; default: the fake's
 own figures), ``scale`` (multiplies every allocation; default 1 on CUDA, 1/1024 on CPU), ``hidden`` (the matrix
 product's inner size, default 5120), ``max_steps`` (cap of one decode request's kernels, default 4096).
 """

@@ -1,0 +1,1 @@
+"""The core every command stands on: playbooks and the inventory (spec, schema), errors, the SSH transport (remote), reports, and the pure facts and models (vLLM's names, host output parsers, sizing, the gate, endpoints). Imports nothing above it."""

@@ -1,0 +1,1 @@
+"""The executor (ops: up, restart, down, verify, apply-config) and the commands built on it (compare, init)."""

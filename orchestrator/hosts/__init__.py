@@ -1,0 +1,1 @@
+"""Proxmox hosts and their containers: discover, prepare, doctor."""

@@ -1,0 +1,1 @@
+"""status, logs and monitoring (export, metrics, render)."""
