@@ -105,7 +105,7 @@ def run(argv, sha, cache_dir, path):
     core.ARCHIVE = {"sha256": sha, "cache_dir": cache_dir, "path": path}
     if cache_dir and os.path.dirname(path) != cache_dir and argv[1:2] != ["session"]:
         emit(cache=False)  # ran from a temp file: the tool should not count on a cached copy here
-    if cache_dir and path == os.path.join(cache_dir, sha + ".zip"):  # no compiled copy for this Python yet
+    if cache_dir and path == os.path.join(cache_dir, sha + ".zip"):  # no usable compiled copy for this Python
         from .cache import compile_in_background
 
         compile_in_background(sha, cache_dir, path)
