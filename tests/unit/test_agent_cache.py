@@ -9,8 +9,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from orchestrator.agent import agent_stdin, archive
 from orchestrator.agent.container import cache as agent_cache
+from orchestrator.agent.container import core as agent_core
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONTAINER = os.path.join(REPO, "orchestrator", "agent", "container")
@@ -249,3 +252,36 @@ def test_the_agent_modules_import_each_other_without_cycles_and_remote_imports_n
     remote = ast.parse(open(os.path.join(REPO, "orchestrator", "remote.py")).read())
     imported = [getattr(x, "module", None) or "" for x in ast.walk(remote) if isinstance(x, ast.ImportFrom)]
     assert not [m for m in imported if "agent" in m], imported
+
+
+def test_the_agents_json_codec_reads_and_writes_what_json_does():
+    """Issue 54: the agent encodes and decodes JSON with `_json` (json's own C codec) without importing `json`
+    (which loads `re`): the same text out, the same values in, ValueError for what json refuses."""
+    import math
+
+    code = ("import json, sys\nsys.path.insert(0, %r)\n" % os.path.dirname(CONTAINER) +
+            "import container.core as c\n"
+            "print(json.dumps([c.loads.__module__, c.dumps.__module__]))\n")
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and json.loads(out.stdout) == ["container.core"] * 2, out.stderr  # not json's
+    samples = [{"a": [1, 2.5, -0.0, 1e300, None, True, False, "é\u2028\x00\n\"\\"], "": {}, "k": []}, "x", 3, [],
+               {"nested": [{"deep": [[[]]]}]}, 12345678901234567890, "\U0001f600"]
+    for obj in samples:
+        assert agent_core.dumps(obj) == json.dumps(obj)
+        text = json.dumps(obj, indent=1)
+        assert agent_core.loads(text) == json.loads(text) == obj
+        assert agent_core.loads(" \n" + text.encode().decode() + "\r\n\t") == obj
+        assert agent_core.loads(text.encode()) == obj
+    assert agent_core.dumps({1: 2}) == json.dumps({1: 2})
+    assert math.isinf(agent_core.loads("[Infinity]")[0]) and math.isnan(agent_core.loads("NaN"))
+    for bad in ["", " ", "[1,", "[1] 2", "{'a': 1}", '"unterminated', "nul", "[1]x", "01"]:
+        with pytest.raises(ValueError):
+            json.loads(bad)
+        with pytest.raises(ValueError):
+            agent_core.loads(bad)
+    with pytest.raises(TypeError):
+        agent_core.dumps({"a": object()})
+    with pytest.raises(ValueError):
+        loop = []
+        loop.append(loop)
+        agent_core.dumps(loop)
