@@ -45,7 +45,6 @@ def _vpd(H, D):
                             break
                     else:
                         P = C
-                        sys.dont_write_bytecode = True
             except (OSError, IndexError, ValueError):
                 pass
             if P is None:
