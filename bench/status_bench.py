@@ -356,12 +356,15 @@ def bench_row_cpu(tb, res: Results, env, env_old, host, python, state_dir, runs,
     """The remote CPU of one status row on its host, no SSH (Testbed.host_exec): `pct exec 129 -- <the status
     exec deploy sends>` (pct, the agent, its nvidia-smi) vs the raw probe `pct exec 129 -- nvidia-smi ...`, as
     RUSAGE_CHILDREN of this process around each (every process there is waited for by its parent). Current,
-    --baseline and raw interleaved; the first round is a warm-up."""
+    --baseline and raw interleaved; the first two rounds are warm-ups (the first runs from the archive and compiles
+    it for the container's Python in the background), after a `deploy status` of each (the archive reaches it)."""
+    for e in [env] + ([env_old] if env_old is not None else []):
+        timed(deploy_argv("--json", "status", f"{host}/{VMID}"), env=e, ok=None, timeout=120)
     variants = [("new", ["pct", "exec", str(VMID), "--", *row_argv_of(env, state_dir, python)])]
     if env_old is not None:
         variants.append(("old", ["pct", "exec", str(VMID), "--", *row_argv_of(env_old, state_dir, python)]))
     variants.append(("raw", ["pct", "exec", str(VMID), "--", *RAW_PROBE.split()]))
-    for i in range(runs + 1):
+    for i in range(runs + 2):
         budget.check(f"row cpu run {i + 1}")
         for name, argv in variants:
             c0 = children_cpu()
@@ -369,7 +372,7 @@ def bench_row_cpu(tb, res: Results, env, env_old, host, python, state_dir, runs,
             c1 = children_cpu()
             if p.returncode or (name != "raw" and '"result"' not in p.stdout):
                 raise RuntimeError(f"row cpu ({name}): exit {p.returncode}: {p.stderr[-500:]!r} {p.stdout[-300:]!r}")
-            if i:
+            if i > 1:
                 res.add(f"row_cpu:{name}", c1 - c0)
 
 
@@ -464,6 +467,8 @@ def main():
                     "deploy runs right before the current one in every pair, side by side in the report")
     ap.add_argument("--up-runs", type=int, default=3, help="deploy up runs (each variant) for its own overhead")
     ap.add_argument("--no-watch", action="store_true", help="skip the in-process --watch phases")
+    ap.add_argument("--row-cpu-only", action="store_true", help="only the per-row remote CPU phase (with --hosts 1: "
+                    "a quick A/B of the agent's cost per row, issue 54)")
     ap.add_argument("--pyinfra", metavar="EXE", help="pyinfra's executable (in a venv of its own, e.g. python3 -m venv "
                     "/tmp/pyinfra-venv && /tmp/pyinfra-venv/bin/pip install pyinfra): time its `exec` of the raw "
                     "probe on all hosts beside deploy status")
@@ -520,14 +525,18 @@ def main():
             deploy_everywhere(tb, env, hosts, workdir, budget)
             print(f"qwen36-mtp up on {VMID} of {len(hosts)} hosts ({time.monotonic() - t0:.1f}s)", flush=True)
         res.facts["containers"] = "running qwen36-mtp (fake vLLM)" if running else "idle (no vLLM)"
-        if fleet_only:
+        if a.row_cpu_only:
+            print("per-row remote CPU (pct exec + the status exec vs pct exec + nvidia-smi) ...", flush=True)
+            bench_row_cpu(tb, res, env, env_old, hosts[0], "/root/ml-env/bin/python", "/var/lib/vllm-pve-deploy",
+                          a.runs, budget)
+        elif fleet_only:
             print(f"fleet: {len(hosts)} hosts x {len(vmids)} containers, default deadline ...", flush=True)
             bench_fleet(tb, res, env, env_old, hosts, vmids, a.runs, budget)
             print("per-row remote CPU (pct exec + the status exec vs pct exec + nvidia-smi) ...", flush=True)
             bench_row_cpu(tb, res, env, env_old, hosts[0], "/root/ml-env/bin/python", "/var/lib/vllm-pve-deploy",
                           a.runs, budget)
 
-        if not fleet_only:
+        if not fleet_only and not a.row_cpu_only:
             print("startup ...", flush=True)
             startup_names = bench_startup(res, env, a.runs, budget)
             print("no added latency ...", flush=True)
@@ -559,7 +568,13 @@ def main():
     finally:
         teardown()
 
-    if fleet_only:
+    if a.row_cpu_only:
+        print()
+        print_machine(res, a)
+        print(f"containers: {res.facts['containers']}; medians of {a.runs} runs"
+              + (f"; baseline: {a.baseline}" if a.baseline else ""))
+        print_row_cpu(res, a)
+    elif fleet_only:
         report_fleet(res, a, hosts, vmids)
     else:
         report(res, a, hosts, startup_names)

@@ -37,12 +37,13 @@ def agent_stdin(payload: bytes | None = None, secrets: dict | None = None, bulk:
     the container (the archive runs from a private temp file): the unit tests' way. early_smi starts nvidia-smi
     first (EARLY_SMI)."""
     pre = EARLY_SMI if early_smi else b""
-    # inputs as a Python literal of their (ASCII) JSON: repr() is always a valid literal, and the agent needs json
-    # anyway (base64 would load _struct and binascii in every status exec for nothing)
+    # inputs as a Python literal of their (ASCII) JSON: repr() is always a valid literal; the agent decodes them
+    # (main.run, with its own JSON codec: `import json` here would load `re` and ~9 ms with it, issue 54; base64
+    # would load _struct and binascii in every status exec for nothing)
     if bulk:
-        pre += f"import json as _j; INPUT = _j.loads({_json_literal(bulk)})\n".encode()
+        pre += f"INPUT_JSON = {_json_literal(bulk)}\n".encode()
     if secrets:
-        pre += f"import json as _j; SECRETS = _j.loads({_json_literal(secrets)})\n".encode()
+        pre += f"SECRETS_JSON = {_json_literal(secrets)}\n".encode()
     if payload is not None:
         pre += f"import base64 as _b; PAYLOAD = _b.b64decode('{base64.b64encode(payload).decode()}')\n".encode()
     if inline:

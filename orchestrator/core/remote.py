@@ -636,7 +636,13 @@ def _exec(transport, command: str, stdin: bytes | None, timeout: float, on_line=
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 check(out, err)
-            select.select([chan], [], [], min(max(remaining, 0.01), 1.0))
+            if chan.eof_received:
+                # no more data after EOF, but the channel's event pipe stays set, so select would return at once
+                # until the exit status came (a busy loop on the workstation's CPU, ~300 turns per status row on
+                # the test bed; issue 54): wait for the status (or the close, which sets it too) instead
+                chan.status_event.wait(min(max(remaining, 0.01), 1.0))
+            else:
+                select.select([chan], [], [], min(max(remaining, 0.01), 1.0))
         out += line
         status = chan.recv_exit_status() if chan.exit_status_ready() else -1
         if status == -1 and not transport.is_active():

@@ -84,6 +84,30 @@ def test_command_timeout_is_an_error_not_a_hang(fleet):
     assert "did not finish within 1 s" in ei.value.message
 
 
+def test_an_exit_status_that_comes_after_the_streams_closed_is_waited_for_without_polling(fleet, monkeypatch):
+    """Issue 54: after EOF the channel's event pipe stays readable, so the reader used to call select() in a busy
+    loop until the exit status came (pct and the interpreter ending after the agent's last line). It waits for the
+    status now: the same status and output, few wake-ups, and the deadline still holds."""
+    import orchestrator.remote as remote
+
+    calls = []
+    real = remote.select.select
+
+    class Counting:
+        @staticmethod
+        def select(r, w, x, t=None):
+            calls.append(t)
+            return real(r, w, x, t)
+
+    monkeypatch.setattr(remote, "select", Counting)
+    s = fleet.session("pve1")
+    r = s.run(["sh", "-c", "echo done; exec >&- 2>&-; sleep 1; exit 7"], timeout=30)
+    assert (r.exited, r.out) == (7, "done\n")
+    assert len(calls) < 50, len(calls)  # a busy loop made thousands in that second
+    with pytest.raises(RemoteTimeout):
+        s.run(["sh", "-c", "exec >&- 2>&-; sleep 30"], timeout=1)
+
+
 def test_unknown_host_key_is_refused(tb, tmp_path, inventory):
     text = open(inventory).read().replace(tb.known_hosts, str(tmp_path / "empty_known_hosts"))
     (tmp_path / "empty_known_hosts").write_text("")

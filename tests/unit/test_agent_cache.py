@@ -9,7 +9,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from orchestrator.agent import agent_stdin, archive
+from orchestrator.agent.container import cache as agent_cache
+from orchestrator.agent.container import core as agent_core
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONTAINER = os.path.join(REPO, "orchestrator", "agent", "container")
@@ -30,14 +34,27 @@ def result(lines):
 
 
 def compiled(cache):
-    tag = sys.implementation.cache_tag
+    """Wait (bounded) for this Python's compiled copy and its record; True once it checks out."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        found = [n for n in os.listdir(cache) if n.startswith(f"{archive.sha256()}.{tag}.")]
-        if found:
-            return found
+        if agent_cache.check_compiled(archive.sha256(), str(cache)) == "ok":
+            return True
         time.sleep(0.1)
-    return []
+    return False
+
+
+WHERE = b"import atexit, sys\natexit.register(lambda: sys.stderr.write('FROM ' + sys.path[0] + '\\n'))\n"
+
+
+def ran_from(cache, args=None):
+    """Run file_sha with the bootstrap alone; what it ran from: "compiled", "zip", or "need" (asked for it)."""
+    p, lines = run("file_sha", args or {"path": "/"}, cache, inline=False, prefix=WHERE)
+    if p.returncode == archive.NEED_EXIT:
+        return "need"
+    assert p.returncode == 0 and result(lines), (p.stderr, lines)
+    where = p.stderr.decode().split("FROM ", 1)[1].split()[0]
+    base = agent_cache.compiled_path(archive.sha256(), str(cache))
+    return {base: "compiled", str(cache / f"{archive.sha256()}.zip"): "zip"}[where]
 
 
 def test_the_archive_is_cached_checked_and_replaced_when_damaged(tmp_path):
@@ -57,21 +74,86 @@ def test_the_archive_is_cached_checked_and_replaced_when_damaged(tmp_path):
     # from now on the bootstrap alone is enough
     p, lines = run("file_sha", args, cache, inline=False)
     assert p.returncode == 0 and "need" not in lines[0]
+    assert ran_from(cache, args) == "compiled"
     # a damaged copy (and compiled copy) is refused, asked for again, and replaced
-    for n in os.listdir(cache):
-        with open(cache / n, "ab") as fh:
+    base = agent_cache.compiled_path(archive.sha256(), str(cache))
+    for n in [kept, f"{base}.rec", f"{base}/vpd_agent/main.py",
+              f"{base}/vpd_agent/__pycache__/main.{sys.implementation.cache_tag}.pyc"]:
+        with open(n, "ab") as fh:
             fh.write(b"tampered")
     p, lines = run("file_sha", args, cache, inline=False)
     assert p.returncode == archive.NEED_EXIT and lines == [{"need": archive.sha256()}]
     p, lines = run("file_sha", args, cache, inline=True)
     assert p.returncode == 0 and kept.read_bytes() == archive.archive()
-    good = [n for n in compiled(cache) if n.endswith(".zip")]
-    deadline = time.monotonic() + 20  # the damaged compiled copy is rebuilt by the next exec from the sources
-    while time.monotonic() < deadline and not any(
-            archive.hashlib.sha256((cache / n).read_bytes()).hexdigest() == n.split(".")[-2] for n in good):
-        time.sleep(0.1)
-        good = [n for n in os.listdir(cache) if n.startswith(archive.sha256() + ".") and n.count(".") == 3]
-    assert any(archive.hashlib.sha256((cache / n).read_bytes()).hexdigest() == n.split(".")[-2] for n in good)
+    assert compiled(cache)  # the damaged compiled copy is rebuilt by the exec that ran from the sources
+    assert ran_from(cache, args) == "compiled"
+    with open(f"{base}/vpd_agent/main.py", "rb") as fh:
+        assert b"tampered" not in fh.read()
+
+
+def _fresh_compiled(tmp_path):
+    cache = tmp_path / "state" / "vpd-agent"
+    run("file_sha", {"path": "/"}, cache, inline=True)
+    assert compiled(cache) and ran_from(cache) == "compiled"
+    return cache, agent_cache.compiled_path(archive.sha256(), str(cache))
+
+
+def _pyc(base, mod="main"):
+    return f"{base}/vpd_agent/__pycache__/{mod}.{sys.implementation.cache_tag}.pyc"
+
+
+def test_a_compiled_file_whose_stat_moved_is_rehashed_before_it_is_trusted_again(tmp_path):
+    """Issue 54: the compiled copy is trusted by each entry's recorded stat (no hash per exec). Same bytes, but
+    ctime moved (a chmod back and forth; mtime kept): not used by BOOT, rehashed by the next compile, re-recorded."""
+    cache, base = _fresh_compiled(tmp_path)
+    pyc = _pyc(base)
+    ino = os.stat(pyc).st_ino
+    os.chmod(pyc, 0o644)
+    os.chmod(pyc, 0o600)
+    assert ran_from(cache) == "zip"  # refused: ran from the hash-checked archive, which re-checks the copy
+    assert compiled(cache) and os.stat(pyc).st_ino == ino  # rehashed and re-recorded, not rebuilt
+    assert ran_from(cache) == "compiled"
+
+
+def test_a_compiled_file_changed_with_its_mtime_put_back_is_refused_and_rebuilt(tmp_path):
+    """Same size, same mtime (os.utime put it back): ctime still moved, the bytes differ from the record: the
+    copy is never used again, and is rebuilt from the archive."""
+    cache, base = _fresh_compiled(tmp_path)
+    pyc = _pyc(base, "core")
+    st = os.stat(pyc)
+    with open(pyc, "r+b") as fh:
+        body = bytearray(fh.read())
+        body[-1] ^= 0xFF
+        fh.seek(0)
+        fh.write(body)
+    os.utime(pyc, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(pyc).st_size == st.st_size and os.stat(pyc).st_mtime_ns == st.st_mtime_ns
+    assert agent_cache.check_compiled(archive.sha256(), str(cache)) is None
+    assert ran_from(cache) == "zip"
+    assert compiled(cache)
+    assert ran_from(cache) == "compiled"
+    with open(_pyc(base, "core"), "rb") as fh:
+        assert fh.read() != bytes(body)
+
+
+def test_a_module_planted_in_the_compiled_copy_or_a_writable_file_is_refused(tmp_path):
+    """A module added beside vpd_agent (it would shadow the standard library's) moves its directory's stat: not
+    used, rebuilt without it. A file made writable by others is never used, whatever its bytes."""
+    cache, base = _fresh_compiled(tmp_path)
+    with open(f"{base}/json.py", "w") as fh:
+        fh.write("raise SystemExit('planted')\n")
+    assert agent_cache.check_compiled(archive.sha256(), str(cache)) is None
+    assert ran_from(cache) == "zip"
+    assert compiled(cache) and not os.path.exists(f"{base}/json.py")
+    os.chmod(_pyc(base), 0o666)
+    assert agent_cache.check_compiled(archive.sha256(), str(cache)) is None
+    assert ran_from(cache) == "zip"
+    assert compiled(cache) and os.stat(_pyc(base)).st_mode & 0o777 == 0o600
+    # a record others could write is not read at all
+    os.chmod(f"{base}.rec", 0o622)
+    assert agent_cache.check_compiled(archive.sha256(), str(cache)) is None
+    assert ran_from(cache) == "zip"
+    assert compiled(cache) and ran_from(cache) == "compiled"
 
 
 def test_a_cache_directory_others_could_write_is_not_used(tmp_path):
@@ -116,7 +198,8 @@ def test_status_imports_only_what_status_needs(tmp_path):
 
 def test_each_exec_sends_a_small_bootstrap_not_the_agent():
     boot = archive.cache_bootstrap("/var/lib/vllm-pve-deploy/vpd-agent")
-    assert len(boot) < 2048 and archive.sha256().encode() in boot
+    # < 3 KB: the record check of the compiled copy (issue 54) took it past 2 KB; it goes on the command line
+    assert len(boot) < 3072 and archive.sha256().encode() in boot
     assert len(archive.archive()) > 10 * len(boot)
     assert archive.archive() == archive._build.__wrapped__()  # the same bytes for the same sources
 
@@ -169,3 +252,36 @@ def test_the_agent_modules_import_each_other_without_cycles_and_remote_imports_n
     remote = ast.parse(open(os.path.join(REPO, "orchestrator", "core", "remote.py")).read())
     imported = [getattr(x, "module", None) or "" for x in ast.walk(remote) if isinstance(x, ast.ImportFrom)]
     assert not [m for m in imported if "agent" in m], imported
+
+
+def test_the_agents_json_codec_reads_and_writes_what_json_does():
+    """Issue 54: the agent encodes and decodes JSON with `_json` (json's own C codec) without importing `json`
+    (which loads `re`): the same text out, the same values in, ValueError for what json refuses."""
+    import math
+
+    code = ("import json, sys\nsys.path.insert(0, %r)\n" % os.path.dirname(CONTAINER) +
+            "import container.core as c\n"
+            "print(json.dumps([c.loads.__module__, c.dumps.__module__]))\n")
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and json.loads(out.stdout) == ["container.core"] * 2, out.stderr  # not json's
+    samples = [{"a": [1, 2.5, -0.0, 1e300, None, True, False, "é\u2028\x00\n\"\\"], "": {}, "k": []}, "x", 3, [],
+               {"nested": [{"deep": [[[]]]}]}, 12345678901234567890, "\U0001f600"]
+    for obj in samples:
+        assert agent_core.dumps(obj) == json.dumps(obj)
+        text = json.dumps(obj, indent=1)
+        assert agent_core.loads(text) == json.loads(text) == obj
+        assert agent_core.loads(" \n" + text.encode().decode() + "\r\n\t") == obj
+        assert agent_core.loads(text.encode()) == obj
+    assert agent_core.dumps({1: 2}) == json.dumps({1: 2})
+    assert math.isinf(agent_core.loads("[Infinity]")[0]) and math.isnan(agent_core.loads("NaN"))
+    for bad in ["", " ", "[1,", "[1] 2", "{'a': 1}", '"unterminated', "nul", "[1]x", "01"]:
+        with pytest.raises(ValueError):
+            json.loads(bad)
+        with pytest.raises(ValueError):
+            agent_core.loads(bad)
+    with pytest.raises(TypeError):
+        agent_core.dumps({"a": object()})
+    with pytest.raises(ValueError):
+        loop = []
+        loop.append(loop)
+        agent_core.dumps(loop)

@@ -294,7 +294,8 @@ def test_an_early_nvidia_smi_that_hangs_is_killed_at_the_timeout(tmp_path):
 def test_a_status_exec_loads_no_subprocess_threading_signal_or_socket_module(tmp_path):
     """Issue 54: their imports were ~7 ms of CPU in every status exec. The preamble spawns nvidia-smi with
     os.posix_spawnp, the agent collects it without a thread, and HTTP goes through _socket; the plumbing facts
-    come from their record (no importlib.util)."""
+    come from their record (no importlib.util); JSON by the agent's own codec over `_json` (`json` loads `re`, and
+    with it enum, functools and collections: ~9 ms more)."""
     from orchestrator.agent.call import agent_argv, agent_stdin
 
     bin_dir = tmp_path / "bin"
@@ -316,7 +317,7 @@ def test_a_status_exec_loads_no_subprocess_threading_signal_or_socket_module(tmp
     assert res and res[-1]["memory"] == {"gpus": {"0": {"used": 1, "total": 81559}}}, p.stderr.decode()
     assert "plumbing" in res[-1] and "nodes" in res[-1]["plumbing"]
     loaded = set(p.stderr.decode().split("MODULES ", 1)[1].split())
-    unwanted = {"subprocess", "threading", "signal", "socket", "selectors"}
+    unwanted = {"subprocess", "threading", "signal", "socket", "selectors", "json", "json.decoder"}
     if os.geteuid() == 0:  # the record is read back only when root-owned: elsewhere the facts are read fresh
         unwanted.add("importlib.util")
     assert not loaded & unwanted, loaded & unwanted

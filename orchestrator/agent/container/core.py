@@ -1,9 +1,7 @@
 """The bottom of the agent: JSON output, the request in progress, control-sequence stripping, and the few helpers
 every module uses. Imports nothing of the agent."""
 
-import json
 import os
-import re
 import sys
 import time
 
@@ -27,9 +25,67 @@ class LazyRe:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
+        import re  # here: `re` (with enum, functools, collections) costs ~9 ms of an exec that uses no pattern
+
         value = getattr(re.compile(*self._args), name)
         setattr(self, name, value)
         return value
+
+
+# JSON without importing the `json` package: its decoder compiles patterns at import, so `import json` loads `re`
+# and with it enum, functools and collections, ~9 ms of CPU in every status exec (issue 54), which otherwise needs
+# no pattern. The same C codec `json` uses (`_json`: its scanner and encoder, with json.dumps/loads' defaults),
+# the package itself where that is missing or differs.
+def _codec():
+    try:
+        import _json
+
+        class _Ctx:  # what the C scanner reads from a JSONDecoder
+            strict = True
+            object_hook = object_pairs_hook = None
+            parse_float, parse_int = float, int
+
+            @staticmethod
+            def parse_constant(name):
+                return {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}[name]
+
+        def default(o):
+            raise TypeError("Object of type %s is not JSON serializable" % type(o).__name__)
+
+        scan = _json.make_scanner(_Ctx())
+        enc = _json.make_encoder({}, default, _json.encode_basestring_ascii, None, ": ", ", ", False, False, True)
+        if "".join(enc({"a": [1, 2.5, None, True, "\u00e9"]}, 0)) != '{"a": [1, 2.5, null, true, "\\u00e9"]}':
+            raise TypeError("not the encoder this agent knows")
+    except (ImportError, AttributeError, TypeError):
+        import json
+
+        return json.loads, json.dumps
+
+    ws = " \t\n\r"
+
+    def loads(s):
+        """json.loads: one JSON document (str, or UTF-8 bytes), whitespace around it; ValueError otherwise."""
+        if isinstance(s, (bytes, bytearray)):
+            s = s.decode("utf-8")
+        i = len(s) - len(s.lstrip(ws))
+        try:
+            obj, end = scan(s, i)
+        except StopIteration as e:
+            raise ValueError("not JSON: expecting a value at character %d" % e.value) from None
+        if len(s.rstrip(ws)) != end:
+            raise ValueError("not JSON: extra data at character %d" % end)
+        return obj
+
+    def dumps(obj):
+        """json.dumps(obj) with its defaults (ASCII, ", " and ": ")."""
+        markers = {}  # a fresh encoder per call: its circular-reference check keeps state while it runs
+        return "".join(_json.make_encoder(markers, default, _json.encode_basestring_ascii, None, ": ", ", ", False,
+                                          False, True)(obj, 0))
+
+    return loads, dumps
+
+
+loads, dumps = _codec()
 
 
 # Terminal control sequences in log lines, cmdlines and comms: CSI (colours, cursor moves), OSC (window titles,
@@ -55,7 +111,7 @@ def emit(**kw):
             v = kw.get(k)
             if isinstance(v, str) and len(v) > EVENT_TEXT_MAX:
                 kw[k] = v[:EVENT_TEXT_MAX] + " ... (%d characters cut)" % (len(v) - EVENT_TEXT_MAX)
-    sys.stdout.write(json.dumps(kw) + "\n")
+    sys.stdout.write(dumps(kw) + "\n")
     sys.stdout.flush()
 
 

@@ -4,12 +4,10 @@ a read-back; log tails with control sequences stripped."""
 
 import stat as _stat
 import errno
-import json
 import os
-import re
 import time
 
-from .core import ANSI, LazyRe, now
+from .core import ANSI, LazyRe, loads, now
 from .protocol import DEFAULT_STATE_DIR
 
 
@@ -376,6 +374,8 @@ def open_regular(dfd, name, flags=os.O_RDONLY):
 
 def write_json_atomic(path, data):
     """state.json and friends: 0600 in a 0700 state directory that is checked before every write."""
+    import json  # indented and sorted, as people read them: not in the status path
+
     dfd = open_dir(os.path.dirname(path), 0o700)
     try:
         write_at(dfd, os.path.basename(path), json.dumps(data, indent=1, sort_keys=True).encode(), 0o600)
@@ -443,6 +443,8 @@ def tail_file(path, n, grep=None, exclude=None):
 
 def last_lines(lines, n, grep=None, exclude=None):
     """The last n of LINES that match the regular expression grep (if given) and not exclude (if given)."""
+    import re
+
     if grep:
         rx = re.compile(grep)
         lines = [ln for ln in lines if rx.search(ln)]
@@ -525,7 +527,7 @@ def why_untrusted(path):
 def _read_json(path):
     """A state file's JSON (read_state_file's checks), None if absent, unsafe or unreadable."""
     try:
-        return json.loads(read_state_file(path).decode("utf-8", "replace"))
+        return loads(read_state_file(path).decode("utf-8", "replace"))
     except (OSError, ValueError, UnsafeDirectory):
         return None
 

@@ -1,10 +1,9 @@
 """`gate_record`: the acceptance gate's verdict kept in the state directory (what passed, when, the drafts it was
 measured on), and `gate_status` for `deploy status` (the verdict of the server serving now)."""
 
-import json
 import os
 
-from .core import now
+from .core import dumps, loads, now
 from .files import _read_json, remove_owned, write_json_atomic
 
 
@@ -20,7 +19,7 @@ def act_gate_record(a):
            "started_at": st.get("started_at"), "verdict": v}
     write_json_atomic(os.path.join(sd, "gate.json"), rec)
     back = _read_json(os.path.join(sd, "gate.json"))
-    if back != json.loads(json.dumps(rec)):
+    if back != loads(dumps(rec)):
         return {"ok": False, "message": "%s/gate.json reads back differently than written" % sd}
     rej = _read_json(os.path.join(sd, "rejected.json"))
     out = {"ok": True, "launch_known": bool(st.get("launch_id")), "rejected": False, "cleared": False}
@@ -53,6 +52,6 @@ def act_tune_record(a):
     rec = {"playbook": a.get("playbook"), "at": now(), "launch_id": st.get("launch_id"), "argv": st.get("argv"),
            "verdict": a.get("verdict"), "chosen": a.get("chosen")}
     write_json_atomic(os.path.join(sd, "tune.json"), rec)
-    if _read_json(os.path.join(sd, "tune.json")) != json.loads(json.dumps(rec)):
+    if _read_json(os.path.join(sd, "tune.json")) != loads(dumps(rec)):
         return {"ok": False, "message": "%s/tune.json reads back differently than written" % sd}
     return {"ok": True}

@@ -3,7 +3,6 @@ GPUs are under the threshold), and fuser -k on the playbook's own /dev/nvidiaN (
 a container, never on a Proxmox host)."""
 
 import os
-import re
 import time
 
 from . import core
@@ -173,6 +172,7 @@ def fuser_kill(gpus, grace):
         return res
     # who each signalled pid was, read before the signal (a killed process's cmdline is gone): issue 41
     seen = {h["pid"]: h for h in before}
+    import re
     import subprocess
 
     p = subprocess.run(["fuser", "-k", "-TERM"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)

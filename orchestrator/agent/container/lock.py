@@ -2,11 +2,10 @@
 holder, a hard limit and a short expiry that the holder's heartbeat renews; every removal happens under the short
 `lock.break` mutex, so the file checked is the file removed."""
 
-import json
 import os
 import time
 
-from .core import emit, now
+from .core import dumps, emit, loads, now
 from .files import UnsafeDirectory, create_excl, open_dir, open_regular, unique_name, write_at
 from . import core
 
@@ -21,7 +20,7 @@ def _read_lock(dfd, name="lock"):
     with os.fdopen(fd, "rb") as fh:
         ino = os.fstat(fh.fileno()).st_ino
         try:
-            cur = json.loads(fh.read(65536).decode("utf-8", "replace"))
+            cur = loads(fh.read(65536).decode("utf-8", "replace"))
             if not isinstance(cur, dict):
                 raise ValueError("not an object")
         except ValueError:  # damaged (or from an older agent that filled it after creating it): one term of grace
@@ -56,7 +55,7 @@ def _remove_lock_if(dfd, pred):
 def _under_break_mutex(dfd, fn):
     """fn() while holding the short `lock.break` mutex (every removal and every renewal of the lock takes it, so
     a renewal cannot rewrite a lock a breaker is moving aside); None when the mutex is busy."""
-    if not _place_new(dfd, "lock.break", json.dumps({"pid": os.getpid(), "since": now()}).encode()):
+    if not _place_new(dfd, "lock.break", dumps({"pid": os.getpid(), "since": now()}).encode()):
         try:
             if now() - os.stat("lock.break", dir_fd=dfd, follow_symlinks=False).st_mtime > 10:
                 # a remover died inside its few milliseconds: clear its mutex
@@ -112,7 +111,7 @@ def _lock_in(dfd, a):
         me = {"token": a["token"], "holder": a["holder"], "since": t, "until": t + lease,
               "expires": min(t + term, t + lease), "operation": a.get("operation"),
               "workstation": a.get("workstation"), "pid": a.get("pid"), "pid_start": a.get("pid_start")}
-        if not a.get("renew") and _place_new(dfd, "lock", json.dumps(me).encode()):
+        if not a.get("renew") and _place_new(dfd, "lock", dumps(me).encode()):
             return {"locked": True}
         cur, _ = _read_lock(dfd)
         if cur is None:
@@ -127,7 +126,7 @@ def _lock_in(dfd, a):
                 if c is None or c.get("token") != a["token"] or float(c.get("expires", 0)) < now():
                     return {"locked": False, "lost": True, "holder": c}
                 c["expires"] = min(now() + term, float(c.get("until", now() + term)))
-                write_at(dfd, "lock", json.dumps(c).encode(), 0o600)
+                write_at(dfd, "lock", dumps(c).encode(), 0o600)
                 return {"locked": True, "expires": c["expires"]}
             for _ in range(200):  # the mutex is held for milliseconds; a dead holder's is cleared after 10 s
                 r = _under_break_mutex(dfd, renew)

@@ -7,7 +7,6 @@ Output: zero or more {"event": ...} lines, then exactly one {"result": ..., "pro
 leaves.
 """
 
-import json
 import os
 import sys
 
@@ -60,7 +59,7 @@ def session():
     for raw in sys.stdin.buffer:
         if not raw.strip():
             continue
-        req = json.loads(raw)
+        req = core.loads(raw)
         core.INPUT = req.get("input") or {}
         core.SECRETS = req.get("secrets") or {}
         if req.get("payload") is not None:
@@ -82,7 +81,7 @@ def main(argv):
     action = argv[1]
     if action == "session":
         return session()
-    args = json.loads(argv[2]) if len(argv) > 2 else {}
+    args = core.loads(argv[2]) if len(argv) > 2 else {}
     args.update(core.INPUT)
     try:
         return run_action(action, args)
@@ -97,15 +96,15 @@ def run(argv, sha, cache_dir, path):
 
     _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
     g = sys.modules["__main__"].__dict__
-    core.INPUT = g.get("INPUT") or {}
-    core.SECRETS = g.get("SECRETS") or {}
+    core.INPUT = core.loads(g["INPUT_JSON"]) if "INPUT_JSON" in g else g.get("INPUT") or {}
+    core.SECRETS = core.loads(g["SECRETS_JSON"]) if "SECRETS_JSON" in g else g.get("SECRETS") or {}
     core.PAYLOAD = g.get("PAYLOAD")
     if g.get("_SMI") is not None:
         core.EARLY["nvidia-smi"] = g["_SMI"]
     core.ARCHIVE = {"sha256": sha, "cache_dir": cache_dir, "path": path}
     if cache_dir and os.path.dirname(path) != cache_dir and argv[1:2] != ["session"]:
         emit(cache=False)  # ran from a temp file: the tool should not count on a cached copy here
-    if cache_dir and path == os.path.join(cache_dir, sha + ".zip"):  # no compiled copy for this Python yet
+    if cache_dir and path == os.path.join(cache_dir, sha + ".zip"):  # no usable compiled copy for this Python
         from .cache import compile_in_background
 
         compile_in_background(sha, cache_dir, path)

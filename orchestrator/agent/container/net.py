@@ -2,10 +2,9 @@
 status), TCP listeners from /proc/net/tcp{,6}, and the rule that the API key goes only to a listener proven ours."""
 
 import errno
-import json
 import os
 
-from .core import now
+from .core import dumps, now
 from .procs import pids, proc_cmdline, proc_comm
 from .state import proven
 
@@ -18,7 +17,7 @@ def http(port, path, method="GET", body=None, timeout=5.0, api_key=None, host="1
 
     A plain HTTP/1.0 exchange on a socket (the server closes the connection to end the body; chunked replies are
     decoded anyway): importing http.client would cost ~11 ms of every status call."""
-    data = json.dumps(body).encode() if body is not None else b""
+    data = dumps(body).encode() if body is not None else b""
     head = ["%s %s HTTP/1.0" % (method, path), "Host: %s:%d" % (host, port), "Connection: close",
             "Content-Length: %d" % len(data)]
     if body is not None:

@@ -9,7 +9,6 @@ facts change only when the container restarts, the host's driver is reloaded, or
 the key proves none of that happened (record_key). verify, up and doctor always read them fresh (facts)."""
 
 import os
-import re
 import stat
 import sys
 import time
@@ -27,6 +26,8 @@ MAX_ENTRIES = 4000
 
 
 def read_nodes():
+    import re  # here: only when the facts are read again (their record's key moved)
+
     out = {}
     try:
         names = sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))[:64]
@@ -57,6 +58,8 @@ def read_nodes():
 
 
 def read_libs():
+    import re  # here: only when the facts are read again (their record's key moved)
+
     libs = {"libnvidia-ml": set(), "libcuda": set()}
     lib_re = re.compile(LIB_RE)
     seen = set()
@@ -79,6 +82,8 @@ def read_libs():
 
 
 def read_module_version():
+    import re  # here: only when the facts are read again (their record's key moved)
+
     try:
         with open("/proc/driver/nvidia/version", "rb") as f:
             text = f.read(400).decode("ascii", "replace")
@@ -103,6 +108,8 @@ def venv_torch_dir():
 def read_torch_cuda():
     """torch.version.cuda of this Python, from torch/version.py's text (importing torch takes seconds). The
     venv's own site-packages first, by path: `deploy status` runs with -I -S, where nothing of the venv loads."""
+    import re  # here: only when the facts are read again (their record's key moved)
+
     dirs = [venv_torch_dir()]
     try:
         import importlib.util  # here: only a fresh read pays for it

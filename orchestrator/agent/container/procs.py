@@ -2,9 +2,8 @@
 the vLLM processes of this container (zombies excluded)."""
 
 import os
-import re
 
-from .core import clean
+from .core import LazyRe, clean
 
 
 def proc_cmdline(pid):
@@ -79,6 +78,9 @@ def pids():
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
+VLLM_SERVE = LazyRe(r"(^|/)vllm serve")
+
+
 def vllm_processes():
     """Live vLLM processes; zombies (exited, not yet reaped: a stopped group's workers) are not processes to report."""
     out = []
@@ -87,7 +89,7 @@ def vllm_processes():
             continue
         comm = proc_comm(pid)
         cmd = proc_cmdline(pid)
-        if comm.startswith("VLLM::") or cmd.startswith("VLLM::") or re.search(r"(^|/)vllm serve", cmd):
+        if comm.startswith("VLLM::") or cmd.startswith("VLLM::") or VLLM_SERVE.search(cmd):
             out.append({"pid": pid, "comm": comm, "cmdline": cmd[:300]})
     return out
 

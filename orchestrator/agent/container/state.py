@@ -2,11 +2,10 @@
 start time, the group's other members by the random launch id in their environment, each proven again through a
 pidfd right before a signal. Also the server's recorded exit code and last_failure.json (note_failure)."""
 
-import json
 import os
 import time
 
-from .core import LAUNCH_ID_VAR, now
+from .core import LAUNCH_ID_VAR, loads, now
 from .files import UnsafeDirectory, read_state_file, remove_owned, write_json_atomic
 from .procs import alive, descends_from, pids, proc_env_has, proc_pgid, proc_starttime
 from .systemd import systemd_running, unit_show
@@ -17,7 +16,7 @@ def read_json_state(path):
     private, the file regular, root-owned, no symlinks): -> (the object, None); (None, None) when there is none;
     (None, the exception) when it may not be used (unsafe, unreadable, not JSON, not an object)."""
     try:
-        st = json.loads(read_state_file(path).decode("utf-8", "replace"))
+        st = loads(read_state_file(path).decode("utf-8", "replace"))
     except FileNotFoundError:
         return None, None
     except (UnsafeDirectory, OSError, ValueError) as e:

@@ -2,9 +2,7 @@
 /health, /v1/models, /metrics, the drafter config's sha256, the lock, systemd's view, the last error line, the last
 recorded failure; nvidia-smi runs in a thread meanwhile. Imports only what it reads (no installer, verify, doctor)."""
 
-import json
 import os
-import re
 
 from .core import LazyRe, sha256_file
 from .files import _read_json, tail_file
@@ -32,6 +30,8 @@ def pick_last_error(entries, fatal=()):
         return None
     last_inv = errs[-1][0]
     mine = [ln for inv, ln in errs if inv == last_inv]
+    import re
+
     for rx in map(re.compile, fatal or []):
         named = [ln for ln in mine if rx.search(ln)]
         if named:
@@ -115,7 +115,7 @@ def _status_rest(res, state_dir):
                 ms, body = http(port, "/v1/models", timeout=3, api_key=key, host=host)
                 res["models_status"] = ms
                 try:
-                    res["models"] = [m.get("id") for m in json.loads(body).get("data", [])] if ms == 200 else None
+                    res["models"] = [m.get("id") for m in core.loads(body).get("data", [])] if ms == 200 else None
                 except ValueError:
                     res["models"] = None
                 ms, body = http(port, "/metrics", timeout=3, host=host)

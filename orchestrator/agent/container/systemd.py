@@ -4,11 +4,10 @@ by the start limit), starts at boot (WantedBy=multi-user.target) and stops as a 
 Here: systemctl and journalctl with deadlines, the unit text and its quoting, stop + disable, the unit's cgroup,
 and what systemd says about a state file's unit (supervision). See docs/domain/systemd-in-containers.md."""
 
-import json
 import os
 import time
 
-from .core import ANSI, clean
+from .core import ANSI, clean, loads
 from .files import last_lines
 from .procs import _boot_time, init_starttime, pids, proc_starttime
 
@@ -123,7 +122,7 @@ def last_exit(unit, unit_state=None, since=None):
     entries = []
     for ln in journal(args):
         try:
-            entries.append(json.loads(ln))
+            entries.append(loads(ln))
         except ValueError:
             continue
     return pick_last_exit(entries, unit_state, since)
@@ -137,7 +136,7 @@ def unit_error_entries(unit, since):
     out = []
     for ln in journal(args):
         try:
-            d = json.loads(ln)
+            d = loads(ln)
         except ValueError:
             continue
         if isinstance(d.get("MESSAGE"), str):

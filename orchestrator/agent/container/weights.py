@@ -3,9 +3,7 @@ drafter: where it came from, its commit, when it was verified), the manifest of 
 the files, and `serving_weights` for `deploy status`. Shared by fetch.py and fetch_runner.py; imports no network
 code."""
 
-import json
 import os
-import re
 
 from .core import LazyRe, _some
 from .files import _read_json, open_beneath
@@ -295,6 +293,7 @@ def read_manifest(item):
                              fix="write the manifest again with deploy manifest DIR", kind="unsafe")
         files.append(e)
     import hashlib
+    import json
 
     commit = m.get("commit") or hashlib.sha1(json.dumps(m["files"], sort_keys=True).encode()).hexdigest()
     if not isinstance(commit, str) or not COMMIT_RE.fullmatch(commit):
