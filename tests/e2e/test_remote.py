@@ -88,7 +88,7 @@ def test_an_exit_status_that_comes_after_the_streams_closed_is_waited_for_withou
     """Issue 54: after EOF the channel's event pipe stays readable, so the reader used to call select() in a busy
     loop until the exit status came (pct and the interpreter ending after the agent's last line). It waits for the
     status now: the same status and output, few wake-ups, and the deadline still holds."""
-    import orchestrator.remote as remote
+    import orchestrator.core.remote as remote
 
     calls = []
     real = remote.select.select
