@@ -112,19 +112,25 @@ def sha256() -> str:
             pass
     sha = hashlib.sha256(_build()).hexdigest()
     _checked.append(True)
-    if key is not None:
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        try:  # best effort, like agent-cache.json: without it the next deploy computes the hash again
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({"key": key, "sha256": sha}, fh)
-            os.rename(tmp, path)
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    if key is not None:  # best effort, like agent-cache.json: without it the next deploy computes the hash again
+        _write_private_json(path, {"key": key, "sha256": sha})
     return sha
+
+
+def _write_private_json(path: str, obj, **dump_kw) -> None:
+    """obj as JSON in path (0600, a temp file created O_EXCL|O_NOFOLLOW, then renamed); best effort: an OSError
+    leaves no temp file and the old record as it was."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, **dump_kw)
+        os.rename(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def cache_dir(state_dir: str | None) -> str:
@@ -195,14 +201,4 @@ def remember(key: str, present: bool) -> None:
         else:
             cur.pop(key, None)
         path = cur[""]
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({k: v for k, v in cur.items() if k}, fh, indent=0, sort_keys=True)
-            os.rename(tmp, path)
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        _write_private_json(path, {k: v for k, v in cur.items() if k}, indent=0, sort_keys=True)

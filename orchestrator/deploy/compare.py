@@ -333,15 +333,20 @@ def plot(res: dict, path: str) -> str:
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o",
                             label=f"{r['playbook']} ({r['method']}){suffix}")
-        ax.set_title(title)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(res.get("concurrency") or [1])
-        ax.set_xticklabels([str(c) for c in res.get("concurrency") or [1]])
-        ax.set_xlabel("concurrent requests")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        concurrency_axes(ax, title, res.get("concurrency"))
     fig.suptitle(f"deploy compare on {res['target']}: " + " vs ".join(r["playbook"] for r in res["results"]))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def concurrency_axes(ax, title: str, levels) -> None:
+    """One chart of compare's and tune's plots: concurrency on a log2 axis with a tick per measured level."""
+    ax.set_title(title)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels or [1])
+    ax.set_xticklabels([str(c) for c in levels or [1]])
+    ax.set_xlabel("concurrent requests")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)

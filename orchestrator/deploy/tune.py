@@ -539,13 +539,7 @@ def plot(res: dict, path: str) -> str:
             pts = [(x["concurrency"], x[key].get(n)) for x in res["levels"] if x[key].get(n) is not None]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="off" if n == "off" else f"k={n}")
-        ax.set_title(title)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(res.get("concurrency") or [1])
-        ax.set_xticklabels([str(c) for c in res.get("concurrency") or [1]])
-        ax.set_xlabel("concurrent requests")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        C.concurrency_axes(ax, title, res.get("concurrency"))
     fig.suptitle(f"deploy tune {res['playbook']} on {res['target']}")
     fig.tight_layout()
     fig.savefig(path)
