@@ -197,13 +197,17 @@ def render_outcome(out, indent=""):
                                                     f"{out.playbook} --rollback returns to it)" if sw.get("from") else ""))
             e(f"{indent}  a vLLM serving now keeps running from its own files; the next `deploy up`/`restart` "
               f"starts this build")
-        elif out.status in ("fetched", "already fetched"):
+        elif out.status in ("fetched", "linked", "already fetched"):
             for r in i.get("records") or []:
                 rev = r.get("revision")
                 shown = r["commit"] if not rev or rev == r["commit"] else f"{rev} = {r['commit']}"
                 e(f"{indent}{r.get('role')}: {r.get('hub') or r.get('source') or 'files'} at {shown} is in place at "
                   f"{r.get('dest')} on {out.where}, every file verified ({r.get('files_n')} files)")
-            if out.status == "already fetched":
+            if out.status == "linked":
+                e(f"{indent}  nothing was downloaded (the host's store had it): linked into the container now")
+            elif out.status == "already fetched" and i.get("rehashed"):
+                e(f"{indent}  nothing was downloaded; every file was re-hashed now and matches its record")
+            elif out.status == "already fetched":
                 e(f"{indent}  nothing was downloaded (deploy fetch {out.playbook} --verify re-hashes every file)")
         elif out.status == "rolled back":
             e(f"{indent}{i.get('venv_root')} -> {i.get('to')} again on {out.where} (vLLM {i.get('version')}); "

@@ -670,6 +670,30 @@ def fleet_playbooks(inv, targets) -> list:
     return out
 
 
+def deployed_fleets(inv, rows) -> list:
+    """Plain `deploy status` (no arguments; issue 53 item 13): the replica playbooks the rows say run there, so
+    their totals line and router row show as with `status PLAYBOOK`. Only a playbook file with a top-level
+    `targets:` line is loaded (the others cost nothing); one that no longer loads is said on stderr."""
+    from orchestrator.core.locate import find_playbook
+
+    out, names = [], set(list_playbooks())
+    for name in dict.fromkeys(r.get("playbook") for r in rows):
+        if name not in names:
+            continue
+        try:
+            with open(find_playbook(name), encoding="utf-8") as f:
+                if not re.search(r"(?m)^targets:", f.read()):
+                    continue
+            pb = load_playbook(name, inv)
+        except (OSError, DeployError) as e:
+            click.echo(f"status: {name} runs here but its playbook does not load ({e}); its totals and router are "
+                       f"not shown (deploy status {name} says why)", err=True)
+            continue
+        if pb.is_fleet:
+            out.append(pb)
+    return out
+
+
 def totals(pb, rows) -> dict:
     """A replica playbook's totals: serving = its targets that run this playbook and are healthy; the mean of
     their lifetime draft acceptance (and mean acceptance length) over those that have drafted."""
@@ -716,6 +740,8 @@ def run_status(obj, targets, watch, deadline) -> int:
                 with obj.progress().heartbeat("status", "the slowest host(s) to answer", deadline):
                     rows = gather(inv, targets, fleet, deadline=deadline, sampler=sampler)
                 code = exit_code(rows)
+                if not targets and not fleets:  # plain status: the replica playbooks that run (issue 53)
+                    fleets = deployed_fleets(inv, rows)
                 routers = {pb.name: router_status(fleet, inv, pb, rows) for pb in fleets if pb.data.get("router")}
                 if any(not r["ok"] for r in routers.values()) and code == 0:
                     code = 1

@@ -105,8 +105,9 @@ def run(ctx, pb: Playbook, step: P.Step) -> dict:
                              transfer=transfer, step_name=step_name, follow=_follow, report=_report)
         if not its:
             ctx.record(step_name, True, got["summary"], t0, records=got["records"])
-            return {"status": "fetched" if "nothing downloaded" not in got["summary"] else "already fetched",
-                    "records": got["records"], "items": []}
+            # links made now are not "already fetched" (issue 53 item 14: prepare said so right after linking)
+            status = "fetched" if got["downloaded"] else "linked" if got["linked"] else "already fetched"
+            return {"status": status, "records": got["records"], "items": [], "rehashed": bool(rehash)}
         ctx.record(step_name + "-store", True, got["summary"], t0, records=got["records"])
     r = _Runner(ctx, pb)
     sd = pb.runtime["state_dir"]
@@ -139,7 +140,7 @@ def run(ctx, pb: Playbook, step: P.Step) -> dict:
         ctx.record(step_name, True, "already fetched and verified: " + "; ".join(
             f"{p['role']} {_rev(p['record'])} at {p['dest']} (verified {_when(p['record'].get('verified_at'))})"
             for p in places) + ("; every file re-hashed" if rehash else "; nothing to do"), t0, records=recs)
-        return {"status": "already fetched", "records": recs, "items": places}
+        return {"status": "already fetched", "records": recs, "items": places, "rehashed": bool(rehash)}
     if not allow_start:
         ctx.fail(step_name, t0, "the weights are not in place: " + "; ".join(p.get("why") or p["dest"] for p in missing)
                  + " (--no-fetch: nothing was downloaded)",

@@ -158,4 +158,5 @@ def fetch_shared(ctx, pb, its: list[dict], secrets: dict, *, allow_start: bool, 
     if not fetched:
         summary += "; nothing downloaded (in the store already)"
     return {"records": [{k: i[k] for k in ("role", "hub", "revision", "commit", "dest")}
-                        | {"source": "store:" + store, "files_n": len(i["files"])} for i in items], "summary": summary}
+                        | {"source": "store:" + store, "files_n": len(i["files"])} for i in items], "summary": summary,
+            "downloaded": fetched, "linked": any(c.get("changed") for c in link.get("items") or [])}

@@ -127,6 +127,7 @@ def test_fetch_then_up_rerun_and_revision_shown(tb, hub, deploy, playbooks):
     # --verify re-hashes
     p = deploy("fetch", "qwen36-dflash", "--verify", env=playbooks.env)
     assert p.returncode == 0 and "re-hashed" in p.stderr, p.stderr
+    assert "matches its record" in p.stdout and "--verify" not in p.stdout, p.stdout  # not advised again (issue 53)
     # up: the fetch step has nothing to do, the pinned config is served from deploy's own drafter dir
     p = deploy("up", "qwen36-dflash", env=playbooks.env)
     assert p.returncode == 0, p.stderr

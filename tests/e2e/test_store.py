@@ -123,6 +123,7 @@ def test_store_once_per_host_read_only_pinned_config_and_backup(tb, hub, store, 
     r = j.json
     assert "pct reboot 129" in r["applied"] and f"mp0: {store},mp=/models,ro=1\n" in conf(tb, 129).read_text()
     assert [c["step"] for c in r["chain"]][-1] == "fetch" and r["chain"][-1]["ok"], r["chain"]
+    assert r["chain"][-1]["status"] == "linked", r["chain"]  # linked now, not "already fetched" (issue 53 item 14)
     backup = r["backup"]
     assert (tb.hostdir(H) / "home" / backup[len("/root/"):]).read_text() == before
 
@@ -143,6 +144,7 @@ def test_store_once_per_host_read_only_pinned_config_and_backup(tb, hub, store, 
     p = deploy("--json", "fetch", "qwen36-b", env=env)
     assert p.returncode == 0, p.stderr
     assert "nothing downloaded (in the store already)" in p.stderr and downloads(hub, WEIGHTS) == 1
+    assert p.json["status"] == "linked", p.json
     assert sh(tb, 130, f"sha256sum /root/models/Tiny-Target/{WEIGHTS}").stdout.split()[0] == \
         hashlib.sha256(hub.weights).hexdigest()
     blobs = os.listdir(f"{store}/hub/models--acme--Tiny-Target/blobs")
