@@ -109,10 +109,15 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
     into place. Already fetched and verified: nothing to do. A `source: {path: HOST_DIR}` is copied from the
     Proxmox host instead and verified against its deploy-manifest.json.
 
-    The shipped playbooks give paths only (the test bed's models are in place): the examples name
-    my-hub-dflash, a copy of qwen36-dflash whose model and drafter name a source (model.hub + model.revision,
-    speculative.drafter.hub_id + revision: docs/playbooks.md#fetch-weights-from-the-hub-or-a-host-directory).
-    On the test bed, `deploy testbed hub pve1/129` serves a hub for it (model.endpoint: the URL it prints).
+    The shipped playbooks give paths only (the test bed's models are in place). The examples name
+    my-hub-dflash: qwen36-dflash whose model and drafter name a source (model.hub + revision,
+    speculative.drafter.hub + revision: docs/playbooks.md#fetch-weights-from-the-hub-or-a-host-directory).
+    On the test bed, `deploy testbed hub pve1/129` serves a hub to that container and writes my-hub-dflash
+    beside a copy of the shipped playbooks, in the directory it prints; with that, the examples run as written:
+
+    \b
+      deploy testbed hub pve1/129
+      export DEPLOY_PLAYBOOKS=/tmp/vpd-testbed/playbooks   # $VPD_TESTBED_DIR/playbooks
 
     \b
     Examples:

@@ -291,6 +291,48 @@ def template_cmd(host, name, no_wheelhouse, no_models, root):
     click.echo("local:vztmpl/%s" % name)
 
 
+HUB_PLAYBOOK = "my-hub-dflash"
+
+
+def _hub_playbook(tb, host, vmid, port):
+    """$DIR/playbooks/my-hub-dflash.yaml: the shipped qwen36-dflash retargeted to HOST/VMID, its model and drafter
+    fetched from the hub at PORT into /root/models/hub/ (the `deploy fetch --help` examples name it; issue 53
+    item 6), beside a copy of the shipped playbooks. -> its path."""
+    import shutil
+
+    from orchestrator.core.locate import shipped_dir
+
+    src = shipped_dir()
+    if src is None or not (src / "qwen36-dflash.yaml").is_file():
+        raise RuntimeError("the shipped playbook qwen36-dflash.yaml was not found (is deploy installed?)")
+    d = tb.root / "playbooks"
+    # the shipped playbooks too, as `deploy init` copies them: DEPLOY_PLAYBOOKS=DIR is the only place looked in
+    # (qwen36-dflash's fallback qwen36-mtp, its pinned configs)
+    shutil.copytree(src, d, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.py", "*.pyc", "hosts.example.yaml"))
+    gpus = list(tb.spec[host][vmid])
+    tp = 1 << (len(gpus).bit_length() - 1)  # the largest power of two the container's GPUs allow
+    text = (src / "qwen36-dflash.yaml").read_text()
+    edits = [("name: qwen36-dflash", "name: %s" % HUB_PLAYBOOK),
+             ("target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]",
+              "target:\n  host: %s\n  vmid: %d\n  gpus: %s" % (host, vmid, json.dumps(gpus[:tp]))),
+             ("  tensor_parallel_size: 4", "  tensor_parallel_size: %d" % tp),
+             ("model:\n  path: /root/models/Qwen3.6-27B\n",
+              "model:\n  path: /root/models/hub/Qwen3.6-27B\n  hub: Qwen/Qwen3.6-27B\n  revision: main\n"
+              "  endpoint: http://127.0.0.1:%d   # deploy testbed hub %s/%d\n" % (port, host, vmid)),
+             ("    path: /root/models/Qwen3.6-27B-DFlash\n",
+              "    path: /root/models/hub/Qwen3.6-27B-DFlash\n    hub: z-lab/Qwen3.6-27B-DFlash\n    revision: main\n"
+              "    endpoint: http://127.0.0.1:%d\n" % port)]
+    for old, new in edits:
+        if old not in text:
+            raise RuntimeError("the shipped qwen36-dflash.yaml has no %r to edit into %s" % (old, HUB_PLAYBOOK))
+        text = text.replace(old, new, 1)
+    path = d / ("%s.yaml" % HUB_PLAYBOOK)
+    path.write_text("# written by `deploy testbed hub %s/%d`: qwen36-dflash with its weights from that hub\n%s"
+                    % (host, vmid, text))
+    return path
+
+
 @testbed.command("hub")
 @click.argument("target", metavar="HOST/VMID")
 @click.option("--port", default=8077, show_default=True, type=click.IntRange(1024, 65535),
@@ -331,7 +373,11 @@ def hub_cmd(target, port, stop, root):
                 pass
             pidf.unlink()
         if stop:
-            click.echo("%s: hub stopped" % target, err=True)
+            pb = tb.root / "playbooks" / ("%s.yaml" % HUB_PLAYBOOK)
+            mine = pb.is_file() and ("`deploy testbed hub %s`" % target) in pb.read_text().splitlines()[0]
+            if mine:
+                pb.unlink()
+            click.echo("%s: hub stopped%s" % (target, " (its playbook %s removed)" % pb if mine else ""), err=True)
             return
         (d / "hub.ready").unlink(missing_ok=True)
         d.mkdir(parents=True, exist_ok=True)
@@ -352,10 +398,13 @@ def hub_cmd(target, port, stop, root):
                 raise TestbedError("the hub did not start (exit %s); its log: %s" % (p.poll(), d / "hub.log"))
             time.sleep(0.05)
         pidf.write_text("%d\n" % p.pid)
-    except (TestbedError, OSError, RuntimeError) as e:
+        pb = _hub_playbook(tb, host, int(v), port)
+    except (TestbedError, OSError, RuntimeError, KeyError) as e:
         _fail(e)
     click.echo("%s: hub at http://127.0.0.1:%d (inside that container): Qwen/%s, z-lab/%s (branch main); in a "
                "playbook: model: {path: /root/models/NAME, hub: Qwen/%s, revision: main, endpoint: "
                "http://127.0.0.1:%d}; stop it: deploy testbed hub %s --stop" % (target, port, TARGET, DRAFTER, TARGET,
                                                                                 port, target), err=True)
+    click.echo("playbook %s (qwen36-dflash with its weights from this hub) in %s: export DEPLOY_PLAYBOOKS=%s, then "
+               "deploy fetch %s" % (HUB_PLAYBOOK, pb.parent, pb.parent, HUB_PLAYBOOK), err=True)
     click.echo("http://127.0.0.1:%d" % port)
