@@ -654,7 +654,8 @@ def merge_text(text: str | None, host_name: str, found: dict, new_host: dict) ->
         indent = existing_node.start_mark.column - 2
         block = _host_block(host, found, indent)
         start = existing_node.start_mark.line
-        end = existing_node.end_mark.line if existing_node.end_mark.column == 0 else existing_node.end_mark.line + 1
+        em = existing_node.end_mark  # where the next token starts: the next item's `- ` ends this one there
+        end = em.line if em.line >= len(lines) or not lines[em.line][:em.column].strip() else em.line + 1
         while end > start + 1 and (not lines[end - 1].strip() or lines[end - 1].lstrip().startswith("#")):
             end -= 1  # comments after the item belong to what follows
         new = lines[:start] + block + lines[end:]

@@ -175,6 +175,21 @@ hosts:
     assert d.merge_text(new, "pve1", _found(), HOST) == new
 
 
+def test_merge_of_a_host_followed_by_another(tmp_path):
+    """Issue 53 (found by the --help examples test): pve1 right before pve2, as `deploy testbed up` writes the
+    inventory: the next item's `- name: pve2` line stayed in pve1's range and its keys became pve1's (duplicate
+    key, the merge refused)."""
+    old = "hosts:\n  - name: pve1\n    address: 127.0.0.1\n    containers:\n      - vmid: 129\n        gpus: [0]\n" \
+          "  - name: pve2\n    address: 127.0.0.2\n    containers: []\n"
+    new = d.merge_text(old, "pve1", _found(), HOST)
+    p = tmp_path / "hosts.yaml"
+    p.write_text(new)
+    inv = load_inventory(str(p))
+    assert list(inv.hosts) == ["pve1", "pve2"] and inv.hosts["pve2"].address == "127.0.0.2"
+    assert new.endswith("  - name: pve2\n    address: 127.0.0.2\n    containers: []\n")
+    assert d.merge_text(new, "pve1", _found(), HOST) == new
+
+
 def test_merge_adds_a_new_host(tmp_path):
     for old in ("hosts: []\n", "# nothing yet\nhosts:\n  - name: a\n    address: 127.0.0.2\n", ""):
         new = d.merge_text(old, "pve1", _found(), HOST)
