@@ -436,6 +436,20 @@ def test_examples_run_on_the_test_bed(state, tb, deploy, tmp_path):
     assert not failures, "\n\n".join(failures)
 
 
+def test_sample_outputs_not_run_name_the_test_that_covers_them():
+    """Issue 53, "How to keep it true": a documented output is either compared with a real run here, or its block
+    is marked `<!-- examples: not run (why; tests/...) -->` with the test that checks what it shows."""
+    wrong = []
+    for ex in doc_examples():
+        if not ex.output or not why_not_run(ex):
+            continue
+        if not ex.mode.startswith("not run"):
+            wrong.append(f"{ex}: its output is not compared ({why_not_run(ex)}) and the block is not marked")
+        elif "tests/" not in ex.mode and "Ctrl-C" not in ex.mode:
+            wrong.append(f"{ex}: marked {ex.mode!r}, naming no test that covers it")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_example_not_run_says_why():
     for ex in ALL:
         reason = why_not_run(ex)
