@@ -113,6 +113,10 @@ def test_one_replica_router_in_its_container_up_status_down(tb, deploy, playbook
         in s.stdout, s.stdout
     s = deploy("--json", "status", "qwen36-routed", env=env)
     assert s.json["routers"][0]["workers"] == [{"url": u, "healthy": True, "load": 0}]
+    s = deploy("status", env=env)  # plain status: the router row too (issue 53 item 13)
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert "router pve1/129 (qwen36-routed): healthy, policy round_robin, port 30000, 1 of 1 replica(s) healthy" \
+        in s.stdout and "qwen36-routed: serving 1 of 1" in s.stdout, s.stdout
 
     d = deploy("--json", "down", "qwen36-routed", env=env, timeout=200)
     assert d.returncode == 0, d.stderr
