@@ -342,6 +342,11 @@ def test_testbed_hub_cli_serves_a_fetch_that_exits_0(tb, deploy, playbooks):
     assert h.returncode == 0, h.stdout + h.stderr
     try:
         assert h.stdout.strip() == f"http://127.0.0.1:{port}" and "Qwen/Qwen3.6-27B" in h.stderr
+        # the playbook the fetch --help examples name, beside the shipped ones (issue 53 item 6)
+        written = tb.root / "playbooks" / "my-hub-dflash.yaml"
+        assert f"export DEPLOY_PLAYBOOKS={tb.root / 'playbooks'}" in h.stderr and written.is_file(), h.stderr
+        assert f"endpoint: http://127.0.0.1:{port}" in written.read_text()
+        assert (tb.root / "playbooks" / "qwen36-mtp.yaml").is_file()  # qwen36-dflash's fallback, in reach
         p = playbooks.dir / "my-hub-mtp.yaml"
         text = (playbooks.dir / "qwen36-mtp.yaml").read_text().replace("name: qwen36-mtp", "name: my-hub-mtp", 1)
         p.write_text(text.replace("model:\n  path: /root/models/Qwen3.6-27B\n",
@@ -356,3 +361,4 @@ def test_testbed_hub_cli_serves_a_fetch_that_exits_0(tb, deploy, playbooks):
         s = deploy("testbed", "hub", f"{H}/{V}", "--stop", "--dir", str(tb.root))
         sh(tb, "rm -rf /root/models/Hub-Qwen3.6-27B /var/lib/vllm-pve-deploy/fetch*")
     assert s.returncode == 0, s.stderr
+    assert not (tb.root / "playbooks" / "my-hub-dflash.yaml").exists() and "its playbook" in s.stderr, s.stderr
