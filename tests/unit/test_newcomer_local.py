@@ -363,3 +363,13 @@ def test_every_docs_anchor_named_in_the_code_exists():
             if page in anchors and anchor not in anchors[page]:
                 bad.append(f"{os.path.relpath(py, REPO)}: {page}#{anchor}")
     assert not bad, bad
+
+
+def test_a_holders_argv_with_newlines_stays_on_one_line():
+    """Issue 53 item 14: a holder started as `python -c 'SCRIPT'` has newlines in its argv; printed as is, they
+    broke the FAILED block (its fix and state-left lines read as the script's)."""
+    from orchestrator.steps.gpu import one_line
+
+    s = one_line("python3 -c import os\nfd = os.open('/dev/nvidia0', 0)\r\n  while True: pass")
+    assert "\n" not in s and "\r" not in s
+    assert s == "python3 -c import os ⏎ fd = os.open('/dev/nvidia0', 0) ⏎ while True: pass"
