@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -39,40 +40,40 @@ RUN = [
     ("fetch my-hub-dflash --verify", 0, None),
     ("fetch my-hub-dflash --manifest /tmp/qwen36.manifest.json", 0, None),
     ("--json fetch my-hub-dflash", 0, None),
-    # read-only, on the fresh test bed
-    ("plan qwen36-dflash", 0, None),
-    ("plan qwen36-dflash --op install-vllm", 0, None),
-    ("plan qwen36-dflash --op down", 0, None),
-    ("--json plan qwen36-mtp", 0, None),
-    ("up qwen36-dflash --dry-run", 0, None),
-    ("install-vllm qwen36-dflash --dry-run", 0, None),
-    ("prepare pve1/130 --gpus 0-3 --dry-run", 0, None),
-    ("size qwen36-dflash", 0, None),
-    ("size qwen36-dflash --max-model-len 131072 --tp 2", 0, None),
-    ("size qwen36-dflash --gpu-mib 49140 --gmu 0.95", 0, None),
-    ("--json size qwen36-mtp --max-model-len 131072", 0, None),
-    ("docs", 0, None),
-    ("docs quickstart", 0, None),
-    ("docs cli#status", 0, None),
-    ("docs troubleshooting", 0, None),
-    ("schema playbook", 0, None),
-    ("schema inventory", 0, None),
-    ("status", 0, None),
-    ("status pve1/129 --json", 0, None),
-    ("endpoint qwen36-dflash", 0, None),
-    ("monitor metrics", 0, None),
-    ("monitor metrics pve1 qwen36-dflash", 0, None),
-    ("testbed status --json", 0, None),
-    ("discover pve1", 0, None),
-    ("discover pve1 --json", 0, None),
+    # read-only, on the fresh test bed: run 4 at a time (a list in RUN runs concurrently)
+    [("plan qwen36-dflash", 0, None),
+     ("plan qwen36-dflash --op install-vllm", 0, None),
+     ("plan qwen36-dflash --op down", 0, None),
+     ("--json plan qwen36-mtp", 0, None),
+     ("up qwen36-dflash --dry-run", 0, None),
+     ("install-vllm qwen36-dflash --dry-run", 0, None),
+     ("prepare pve1/130 --gpus 0-3 --dry-run", 0, None),
+     ("size qwen36-dflash", 0, None),
+     ("size qwen36-dflash --max-model-len 131072 --tp 2", 0, None),
+     ("size qwen36-dflash --gpu-mib 49140 --gmu 0.95", 0, None),
+     ("--json size qwen36-mtp --max-model-len 131072", 0, None),
+     ("docs", 0, None),
+     ("docs quickstart", 0, None),
+     ("docs cli#status", 0, None),
+     ("docs troubleshooting", 0, None),
+     ("schema playbook", 0, None),
+     ("schema inventory", 0, None),
+     ("status", 0, None),
+     ("status pve1/129 --json", 0, None),
+     ("endpoint qwen36-dflash", 0, None),
+     ("monitor metrics", 0, None),
+     ("monitor metrics pve1 qwen36-dflash", 0, None),
+     ("testbed status --json", 0, None),
+     ("discover pve1", 0, None),
+     ("discover pve1 --json", 0, None),
+     ("unlock pve1/129", 0, None),
+     ("unlock qwen36-dflash -y", 0, None),
+     ("init", 0, None),
+     ("init ~/pve", 0, None),
+     ("init --force", 0, None)],
     # the diff, then its question answered yes (the inventory is a copy); its merge left pve2's keys in pve1 until
     # this test ran it (issue 53)
     ("discover pve1 --write", 0, "y\n"),
-    ("unlock pve1/129", 0, None),
-    ("unlock qwen36-dflash -y", 0, None),
-    ("init", 0, None),
-    ("init ~/pve", 0, None),
-    ("init --force", 0, None),
     # a deployment
     ("up qwen36-dflash", 0, None),
     ("verify qwen36-dflash", 0, None),
@@ -158,6 +159,7 @@ PARSE_ONLY = {
         "writes into this machine's node_exporter directory (tests/e2e/test_monitor.py runs --textfile)",
 }
 
+FLAT = [e for item in RUN for e in (item if isinstance(item, list) else [item])]
 SANDBOXED = {"init"}  # run in a HOME of their own (a leading ~ is that HOME, as the shell expands it)
 
 
@@ -171,7 +173,7 @@ def _help_lines() -> dict:
 
 def test_every_help_example_is_classified():
     lines = _help_lines()
-    listed = [k for k, _rc, _in in RUN]
+    listed = [k for k, _rc, _in in FLAT]
     assert len(listed) == len(set(listed)), "a line twice in RUN"
     missing = [k for k in lines if k not in listed and k not in PARSE_ONLY]
     assert not missing, ("help examples neither run nor said why not (add each to RUN with its exit code, or to "
@@ -216,7 +218,7 @@ def test_help_examples_run_on_the_test_bed(tb, tmp_path):
     def run(line, argv, typed):
         cwd, e = scratch, env
         if argv and argv[0] in SANDBOXED:
-            cwd = tmp_path / f"home-{len(times)}"
+            cwd = tmp_path / f"home-{line.replace(' ', '_').replace('~', '').replace('/', '_')}"
             cwd.mkdir()
             argv = [str(cwd) + a[1:] if a.startswith("~") else a for a in argv]
             e = dict(env, HOME=str(cwd))
@@ -226,27 +228,35 @@ def test_help_examples_run_on_the_test_bed(tb, tmp_path):
         times.append((time.monotonic() - t0, line))
         return p
 
+    def check(line, rc, typed):
+        ex = lines.get(line)
+        if ex is None:
+            failures.append(f"{line}: no --help shows it any more")
+            return
+        p = run(line, ex.argv, typed)
+        problems = []
+        if p.returncode != rc:
+            problems.append(f"exit {p.returncode}, expected {rc}")
+        if "Traceback" in p.stderr:
+            problems.append("a traceback")
+        if problems:
+            failures.append(f"{ex.source}: deploy {line}: {'; '.join(problems)}\n  stdout: {p.stdout[-1500:]}\n"
+                            f"  stderr: {p.stderr[-2500:]}")
+        if line == "testbed hub pve1/129" and p.returncode == 0:
+            # qwen36-replicas, as docs/playbooks.md#targets-replicas writes it, beside the shipped ones
+            d = tb.root / "playbooks"
+            text = (d / "qwen36-mtp.yaml").read_text().replace("name: qwen36-mtp", "name: qwen36-replicas", 1)
+            text = text.replace("target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]\n", REPLICAS, 1)
+            (d / "qwen36-replicas.yaml").write_text(text)
+
+    t_start = time.monotonic()
     try:
-        for line, rc, typed in RUN:
-            ex = lines.get(line)
-            if ex is None:
-                failures.append(f"{line}: no --help shows it any more")
-                continue
-            p = run(line, ex.argv, typed)
-            problems = []
-            if p.returncode != rc:
-                problems.append(f"exit {p.returncode}, expected {rc}")
-            if "Traceback" in p.stderr:
-                problems.append("a traceback")
-            if problems:
-                failures.append(f"{ex.source}: deploy {line}: {'; '.join(problems)}\n  stdout: {p.stdout[-1500:]}\n"
-                                f"  stderr: {p.stderr[-2500:]}")
-            if line == "testbed hub pve1/129" and p.returncode == 0:
-                # qwen36-replicas, as docs/playbooks.md#targets-replicas writes it, beside the shipped ones
-                d = tb.root / "playbooks"
-                text = (d / "qwen36-mtp.yaml").read_text().replace("name: qwen36-mtp", "name: qwen36-replicas", 1)
-                text = text.replace("target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]\n", REPLICAS, 1)
-                (d / "qwen36-replicas.yaml").write_text(text)
+        for item in RUN:
+            if isinstance(item, list):  # read-only examples: 4 at a time
+                with ThreadPoolExecutor(max_workers=4) as pool:
+                    list(pool.map(lambda e: check(*e), item))
+            else:
+                check(*item)
     finally:
         subprocess.run([sys.executable, "-m", "orchestrator.cli", "testbed", "hub", "pve1/129", "--stop"], env=env,
                        capture_output=True, timeout=60)
@@ -255,7 +265,7 @@ def test_help_examples_run_on_the_test_bed(tb, tmp_path):
                   "/tmp/qwen36.manifest.drafter.json"):
             if os.path.exists(f):
                 os.unlink(f)
-        total = sum(t for t, _ in times)
-        print(f"\n{len(times)} help examples ran in {total:.1f} s; slowest: " +
+        print(f"\n{len(times)} help examples ran in {time.monotonic() - t_start:.1f} s "
+              f"({sum(t for t, _ in times):.1f} s one after the other); slowest: " +
               ", ".join(f"{line} {t:.1f}s" for t, line in sorted(times, reverse=True)[:8]))
     assert not failures, f"{len(failures)} help example(s) did not run as written:\n\n" + "\n\n".join(failures)
