@@ -356,7 +356,8 @@ def test_every_docs_anchor_named_in_the_code_exists():
                 heads.add(_slug(ln.lstrip("#")))
         anchors[os.path.basename(md)[:-3]] = heads
     bad = []
-    for py in glob.glob(os.path.join(REPO, "orchestrator", "**", "*.py"), recursive=True):
+    for py in glob.glob(os.path.join(REPO, "orchestrator", "**", "*.py"), recursive=True) + \
+            glob.glob(os.path.join(REPO, "testbed", "vpd_testbed", "**", "*.py"), recursive=True):
         text = open(py, encoding="utf-8").read()
         for page, anchor in re.findall(r"docs/([a-z-]+)\.md#([a-z0-9-]+)", text) + \
                 re.findall(r"deploy docs ([a-z-]+)#([a-z0-9-]+)", text):
