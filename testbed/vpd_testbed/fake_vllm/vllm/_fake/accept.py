@@ -178,7 +178,8 @@ def for_other(method, k):
     return Acceptance(method, k, rate=0.3 if method != "ngram" else 0.2, decay=0.97, seed=k, verdict=method)
 
 
-# Decode speed (what `deploy compare` and `deploy tune` measure): the step-time model (docs/testbed.md#what-is-simulated-and-how, "Speed: the step-time model").
+# Decode speed (what `deploy compare` and `deploy tune` measure): the step-time model
+# (docs/testbed.md#what-is-simulated-and-how, "Speed: the step-time model").
 #
 # One target forward pass ("step") per verification, emitting 1 + the accepted tokens; without speculation every
 # token costs one step. A step verifies batch x (k + 1) tokens (batch x 1 without speculation), and its cost grows
