@@ -727,7 +727,8 @@ def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = Fals
     execute(run, P.plan_fetch(pb, rehash=rehash, connections=connections, timeout_s=timeout_s))
     if run.error is None:
         run.out.ok, run.out.status = True, run.fetched["status"]
-        run.out.info = {"records": run.fetched.get("records") or [], "rehashed": bool(run.fetched.get("rehashed"))}
+        run.out.info = {"records": run.fetched.get("records") or [],
+                        "rehashed": bool(run.fetched.get("rehashed"))}  # --verify re-hashed every file
     return run.out
 
 
