@@ -158,3 +158,33 @@ def test_router_gate_line_says_when_other_clients_were_counted():
            "requests included)" in line, line
     rr["gate"]["per_replica"]["u2"]["requests"] = 2
     assert router_lines({"action": "up", "router": rr})[0].endswith("spread 2/2")
+
+
+def test_plain_status_finds_the_replica_playbooks_that_run(tmp_path, monkeypatch, capsys):
+    """Issue 53 item 13: plain `deploy status` shows the totals and router of a replica playbook that runs (only
+    `status PLAYBOOK` did); a playbook without `targets:` is not even loaded, and one that no longer loads is said."""
+    import shutil
+
+    from orchestrator.core.spec import load_inventory
+    from orchestrator.observe.status import deployed_fleets
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pbs = tmp_path / "playbooks"
+    shutil.copytree(os.path.join(repo, "playbooks"), pbs)
+    mtp = (pbs / "qwen36-mtp.yaml").read_text()
+    (pbs / "fleet.yaml").write_text(mtp.replace("name: qwen36-mtp", "name: fleet", 1).replace(
+        "target:\n  host: pve1\n  vmid: 129\n  gpus: [0, 1, 2, 3]\n",
+        "targets:\n  - {host: pve1, vmid: 129, gpus: [0, 1, 2, 3]}\n  - {host: pve2, vmid: 129, gpus: [0, 1, 2, 3]}\n"))
+    (pbs / "broken.yaml").write_text("name: broken\ntargets: [oops]\n")
+    inv_path = tmp_path / "hosts.yaml"
+    inv_path.write_text("hosts:\n" + "".join(
+        f"  - name: {h}\n    address: 127.0.0.{i}\n    containers:\n      - vmid: 129\n        gpus: [0, 1, 2, 3]\n"
+        for i, h in ((1, "pve1"), (2, "pve2"))))
+    monkeypatch.setenv("DEPLOY_PLAYBOOKS", str(pbs))
+    inv = load_inventory(str(inv_path))
+    rows = [{"host": "pve1", "vmid": 129, "playbook": "fleet"}, {"host": "pve2", "vmid": 129, "playbook": "fleet"},
+            {"host": "pve1", "vmid": 130, "playbook": "qwen36-dflash"}, {"host": "pve2", "vmid": 130, "playbook": None},
+            {"host": "pve3", "vmid": 129, "playbook": "broken"}]
+    assert [pb.name for pb in deployed_fleets(inv, rows)] == ["fleet"]
+    err = capsys.readouterr().err
+    assert "status: broken runs here but its playbook does not load (" in err and "deploy status broken" in err, err
