@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from orchestrator.steps import plan as P
 from orchestrator.core.errors import (DeployError, Interrupted, LockHeld, StepFailed, Unreachable,  # noqa: F401 (LockHeld: re-exported)
@@ -17,12 +18,10 @@ from orchestrator.agent.protocol import CurrentResult, GpusFreeResult, ReadyResu
 from orchestrator.core.remote import Fleet, shell_word
 from orchestrator.core.report import Progress, sha
 from orchestrator.core.spec import Playbook
-from orchestrator import agent
 from orchestrator.provision import weights_fetch as F
 from orchestrator.provision import vllm_install as I
 from orchestrator.core.endpoint import server_endpoint
 from orchestrator.core.sizing import measured_refusal
-from orchestrator.core.spec_schema import DEFAULT_PYTHON, DEFAULT_STATE_DIR
 from orchestrator.steps import (Context, Outcome, StepResult, check_container, holder_id, new_context,  # noqa: F401 (re-exported)
                     secrets_for)
 from orchestrator.steps import drafter as D
@@ -210,6 +209,7 @@ class Run:
     fetched: dict | None = None  # what the step fetch found or fetched: {status, records, items}
     error: DeployError | None = None
     guarded: bool = False  # the plan takes the container lock: a failure says what state it left
+    holder: dict | None = None  # deploy unlock: the lock's holder as read (its token included: never shown)
 
 
 def new_run(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, token: str | None = None,
@@ -409,6 +409,35 @@ def r_revisions(run: Run, step: P.Step) -> None:
     except DeployError:  # a report, not a check: no records is no revisions
         recs = {}
     run.out.info["revisions"] = F.revisions(recs, step.drive["roles"])
+
+
+def r_manifest_records(run: Run, step: P.Step) -> None:
+    recs = run.ctx.call(step).records or {}
+    run.fetched["manifest"] = {role: recs.get(dest) for role, dest in step.drive["roles"].items()}
+
+
+def r_lock_holder(run: Run, step: P.Step) -> None:
+    """deploy unlock: who holds the lock; nothing more to do when no one does or the user keeps it."""
+    r = run.ctx.call(step, fresh=True, beat=False)
+    if r.error:
+        raise DeployError(r.error, where=run.ctx.where)
+    run.holder = h = r.holder
+    if not h:
+        run.out.info, run.st.finished = {"holder": None, "broken": False, "state": "free"}, "free"
+        return
+    view = {k: v for k, v in h.items() if k != "token"}
+    view["dead_here"] = holder_dead(h)
+    run.out.info = {"holder": view, "broken": False, "state": "kept"}
+    if not run.opts.confirm(view):
+        run.st.finished = "kept"
+
+
+def r_break_lock(run: Run, step: P.Step) -> None:
+    r = run.ctx.call(step, secrets={"break_token": run.holder.get("token")}, fresh=True, beat=False)
+    view = run.out.info["holder"]
+    run.out.info = {"holder": view, "broken": True, "state": "broken"} if r.unlocked else {
+        "holder": view, "broken": False, "state": "changed",
+        "now": {k: v for k, v in (r.holder or {}).items() if k != "token"} or None}
 
 
 def r_stop(run: Run, step: P.Step) -> None:
@@ -618,6 +647,13 @@ STEPS = {
     "fallback": (r_fallback, None), "drift-check": (r_drift_check, "file_sha"), "read-back": (r_read_back, "file_sha"),
     "note-failure": (r_note_failure, "note_failure"), "clear-failure": (r_clear_failure, "note_failure"),
     "unlock": (r_unlock, "unlock"), "revisions": (r_revisions, "fetch"),
+    # the planned calls of a driven step (its sub-steps, plan.fetch_calls / install_calls), sent by its runner
+    "fetch-start": (r_fetch, "fetch"), "fetch-attach": (r_fetch, "fetch"), "store-mark": (r_fetch, "store"),
+    "store-probe": (r_fetch, "fetch"), "store-start": (r_fetch, "fetch"), "store-attach": (r_fetch, "fetch"),
+    "store-records": (r_fetch, "fetch"), "store-link": (r_fetch, "store"), "install-start": (r_install, "install_vllm"),
+    "install-attach": (r_install, "install_vllm"), "install-rollback": (r_install, "install_vllm"),
+    "manifest-records": (r_manifest_records, "fetch"), "lock-holder": (r_lock_holder, "unlock"),
+    "break-lock": (r_break_lock, "unlock"),
 }
 RUNNERS = {name: runner for name, (runner, _) in STEPS.items()}
 
@@ -716,18 +752,22 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
 
 
 def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = False,
-          timeout_s: float = P.FETCH_TIMEOUT_S, connections: int | None = None) -> Outcome:
-    """deploy fetch PLAYBOOK (one target): plan.plan_fetch, run by the executor."""
+          timeout_s: float = P.FETCH_TIMEOUT_S, connections: int | None = None, manifest=None) -> Outcome:
+    """deploy fetch PLAYBOOK (one target): plan.plan_fetch, run by the executor. manifest (--manifest FILE):
+    called with {role: record} of what was fetched, after a fetch that succeeded."""
     refused = F.refusal(pb)
     if refused:
         raise refused
     for v in F.tokens(pb, P.fetch_args(pb)).values():  # an unset variable stops here, before any connection
         fleet.redact.add(v)
     run = new_run(fleet, pb, progress, Options())
-    execute(run, P.plan_fetch(pb, rehash=rehash, connections=connections, timeout_s=timeout_s))
+    execute(run, P.plan_fetch(pb, rehash=rehash, connections=connections, timeout_s=timeout_s,
+                              manifest=manifest is not None))
     if run.error is None:
         run.out.ok, run.out.status = True, run.fetched["status"]
         run.out.info = {"records": run.fetched.get("records") or []}
+        if manifest is not None:
+            manifest(run.fetched["manifest"])
     return run.out
 
 
@@ -788,25 +828,14 @@ def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress:
     """`deploy unlock`: show the holder of a container's lock; break it if confirm(holder) says yes.
     -> {"holder": ..., "broken": bool, "state": "free" | "broken" | "kept" | "changed"}"""
 
-    sdir = runtime.get("state_dir") or DEFAULT_STATE_DIR
-    python = runtime.get("python") or DEFAULT_PYTHON
-    s = fleet.session(host)
-    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir}, timeout=30)
-    if r.error:
-        raise DeployError(r.error, where=f"{host}/{vmid}")
-    h = r.holder
-    if not h:
-        return {"holder": None, "broken": False, "state": "free"}
-    view = {k: v for k, v in h.items() if k != "token"}
-    view["dead_here"] = holder_dead(h)
-    if not confirm(view):
-        return {"holder": view, "broken": False, "state": "kept"}
-    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir}, secrets={"break_token": h.get("token")},
-                   timeout=30)
-    if r.unlocked:
-        return {"holder": view, "broken": True, "state": "broken"}
-    return {"holder": view, "broken": False, "state": "changed",
-            "now": {k: v for k, v in (r.holder or {}).items() if k != "token"} or None}
+    steps = P.plan_unlock(host, vmid, runtime)  # run by the executor without a playbook: the container alone
+    ctx = Context(fleet.session(host), SimpleNamespace(host=host, vmid=vmid, runtime={}), progress, "", holder_id())
+    run = Run(ctx, fleet, Options(confirm=confirm), Outcome(False, ctx.where, ctx.where, "failed", ctx.results),
+              P.RunState(), time.monotonic())
+    execute(run, steps)
+    if run.error is not None:
+        raise run.error
+    return run.out.info
 
 
 __all__ = ["up", "down", "verify_only", "apply_config", "unlock", "Options", "Outcome", "StepResult"]

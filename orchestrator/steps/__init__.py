@@ -53,10 +53,13 @@ class Context:
              fresh: bool = False, beat: bool = True):
         """Run the step's agent action: over this container's agent session (one process for all of an
         operation's steps), or with fresh=True in a process of its own (the lock heartbeat, which runs beside a
-        long step). Returns the typed result (orchestrator/agent/protocol.py)."""
+        long step, and the calls of a driven step: fetch, install-vllm, under the python its drive names; vmid None:
+        on the Proxmox host itself). Returns the typed result (orchestrator/agent/protocol.py)."""
         fill = {TOKEN: self.token, HOLDER: self.holder}
         args = {k: fill.get(v, v) if isinstance(v, str) else v for k, v in step.args.items()}
-        how = f"$ pct exec {step.vmid} -- {self.pb.runtime['python']} -" if fresh else "> (agent session)"
+        py = step.drive.get("python") or self.pb.runtime["python"]
+        how = "> (agent session)" if not fresh else f"$ {py} -   # on the host" if step.vmid is None else \
+            f"$ pct exec {step.vmid} -- {py} -"
         self.progress.detail(self.where, self.session.audit.redact(
             f"{how} {step.action} {json.dumps(args, sort_keys=True)}"))
         kw = dict(payload=payload, secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event)
@@ -67,7 +70,7 @@ class Context:
             if beat else contextlib.nullcontext()
         with hb:
             if fresh:
-                return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, **kw)
+                return agent.call(self.session, step.vmid, py, step.action, args, **kw)
             return agent.session_for(self.session, step.vmid, self.pb.runtime["python"],
                                      self.pb.runtime.get("state_dir")).call(step.action, args, **kw)
 

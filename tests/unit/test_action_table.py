@@ -23,7 +23,6 @@ NOT_A_STEP = {
     "speed": "compare.py builds its own Step",
     "sweep": "compare.py builds its own Step",
     "tune_record": "tune.py builds its own Step (the verdict beside the launch it left running)",
-    "store": "store.py, driven by the step fetch",
     "fetch_run": "the detached runner: started by the agent's fetch start, in the container",
     "install_run": "the detached runner: started by the agent's install_vllm start, in the container",
     "stack_check": "the install runner, in a staging venv, in the container",
