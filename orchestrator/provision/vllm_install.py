@@ -53,7 +53,7 @@ def stale_source_warning(spec: str) -> str | None:
 
 def refusal(pb: Playbook, option: str = "") -> UsageError | None:
     """Why deploy install-vllm (and its plan, and up --install-vllm) cannot run for PB, or None."""
-    if pb.data["requires"].get("vllm"):
+    if pb.conf.requires.vllm:
         return None
     return UsageError(f"{option + ': ' if option else ''}{pb.name} does not say which vLLM it needs (requires.vllm); "
                       "nothing was run", where=pb.path,
@@ -103,8 +103,8 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
                runtime=rt, serving=serving, install=ist or None, pointer=probe.get("pointer"))
     if rollback:
         return _rollback(ctx, run, pb, out, serving, yes, confirm)
-    want = requirement(pb.data["requires"]["vllm"])
-    stale = stale_source_warning(pb.data["requires"]["vllm"])
+    want = requirement(pb.conf.requires.vllm)
+    stale = stale_source_warning(pb.conf.requires.vllm)
     if stale:
         ctx.record("requires", None, "warning: " + stale, time.monotonic())
     final = ist.get("status") in ("ok", "failed", "timeout", "killed")
@@ -120,7 +120,7 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
         cur = (probe.get("pointer") or {}).get("current")
         if (not force and ist.get("status") == "ok" and ist.get("req") == want["req"] and cur
                 and rt.get("target") == cur and (ist.get("switched") or {}).get("to") == cur):
-            ctx.record("install", True, f"already installed: {pb.data['requires']['vllm']} (vLLM "
+            ctx.record("install", True, f"already installed: {pb.conf.requires.vllm} (vLLM "
                                         f"{ist.get('version')}) in {rt.get('real')}, verified "
                                         f"{_when(ist.get('finished_at'))}; nothing changed", time.monotonic())
             out.ok, out.status = True, "already installed"
@@ -155,7 +155,7 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
 def _follow(ctx, run: _Runner, pb: Playbook, ist: dict) -> dict:
     """attach calls until the runner reports an end (follow.py: the loop shared with fetch); each is bounded
     (FOLLOW_S), the whole by the playbook's limit plus the verification's."""
-    inst = pb.data["requires"]["install"]
+    inst = pb.conf.requires.install
     beat = Every()
 
     def render(ev):
@@ -184,7 +184,7 @@ def _follow(ctx, run: _Runner, pb: Playbook, ist: dict) -> dict:
               lost=lambda msg, fix="": ConnectionLost(msg, where=run.ctx.where, fix=fix))
     attach = lambda p, follow_s, on_event: run.call(  # noqa: E731 - the planned attach, from where the last stopped
         "install-attach", follow_s + 120, on_event, id=ist.get("id"), log_pos=p, follow_s=follow_s)
-    return follow(ctx, attach, job, ist, limit_s=float(inst["timeout_s"]) + 900.0, follow_s=P.INSTALL_FOLLOW_S,
+    return follow(ctx, attach, job, ist, limit_s=float(inst.timeout_s) + 900.0, follow_s=P.INSTALL_FOLLOW_S,
                   render=render)
 
 

@@ -748,7 +748,7 @@ def store_host_item(it: dict) -> dict:
 
 def _call(pb, name: str, title: str, action: str, args: dict, timeout: float, *, host: bool = False,
           python: str | None = None, **kw) -> Step:
-    py = STORE_PYTHON if host else python or pb.runtime["python"]
+    py = STORE_PYTHON if host else python or pb.conf.runtime.python
     where = f"on {pb.host} itself, by its {py}" if host else f"in container {pb.vmid}, by {py}"
     return Step(name, title, host=pb.host, vmid=None if host else pb.vmid, playbook=pb.name, action=action, args=args,
                 timeout=timeout, drive={"python": py}, runs=[f"{where}, in a process of its own"], **kw)
@@ -762,7 +762,7 @@ def _attach(pb, name: str, action: str, args: dict, follow_s: float, slack: floa
 def fetch_calls(pb: Playbook, its: list[dict], timeout_s: float, transfer: dict) -> list[Step]:
     """The step fetch's later calls: in the container (start, attach) and, for the host's store, on the host (mark,
     probe, start, attach, records) and the container's links."""
-    sd, tokens = pb.runtime["state_dir"], "the hub tokens (token:ROLE)" if any(it.get("token_env") for it in its) else None
+    sd, tokens = pb.conf.runtime.state_dir, "the hub tokens (token:ROLE)" if any(it.get("token_env") for it in its) else None
     start = {"op": "start", "items": MISSING, "timeout_s": timeout_s, "stall_s": FETCH_STALL_S, **transfer}
     out = []
     shared = [it for it in its if it.get("store")]

@@ -60,8 +60,8 @@ def test_install_follow_stops_after_the_same_total_cap_and_ignores_odd_fields():
     r = InstallRunner()
     ctx = SimpleNamespace(progress=Progress(), where="pve1/1")
     r.ctx = ctx
-    pb = SimpleNamespace(name="p", runtime={"state_dir": "/x", "python": "/p", "vllm": "/v"},
-                         data={"requires": {"install": {"timeout_s": 6 * 3600, "heartbeat_s": 2}}})
+    pb = SimpleNamespace(name="p", conf=SimpleNamespace(requires=SimpleNamespace(install=SimpleNamespace(
+        timeout_s=6 * 3600, heartbeat_s=2))))
     with pytest.raises(install.InstallFailed) as e:
         install._follow(ctx, r, pb, {"id": "a", "pid": 1})  # the planned attach call
     assert "more install output than deploy follows" in e.value.message
