@@ -8,7 +8,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from orchestrator.steps import plan as P
 from orchestrator.core.errors import (DeployError, Interrupted, LockHeld, StepFailed, Unreachable,  # noqa: F401 (LockHeld: re-exported)
@@ -22,7 +21,7 @@ from orchestrator.provision import weights_fetch as F
 from orchestrator.provision import vllm_install as I
 from orchestrator.core.endpoint import server_endpoint
 from orchestrator.core.sizing import measured_refusal
-from orchestrator.steps import (Context, Outcome, StepResult, check_container, holder_id, new_context,  # noqa: F401 (re-exported)
+from orchestrator.steps import (Context, Outcome, StepResult, bare_context, check_container, holder_id, new_context,  # noqa: F401 (re-exported)
                     secrets_for)
 from orchestrator.steps import drafter as D
 from orchestrator.steps import gpu as G
@@ -829,7 +828,7 @@ def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress:
     -> {"holder": ..., "broken": bool, "state": "free" | "broken" | "kept" | "changed"}"""
 
     steps = P.plan_unlock(host, vmid, runtime)  # run by the executor without a playbook: the container alone
-    ctx = Context(fleet.session(host), SimpleNamespace(host=host, vmid=vmid, runtime={}), progress, "", holder_id())
+    ctx = bare_context(fleet.session(host), host, vmid, progress)
     run = Run(ctx, fleet, Options(confirm=confirm), Outcome(False, ctx.where, ctx.where, "failed", ctx.results),
               P.RunState(), time.monotonic())
     execute(run, steps)

@@ -31,8 +31,9 @@ import hashlib
 import re
 import time
 
-from orchestrator import agent
 from orchestrator.deploy import ops
+from orchestrator.steps import call_on
+from orchestrator.steps.plan import step_on
 from orchestrator.steps import plumbing_check as PL
 from orchestrator.core.errors import DeployError, UsageError
 from orchestrator.core.remote import shell_join, shell_word
@@ -669,7 +670,7 @@ class Prepare:
         ct = None
         try:
             py = "python3" if self.created else self.runtime.get("python") or DEFAULT_PYTHON  # new: no venv yet
-            r = agent.call(s, v, py, "plumbing", {}, timeout=30)
+            r = call_on(s, step_on(self.host, v, py, "plumbing", "plumbing", {}, 30))
             ct = r.plumbing if isinstance(r.plumbing, dict) else None
         except DeployError as e:
             self.res["notes"].append(f"the container side of the gpu-plumbing check was not read ({e.message}); "

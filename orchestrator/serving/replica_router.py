@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import time
 
-from orchestrator import agent
+from orchestrator.steps import call_on
+from orchestrator.steps.plan import step_on
 from orchestrator.core.endpoint import base_url
 from orchestrator.core.errors import DeployError, Unreachable
 from orchestrator.core.remote import Fleet
@@ -106,8 +107,8 @@ def call(fleet: Fleet, pb: Playbook, op: str, *, timeout: float = 60.0, on_event
     if key:
         fleet.redact.add(key)
     args = dict(_base(pb), op=op, timeout_s=kw.pop("op_timeout", None) or max(1.0, timeout - 10), **kw)
-    res = agent.call(fleet.session(r["host"]), r["vmid"], r["python"], "router", args,
-                     secrets={"router_key": key} if key else None, timeout=timeout, on_event=on_event)
+    step = step_on(r["host"], r["vmid"], r["python"], f"router-{op}", "router", args, timeout, f"router {op}")
+    res = call_on(fleet.session(r["host"]), step, secrets={"router_key": key} if key else None, on_event=on_event)
     return res.as_dict()  # RouterResult, checked; its per-op fields are data this module reads as such
 
 

@@ -12,6 +12,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from .. import agent
 from orchestrator.core.errors import DeployError, StepFailed  # noqa: F401 (StepFailed: re-exported)
@@ -136,6 +137,18 @@ def new_context(fleet: Fleet, pb: Playbook, progress: Progress, token: str | Non
         progress.audit = fleet.audit  # progress also goes to the audit log: a closed stderr loses nothing
     return Context(session=fleet.session(pb.host), pb=pb, progress=progress, token=token or uuid.uuid4().hex,
                    holder=holder_id(), secrets=secrets)
+
+
+def bare_context(session: HostSession, host: str, vmid: int | None, progress: Progress | None = None) -> Context:
+    """A context on a container that no playbook is read for (deploy unlock, doctor, prepare's check, the router):
+    its steps name their python (plan.step_on, plan_unlock)."""
+    return Context(session, SimpleNamespace(host=host, vmid=vmid, runtime={}), progress or Progress(quiet=True), "",
+                   holder_id())
+
+
+def call_on(session: HostSession, step: Step, progress: Progress | None = None, **kw):
+    """One planned step (plan.step_on) through Context.call, in a process of its own, on a bare context."""
+    return bare_context(session, step.host, step.vmid, progress).call(step, fresh=True, beat=False, **kw)
 
 
 def check_container(ctx: Context, step: Step) -> None:

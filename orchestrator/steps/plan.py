@@ -823,3 +823,11 @@ def plan_unlock(host: str, vmid: int, runtime: dict) -> list[Step]:
             Step("break-lock", "break the lock, when confirmed, only if the holder shown still holds it",
                  payload="the holder's token (break_token)", runs=[f"rm {sd}/lock   # if its token is still the "
                                                                    "one shown"], **kw)]
+
+
+def step_on(host: str, vmid: int | None, python: str, name: str, action: str, args: dict, timeout: float,
+            title: str = "") -> Step:
+    """One request to a container that no playbook is read for (deploy doctor's reads, prepare's check, the router's
+    ops), under the python its drive names; sent by steps.call_on through Context.call."""
+    return Step(name, title or f"agent action {action}", host=host, vmid=vmid, action=action, args=args,
+                timeout=timeout, drive={"python": python})
