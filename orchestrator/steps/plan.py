@@ -152,7 +152,7 @@ class Step:
                 "ssh": ssh_prefix(h), "command": None if self.local else shell_join(self.remote_argv(python)),
                 "request": (f"{self.action} {shell_join([json.dumps(self.args, sort_keys=True, separators=(',', ':'))])}"
                             if self.action and not self.local else None),
-                "runs": list(self.runs),
+                "runs": list(self.runs), **({"own_process": True} if self.drive.get("python") else {}),
                 **({"host_command": shell_join(self.host_argv)} if self.action and self.host_argv else {}),
                 "stdin": " + ".join(([self.payload] if self.payload else [])
                                     + [f"{k} ({_size(v)})" for k, v in self.bulk.items()]) or None,
@@ -536,7 +536,7 @@ def step_fetch(pb: Playbook, *, allow: bool = True, rehash: bool = False, connec
                       ["every file in place re-hashed (sha256 / git blob id), not trusted from its record"]
                       if rehash else []), host=pb.host, vmid=pb.vmid, playbook=pb.name,
                   drive={"allow_start": allow, "rehash": rehash, "timeout_s": timeout_s,
-                         "transfer": fetch_transfer(pb, connections)},
+                         "transfer": fetch_transfer(pb, connections), "python": pb.conf.runtime.python},
                   sub=fetch_calls(pb, its, timeout_s, fetch_transfer(pb, connections)))
 
 

@@ -50,7 +50,7 @@ def test_fetch_and_install_steps_carry_how_they_are_driven(work):
     pb = load_playbook(str(work / "playbooks" / "qwen36-dflash.yaml"), inv(work))
     f = P.plan_fetch(pb, rehash=True, connections=3, timeout_s=100)[-1]
     assert f.drive == {"allow_start": True, "rehash": True, "timeout_s": 100,
-                       "transfer": {"connections": 3, "range_bytes": 64 << 20}}
+                       "transfer": {"connections": 3, "range_bytes": 64 << 20}, "python": pb.runtime["python"]}
     assert f.args["rehash"] is True and f.args["items"][0]["hub"] == "Qwen/Qwen3.6-27B"
     up_fetch = next(s for s in P.plan_up(pb, fetch=False) if s.name == "fetch")
     assert up_fetch.drive["allow_start"] is False and "--no-fetch" in up_fetch.title
