@@ -37,12 +37,6 @@ class ConnectionLost(Unreachable):
     pass
 
 
-def dest_of(it: dict) -> str:
-    if it["dest_kind"] == "dir":
-        return it["dest"]
-    return os.path.join(it["hf_home"], "hub", "models--" + it["hub"].replace("/", "--"))
-
-
 def tokens(pb: Playbook, its: list[dict]) -> dict:
     """{"token:ROLE": value} from the LOCAL variables the playbook names; an unset one stops before any connection."""
     out = {}
