@@ -25,6 +25,7 @@ from orchestrator.core.report import FOLLOW_LINE_MAX
 from orchestrator.steps.plan_args import install_requirement as requirement
 from orchestrator.core.spec import Playbook
 
+
 class InstallFailed(DeployError):
     pass
 

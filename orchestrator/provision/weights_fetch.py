@@ -28,7 +28,6 @@ from orchestrator.core.report import FOLLOW_LINE_MAX
 from orchestrator.core.spec import Playbook
 
 
-
 class FetchFailed(StepFailed):
     pass
 
