@@ -625,3 +625,23 @@ def test_install_vllm_sends_only_its_planned_calls(world):
     planned = P.plan_install(pb)
     assert {k: v for k, v in attach.items() if k not in ("id", "log_pos", "follow_s")} == \
         {k: v for k, v in P.call_of(planned[-1], "install-attach").args.items() if k not in ("id", "log_pos", "follow_s")}
+
+
+def test_fetch_manifest_reads_the_records_in_a_planned_step(world):
+    """Issue 51: deploy fetch --manifest reads the fetch records in the plan's step manifest-records (no call of its
+    own), and hands them by role to the writer once the fetch succeeded."""
+    inv, pb = world
+    pb = dataclasses.replace(pb, data={**pb.data, "model": {**pb.data["model"], "hub": "Qwen/Qwen3.6-27B",
+                                                             "revision": "main"}})
+    dest = pb.conf.model.path
+    rec = {"hub": "Qwen/Qwen3.6-27B", "revision": "main", "commit": "c" * 40, "files": [{"name": "w", "size": 1}]}
+    answers = {"probe": {"ok": True, "fetch": {}, "items": [{"role": "model", "dest": dest, "in_place": True,
+                                                             "record": rec}]},
+               "records": {"ok": True, "records": {dest: rec}}}
+    fleet, sess = _fake_fleet(world, {"fetch": lambda a: answers[a["op"]]})
+    got = []
+    out = ops.fetch(fleet, pb, Progress(quiet=True), manifest=got.append)
+    assert out.ok and out.status == "already fetched", out.error
+    assert [a["op"] for _, a in sess.calls if _ == "fetch"] == ["probe", "records"]
+    assert got[0]["model"] == rec and set(got[0]) == set(P.fetch_dests(pb))
+    check_plan_is_program(P.plan_fetch(pb, manifest=True), sess)
