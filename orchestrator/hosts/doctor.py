@@ -451,18 +451,18 @@ def pinned_configs(inv) -> tuple[list[dict], dict]:
         except DeployError:
             continue
         acc = pb.data["acceptance"]
-        model = pb.data.get("model") or {}
+        d = pb.conf.speculative.drafter
         info = {"playbook": pb.name, "fallback": acc.get("fallback"), "target": pb.where,
-                "model_path": model.get("path"), "hf_home": (pb.drafter or {}).get("hf_home"),
+                "model_path": pb.conf.model.path, "hf_home": d.hf_home if d else None,
                 "store": pb.conf.fetch.store,
                 "min_acceptance": acc.get("min_draft_acceptance"),
                 "acceptance": {k: acc.get(k) for k in ("min_mean_acceptance_length", "min_first_position",
                                                        "cliff_check", "min_drafts", "min_draft_acceptance")}}
         for m in pb.members:  # every target of a playbook with targets: (replicas)
             targets.setdefault((m.host, m.vmid), {**info, "target": f"{m.host}/{m.vmid}", "gpus": list(m.gpus),
-                                                  "tp": int(m.serve.get("tensor_parallel_size") or 1)})
-        if pb.drafter and pb.drafter_config is not None:
-            pinned.append({**info, "path": pb.drafter.get("path"), "hub_id": pb.drafter.get("hub_id"),
+                                                  "tp": int(m.conf.serve.tensor_parallel_size or 1)})
+        if d and pb.drafter_config is not None:
+            pinned.append({**info, "path": d.path, "hub_id": d.hub_id,
                            "config": pb.drafter_config, "sha256": hashlib.sha256(pb.drafter_bytes).hexdigest()})
     return pinned, targets
 

@@ -11,6 +11,7 @@ rolling restart's hooks (the router's own `POST /remove_worker` / `/add_worker`)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -50,11 +51,11 @@ def replica_url(inv, pb: Playbook, member: Playbook) -> str:
     if not addr:
         raise RouterFailed(f"{member.host}/{member.vmid} has no address in the inventory: the router cannot reach it",
                            where=f"{member.host}/{member.vmid}", fix=f"deploy discover {member.host} --write")
-    return base_url(addr, member.serve["port"])
+    return base_url(addr, member.conf.serve.port)
 
 
 def state_dir(pb: Playbook) -> str:
-    return pb.data["runtime"]["state_dir"]
+    return pb.conf.runtime.state_dir
 
 
 def _base(pb: Playbook) -> dict:
@@ -75,7 +76,7 @@ def exposure_warning(pb: Playbook) -> str | None:
     out or add a worker of theirs and receive the clients' requests. Said by `plan` and `up`, not refused (a
     closed network is the user's to judge)."""
     r = spec(pb)
-    if not r or pb.serve.get("api_key_env") or r["listen"] not in WILDCARD:
+    if not r or pb.conf.serve.api_key_env or r["listen"] not in WILDCARD:
         return None
     return (f"router {where(pb)} listens on {r['listen']}:{r['port']} without an API key: anyone who reaches that "
             "port can call /remove_worker and /add_worker (take the replicas out, or add a server of theirs that "
@@ -97,7 +98,7 @@ def router_argv_args(pb: Playbook, workers: list[str]) -> list[str]:
 
 
 def _key(pb: Playbook) -> str | None:
-    env = pb.serve.get("api_key_env")
+    env = pb.conf.serve.api_key_env
     return os.environ.get(env) if env else None
 
 
@@ -158,8 +159,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
             key_urls = [u + "/v1/models" for u in workers] if _key(pb) else []
             res = call(fleet, pb, "start", timeout=90, args=args, workers=workers, policy=r["policy"],
                        key_check_urls=key_urls,
-                       supervise={k: pb.data["supervise"][k] for k in
-                                  ("restart_sec", "start_limit_burst", "start_limit_interval_s")})
+                       supervise=dataclasses.asdict(pb.conf.supervise))
             if not res.get("ok"):
                 _fail(pb, f"router did not start: {res.get('message')}", "see docs/troubleshooting.md#router")
             progress.say(w, f"router: started ({res.get('supervisor') == 'systemd' and res.get('unit') or 'detached, not supervised'}"
@@ -175,7 +175,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
                   "docs/troubleshooting.md#router")
         out["circuits_reset"] = _reset_open_circuits(fleet, pb, progress, workers, res)
         n = r["gate_requests_per_replica"] * len(workers)
-        res = call(fleet, pb, "gate", timeout=180, workers=workers, model=pb.serve["served_model_name"],
+        res = call(fleet, pb, "gate", timeout=180, workers=workers, model=pb.conf.serve.served_model_name,
                    requests=n, op_timeout=60)
         out["gate"] = {"sent": res.get("sent"), "succeeded": res.get("succeeded"),
                        "per_replica": res.get("per_replica"), "errors": res.get("errors")}
