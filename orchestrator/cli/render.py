@@ -129,7 +129,7 @@ def shared_gpu_warnings(inv, pb) -> list[str]:
 
 def _render_step(r, label, py, indent=""):
     click.echo(f"\n{indent}{label} {r['step']}: {r['title']}" + (f"  [when {r['when']}]" if r["when"] else ""))
-    if r["request"]:
+    if r["request"] and not r.get("own_process"):  # a request to the agent session; else its own command
         click.echo(f"{indent}    > {r['request']}")
     elif r["command"]:
         click.echo(f"{indent}    $ {r['command']}")

@@ -139,32 +139,27 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
             if refused:
                 raise refused
             return render_plans(obj.json, inv, pb, lambda m: plan_fetch(m, rehash=rehash, connections=connections,
-                                                                        timeout_s=timeout_s))
+                                                                        timeout_s=timeout_s, manifest=bool(manifest_out)))
         outs = []
         with Fleet(inv) as fleet:
             for m in pb.members:
                 outs.append(do_fetch(fleet, m, obj.progress(), rehash=rehash, timeout_s=timeout_s,
-                                     connections=connections))
-                if manifest_out and outs[-1].ok:
-                    _write_fetch_manifests(fleet, m, manifest_out)
+                                     connections=connections, manifest=(lambda recs, m=m: _write_fetch_manifests(
+                                         m, manifest_out, recs)) if manifest_out else None))
         if len(outs) == 1:
             _outcome_exit(obj, outs[0])
         _outcomes_exit(obj, outs)
     run_guarded(go, obj)
 
 
-def _write_fetch_manifests(fleet, pb, out_path):
-
-    from .. import agent
-    from orchestrator.provision.weights_fetch import dest_of, manifest_from_record
+def _write_fetch_manifests(pb, out_path, recs: dict):
+    """--manifest FILE: from the records the fetch plan's step manifest-records read ({role: record})."""
+    from orchestrator.provision.weights_fetch import manifest_from_record
     from orchestrator.steps.plan import fetch_args
 
     its = fetch_args(pb)
-    res = agent.call(fleet.session(pb.host), pb.vmid, pb.runtime["python"], "fetch",
-                     {"op": "records", "state_dir": pb.runtime["state_dir"], "dests": [dest_of(it) for it in its]},
-                     timeout=30)
     for it in its:
-        rec = (res.records or {}).get(dest_of(it))
+        rec = recs.get(it["role"])
         if not rec:
             continue
         path = out_path if len(its) == 1 else f"{os.path.splitext(out_path)[0]}.{it['role']}.json"

@@ -17,13 +17,11 @@ from orchestrator.agent.protocol import CurrentResult, GpusFreeResult, ReadyResu
 from orchestrator.core.remote import Fleet, shell_word
 from orchestrator.core.report import Progress, sha
 from orchestrator.core.spec import Playbook
-from orchestrator import agent
 from orchestrator.provision import weights_fetch as F
 from orchestrator.provision import vllm_install as I
 from orchestrator.core.endpoint import server_endpoint
 from orchestrator.core.sizing import measured_refusal
-from orchestrator.core.spec_schema import DEFAULT_PYTHON, DEFAULT_STATE_DIR
-from orchestrator.steps import (Context, Outcome, StepResult, check_container, holder_id, new_context,  # noqa: F401 (re-exported)
+from orchestrator.steps import (Context, Outcome, StepResult, bare_context, check_container, holder_id, new_context,  # noqa: F401 (re-exported)
                     secrets_for)
 from orchestrator.steps import drafter as D
 from orchestrator.steps import gpu as G
@@ -48,7 +46,7 @@ class Options:
 
     def ask_before_kill(self, pb) -> bool:
         """One rule for up, restart and down: fuser -k (--clean-gpus or gpu.clean_gpus) asks first unless -y."""
-        clean = pb.data["gpu"]["clean_gpus"] if self.clean_gpus is None else self.clean_gpus
+        clean = pb.conf.gpu.clean_gpus if self.clean_gpus is None else self.clean_gpus
         return bool(clean) and not self.kill_confirmed
 
 
@@ -174,7 +172,7 @@ def diff_running(cur: CurrentResult, pb: Playbook) -> list[str]:
         diffs.append(f"playbook: running {st.get('playbook') or '(not recorded)'}, wanted {pb.name}")
     elif st.get("playbook_sha256") != pb.sha256:
         diffs.append(f"playbook file changed: {sha(st.get('playbook_sha256'), '(not recorded)')} -> {sha(pb.sha256)}")
-    want_d = None if pb.spec_off else (pb.drafter or {}).get("sha256")
+    want_d = None if pb.spec_off or not pb.conf.speculative.drafter else pb.conf.speculative.drafter.sha256
     if want_d and cur.drafter_sha256 != want_d:
         have = cur.drafter_sha256
         if have:
@@ -210,6 +208,7 @@ class Run:
     fetched: dict | None = None  # what the step fetch found or fetched: {status, records, items}
     error: DeployError | None = None
     guarded: bool = False  # the plan takes the container lock: a failure says what state it left
+    holder: dict | None = None  # deploy unlock: the lock's holder as read (its token included: never shown)
 
 
 def new_run(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options, *, token: str | None = None,
@@ -325,7 +324,7 @@ def r_current(run: Run, step: P.Step) -> None:
     running = st.running = bool(s.get("alive"))
     st.foreign_vllm = bool(cur.vllm_processes)
     diffs = diff_running(cur, pb) if running else []
-    healthy = running and cur.health == 200 and pb.serve["served_model_name"] in (cur.models or [])
+    healthy = running and cur.health == 200 and pb.conf.serve.served_model_name in (cur.models or [])
     if running and not diffs and healthy and not st.restart:
         g = cur.gate or {}
         v = g.get("verdict") or {}
@@ -411,6 +410,35 @@ def r_revisions(run: Run, step: P.Step) -> None:
     run.out.info["revisions"] = F.revisions(recs, step.drive["roles"])
 
 
+def r_manifest_records(run: Run, step: P.Step) -> None:
+    recs = run.ctx.call(step).records or {}
+    run.fetched["manifest"] = {role: recs.get(dest) for role, dest in step.drive["roles"].items()}
+
+
+def r_lock_holder(run: Run, step: P.Step) -> None:
+    """deploy unlock: who holds the lock; nothing more to do when no one does or the user keeps it."""
+    r = run.ctx.call(step, fresh=True, beat=False)
+    if r.error:
+        raise DeployError(r.error, where=run.ctx.where)
+    run.holder = h = r.holder
+    if not h:
+        run.out.info, run.st.finished = {"holder": None, "broken": False, "state": "free"}, "free"
+        return
+    view = {k: v for k, v in h.items() if k != "token"}
+    view["dead_here"] = holder_dead(h)
+    run.out.info = {"holder": view, "broken": False, "state": "kept"}
+    if not run.opts.confirm(view):
+        run.st.finished = "kept"
+
+
+def r_break_lock(run: Run, step: P.Step) -> None:
+    r = run.ctx.call(step, secrets={"break_token": run.holder.get("token")}, fresh=True, beat=False)
+    view = run.out.info["holder"]
+    run.out.info = {"holder": view, "broken": True, "state": "broken"} if r.unlocked else {
+        "holder": view, "broken": False, "state": "changed",
+        "now": {k: v for k, v in (r.holder or {}).items() if k != "token"} or None}
+
+
 def r_stop(run: Run, step: P.Step) -> None:
     """The three planned stops (one agent action `stop`), by phase: main (what ran before, for `state left:`),
     on-low-acceptance (the rejected server, before the fallback), on-failure (a half-started server of this run:
@@ -467,8 +495,8 @@ def r_acceptance(run: Run, step: P.Step) -> None:
     ctx, pb = run.ctx, run.ctx.pb
     m, low = V.acceptance(ctx, step)
     run.st.verdict = m["verdict"].as_dict()
-    run.out.info = {**_ep(server_endpoint(run.fleet.inventory, pb)), "model": pb.serve["served_model_name"],
-                    "method": pb.spec["method"], "acceptance": m["acceptance"].as_dict(), "gate": run.st.verdict,
+    run.out.info = {**_ep(server_endpoint(run.fleet.inventory, pb)), "model": pb.conf.serve.served_model_name,
+                    "method": pb.conf.speculative.method, "acceptance": m["acceptance"].as_dict(), "gate": run.st.verdict,
                     **({"gated_running": True} if run.st.ungated else {}),
                     "supervisor": (run.launch_result.supervisor if run.launch_result else None) or "none",
                     "unit": run.launch_result.unit if run.launch_result else None,
@@ -492,7 +520,7 @@ def r_serving(run: Run, step: P.Step) -> None:
     ctx, pb = run.ctx, run.ctx.pb
     ctx.record("serving", True, "serves without speculation (the baseline: no drafts to gate)", time.monotonic())
     run.out.ok, run.out.status = True, "up"
-    run.out.info = {**_ep(server_endpoint(run.fleet.inventory, pb)), "model": pb.serve["served_model_name"],
+    run.out.info = {**_ep(server_endpoint(run.fleet.inventory, pb)), "model": pb.conf.serve.served_model_name,
                     "method": "none", "gate": {"passed": True, "reason": "serves (baseline, no speculation)"},
                     "total_s": round(time.monotonic() - run.t_start, 2)}
 
@@ -618,6 +646,13 @@ STEPS = {
     "fallback": (r_fallback, None), "drift-check": (r_drift_check, "file_sha"), "read-back": (r_read_back, "file_sha"),
     "note-failure": (r_note_failure, "note_failure"), "clear-failure": (r_clear_failure, "note_failure"),
     "unlock": (r_unlock, "unlock"), "revisions": (r_revisions, "fetch"),
+    # the planned calls of a driven step (its sub-steps, plan.fetch_calls / install_calls), sent by its runner
+    "fetch-start": (r_fetch, "fetch"), "fetch-attach": (r_fetch, "fetch"), "store-mark": (r_fetch, "store"),
+    "store-probe": (r_fetch, "fetch"), "store-start": (r_fetch, "fetch"), "store-attach": (r_fetch, "fetch"),
+    "store-records": (r_fetch, "fetch"), "store-link": (r_fetch, "store"), "install-start": (r_install, "install_vllm"),
+    "install-attach": (r_install, "install_vllm"), "install-rollback": (r_install, "install_vllm"),
+    "manifest-records": (r_manifest_records, "fetch"), "lock-holder": (r_lock_holder, "unlock"),
+    "break-lock": (r_break_lock, "unlock"),
 }
 RUNNERS = {name: runner for name, (runner, _) in STEPS.items()}
 
@@ -632,7 +667,7 @@ def drift_instead(ctx: Context, step: P.Step, verified_sha: str, err: StepFailed
     now = r.sha256
     if now == verified_sha:
         return err
-    pinned = ctx.pb.drafter["sha256"]
+    pinned = ctx.pb.conf.speculative.drafter.sha256
     msg = (f"the drafter config changed behind our back while vLLM started: {step.args['path']} now has sha256 "
            f"{now or r.error}, it had {verified_sha} when verified (pinned {pinned}); "
            f"{err.step} failed as a consequence: {err.message}")
@@ -666,7 +701,7 @@ def state_left_text(run: Run) -> str:
             parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.backup}); "
                             f"it could not be read back now ({back.get('now_error', 'not read')})")
         else:
-            now, pinned = back["now"], run.ctx.pb.drafter["sha256"]
+            now, pinned = back["now"], run.ctx.pb.conf.speculative.drafter.sha256
             what = "the pinned bytes" if now == pinned else f"NOT the pinned bytes ({pinned}): something rewrote it"
             parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.backup}); "
                             f"read now: sha256 {now}, {what}")
@@ -716,19 +751,23 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: Options) -> Outco
 
 
 def fetch(fleet: Fleet, pb: Playbook, progress: Progress, *, rehash: bool = False,
-          timeout_s: float = P.FETCH_TIMEOUT_S, connections: int | None = None) -> Outcome:
-    """deploy fetch PLAYBOOK (one target): plan.plan_fetch, run by the executor."""
+          timeout_s: float = P.FETCH_TIMEOUT_S, connections: int | None = None, manifest=None) -> Outcome:
+    """deploy fetch PLAYBOOK (one target): plan.plan_fetch, run by the executor. manifest (--manifest FILE):
+    called with {role: record} of what was fetched, after a fetch that succeeded."""
     refused = F.refusal(pb)
     if refused:
         raise refused
     for v in F.tokens(pb, P.fetch_args(pb)).values():  # an unset variable stops here, before any connection
         fleet.redact.add(v)
     run = new_run(fleet, pb, progress, Options())
-    execute(run, P.plan_fetch(pb, rehash=rehash, connections=connections, timeout_s=timeout_s))
+    execute(run, P.plan_fetch(pb, rehash=rehash, connections=connections, timeout_s=timeout_s,
+                              manifest=manifest is not None))
     if run.error is None:
         run.out.ok, run.out.status = True, run.fetched["status"]
         run.out.info = {"records": run.fetched.get("records") or [],
                         "rehashed": bool(run.fetched.get("rehashed"))}  # --verify re-hashed every file
+        if manifest is not None:
+            manifest(run.fetched["manifest"])
     return run.out
 
 
@@ -768,7 +807,7 @@ def apply_config_refusal(pb: Playbook) -> UsageError | None:
     for apply_config."""
     if pb.drafter and P.drafter_config_path(pb):
         return None
-    return UsageError(f"{pb.name} has no drafter config to install (method {pb.spec['method']}); nothing was run",
+    return UsageError(f"{pb.name} has no drafter config to install (method {pb.conf.speculative.method}); nothing was run",
                       where=pb.path, fix=f"apply-config is for a playbook with a drafter (method dflash); deploy up "
                                          f"{pb.name} brings this one up")
 
@@ -789,25 +828,14 @@ def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress:
     """`deploy unlock`: show the holder of a container's lock; break it if confirm(holder) says yes.
     -> {"holder": ..., "broken": bool, "state": "free" | "broken" | "kept" | "changed"}"""
 
-    sdir = runtime.get("state_dir") or DEFAULT_STATE_DIR
-    python = runtime.get("python") or DEFAULT_PYTHON
-    s = fleet.session(host)
-    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir}, timeout=30)
-    if r.error:
-        raise DeployError(r.error, where=f"{host}/{vmid}")
-    h = r.holder
-    if not h:
-        return {"holder": None, "broken": False, "state": "free"}
-    view = {k: v for k, v in h.items() if k != "token"}
-    view["dead_here"] = holder_dead(h)
-    if not confirm(view):
-        return {"holder": view, "broken": False, "state": "kept"}
-    r = agent.call(s, vmid, python, "unlock", {"state_dir": sdir}, secrets={"break_token": h.get("token")},
-                   timeout=30)
-    if r.unlocked:
-        return {"holder": view, "broken": True, "state": "broken"}
-    return {"holder": view, "broken": False, "state": "changed",
-            "now": {k: v for k, v in (r.holder or {}).items() if k != "token"} or None}
+    steps = P.plan_unlock(host, vmid, runtime)  # run by the executor without a playbook: the container alone
+    ctx = bare_context(fleet.session(host), host, vmid, progress)
+    run = Run(ctx, fleet, Options(confirm=confirm), Outcome(False, ctx.where, ctx.where, "failed", ctx.results),
+              P.RunState(), time.monotonic())
+    execute(run, steps)
+    if run.error is not None:
+        raise run.error
+    return run.out.info
 
 
 __all__ = ["up", "down", "verify_only", "apply_config", "unlock", "Options", "Outcome", "StepResult"]

@@ -40,6 +40,8 @@ from orchestrator.core.remote import Fleet, run_parallel
 from orchestrator.core.report import dump_json
 from orchestrator.core.spec import list_playbooks, load_playbook
 from orchestrator.observe.status import resolve_targets
+from orchestrator.steps import call_on
+from orchestrator.steps.plan import step_on
 
 CRITICAL = ("dflash_config.target_layer_ids", "dflash_config.mask_token_id", "layer_types", "sliding_window",
             "use_sliding_window", "bos_token_id", "block_size", "num_target_layers")
@@ -449,18 +451,18 @@ def pinned_configs(inv) -> tuple[list[dict], dict]:
         except DeployError:
             continue
         acc = pb.data["acceptance"]
-        model = pb.data.get("model") or {}
+        d = pb.conf.speculative.drafter
         info = {"playbook": pb.name, "fallback": acc.get("fallback"), "target": pb.where,
-                "model_path": model.get("path"), "hf_home": (pb.drafter or {}).get("hf_home"),
+                "model_path": pb.conf.model.path, "hf_home": d.hf_home if d else None,
                 "store": pb.conf.fetch.store,
                 "min_acceptance": acc.get("min_draft_acceptance"),
                 "acceptance": {k: acc.get(k) for k in ("min_mean_acceptance_length", "min_first_position",
                                                        "cliff_check", "min_drafts", "min_draft_acceptance")}}
         for m in pb.members:  # every target of a playbook with targets: (replicas)
             targets.setdefault((m.host, m.vmid), {**info, "target": f"{m.host}/{m.vmid}", "gpus": list(m.gpus),
-                                                  "tp": int(m.serve.get("tensor_parallel_size") or 1)})
-        if pb.drafter and pb.drafter_config is not None:
-            pinned.append({**info, "path": pb.drafter.get("path"), "hub_id": pb.drafter.get("hub_id"),
+                                                  "tp": int(m.conf.serve.tensor_parallel_size or 1)})
+        if d and pb.drafter_config is not None:
+            pinned.append({**info, "path": d.path, "hub_id": d.hub_id,
                            "config": pb.drafter_config, "sha256": hashlib.sha256(pb.drafter_bytes).hexdigest()})
     return pinned, targets
 
@@ -500,9 +502,8 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
             row["note"] = "no vLLM runtime (deploy discover shows what the container has)"
             return row
         try:
-            facts = agent.call(fleet.session(host), vmid, rt["python"], "doctor",
-                               {"budget_s": budget_s, "state_dir": rt.get("state_dir")},
-                               timeout=budget_s * LOAD_MAX + 10)  # the agent's budget grows with its load
+            facts = call_on(fleet.session(host), step_on(host, vmid, rt["python"], "doctor", "doctor", {
+                "budget_s": budget_s, "state_dir": rt.get("state_dir")}, budget_s * LOAD_MAX + 10))  # grows with load
         except DeployError as e:
             row["error"] = e.render()
             row["reachable"] = not isinstance(e, Unreachable)
@@ -526,13 +527,13 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
                                              by_target.get((host, vmid)), row)
         if not facts.get("servers"):  # no server: still check the drafter configs a server started now would read
             row["idle_configs"] = idle_drafter_checks(
-                pinned, host, vmid, lambda path: agent.call(fleet.session(host), vmid, rt["python"], "file_sha",
-                                                            {"path": path}, timeout=20))
+                pinned, host, vmid, lambda path: call_on(fleet.session(host), step_on(
+                    host, vmid, rt["python"], "file_sha", "file_sha", {"path": path}, 20)))
             row["findings"] += [c["finding"] for c in row["idle_configs"] if c.get("finding")]
             row["scanned_configs"], row["scan"] = [], None
             try:  # the hub cache and models directories: one agent call for all of them
-                r = agent.call(fleet.session(host), vmid, rt["python"], "drafter_scan", scan_args(pinned, by_target),
-                               timeout=20)
+                r = call_on(fleet.session(host), step_on(host, vmid, rt["python"], "drafter_scan", "drafter_scan",
+                                                         scan_args(pinned, by_target), 20))
                 row["scan"] = {k: v for k, v in r.as_dict().items() if k != "configs"}
                 row["scanned_configs"] = scan_checks(r.as_dict(), pinned, host, vmid,
                                                      [c["path"] for c in row["idle_configs"]])

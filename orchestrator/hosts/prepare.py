@@ -31,8 +31,9 @@ import hashlib
 import re
 import time
 
-from orchestrator import agent
 from orchestrator.deploy import ops
+from orchestrator.steps import call_on
+from orchestrator.steps.plan import step_on
 from orchestrator.steps import plumbing_check as PL
 from orchestrator.core.errors import DeployError, UsageError
 from orchestrator.core.remote import shell_join, shell_word
@@ -473,13 +474,13 @@ class Prepare:
         self.step("check", f"gpu-plumbing check and pct exec {v} -- {shell_join(SMI_ARGV)}",
                   f"GPUs {self.gpus} seen, driver {self.module} in user space")
         for name, pb in self.chain:
-            py = pb.runtime.get("python") or ""
-            if pb.data["requires"].get("vllm"):
+            py = pb.conf.runtime.python or ""
+            if pb.conf.requires.vllm:
                 self.step("venv", f"pct exec {v} -- python3 -m venv {shell_word(venv_root(py))} (only if {py} is "
                                   "missing)",
                           f"the runtime venv of playbook {name}, for install-vllm to install into")
-                self.step("install", f"deploy install-vllm {name} (only if {pb.runtime.get('vllm')} is missing)",
-                          f"requires.vllm {pb.data['requires']['vllm']}, verified")
+                self.step("install", f"deploy install-vllm {name} (only if {pb.conf.runtime.vllm} is missing)",
+                          f"requires.vllm {pb.conf.requires.vllm}, verified")
             if fetch_items(pb):
                 self.step("fetch", f"deploy fetch {name}", "the playbook's weights, verified (already fetched: "
                                                            "nothing)")
@@ -669,7 +670,7 @@ class Prepare:
         ct = None
         try:
             py = "python3" if self.created else self.runtime.get("python") or DEFAULT_PYTHON  # new: no venv yet
-            r = agent.call(s, v, py, "plumbing", {}, timeout=30)
+            r = call_on(s, step_on(self.host, v, py, "plumbing", "plumbing", {}, 30))
             ct = r.plumbing if isinstance(r.plumbing, dict) else None
         except DeployError as e:
             self.res["notes"].append(f"the container side of the gpu-plumbing check was not read ({e.message}); "
@@ -725,12 +726,12 @@ class Prepare:
         first failure stops the rest (named, with its fix)."""
         progress = self.progress or Progress(quiet=True)
         for name, pb in self.chain:
-            if pb.data["requires"].get("vllm"):
+            if pb.conf.requires.vllm:
                 have = self.ensure_venv(name, pb)
                 if have is None:
                     return
                 if have:
-                    self.res["notes"].append(f"{pb.runtime.get('vllm')} is there: install-vllm {name} left out "
+                    self.res["notes"].append(f"{pb.conf.runtime.vllm} is there: install-vllm {name} left out "
                                              f"(deploy install-vllm {name} installs requires.vllm over it)")
                 else:
                     self.say(f"install-vllm {name}")
@@ -753,7 +754,7 @@ class Prepare:
         """The playbook's runtime.python, made as a venv (python3 -m venv ROOT) when the container has none;
         read back by running it. -> True: its vLLM is there already (install-vllm left to the user); False: no
         vLLM yet (install it); None: the venv could not be made (named in the chain)."""
-        py = pb.runtime.get("python") or ""
+        py = pb.conf.runtime.python or ""
         root = venv_root(py)
         s, v = self.session, self.vmid
         entry = {"step": "venv", "playbook": name, "ok": True, "status": "present", "error": None, "fix": None}
@@ -775,7 +776,7 @@ class Prepare:
             entry["status"] = "made"
             self.res["applied"].append(f"venv {root} (python3 -m venv) for {name}")
         self.res["chain"].append(entry)
-        vllm = pb.runtime.get("vllm")
+        vllm = pb.conf.runtime.vllm
         return bool(vllm) and s.ct(v, ["test", "-x", vllm], timeout=30, label="prepare: runtime vllm").ok
 
 

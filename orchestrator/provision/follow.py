@@ -16,6 +16,22 @@ from typing import Callable
 
 from orchestrator.core.errors import DeployError, Unreachable
 from orchestrator.core.report import FOLLOW_LINE_MAX, FOLLOW_MAX_BYTES, FOLLOW_MAX_LINES
+from orchestrator.steps.plan import Step, call_of
+
+
+class Calls:
+    """The planned calls of a driven step (plan.fetch_calls, plan.install_calls), sent through Context.call, each in
+    a process of its own (the detached runner outlives them), with the run-time fields filled in; `python`, when
+    set, replaces the planned interpreter (install's fallback). Each answer, checked, is read as its wire dict."""
+
+    def __init__(self, ctx, step: Step):
+        self.ctx, self.step, self.python = ctx, step, None
+
+    def call(self, name: str, timeout: float | None = None, on_event=None, secrets=None, **fill) -> dict:
+        s = call_of(self.step, name, timeout, **fill)
+        if self.python:
+            s.drive = dict(s.drive, python=self.python)
+        return self.ctx.call(s, secrets=secrets, on_event=on_event, fresh=True, beat=False).as_dict()
 
 
 @dataclass

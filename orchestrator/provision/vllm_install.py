@@ -20,12 +20,10 @@ from orchestrator import agent
 from orchestrator.steps import plan as P
 from orchestrator.core.errors import DeployError, Unreachable, UsageError
 from orchestrator.steps import Outcome
-from orchestrator.provision.follow import Every, Job, follow
+from orchestrator.provision.follow import Calls, Every, Job, follow
 from orchestrator.core.report import FOLLOW_LINE_MAX
 from orchestrator.steps.plan_args import install_requirement as requirement
 from orchestrator.core.spec import Playbook
-
-FOLLOW_S = 120.0  # one attach call follows the runner this long; the next call continues where it stopped
 
 
 class InstallFailed(DeployError):
@@ -56,7 +54,7 @@ def stale_source_warning(spec: str) -> str | None:
 
 def refusal(pb: Playbook, option: str = "") -> UsageError | None:
     """Why deploy install-vllm (and its plan, and up --install-vllm) cannot run for PB, or None."""
-    if pb.data["requires"].get("vllm"):
+    if pb.conf.requires.vllm:
         return None
     return UsageError(f"{option + ': ' if option else ''}{pb.name} does not say which vLLM it needs (requires.vllm); "
                       "nothing was run", where=pb.path,
@@ -65,49 +63,39 @@ def refusal(pb: Playbook, option: str = "") -> UsageError | None:
                           "shipped playbooks name none: copy one (deploy init) and add it")
 
 
-class _Runner:
-    """Agent calls for one install: under requires.install.python, else the runtime's Python, else (the venv does
-    not exist yet) /usr/bin/python3."""
+class _Runner(Calls):
+    """The install's planned calls: under requires.install.python, else the runtime's Python (the step's drive),
+    else (the venv does not exist yet) /usr/bin/python3."""
 
-    def __init__(self, ctx, pb: Playbook):
-        self.ctx, self.pb = ctx, pb
-        self.python = pb.data["requires"]["install"].get("python") or pb.runtime["python"]
-
-    def call(self, args: dict, timeout: float, on_event=None) -> dict:
+    def call(self, name: str, timeout: float | None = None, on_event=None, **fill) -> dict:
         """The install's answer as its wire dict (InstallResult, checked, then as_dict(): the install record and the
         runtime pointer are nested data this module reads as such)."""
-        res = self._call(args, timeout, on_event).as_dict()
-        if args.get("op") == "probe" and res.get("ok") and not isinstance(res.get("runtime"), dict):
+        try:
+            res = super().call(name, timeout, on_event, **fill)
+        except agent.AgentError as e:
+            if self.python == P.INSTALL_FALLBACK_PYTHON or not e.message.startswith("cannot run"):
+                raise
+            self.python = P.INSTALL_FALLBACK_PYTHON
+            self.ctx.progress.detail(self.ctx.where, f"{self.step.drive['python']} is not there: the agent runs with "
+                                                     f"{self.python}")
+            res = super().call(name, timeout, on_event, **fill)
+        if name == self.step.name and res.get("ok") and not isinstance(res.get("runtime"), dict):
             raise agent.AgentError("agent action 'install_vllm' (probe) answered ok without a runtime object: a "
                                    "malformed answer", where=self.ctx.where,
                                    fix="a bug in deploy's agent, or something in the container answers for it; "
                                        "report it with deploy's audit log")
         return res
 
-    def _call(self, args: dict, timeout: float, on_event=None) -> dict:
-        ctx = self.ctx
-        ctx.progress.detail(ctx.where, ctx.session.audit.redact(
-            f"$ pct exec {self.pb.vmid} -- {self.python} - install_vllm {args.get('op')}"))
-        try:
-            return agent.call(ctx.session, self.pb.vmid, self.python, "install_vllm", args, timeout=timeout,
-                              on_event=on_event)
-        except agent.AgentError as e:
-            if self.python == P.INSTALL_FALLBACK_PYTHON or not e.message.startswith("cannot run"):
-                raise
-            ctx.progress.detail(ctx.where, f"{self.python} is not there: the agent runs with {P.INSTALL_FALLBACK_PYTHON}")
-            self.python = P.INSTALL_FALLBACK_PYTHON
-            return agent.call(ctx.session, self.pb.vmid, self.python, "install_vllm", args, timeout=timeout,
-                              on_event=on_event)
-
 
 def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, confirm=None) -> Outcome:
-    """The step install-vllm (plan.step_install; force / rollback in its drive): probe, then start, re-attach,
-    report one that ended unwatched, or nothing to do; follow; report into `out` (a failed install: out.error)."""
-    force, rollback, requests = step.drive["force"], step.drive["rollback"], step.drive["requests"]
+    """The step install-vllm (plan.step_install; force / rollback in its drive, its later calls its sub-steps):
+    probe, then start, re-attach, report one that ended unwatched, or nothing to do; follow; report into `out` (a
+    failed install: out.error)."""
+    force, rollback = step.drive["force"], step.drive["rollback"]
     progress = ctx.progress
-    run = _Runner(ctx, pb)
+    run = _Runner(ctx, step)
     t0 = time.monotonic()
-    probe = run.call(dict(step.args), timeout=60)  # the planned request
+    probe = run.call(step.name, 60)  # the planned probe
     if not probe.get("ok"):
         ctx.fail("probe", t0, probe.get("message", "probe failed"), fix=probe.get("fix", ""))
     rt, ist, serving = probe["runtime"], probe.get("install") or {}, probe.get("serving")
@@ -115,25 +103,25 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
                                                       if serving else "; nothing of ours is serving"), t0,
                runtime=rt, serving=serving, install=ist or None, pointer=probe.get("pointer"))
     if rollback:
-        return _rollback(ctx, run, pb, out, serving, yes, confirm, requests["rollback"])
-    want = requirement(pb.data["requires"]["vllm"])
-    stale = stale_source_warning(pb.data["requires"]["vllm"])
+        return _rollback(ctx, run, pb, out, serving, yes, confirm)
+    want = requirement(pb.conf.requires.vllm)
+    stale = stale_source_warning(pb.conf.requires.vllm)
     if stale:
         ctx.record("requires", None, "warning: " + stale, time.monotonic())
     final = ist.get("status") in ("ok", "failed", "timeout", "killed")
     if ist.get("status") == "running":
         progress.say(ctx.where, f"an install is in progress (started {_ago(ist)} ago, pid {ist.get('pid')}, "
                                 f"{ist.get('spec')}, phase {ist.get('phase')}): re-attaching")
-        res = _follow(ctx, run, pb, ist, requests["attach"])
+        res = _follow(ctx, run, pb, ist)
     elif final and not ist.get("reported") and ist.get("req") == want["req"]:
         progress.say(ctx.where, f"the install of {ist.get('spec')} started {_ago(ist)} ago ended while nobody "
                                 "was attached: its result")
-        res = _follow(ctx, run, pb, ist, requests["attach"])
+        res = _follow(ctx, run, pb, ist)
     else:
         cur = (probe.get("pointer") or {}).get("current")
         if (not force and ist.get("status") == "ok" and ist.get("req") == want["req"] and cur
                 and rt.get("target") == cur and (ist.get("switched") or {}).get("to") == cur):
-            ctx.record("install", True, f"already installed: {pb.data['requires']['vllm']} (vLLM "
+            ctx.record("install", True, f"already installed: {pb.conf.requires.vllm} (vLLM "
                                         f"{ist.get('version')}) in {rt.get('real')}, verified "
                                         f"{_when(ist.get('finished_at'))}; nothing changed", time.monotonic())
             out.ok, out.status = True, "already installed"
@@ -149,7 +137,7 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
                                     "nothing was installed", where=ctx.where,
                                     fix=f"deploy install-vllm {pb.name} -y (the serving process is not touched)")
         t0 = time.monotonic()
-        started = run.call(dict(requests["start"]), timeout=120)
+        started = run.call("install-start")
         if not started.get("ok"):
             ctx.fail("install", t0, started.get("message", "the install did not start"),
                      fix=started.get("fix", ""))
@@ -161,14 +149,14 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
             progress.say(ctx.where, f"install started with {started['installer']} (runner pid {started['pid']}, "
                                     f"detached): {want['req']} into {started['stage']}; log {started['log']}")
             ist = {"id": started["id"], "pid": started["pid"], "log": started["log"], "spec": want["req"]}
-        res = _follow(ctx, run, pb, ist, requests["attach"])
+        res = _follow(ctx, run, pb, ist)
     return _report(ctx, pb, out, res)
 
 
-def _follow(ctx, run: _Runner, pb: Playbook, ist: dict, request: dict) -> dict:
+def _follow(ctx, run: _Runner, pb: Playbook, ist: dict) -> dict:
     """attach calls until the runner reports an end (follow.py: the loop shared with fetch); each is bounded
     (FOLLOW_S), the whole by the playbook's limit plus the verification's."""
-    inst = pb.data["requires"]["install"]
+    inst = pb.conf.requires.install
     beat = Every()
 
     def render(ev):
@@ -195,10 +183,10 @@ def _follow(ctx, run: _Runner, pb: Playbook, ist: dict, request: dict) -> dict:
     job = Job("install", f"deploy install-vllm {pb.name}",
               failed=lambda msg, fix="": InstallFailed(msg, where=run.ctx.where, fix=fix),
               lost=lambda msg, fix="": ConnectionLost(msg, where=run.ctx.where, fix=fix))
-    attach = lambda p, follow_s, on_event: run.call(  # noqa: E731
-        dict(request, id=ist.get("id"), log_pos=p, follow_s=follow_s), timeout=follow_s + 120,
-        on_event=on_event)
-    return follow(ctx, attach, job, ist, limit_s=float(inst["timeout_s"]) + 900.0, follow_s=FOLLOW_S, render=render)
+    attach = lambda p, follow_s, on_event: run.call(  # noqa: E731 - the planned attach, from where the last stopped
+        "install-attach", follow_s + 120, on_event, id=ist.get("id"), log_pos=p, follow_s=follow_s)
+    return follow(ctx, attach, job, ist, limit_s=float(inst.timeout_s) + 900.0, follow_s=P.INSTALL_FOLLOW_S,
+                  render=render)
 
 
 def _report(ctx, pb: Playbook, out: Outcome, res: dict) -> Outcome:
@@ -229,7 +217,7 @@ def _report(ctx, pb: Playbook, out: Outcome, res: dict) -> Outcome:
     return out
 
 
-def _rollback(ctx, run: _Runner, pb: Playbook, out: Outcome, serving, yes, confirm, request: dict) -> Outcome:
+def _rollback(ctx, run: _Runner, pb: Playbook, out: Outcome, serving, yes, confirm) -> Outcome:
     if serving and not yes:
         q = (f"{serving['playbook']} is serving (pid {serving['pid']}); the runtime is switched back, the serving "
              "process is not touched, and the next `deploy up`/`restart` uses the previous build. Proceed?")
@@ -238,7 +226,7 @@ def _rollback(ctx, run: _Runner, pb: Playbook, out: Outcome, serving, yes, confi
             raise InstallFailed(f"{serving['playbook']} is serving on {ctx.where}; nothing was changed",
                                 where=ctx.where, fix=f"deploy install-vllm {pb.name} --rollback -y")
     t0 = time.monotonic()
-    r = run.call(dict(request), timeout=300)
+    r = run.call("install-rollback")
     if not r.get("ok"):
         ctx.fail("rollback", t0, r.get("message", "rollback failed"), fix=r.get("fix", ""))
     chk = r.get("verify") or {}

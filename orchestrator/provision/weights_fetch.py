@@ -18,18 +18,14 @@ import json
 import os
 import time
 
-from orchestrator import agent
 from orchestrator.steps import plan as P
 from orchestrator.provision import weights_store as S
 from orchestrator.agent.container.weights import MANIFEST_FORMAT, MANIFEST_NAME
 from orchestrator.core.atomic import write_atomic
 from orchestrator.core.errors import StepFailed, Unreachable, UsageError
-from orchestrator.provision.follow import Every, Job, follow
+from orchestrator.provision.follow import Calls, Every, Job, follow
 from orchestrator.core.report import FOLLOW_LINE_MAX
 from orchestrator.core.spec import Playbook
-
-FOLLOW_S = 60.0  # one attach call follows the runner this long; the next continues where it stopped
-STALL_S = 60.0  # no byte for this long on a connection: it is retried (three times), then the fetch fails
 
 
 class FetchFailed(StepFailed):
@@ -38,12 +34,6 @@ class FetchFailed(StepFailed):
 
 class ConnectionLost(Unreachable):
     pass
-
-
-def dest_of(it: dict) -> str:
-    if it["dest_kind"] == "dir":
-        return it["dest"]
-    return os.path.join(it["hf_home"], "hub", "models--" + it["hub"].replace("/", "--"))
 
 
 def tokens(pb: Playbook, its: list[dict]) -> dict:
@@ -72,26 +62,12 @@ def refusal(pb: Playbook) -> UsageError | None:
                                          "playbook (docs/playbooks.md#fetch-weights-from-the-hub-or-a-host-directory)")
 
 
-class _Runner:
-    """Agent calls for a fetch, each in a process of its own (the runner outlives them)."""
-
-    def __init__(self, ctx, pb: Playbook):
-        self.ctx, self.pb = ctx, pb
-        self.python = pb.runtime["python"]
-
-    def call(self, args: dict, timeout: float, on_event=None, secrets=None) -> dict:
-        ctx = self.ctx
-        ctx.progress.detail(ctx.where, f"$ pct exec {self.pb.vmid} -- {self.python} - fetch {args.get('op')}")
-        return agent.call(ctx.session, self.pb.vmid, self.python, "fetch", args, timeout=timeout, on_event=on_event,
-                          secrets=secrets).as_dict()  # FetchResult, checked; read here as its wire dict
-
-
 def run(ctx, pb: Playbook, step: P.Step) -> dict:
-    """The step fetch (plan.step_fetch: its items, and how to drive it): probe; re-attach, report, start or do
-    nothing; follow to the end. Returns {status, records, items}; raises FetchFailed / ConnectionLost with what to
+    """The step fetch (plan.step_fetch: its items, its calls, and how to drive it): probe; re-attach, report, start
+    or do nothing; follow to the end. Returns {status, records, items}; raises FetchFailed / ConnectionLost with what to
     do."""
     its, d, step_name = step.args["items"], step.drive, step.name
-    allow_start, rehash, timeout_s, transfer = d["allow_start"], d["rehash"], d["timeout_s"], d["transfer"]
+    allow_start, rehash, timeout_s = d["allow_start"], d["rehash"], d["timeout_s"]
     secrets = tokens(pb, its)
     red = getattr(ctx.session.audit, "redact", None)
     for v in secrets.values():
@@ -99,20 +75,19 @@ def run(ctx, pb: Playbook, step: P.Step) -> dict:
             red.add(v)
     t0 = time.monotonic()
     shared = [it for it in its if it.get("store")]
+    r = Calls(ctx, step)
     if shared:  # once per host, into fetch.store; the container links to it (store.py)
         its = [it for it in its if not it.get("store")]
-        got = S.fetch_shared(ctx, pb, shared, secrets, allow_start=allow_start, rehash=rehash, timeout_s=timeout_s,
-                             transfer=transfer, step_name=step_name, follow=_follow, report=_report)
+        got = S.fetch_shared(ctx, pb, r, shared, secrets, allow_start=allow_start, rehash=rehash, timeout_s=timeout_s,
+                             step_name=step_name, follow=_follow, report=_report)
         if not its:
             ctx.record(step_name, True, got["summary"], t0, records=got["records"])
             # links made now are not "already fetched" (issue 53 item 14: prepare said so right after linking)
             status = "fetched" if got["downloaded"] else "linked" if got["linked"] else "already fetched"
             return {"status": status, "records": got["records"], "items": [], "rehashed": bool(rehash)}
         ctx.record(step_name + "-store", True, got["summary"], t0, records=got["records"])
-    r = _Runner(ctx, pb)
-    sd = pb.runtime["state_dir"]
     try:
-        probe = r.call({"op": "probe", "state_dir": sd, "items": its, "rehash": rehash}, timeout=3600 if rehash else 60)
+        probe = r.call(step_name, 3600 if rehash else 60, items=its)
     except Unreachable as e:  # before anything started: the same advice as a drop while following
         raise ConnectionLost(f"lost the connection while reading what is in place ({e.message}); a fetch started "
                              "earlier goes on in the container", where=ctx.where,
@@ -132,7 +107,7 @@ def run(ctx, pb: Playbook, step: P.Step) -> dict:
         res = _follow(ctx, r, pb, fst, 60, step_name)
         if res["fetch"].get("status") != "ok" or not allow_start:
             return _report(ctx, pb, res, step_name, t0)
-        probe = r.call({"op": "probe", "state_dir": sd, "items": its}, timeout=60)
+        probe = r.call(step_name, 60, items=its, rehash=False)
         places = probe.get("items") or []
     missing = [p for p in places if not p.get("in_place")]
     if not missing:
@@ -154,9 +129,7 @@ def run(ctx, pb: Playbook, step: P.Step) -> dict:
             _copy_from_host(ctx, pb, it)
     t1 = time.monotonic()
     try:
-        started = r.call({"op": "start", "state_dir": sd, "items": start_items, "timeout_s": timeout_s,
-                          "stall_s": STALL_S, **transfer}, timeout=120,
-                         secrets=secrets or None)
+        started = r.call("fetch-start", secrets=secrets or None, items=start_items)
     except Unreachable as e:
         raise ConnectionLost(f"lost the connection while starting the fetch ({e.message}); it may have started in the "
                              "container", where=ctx.where,
@@ -195,7 +168,7 @@ def _copy_from_host(ctx, pb: Playbook, it: dict) -> None:
     ctx.progress.detail(ctx.where, f"copied {src} in {time.monotonic() - t0:.1f}s")
 
 
-def _follow(ctx, r, pb: Playbook, fst: dict, timeout_s: float, step_name: str, state_dir: str | None = None) -> dict:
+def _follow(ctx, r, pb: Playbook, fst: dict, timeout_s: float, step_name: str, attach: str = "fetch-attach") -> dict:
     """Follow the fetch runner to its end (follow.py: the loop shared with install-vllm)."""
     every = Every()
 
@@ -210,10 +183,9 @@ def _follow(ctx, r, pb: Playbook, fst: dict, timeout_s: float, step_name: str, s
     job = Job("fetch", f"deploy fetch {pb.name}",
               failed=lambda msg, fix="": FetchFailed(step_name, msg, where=ctx.where, fix=fix),
               lost=lambda msg, fix="": ConnectionLost(msg, where=ctx.where, fix=fix))
-    attach = lambda pos, follow_s, on_event: r.call(  # noqa: E731
-        {"op": "attach", "state_dir": state_dir or pb.runtime["state_dir"], "id": fst.get("id"), "log_pos": pos,
-         "follow_s": follow_s, "heartbeat_s": 2.0}, timeout=follow_s + 60, on_event=on_event)
-    return follow(ctx, attach, job, fst, limit_s=float(timeout_s) + 300.0, follow_s=FOLLOW_S, render=render)
+    call = lambda pos, follow_s, on_event: r.call(  # noqa: E731 - the planned attach, from where the last one stopped
+        attach, follow_s + 60, on_event, id=fst.get("id"), log_pos=pos, follow_s=follow_s)
+    return follow(ctx, call, job, fst, limit_s=float(timeout_s) + 300.0, follow_s=P.FETCH_FOLLOW_S, render=render)
 
 
 def _report(ctx, pb: Playbook, res: dict, step_name: str, t0: float) -> dict:

@@ -17,27 +17,11 @@ from __future__ import annotations
 import os
 import time
 
-from orchestrator import agent
 from orchestrator.agent.container.weights import bad_record
+from orchestrator.steps.plan import store_host_item as host_item, store_repo_dir as repo_dir, \
+    store_state_dir as state_dir
 
-HOST_PYTHON = "python3"  # the host's own (Proxmox VE ships Python 3); only the standard library is used
-STATE = ".deploy-state"  # records, fetch.json, the fetch lock: in the store, beside what they describe
 ROUNDS = 4  # another deploy's fetch followed, then ours started: bounded
-
-
-def state_dir(store: str) -> str:
-    return os.path.join(store, STATE)
-
-
-def host_item(it: dict) -> dict:
-    """A container item (dest_kind dir, with store) as the host fetches it: into the store's hub-cache layout."""
-    out = {k: v for k, v in it.items() if k not in ("store", "mount")}
-    out.update(dest_kind="cache", hf_home=it["store"], dest=None)
-    return out
-
-
-def repo_dir(store: str, hub: str) -> str:
-    return os.path.join(store, "hub", "models--" + hub.replace("/", "--"))
 
 
 def snapshot_in_container(it: dict, commit: str) -> str:
@@ -49,36 +33,22 @@ def mount_fix(pb, it: dict) -> str:
             "the config backed up and read back) and restarts the container; without -y it asks first")
 
 
-class HostRunner:
-    """fetch.py's agent calls, run on the host itself (vmid None)."""
-
-    def __init__(self, ctx):
-        self.ctx = ctx
-
-    def call(self, args: dict, timeout: float, on_event=None, secrets=None, action: str = "fetch") -> dict:
-        ctx = self.ctx
-        ctx.progress.detail(ctx.where, f"$ {HOST_PYTHON} - {action} {args.get('op')}   # on the host")
-        return agent.call(ctx.session, None, HOST_PYTHON, action, args, timeout=timeout, on_event=on_event,
-                          secrets=secrets).as_dict()  # FetchResult/StoreResult, checked; read as its wire dict
-
-
-def fetch_shared(ctx, pb, its: list[dict], secrets: dict, *, allow_start: bool, rehash: bool, timeout_s: float,
-                 transfer: dict, step_name: str, follow, report) -> dict:
-    """The store's items in place on the host (fetched when missing), then linked in the container.
+def fetch_shared(ctx, pb, hr, its: list[dict], secrets: dict, *, allow_start: bool, rehash: bool, timeout_s: float,
+                 step_name: str, follow, report) -> dict:
+    """The store's items in place on the host (fetched when missing), then linked in the container: the step
+    fetch's planned calls (hr: follow.Calls; store-mark, -probe, -start, -attach, -records, -link).
     -> {"records": [...], "summary": str}; raises StepFailed with what to do."""
     t0 = time.monotonic()
     store = its[0]["store"]
     sd = state_dir(store)
-    hr = HostRunner(ctx)
-    mark = hr.call({"op": "mark", "store": store}, timeout=30, action="store")
+    mark = hr.call("store-mark")
     if not mark.get("ok"):
         ctx.fail(step_name, t0, f"the model store {store} on {pb.host}: {mark.get('message')}",
                  fix=mark.get("fix") or f"fetch.store: a directory of root's on {pb.host} that no one else can write")
     hits = [host_item(it) for it in its]
     fetched = False
     for _ in range(ROUNDS):
-        probe = hr.call({"op": "probe", "state_dir": sd, "items": hits, "rehash": rehash},
-                        timeout=3600 if rehash else 60)
+        probe = hr.call("store-probe", 3600 if rehash else 60, items=hits, rehash=rehash)
         if not probe.get("ok"):
             ctx.fail(step_name, t0, f"{pb.host}: the store's probe failed: {probe.get('message')}")
         missing = [p for p in probe.get("items") or [] if not p.get("in_place")]
@@ -93,15 +63,14 @@ def fetch_shared(ctx, pb, its: list[dict], secrets: dict, *, allow_start: bool, 
             ctx.progress.say(ctx.where, f"a fetch into the store {store} on {pb.host} is in progress (pid "
                                         f"{fst.get('pid')}, phase {fst.get('phase')}): following it (one download "
                                         "per host)")
-            res = follow(ctx, hr, pb, fst, timeout_s, step_name, state_dir=sd)
+            res = follow(ctx, hr, pb, fst, timeout_s, step_name, "store-attach")
             if (res.get("fetch") or {}).get("status") != "ok":
                 report(ctx, pb, res, step_name, t0)
             continue
         for p in missing:
             ctx.progress.say(ctx.where, f"to fetch into the store {store} on {pb.host}: {p['role']}: {p.get('why')}")
         want = {p["role"] for p in missing}
-        started = hr.call({"op": "start", "state_dir": sd, "items": [h for h in hits if h["role"] in want],
-                           "timeout_s": timeout_s, "stall_s": 60.0, **transfer}, timeout=120, secrets=secrets or None)
+        started = hr.call("store-start", secrets=secrets or None, items=[h for h in hits if h["role"] in want])
         if not started.get("ok"):
             ctx.fail(step_name, t0, f"{pb.host}: the store's fetch did not start: {started.get('message')}",
                      fix=started.get("fix", ""))
@@ -114,15 +83,14 @@ def fetch_shared(ctx, pb, its: list[dict], secrets: dict, *, allow_start: bool, 
             fst = started.get("fetch") or {}
             ctx.progress.say(ctx.where, f"another fetch into the store is in progress (pid {fst.get('pid')}): "
                                         "following it")
-        res = follow(ctx, hr, pb, fst, timeout_s, step_name, state_dir=sd)
+        res = follow(ctx, hr, pb, fst, timeout_s, step_name, "store-attach")
         if (res.get("fetch") or {}).get("status") != "ok":
             report(ctx, pb, res, step_name, t0)
     else:
         ctx.fail(step_name, t0, f"the store {store} on {pb.host} still lacks " + ", ".join(
             p["role"] for p in missing) + f" after {ROUNDS} rounds (other fetches kept it busy)",
             fix=f"deploy fetch {pb.name} again")
-    recs = hr.call({"op": "records", "state_dir": sd, "dests": [repo_dir(store, it["hub"]) for it in its]},
-                   timeout=30).get("records") or {}
+    recs = hr.call("store-records").get("records") or {}
     items = []
     for it in its:
         rec = recs.get(repo_dir(store, it["hub"]))
@@ -138,9 +106,7 @@ def fetch_shared(ctx, pb, its: list[dict], secrets: dict, *, allow_start: bool, 
                       "verified_at": rec.get("verified_at"), "snapshot": snapshot_in_container(it, rec["commit"]),
                       "files": [{k: f.get(k) for k in ("name", "size", "sha256", "blob")}
                                 for f in rec.get("files") or []]})
-    link = agent.call(ctx.session, pb.vmid, pb.runtime["python"], "store",
-                      {"op": "link", "store": store, "mount": its[0]["mount"], "id": mark["id"], "items": items,
-                       "state_dir": pb.runtime["state_dir"]}, timeout=120).as_dict()
+    link = hr.call("store-link", id=mark["id"], items=items)
     if not link.get("ok"):
         kind = link.get("kind")
         fix = {"mount": mount_fix(pb, its[0]),

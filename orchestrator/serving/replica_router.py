@@ -11,10 +11,12 @@ rolling restart's hooks (the router's own `POST /remove_worker` / `/add_worker`)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
-from orchestrator import agent
+from orchestrator.steps import call_on
+from orchestrator.steps.plan import step_on
 from orchestrator.core.endpoint import base_url
 from orchestrator.core.errors import DeployError, Unreachable
 from orchestrator.core.remote import Fleet
@@ -49,11 +51,11 @@ def replica_url(inv, pb: Playbook, member: Playbook) -> str:
     if not addr:
         raise RouterFailed(f"{member.host}/{member.vmid} has no address in the inventory: the router cannot reach it",
                            where=f"{member.host}/{member.vmid}", fix=f"deploy discover {member.host} --write")
-    return base_url(addr, member.serve["port"])
+    return base_url(addr, member.conf.serve.port)
 
 
 def state_dir(pb: Playbook) -> str:
-    return pb.data["runtime"]["state_dir"]
+    return pb.conf.runtime.state_dir
 
 
 def _base(pb: Playbook) -> dict:
@@ -74,7 +76,7 @@ def exposure_warning(pb: Playbook) -> str | None:
     out or add a worker of theirs and receive the clients' requests. Said by `plan` and `up`, not refused (a
     closed network is the user's to judge)."""
     r = spec(pb)
-    if not r or pb.serve.get("api_key_env") or r["listen"] not in WILDCARD:
+    if not r or pb.conf.serve.api_key_env or r["listen"] not in WILDCARD:
         return None
     return (f"router {where(pb)} listens on {r['listen']}:{r['port']} without an API key: anyone who reaches that "
             "port can call /remove_worker and /add_worker (take the replicas out, or add a server of theirs that "
@@ -96,7 +98,7 @@ def router_argv_args(pb: Playbook, workers: list[str]) -> list[str]:
 
 
 def _key(pb: Playbook) -> str | None:
-    env = pb.serve.get("api_key_env")
+    env = pb.conf.serve.api_key_env
     return os.environ.get(env) if env else None
 
 
@@ -106,8 +108,8 @@ def call(fleet: Fleet, pb: Playbook, op: str, *, timeout: float = 60.0, on_event
     if key:
         fleet.redact.add(key)
     args = dict(_base(pb), op=op, timeout_s=kw.pop("op_timeout", None) or max(1.0, timeout - 10), **kw)
-    res = agent.call(fleet.session(r["host"]), r["vmid"], r["python"], "router", args,
-                     secrets={"router_key": key} if key else None, timeout=timeout, on_event=on_event)
+    step = step_on(r["host"], r["vmid"], r["python"], f"router-{op}", "router", args, timeout, f"router {op}")
+    res = call_on(fleet.session(r["host"]), step, secrets={"router_key": key} if key else None, on_event=on_event)
     return res.as_dict()  # RouterResult, checked; its per-op fields are data this module reads as such
 
 
@@ -157,8 +159,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
             key_urls = [u + "/v1/models" for u in workers] if _key(pb) else []
             res = call(fleet, pb, "start", timeout=90, args=args, workers=workers, policy=r["policy"],
                        key_check_urls=key_urls,
-                       supervise={k: pb.data["supervise"][k] for k in
-                                  ("restart_sec", "start_limit_burst", "start_limit_interval_s")})
+                       supervise=dataclasses.asdict(pb.conf.supervise))
             if not res.get("ok"):
                 _fail(pb, f"router did not start: {res.get('message')}", "see docs/troubleshooting.md#router")
             progress.say(w, f"router: started ({res.get('supervisor') == 'systemd' and res.get('unit') or 'detached, not supervised'}"
@@ -174,7 +175,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
                   "docs/troubleshooting.md#router")
         out["circuits_reset"] = _reset_open_circuits(fleet, pb, progress, workers, res)
         n = r["gate_requests_per_replica"] * len(workers)
-        res = call(fleet, pb, "gate", timeout=180, workers=workers, model=pb.serve["served_model_name"],
+        res = call(fleet, pb, "gate", timeout=180, workers=workers, model=pb.conf.serve.served_model_name,
                    requests=n, op_timeout=60)
         out["gate"] = {"sent": res.get("sent"), "succeeded": res.get("succeeded"),
                        "per_replica": res.get("per_replica"), "errors": res.get("errors")}

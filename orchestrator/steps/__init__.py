@@ -12,6 +12,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from .. import agent
 from orchestrator.core.errors import DeployError, StepFailed  # noqa: F401 (StepFailed: re-exported)
@@ -53,10 +54,13 @@ class Context:
              fresh: bool = False, beat: bool = True):
         """Run the step's agent action: over this container's agent session (one process for all of an
         operation's steps), or with fresh=True in a process of its own (the lock heartbeat, which runs beside a
-        long step). Returns the typed result (orchestrator/agent/protocol.py)."""
+        long step, and the calls of a driven step: fetch, install-vllm, under the python its drive names; vmid None:
+        on the Proxmox host itself). Returns the typed result (orchestrator/agent/protocol.py)."""
         fill = {TOKEN: self.token, HOLDER: self.holder}
         args = {k: fill.get(v, v) if isinstance(v, str) else v for k, v in step.args.items()}
-        how = f"$ pct exec {step.vmid} -- {self.pb.runtime['python']} -" if fresh else "> (agent session)"
+        py = step.drive.get("python") or self.pb.runtime["python"]
+        how = "> (agent session)" if not fresh else f"$ {py} -   # on the host" if step.vmid is None else \
+            f"$ pct exec {step.vmid} -- {py} -"
         self.progress.detail(self.where, self.session.audit.redact(
             f"{how} {step.action} {json.dumps(args, sort_keys=True)}"))
         kw = dict(payload=payload, secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event)
@@ -67,7 +71,7 @@ class Context:
             if beat else contextlib.nullcontext()
         with hb:
             if fresh:
-                return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, **kw)
+                return agent.call(self.session, step.vmid, py, step.action, args, **kw)
             return agent.session_for(self.session, step.vmid, self.pb.runtime["python"],
                                      self.pb.runtime.get("state_dir")).call(step.action, args, **kw)
 
@@ -133,6 +137,18 @@ def new_context(fleet: Fleet, pb: Playbook, progress: Progress, token: str | Non
         progress.audit = fleet.audit  # progress also goes to the audit log: a closed stderr loses nothing
     return Context(session=fleet.session(pb.host), pb=pb, progress=progress, token=token or uuid.uuid4().hex,
                    holder=holder_id(), secrets=secrets)
+
+
+def bare_context(session: HostSession, host: str, vmid: int | None, progress: Progress | None = None) -> Context:
+    """A context on a container that no playbook is read for (deploy unlock, doctor, prepare's check, the router):
+    its steps name their python (plan.step_on, plan_unlock)."""
+    return Context(session, SimpleNamespace(host=host, vmid=vmid, runtime={}), progress or Progress(quiet=True), "",
+                   holder_id())
+
+
+def call_on(session: HostSession, step: Step, progress: Progress | None = None, **kw):
+    """One planned step (plan.step_on) through Context.call, in a process of its own, on a bare context."""
+    return bare_context(session, step.host, step.vmid, progress).call(step, fresh=True, beat=False, **kw)
 
 
 def check_container(ctx: Context, step: Step) -> None:

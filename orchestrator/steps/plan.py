@@ -141,7 +141,8 @@ class Step:
         """The argv on the Proxmox host (before SSH quoting)."""
         if self.action is None:
             return self.host_argv or []
-        return pct_exec_argv(self.vmid, agent_argv(python, self.action, self.args))
+        argv = agent_argv(self.drive.get("python") or python, self.action, self.args)
+        return argv if self.vmid is None else pct_exec_argv(self.vmid, argv)  # vmid None: on the host itself
 
     def as_dict(self, inv: Inventory, python: str) -> dict:
         h = inv.host(self.host)
@@ -151,7 +152,7 @@ class Step:
                 "ssh": ssh_prefix(h), "command": None if self.local else shell_join(self.remote_argv(python)),
                 "request": (f"{self.action} {shell_join([json.dumps(self.args, sort_keys=True, separators=(',', ':'))])}"
                             if self.action and not self.local else None),
-                "runs": list(self.runs),
+                "runs": list(self.runs), **({"own_process": True} if self.drive.get("python") else {}),
                 **({"host_command": shell_join(self.host_argv)} if self.action and self.host_argv else {}),
                 "stdin": " + ".join(([self.payload] if self.payload else [])
                                     + [f"{k} ({_size(v)})" for k, v in self.bulk.items()]) or None,
@@ -535,27 +536,22 @@ def step_fetch(pb: Playbook, *, allow: bool = True, rehash: bool = False, connec
                       ["every file in place re-hashed (sha256 / git blob id), not trusted from its record"]
                       if rehash else []), host=pb.host, vmid=pb.vmid, playbook=pb.name,
                   drive={"allow_start": allow, "rehash": rehash, "timeout_s": timeout_s,
-                         "transfer": fetch_transfer(pb, connections)})
+                         "transfer": fetch_transfer(pb, connections), "python": pb.conf.runtime.python},
+                  sub=fetch_calls(pb, its, timeout_s, fetch_transfer(pb, connections)))
 
 
 def plan_fetch(pb: Playbook, *, rehash: bool = False, connections: int | None = None,
-               timeout_s: float = FETCH_TIMEOUT_S) -> list[Step]:
+               timeout_s: float = FETCH_TIMEOUT_S, manifest: bool = False) -> list[Step]:
     """`deploy fetch`: the container runs, then the step fetch (no lock: the fetch runner takes its own, one
-    download per destination; a second deploy follows the running one)."""
-    return [step_container(pb), step_fetch(pb, rehash=rehash, connections=connections, timeout_s=timeout_s)]
+    download per destination; a second deploy follows the running one); manifest: then read its records."""
+    return [step_container(pb), step_fetch(pb, rehash=rehash, connections=connections, timeout_s=timeout_s)] + (
+        [step_manifest_records(pb)] if manifest else [])
 
 
 # ------------------------------------------------------------------ install-vllm: `deploy install-vllm`
 
 
 INSTALL_FALLBACK_PYTHON = "/usr/bin/python3"  # runs the agent when the runtime venv does not exist yet
-
-
-def _install_requests(pb: Playbook) -> dict:
-    """The install's later requests, planned here with the probe (install.run fills in only the runner's id and where
-    it follows from): start, attach, rollback."""
-    return {"start": install_args(pb, "start", follow_s=0), "attach": install_args(pb, "attach"),
-            "rollback": install_args(pb, "rollback")}
 
 
 def step_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -> Step:
@@ -572,7 +568,7 @@ def step_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -
                     runs=[f"readlink {venv}; cat {_state(pb, 'runtime.json')}   # the previous venv",
                           f"ln -sfn PREVIOUS {venv}.NEW; mv -T {venv}.NEW {venv}   # one rename",
                           f"{rt['python']} -c 'import vllm' ...   # the stack checks of verify"],
-                    drive={"rollback": True, "force": force, "requests": _install_requests(pb)}, **_common(pb))
+                    drive={"rollback": True, "force": force, "python": py}, sub=install_calls(pb, py), **_common(pb))
     spec = req.get("vllm") or "?"
     runner = "uv pip install (uv venv) when the container has uv, else python -m venv + pip"
     return Step("install-vllm", f"install {spec} into a fresh venv beside {venv} ({venv}.versions/), detached, "
@@ -591,7 +587,7 @@ def step_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -
                       "a serving vLLM is not touched (asked first; -y): the next up/restart starts the new build"]
                 + ([] if not force else ["--force: installed again even when requires.vllm is the verified "
                                          "runtime already"]),
-                drive={"rollback": False, "force": force, "requests": _install_requests(pb)}, **_common(pb))
+                drive={"rollback": False, "force": force, "python": py}, sub=install_calls(pb, py), **_common(pb))
 
 
 def plan_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -> list[Step]:
@@ -719,3 +715,119 @@ def plan_verify(pb: Playbook) -> list[Step]:
 def plan_apply_config(pb: Playbook) -> list[Step]:
     steps = [step_write_config(pb), step_verify(pb)]
     return [step_container(pb), step_lock(pb, "apply-config", lease_for(steps))] + steps + [step_unlock(pb)]
+
+
+# ================================================================== the calls of a driven step (issue 51)
+# A step of several calls (fetch, install-vllm) carries each later call as a planned sub-step: its action, its
+# request and its python (drive["python"]; vmid None: on the Proxmox host itself). The runner sends them through
+# Context.call, filling in only what the container answers at run time (the runner's id, the log position, the
+# items found missing); `deploy plan` shows them under their step. ops.STEPS names each (its parent's runner).
+
+FETCH_FOLLOW_S = 60.0  # one fetch attach call follows the runner this long; the next continues where it stopped
+FETCH_STALL_S = 60.0  # no byte for this long on a connection: it is retried (three times), then the fetch fails
+INSTALL_FOLLOW_S = 120.0  # the same for an install
+STORE_PYTHON = "python3"  # the host's own (Proxmox VE ships Python 3); the agent uses only the standard library
+STORE_STATE = ".deploy-state"  # the store's records, fetch.json, its fetch lock: in the store, beside what they describe
+RUNNER_ID, LOG_POS, MISSING = "<the runner's id>", "<where the last attach stopped>", "<the items the probe finds missing>"
+
+
+def store_state_dir(store: str) -> str:
+    return os.path.join(store, STORE_STATE)
+
+
+def store_repo_dir(store: str, hub: str) -> str:
+    return os.path.join(store, "hub", "models--" + hub.replace("/", "--"))
+
+
+def store_host_item(it: dict) -> dict:
+    """A container item (dest_kind dir, with store) as the host fetches it: into the store's hub-cache layout."""
+    out = {k: v for k, v in it.items() if k not in ("store", "mount")}
+    out.update(dest_kind="cache", hf_home=it["store"], dest=None)
+    return out
+
+
+def _call(pb, name: str, title: str, action: str, args: dict, timeout: float, *, host: bool = False,
+          python: str | None = None, **kw) -> Step:
+    py = STORE_PYTHON if host else python or pb.conf.runtime.python
+    where = f"on {pb.host} itself, by its {py}" if host else f"in container {pb.vmid}, by {py}"
+    return Step(name, title, host=pb.host, vmid=None if host else pb.vmid, playbook=pb.name, action=action, args=args,
+                timeout=timeout, drive={"python": py}, runs=[f"{where}, in a process of its own"], **kw)
+
+
+def _attach(pb, name: str, action: str, args: dict, follow_s: float, slack: float, **kw) -> Step:
+    return _call(pb, name, f"follow the detached runner (at most {follow_s:g} s a call, again until it ends)", action,
+                 dict(args, op="attach", id=RUNNER_ID, log_pos=LOG_POS, follow_s=follow_s), follow_s + slack, **kw)
+
+
+def fetch_calls(pb: Playbook, its: list[dict], timeout_s: float, transfer: dict) -> list[Step]:
+    """The step fetch's later calls: in the container (start, attach) and, for the host's store, on the host (mark,
+    probe, start, attach, records) and the container's links."""
+    sd, tokens = pb.conf.runtime.state_dir, "the hub tokens (token:ROLE)" if any(it.get("token_env") for it in its) else None
+    start = {"op": "start", "items": MISSING, "timeout_s": timeout_s, "stall_s": FETCH_STALL_S, **transfer}
+    out = []
+    shared = [it for it in its if it.get("store")]
+    if shared:
+        store, mount = shared[0]["store"], shared[0]["mount"]
+        ssd = store_state_dir(store)
+        out += [_call(pb, "store-mark", f"the store {store} and its marker (made once; root's, no one else writes it)",
+                      "store", {"op": "mark", "store": store}, 30, host=True),
+                _call(pb, "store-probe", "what the store holds (again after following another deploy's download)",
+                      "fetch", {"op": "probe", "state_dir": ssd, "items": [store_host_item(it) for it in shared],
+                                "rehash": False}, 60, host=True),
+                _call(pb, "store-start", "start the detached fetch of what the store lacks", "fetch",
+                      dict(start, state_dir=ssd), 120, host=True, payload=tokens),
+                _attach(pb, "store-attach", "fetch", {"state_dir": ssd, "heartbeat_s": 2.0}, FETCH_FOLLOW_S, 60, host=True),
+                _call(pb, "store-records", "the store's records of what it holds", "fetch",
+                      {"op": "records", "state_dir": ssd, "dests": [store_repo_dir(store, it["hub"]) for it in shared]},
+                      30, host=True),
+                _call(pb, "store-link", f"prove {mount} is the store, read-only; link each destination into it",
+                      "store", {"op": "link", "store": store, "mount": mount, "id": "<the store's id, from mark>",
+                                "items": "<the records read>", "state_dir": sd}, 120)]
+    if len(shared) < len(its):
+        out += [_call(pb, "fetch-start", "start the detached fetch of what the probe finds missing", "fetch",
+                      dict(start, state_dir=sd), 120, payload=tokens),
+                _attach(pb, "fetch-attach", "fetch", {"state_dir": sd, "heartbeat_s": 2.0}, FETCH_FOLLOW_S, 60)]
+    return out
+
+
+def install_calls(pb: Playbook, python: str) -> list[Step]:
+    """The step install-vllm's later calls (after its probe): start, attach, or the rollback."""
+    return [_call(pb, "install-start", "start the detached install", "install_vllm",
+                  install_args(pb, "start", follow_s=0), 120, python=python),
+            _attach(pb, "install-attach", "install_vllm", install_args(pb, "attach"), INSTALL_FOLLOW_S, 120, python=python),
+            _call(pb, "install-rollback", "switch back (--rollback)", "install_vllm", install_args(pb, "rollback"),
+                  300, python=python)]
+
+
+def call_of(step: Step, name: str, timeout: float | None = None, **fill) -> Step:
+    """The planned call NAME of a driven step (the step itself: its first call), with its run-time fields filled in."""
+    s = step if name == step.name else next(s for s in step.sub if s.name == name)
+    return dataclasses.replace(s, args={**s.args, **fill}, timeout=s.timeout if timeout is None else timeout)
+
+
+def step_manifest_records(pb: Playbook) -> Step:
+    """deploy fetch --manifest FILE: after the fetch, the records of what it verified (the hub's own hashes)."""
+    return dataclasses.replace(step_revisions(pb), name="manifest-records", title="read the fetch records, for "
+                               "--manifest FILE (the hub's hashes of every file)")
+
+
+def plan_unlock(host: str, vmid: int, runtime: dict) -> list[Step]:
+    """`deploy unlock`: who holds the container lock (read only), then, when confirmed, break it: only if it is
+    still that holder's (its token on stdin). Each in a process of its own."""
+    from orchestrator.core.spec_schema import DEFAULT_PYTHON, DEFAULT_STATE_DIR
+
+    sd = runtime.get("state_dir") or DEFAULT_STATE_DIR
+    kw = dict(host=host, vmid=vmid, action="unlock", args={"state_dir": sd}, timeout=30,
+              drive={"python": runtime.get("python") or DEFAULT_PYTHON})
+    return [Step("lock-holder", "who holds the container lock (read only)", runs=[f"cat {sd}/lock"], **kw),
+            Step("break-lock", "break the lock, when confirmed, only if the holder shown still holds it",
+                 payload="the holder's token (break_token)", runs=[f"rm {sd}/lock   # if its token is still the "
+                                                                   "one shown"], **kw)]
+
+
+def step_on(host: str, vmid: int | None, python: str, name: str, action: str, args: dict, timeout: float,
+            title: str = "") -> Step:
+    """One request to a container that no playbook is read for (deploy doctor's reads, prepare's check, the router's
+    ops), under the python its drive names; sent by steps.call_on through Context.call."""
+    return Step(name, title or f"agent action {action}", host=host, vmid=vmid, action=action, args=args,
+                timeout=timeout, drive={"python": python})

@@ -16,14 +16,13 @@ from orchestrator.agent.protocol import RESULT_TYPES, AgentResult, ProtocolError
 # actions no planned step sends yet, each with who sends it instead (issue 51: "every remote call a planned step";
 # this list may only shrink)
 NOT_A_STEP = {
-    "doctor": "doctor.py, over the session it holds (read-only)",
-    "drafter_scan": "doctor.py (read-only)",
+    "doctor": "doctor.py: a plan.step_on step sent through Context.call (steps.call_on), read-only",
+    "drafter_scan": "doctor.py: a plan.step_on step, like doctor",
     "logs": "status.py: deploy logs (read-only)",
-    "router": "router.py calls it directly",
+    "router": "replica_router.py: a plan.step_on step per op, sent through Context.call (steps.call_on)",
     "speed": "compare.py builds its own Step",
     "sweep": "compare.py builds its own Step",
     "tune_record": "tune.py builds its own Step (the verdict beside the launch it left running)",
-    "store": "store.py, driven by the step fetch",
     "fetch_run": "the detached runner: started by the agent's fetch start, in the container",
     "install_run": "the detached runner: started by the agent's install_vllm start, in the container",
     "stack_check": "the install runner, in a staging venv, in the container",

@@ -8,6 +8,7 @@ the executor ran is one of the planned steps' commands: the plan is the program.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -579,3 +580,68 @@ def test_clean_gpus_names_each_process_it_killed_with_its_command_line(world):
     out, _, _ = run_up(world, healthy_script(pb, stop=old), restart=True, clean_gpus=True, yes_kill=True)
     assert "fuser -k freed the devices (TERM: PID 264; KILL: none)" in \
         next(r for r in out.results if r.step == "stop").summary
+
+
+def _fake_fleet(world, script):
+    inv, _ = world
+    fleet = Fleet(inv, audit=AuditLog(path=AUDIT))
+    sess = FakeSession(script, inv.host("pve1"))
+    fleet.session = lambda name: sess
+    return fleet, sess
+
+
+def test_unlock_is_a_plan_run_by_the_executor(world):
+    """Issue 51: deploy unlock runs plan_unlock (lock-holder, then break-lock when confirmed) through ops.execute;
+    the holder's token travels on stdin, never in the request."""
+    holder = {"holder": "ann@ws pid 7", "operation": "up", "token": "T0K", "since": 1, "expires": 2}
+    fleet, sess = _fake_fleet(world, {"unlock": [{"unlocked": False, "holder": holder}, {"unlocked": True}]})
+    r = ops.unlock(fleet, "pve1", 129, {}, lambda view: "token" not in view, Progress(quiet=True))
+    assert r["state"] == "broken" and r["holder"]["holder"] == "ann@ws pid 7" and "token" not in r["holder"]
+    assert [a for a, _ in sess.calls] == ["unlock", "unlock"] and "T0K" not in json.dumps(sess.calls)
+    check_plan_is_program(P.plan_unlock("pve1", 129, {}), sess)
+    fleet, sess = _fake_fleet(world, {"unlock": {"unlocked": False, "holder": holder}})
+    assert ops.unlock(fleet, "pve1", 129, {}, lambda view: False, Progress(quiet=True))["state"] == "kept"
+    assert len(sess.calls) == 1  # not confirmed: the planned break-lock never runs
+    fleet, sess = _fake_fleet(world, {"unlock": {"unlocked": False, "holder": None}})
+    assert ops.unlock(fleet, "pve1", 129, {}, lambda view: 1 / 0, Progress(quiet=True))["state"] == "free"
+
+
+def test_install_vllm_sends_only_its_planned_calls(world):
+    """Issue 51: install-vllm's probe, start and attach are its step's planned calls (sub-steps), filled in with the
+    runner's id and log position only."""
+    inv, pb = world
+    pb = dataclasses.replace(pb, data={**pb.data, "requires": {**pb.data["requires"], "vllm": "0.34.0"}})
+    rt = {"kind": "symlink", "venv_root": "/root/ml-env", "target": "/root/ml-env.versions/a", "real": "/x"}
+    done = {"status": "ok", "id": "i1", "message": "installed", "elapsed": 1.0}
+    answers = {"probe": {"ok": True, "runtime": rt, "install": {}}, "start": {
+        "ok": True, "started": True, "id": "i1", "pid": 9, "log": "/l", "stage": "/s", "installer": "pip"},
+        "attach": {"ok": True, "done": True, "install": done, "log_pos": 3}}
+    fleet, sess = _fake_fleet(world, {"install_vllm": lambda a: answers[a["op"]]})
+    out = ops.install_vllm(fleet, pb, Progress(quiet=True))
+    assert out.ok and out.status == "installed", out.error
+    assert [a["op"] for _, a in sess.calls if _ == "install_vllm"] == ["probe", "start", "attach"]
+    attach = sess.calls[-1][1]
+    assert (attach["id"], attach["log_pos"]) == ("i1", 0)
+    planned = P.plan_install(pb)
+    assert {k: v for k, v in attach.items() if k not in ("id", "log_pos", "follow_s")} == \
+        {k: v for k, v in P.call_of(planned[-1], "install-attach").args.items() if k not in ("id", "log_pos", "follow_s")}
+
+
+def test_fetch_manifest_reads_the_records_in_a_planned_step(world):
+    """Issue 51: deploy fetch --manifest reads the fetch records in the plan's step manifest-records (no call of its
+    own), and hands them by role to the writer once the fetch succeeded."""
+    inv, pb = world
+    pb = dataclasses.replace(pb, data={**pb.data, "model": {**pb.data["model"], "hub": "Qwen/Qwen3.6-27B",
+                                                             "revision": "main"}})
+    dest = pb.conf.model.path
+    rec = {"hub": "Qwen/Qwen3.6-27B", "revision": "main", "commit": "c" * 40, "files": [{"name": "w", "size": 1}]}
+    answers = {"probe": {"ok": True, "fetch": {}, "items": [{"role": "model", "dest": dest, "in_place": True,
+                                                             "record": rec}]},
+               "records": {"ok": True, "records": {dest: rec}}}
+    fleet, sess = _fake_fleet(world, {"fetch": lambda a: answers[a["op"]]})
+    got = []
+    out = ops.fetch(fleet, pb, Progress(quiet=True), manifest=got.append)
+    assert out.ok and out.status == "already fetched", out.error
+    assert [a["op"] for _, a in sess.calls if _ == "fetch"] == ["probe", "records"]
+    assert got[0]["model"] == rec and set(got[0]) == set(P.fetch_dests(pb))
+    check_plan_is_program(P.plan_fetch(pb, manifest=True), sess)

@@ -21,7 +21,7 @@ class Runner:
     def __init__(self):
         self.calls = 0
 
-    def call(self, req, timeout=None, on_event=None):
+    def call(self, name, timeout=None, on_event=None, **fill):
         self.calls += 1
         assert self.calls < 500, "still following a flood"
         for _ in range(200):
@@ -42,7 +42,7 @@ def test_follow_stops_after_the_total_cap():
 
 
 class InstallRunner(Runner):
-    def call(self, req, timeout=None, on_event=None):
+    def call(self, name, timeout=None, on_event=None, **fill):
         self.calls += 1
         assert self.calls < 500, "still following a flood"
         for i in range(200):
@@ -60,10 +60,10 @@ def test_install_follow_stops_after_the_same_total_cap_and_ignores_odd_fields():
     r = InstallRunner()
     ctx = SimpleNamespace(progress=Progress(), where="pve1/1")
     r.ctx = ctx
-    pb = SimpleNamespace(name="p", runtime={"state_dir": "/x", "python": "/p", "vllm": "/v"},
-                         data={"requires": {"install": {"timeout_s": 6 * 3600, "heartbeat_s": 2}}})
+    pb = SimpleNamespace(name="p", conf=SimpleNamespace(requires=SimpleNamespace(install=SimpleNamespace(
+        timeout_s=6 * 3600, heartbeat_s=2))))
     with pytest.raises(install.InstallFailed) as e:
-        install._follow(ctx, r, pb, {"id": "a", "pid": 1}, {"op": "attach"})  # the planned attach request
+        install._follow(ctx, r, pb, {"id": "a", "pid": 1})  # the planned attach call
     assert "more install output than deploy follows" in e.value.message
     assert ctx.progress.out <= report.FOLLOW_MAX_BYTES + 10 * report.FOLLOW_LINE_MAX
     assert r.calls < 100
