@@ -179,9 +179,84 @@ class Fetch:
 
 
 @dataclass(frozen=True)
+class Target:
+    host: str
+    vmid: int
+    gpus: tuple
+
+    @property
+    def where(self) -> str:
+        return f"{self.host}/{self.vmid}"
+
+
+@dataclass(frozen=True)
+class Probe:
+    prompts: tuple  # the playbook's, its prompts_file's or the shipped set: read at load (_resolve_probe)
+    prompts_file: str | None
+    max_tokens: int
+    rounds: int
+    max_rounds: int  # derived at load: min(100, 4 x rounds) when unset
+    timeout_s: float
+    prompts_source: str | None = None  # derived at load: where the prompts came from
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The gate's keys; the ones left unset (None) get their k-dependent defaults in gate.thresholds."""
+    min_mean_acceptance_length: float | None
+    min_first_position: float | None
+    cliff_check: bool
+    min_drafts: int | None
+    min_draft_acceptance: float | None
+    probe: Probe
+    on_low_acceptance: str
+    fallback: str | None
+
+
+@dataclass(frozen=True)
+class RouterInstall:
+    index_url: str | None
+    find_links: tuple
+    no_index: bool
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Router:
+    host: str
+    vmid: int
+    listen: str
+    port: int
+    policy: str
+    version: str
+    python: str
+    install: RouterInstall
+    health_check_interval_s: int
+    health_failure_threshold: int
+    drain_timeout_s: float
+    gate_requests_per_replica: int
+
+    where = Target.where
+
+    @property
+    def metrics_port(self) -> int:
+        """vllm-router's Prometheus port: the router's port + 1, on 127.0.0.1 in its container."""
+        return self.port + 1
+
+
+@dataclass(frozen=True)
+class Tune:
+    expected_concurrency: int
+
+
+@dataclass(frozen=True)
 class Conf:
-    """The typed playbook: what plan_args.py and sizing.py read (the other sections are still read from
-    Playbook.data: docs/architecture.md, "The typed playbook")."""
+    """The typed playbook (docs/architecture.md, "The typed playbook")."""
+    target: Target | None  # one of target/targets (the schema's one_of); Playbook.targets gives the list
+    targets: tuple | None
+    acceptance: Acceptance
+    router: Router | None
+    tune: Tune
     model: Weights
     runtime: Runtime
     serve: Serve
@@ -211,7 +286,11 @@ def _view(cls, d: dict | None, **derived):
 def _conf(data: dict) -> Conf:
     sv, sp, rq = data["serve"], data["speculative"], data["requires"]
     dflash = sp["method"] == "dflash"
+    acc, r = data["acceptance"], data.get("router")
     return Conf(
+        target=_view(Target, data.get("target")), targets=None if data.get("targets") is None else
+        tuple(_view(Target, t) for t in data["targets"]), router=r and _view(Router, r, install=_view(RouterInstall, r["install"])),
+        acceptance=_view(Acceptance, acc, probe=_view(Probe, acc["probe"])), tune=_view(Tune, data["tune"]),
         model=_view(Weights, data["model"]), runtime=_view(Runtime, data["runtime"]),
         serve=_view(Serve, sv, attention_backend=sv.get("attention_backend") or ("flash_attn" if dflash else None),
                     max_num_batched_tokens=sv.get("max_num_batched_tokens") or
@@ -251,12 +330,12 @@ class Playbook:
         return self.data.get("targets") is not None
 
     @property
-    def targets(self) -> list[dict]:
-        return list(self.data["targets"]) if self.is_fleet else [self.data["target"]]
+    def targets(self) -> list[Target]:
+        return list(self.conf.targets) if self.is_fleet else [self.conf.target]
 
     @property
     def where(self) -> str:
-        return ", ".join(f"{t['host']}/{t['vmid']}" for t in self.targets)
+        return ", ".join(t.where for t in self.targets)
 
     def member(self, where: str) -> "Playbook":
         """The single-target playbook of HOST/VMID (UsageError naming the targets if it is not one of them)."""
@@ -516,7 +595,7 @@ def playbooks_targeting(host: str, vmid: int, inventory: Inventory | None = None
             pb = load_playbook(name, inventory)
         except (SpecError, UsageError, OSError):
             continue
-        if any(t["host"] == host and t["vmid"] == vmid for t in pb.targets):
+        if any(t.where == f"{host}/{vmid}" for t in pb.targets):
             out.append((name, pb))
     return out
 

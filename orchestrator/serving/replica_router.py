@@ -28,13 +28,13 @@ class RouterFailed(DeployError):
     pass
 
 
-def spec(pb: Playbook) -> dict | None:
-    return pb.data.get("router") or None
+def spec(pb: Playbook):
+    """The playbook's router: (spec.Router), or None."""
+    return pb.conf.router
 
 
 def where(pb: Playbook) -> str:
-    r = spec(pb)
-    return f"{r['host']}/{r['vmid']}"
+    return spec(pb).where
 
 
 def replica_url(inv, pb: Playbook, member: Playbook) -> str:
@@ -44,24 +44,24 @@ def replica_url(inv, pb: Playbook, member: Playbook) -> str:
     host = inv.hosts.get(member.host) if inv is not None else None
     ct = host.container(member.vmid) if host is not None else None
     addr = ct.address if ct is not None else None
-    if not addr and (member.host, member.vmid) == (r["host"], r["vmid"]):
+    if not addr and (member.host, member.vmid) == (r.host, r.vmid):
         addr = "127.0.0.1"
     if not addr:
         raise RouterFailed(f"{member.host}/{member.vmid} has no address in the inventory: the router cannot reach it",
                            where=f"{member.host}/{member.vmid}", fix=f"deploy discover {member.host} --write")
-    return base_url(addr, member.serve["port"])
+    return base_url(addr, member.conf.serve.port)
 
 
 def state_dir(pb: Playbook) -> str:
-    return pb.data["runtime"]["state_dir"]
+    return pb.conf.runtime.state_dir
 
 
 def _base(pb: Playbook) -> dict:
     r = spec(pb)
     sd = state_dir(pb)
-    listen = r["listen"]
-    return {"state_dir": sd, "playbook": pb.name, "venv": os.path.join(sd, f"router-venv-{r['version']}"),
-            "version": r["version"], "port": r["port"],
+    listen = r.listen
+    return {"state_dir": sd, "playbook": pb.name, "venv": os.path.join(sd, f"router-venv-{r.version}"),
+            "version": r.version, "port": r.port,
             "connect": "127.0.0.1" if listen in WILDCARD else listen}
 
 
@@ -74,9 +74,9 @@ def exposure_warning(pb: Playbook) -> str | None:
     out or add a worker of theirs and receive the clients' requests. Said by `plan` and `up`, not refused (a
     closed network is the user's to judge)."""
     r = spec(pb)
-    if not r or pb.serve.get("api_key_env") or r["listen"] not in WILDCARD:
+    if not r or pb.conf.serve.api_key_env or r.listen not in WILDCARD:
         return None
-    return (f"router {where(pb)} listens on {r['listen']}:{r['port']} without an API key: anyone who reaches that "
+    return (f"router {where(pb)} listens on {r.listen}:{r.port} without an API key: anyone who reaches that "
             "port can call /remove_worker and /add_worker (take the replicas out, or add a server of theirs that "
             "then receives your clients' requests). Close it: set serve.api_key_env (the router then accepts only "
             "the replicas' key, on every endpoint), or set router.listen to an address only your clients reach "
@@ -86,17 +86,17 @@ def exposure_warning(pb: Playbook) -> str | None:
 def router_argv_args(pb: Playbook, workers: list[str]) -> list[str]:
     """vllm-router's own arguments (after the launcher): exactly what the unit/process runs."""
     r = spec(pb)
-    return ["--host", r["listen"], "--port", str(r["port"]), "--worker-urls", *workers, "--policy", r["policy"],
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(r["port"] + 1),
-            "--health-check-interval-secs", str(r["health_check_interval_s"]),
-            "--health-failure-threshold", str(r["health_failure_threshold"]),
+    return ["--host", r.listen, "--port", str(r.port), "--worker-urls", *workers, "--policy", r.policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(r.metrics_port),
+            "--health-check-interval-secs", str(r.health_check_interval_s),
+            "--health-failure-threshold", str(r.health_failure_threshold),
             "--health-check-timeout-secs", str(HEALTH_TIMEOUT_S),
             "--worker-startup-timeout-secs", "120", "--worker-startup-check-interval", "1",
             "--log-level", "info"]
 
 
 def _key(pb: Playbook) -> str | None:
-    env = pb.serve.get("api_key_env")
+    env = pb.conf.serve.api_key_env
     return os.environ.get(env) if env else None
 
 
@@ -106,7 +106,7 @@ def call(fleet: Fleet, pb: Playbook, op: str, *, timeout: float = 60.0, on_event
     if key:
         fleet.redact.add(key)
     args = dict(_base(pb), op=op, timeout_s=kw.pop("op_timeout", None) or max(1.0, timeout - 10), **kw)
-    res = agent.call(fleet.session(r["host"]), r["vmid"], r["python"], "router", args,
+    res = agent.call(fleet.session(r.host), r.vmid, r.python, "router", args,
                      secrets={"router_key": key} if key else None, timeout=timeout, on_event=on_event)
     return res.as_dict()  # RouterResult, checked; its per-op fields are data this module reads as such
 
@@ -122,7 +122,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
     w = where(pb)
     r = spec(pb)
     t0 = time.monotonic()
-    out = {"where": w, "port": r["port"], "policy": r["policy"], "version": r["version"], "ok": False}
+    out = {"where": w, "port": r.port, "policy": r.policy, "version": r.version, "ok": False}
     warning = exposure_warning(pb)
     if warning:
         out["warnings"] = [warning]
@@ -132,12 +132,12 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
         inv = fleet.inventory
         workers = [replica_url(inv, pb, m) for m in passed]
         out["workers"] = workers
-        ins = r["install"]
-        progress.say(w, f"router: vllm-router=={r['version']} in {_base(pb)['venv']} (installed if missing, then "
+        ins = r.install
+        progress.say(w, f"router: vllm-router=={r.version} in {_base(pb)['venv']} (installed if missing, then "
                         "checked against its RECORD)")
-        res = call(fleet, pb, "install", timeout=ins["timeout_s"] + 60, python=r["python"],
-                   index_url=ins.get("index_url"), find_links=ins.get("find_links") or [], no_index=ins["no_index"],
-                   op_timeout=ins["timeout_s"],
+        res = call(fleet, pb, "install", timeout=ins.timeout_s + 60, python=r.python,
+                   index_url=ins.index_url, find_links=list(ins.find_links), no_index=ins.no_index,
+                   op_timeout=ins.timeout_s,
                    on_event=lambda e: progress.say(w, "router: " + str(e.get("line", ""))[:300]) if e.get("line")
                    else None)
         if not res.get("ok"):
@@ -155,14 +155,12 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
             out["status"] = "already up"
         else:
             key_urls = [u + "/v1/models" for u in workers] if _key(pb) else []
-            res = call(fleet, pb, "start", timeout=90, args=args, workers=workers, policy=r["policy"],
-                       key_check_urls=key_urls,
-                       supervise={k: pb.data["supervise"][k] for k in
-                                  ("restart_sec", "start_limit_burst", "start_limit_interval_s")})
+            res = call(fleet, pb, "start", timeout=90, args=args, workers=workers, policy=r.policy,
+                       key_check_urls=key_urls, supervise=dict(vars(pb.conf.supervise)))
             if not res.get("ok"):
                 _fail(pb, f"router did not start: {res.get('message')}", "see docs/troubleshooting.md#router")
             progress.say(w, f"router: started ({res.get('supervisor') == 'systemd' and res.get('unit') or 'detached, not supervised'}"
-                            f", pid {res.get('pid')}) on port {r['port']}, policy {r['policy']}")
+                            f", pid {res.get('pid')}) on port {r.port}, policy {r.policy}")
             out.update(status="up", supervisor=res.get("supervisor"), unit=res.get("unit"), pid=res.get("pid"))
         res = call(fleet, pb, "wait", timeout=90, workers=workers, op_timeout=60)
         if not res.get("ready"):
@@ -173,8 +171,8 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
                   f"deploy status {pb.name} shows the replicas (they keep serving on their own addresses); "
                   "docs/troubleshooting.md#router")
         out["circuits_reset"] = _reset_open_circuits(fleet, pb, progress, workers, res)
-        n = r["gate_requests_per_replica"] * len(workers)
-        res = call(fleet, pb, "gate", timeout=180, workers=workers, model=pb.serve["served_model_name"],
+        n = r.gate_requests_per_replica * len(workers)
+        res = call(fleet, pb, "gate", timeout=180, workers=workers, model=pb.conf.serve.served_model_name,
                    requests=n, op_timeout=60)
         out["gate"] = {"sent": res.get("sent"), "succeeded": res.get("succeeded"),
                        "per_replica": res.get("per_replica"), "errors": res.get("errors")}
@@ -190,7 +188,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
         if bad:
             _fail(pb, f"router gate: {n} completions through the router, but none reached "
                       + ", ".join(f"{u} ({(per.get(u) or {}).get('error') or '0 requests'})" for u in bad),
-                  f"with policy {r['policy']} every replica should get some; deploy status {pb.name} shows the "
+                  f"with policy {r.policy} every replica should get some; deploy status {pb.name} shows the "
                   "router's view")
         spread = ", ".join(f"{u.split('//')[1]}: {per[u]['requests']}" for u in workers)
         progress.say(w, f"router: ok   {n} completions through it, all succeeded, spread over the replicas ({spread})")
@@ -245,14 +243,14 @@ def drain(fleet: Fleet, pb: Playbook, progress: Progress, member: Playbook) -> d
     if not res.get("ok"):
         return {"ok": False, "message": f"remove_worker {url}: {res.get('status')} {res.get('message')}"}
     r = spec(pb)
-    res = call(fleet, pb, "drain_wait", timeout=r["drain_timeout_s"] + 30, url=url,
-               op_timeout=max(0.1, r["drain_timeout_s"]))
+    res = call(fleet, pb, "drain_wait", timeout=r.drain_timeout_s + 30, url=url,
+               op_timeout=max(0.1, r.drain_timeout_s))
     if res.get("drained"):
         progress.say(w, f"router: {member.host}/{member.vmid} removed from the router; its running requests finished "
                         f"({res.get('seconds')}s)")
     else:
         progress.say(w, f"router: {member.host}/{member.vmid} removed from the router; still {res.get('running'):g} "
-                        f"request(s) running after {r['drain_timeout_s']:g}s (router.drain_timeout_s): restarting "
+                        f"request(s) running after {r.drain_timeout_s:g}s (router.drain_timeout_s): restarting "
                         "anyway")
     return {"ok": True, "url": url, **res}
 
@@ -269,7 +267,7 @@ def add_back(fleet: Fleet, pb: Playbook, progress: Progress, member: Playbook) -
 
 def view(fleet: Fleet, pb: Playbook) -> dict:
     """The status row: the router's process, readiness and workers as it sees them, set against the replicas."""
-    out = {"where": where(pb), "port": spec(pb)["port"], "policy": spec(pb)["policy"]}
+    out = {"where": where(pb), "port": spec(pb).port, "policy": spec(pb).policy}
     try:
         res = call(fleet, pb, "view", timeout=30)
     except Unreachable as e:
