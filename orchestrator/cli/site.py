@@ -78,17 +78,17 @@ def compare(obj, playbook_a, playbook_b, baseline, prompts_file, rounds, max_tok
             C.check_plot(plot_file)
         if keep and keep not in (C.label(a), C.label(b)):
             raise UsageError(f"--keep {keep} is neither {C.label(a)} nor {C.label(b)}", fix=f"--keep {a.name}")
-        probe = a.data["acceptance"]["probe"]
-        prompts = C.read_prompts(prompts_file) if prompts_file else list(probe["prompts"])
-        rounds_ = rounds or probe["rounds"]
+        probe = a.conf.acceptance.probe
+        prompts = C.read_prompts(prompts_file) if prompts_file else list(probe.prompts)
+        rounds_ = rounds or probe.rounds
         if not yes and not _confirm(f"compare replaces whatever runs on {a.host}/{a.vmid} with {a.name}, then "
                                     f"{C.label(b)}; continue?"):
             raise UsageError("not confirmed; nothing was changed",
                              fix=f"deploy compare {a.name} {b.name} -y (in scripts)")
         with Fleet(inv) as fleet:
             res = C.compare(fleet, a, b, obj.progress(), ops.Options(yes=True, wait_lock_s=wait_lock),
-                            prompts=prompts, rounds=rounds_, max_tokens=max_tokens or probe["max_tokens"],
-                            timeout_s=probe["timeout_s"] * 2, keep=keep, levels=levels)
+                            prompts=prompts, rounds=rounds_, max_tokens=max_tokens or probe.max_tokens,
+                            timeout_s=probe.timeout_s * 2, keep=keep, levels=levels)
         if plot_file and any(r.get("levels") for r in res["results"]):
             res["plot"] = C.plot(res, plot_file)
         if obj.json:

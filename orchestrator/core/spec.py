@@ -12,7 +12,7 @@ import difflib
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -323,6 +323,18 @@ class Playbook:
     def conf(self) -> Conf:
         """The typed playbook (above), built once: at the end of load, after the runtime is resolved."""
         return _conf(self.data)
+
+    def variant(self, *, k: int | None = None, schedule: list | None = None, off: bool | None = None) -> "Playbook":
+        """This playbook as one launch of compare or tune runs it: its fallback off (the playbook itself is measured,
+        or it failed); k given: that fixed k (its schedule dropped, or the one given); off: the baseline, without
+        --speculative-config (None: as it is)."""
+        spec = {key: v for key, v in self.data["speculative"].items() if k is None or key != "schedule"}
+        if k is not None:
+            spec["num_speculative_tokens"] = k
+        if schedule:
+            spec["schedule"] = [list(r) for r in schedule]
+        data = dict(self.data, speculative=spec, acceptance=dict(self.data["acceptance"], on_low_acceptance="fail"))
+        return replace(self, data=data, fallback=None, spec_off=self.spec_off if off is None else off)
 
     @property
     def is_fleet(self) -> bool:

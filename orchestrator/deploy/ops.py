@@ -48,7 +48,7 @@ class Options:
 
     def ask_before_kill(self, pb) -> bool:
         """One rule for up, restart and down: fuser -k (--clean-gpus or gpu.clean_gpus) asks first unless -y."""
-        clean = pb.data["gpu"]["clean_gpus"] if self.clean_gpus is None else self.clean_gpus
+        clean = pb.conf.gpu.clean_gpus if self.clean_gpus is None else self.clean_gpus
         return bool(clean) and not self.kill_confirmed
 
 
@@ -174,7 +174,8 @@ def diff_running(cur: CurrentResult, pb: Playbook) -> list[str]:
         diffs.append(f"playbook: running {st.get('playbook') or '(not recorded)'}, wanted {pb.name}")
     elif st.get("playbook_sha256") != pb.sha256:
         diffs.append(f"playbook file changed: {sha(st.get('playbook_sha256'), '(not recorded)')} -> {sha(pb.sha256)}")
-    want_d = None if pb.spec_off else (pb.drafter or {}).get("sha256")
+    d = pb.conf.speculative.drafter
+    want_d = d.sha256 if d and not pb.spec_off else None
     if want_d and cur.drafter_sha256 != want_d:
         have = cur.drafter_sha256
         if have:
@@ -325,7 +326,7 @@ def r_current(run: Run, step: P.Step) -> None:
     running = st.running = bool(s.get("alive"))
     st.foreign_vllm = bool(cur.vllm_processes)
     diffs = diff_running(cur, pb) if running else []
-    healthy = running and cur.health == 200 and pb.serve["served_model_name"] in (cur.models or [])
+    healthy = running and cur.health == 200 and pb.conf.serve.served_model_name in (cur.models or [])
     if running and not diffs and healthy and not st.restart:
         g = cur.gate or {}
         v = g.get("verdict") or {}
@@ -467,8 +468,8 @@ def r_acceptance(run: Run, step: P.Step) -> None:
     ctx, pb = run.ctx, run.ctx.pb
     m, low = V.acceptance(ctx, step)
     run.st.verdict = m["verdict"].as_dict()
-    run.out.info = {**_ep(server_endpoint(run.fleet.inventory, pb)), "model": pb.serve["served_model_name"],
-                    "method": pb.spec["method"], "acceptance": m["acceptance"].as_dict(), "gate": run.st.verdict,
+    run.out.info = {**_ep(server_endpoint(run.fleet.inventory, pb)), "model": pb.conf.serve.served_model_name,
+                    "method": pb.conf.speculative.method, "acceptance": m["acceptance"].as_dict(), "gate": run.st.verdict,
                     **({"gated_running": True} if run.st.ungated else {}),
                     "supervisor": (run.launch_result.supervisor if run.launch_result else None) or "none",
                     "unit": run.launch_result.unit if run.launch_result else None,
@@ -492,7 +493,7 @@ def r_serving(run: Run, step: P.Step) -> None:
     ctx, pb = run.ctx, run.ctx.pb
     ctx.record("serving", True, "serves without speculation (the baseline: no drafts to gate)", time.monotonic())
     run.out.ok, run.out.status = True, "up"
-    run.out.info = {**_ep(server_endpoint(run.fleet.inventory, pb)), "model": pb.serve["served_model_name"],
+    run.out.info = {**_ep(server_endpoint(run.fleet.inventory, pb)), "model": pb.conf.serve.served_model_name,
                     "method": "none", "gate": {"passed": True, "reason": "serves (baseline, no speculation)"},
                     "total_s": round(time.monotonic() - run.t_start, 2)}
 
@@ -632,7 +633,7 @@ def drift_instead(ctx: Context, step: P.Step, verified_sha: str, err: StepFailed
     now = r.sha256
     if now == verified_sha:
         return err
-    pinned = ctx.pb.drafter["sha256"]
+    pinned = ctx.pb.conf.speculative.drafter.sha256
     msg = (f"the drafter config changed behind our back while vLLM started: {step.args['path']} now has sha256 "
            f"{now or r.error}, it had {verified_sha} when verified (pinned {pinned}); "
            f"{err.step} failed as a consequence: {err.message}")
@@ -666,7 +667,7 @@ def state_left_text(run: Run) -> str:
             parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.backup}); "
                             f"it could not be read back now ({back.get('now_error', 'not read')})")
         else:
-            now, pinned = back["now"], run.ctx.pb.drafter["sha256"]
+            now, pinned = back["now"], run.ctx.pb.conf.speculative.drafter.sha256
             what = "the pinned bytes" if now == pinned else f"NOT the pinned bytes ({pinned}): something rewrote it"
             parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.backup}); "
                             f"read now: sha256 {now}, {what}")
@@ -767,7 +768,7 @@ def apply_config_refusal(pb: Playbook) -> UsageError | None:
     for apply_config."""
     if pb.drafter and P.drafter_config_path(pb):
         return None
-    return UsageError(f"{pb.name} has no drafter config to install (method {pb.spec['method']}); nothing was run",
+    return UsageError(f"{pb.name} has no drafter config to install (method {pb.conf.speculative.method}); nothing was run",
                       where=pb.path, fix=f"apply-config is for a playbook with a drafter (method dflash); deploy up "
                                          f"{pb.name} brings this one up")
 

@@ -56,7 +56,7 @@ class Context:
         long step). Returns the typed result (orchestrator/agent/protocol.py)."""
         fill = {TOKEN: self.token, HOLDER: self.holder}
         args = {k: fill.get(v, v) if isinstance(v, str) else v for k, v in step.args.items()}
-        how = f"$ pct exec {step.vmid} -- {self.pb.runtime['python']} -" if fresh else "> (agent session)"
+        how = f"$ pct exec {step.vmid} -- {self.pb.conf.runtime.python} -" if fresh else "> (agent session)"
         self.progress.detail(self.where, self.session.audit.redact(
             f"{how} {step.action} {json.dumps(args, sort_keys=True)}"))
         kw = dict(payload=payload, secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event)
@@ -67,9 +67,9 @@ class Context:
             if beat else contextlib.nullcontext()
         with hb:
             if fresh:
-                return agent.call(self.session, step.vmid, self.pb.runtime["python"], step.action, args, **kw)
-            return agent.session_for(self.session, step.vmid, self.pb.runtime["python"],
-                                     self.pb.runtime.get("state_dir")).call(step.action, args, **kw)
+                return agent.call(self.session, step.vmid, self.pb.conf.runtime.python, step.action, args, **kw)
+            return agent.session_for(self.session, step.vmid, self.pb.conf.runtime.python,
+                                     self.pb.conf.runtime.state_dir).call(step.action, args, **kw)
 
     def record(self, name: str, ok: bool | None, summary: str, t0: float, **details) -> StepResult:
         r = StepResult(name, ok, summary, time.monotonic() - t0, details)
@@ -110,14 +110,14 @@ def holder_id() -> str:
 def secrets_for(pb: Playbook) -> dict:
     """vLLM's secret environment, read from LOCAL variables named by the playbook (serve.api_key_env,
     serve.secret_env): {NAME_IN_CONTAINER: value}. Sent on stdin only; every value is registered for redaction."""
-    refs = dict(pb.serve.get("secret_env") or {})
-    if pb.serve.get("api_key_env"):
-        refs["VLLM_API_KEY"] = pb.serve["api_key_env"]
+    refs = dict(pb.conf.serve.secret_env or {})
+    if pb.conf.serve.api_key_env:
+        refs["VLLM_API_KEY"] = pb.conf.serve.api_key_env
     out = {}
     for name, local in sorted(refs.items()):
         val = os.environ.get(local)
         if not val:
-            key = "serve.api_key_env" if name == "VLLM_API_KEY" and local == pb.serve.get("api_key_env") \
+            key = "serve.api_key_env" if name == "VLLM_API_KEY" and local == pb.conf.serve.api_key_env \
                 else f"serve.secret_env.{name}"
             raise DeployError(f"{key} names {local}, but it is not set in this shell",
                               where=pb.path, fix=f"export {local}=... before running deploy")
