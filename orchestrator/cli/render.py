@@ -43,7 +43,7 @@ def _router_plan(inv, pb):
     """What up does for `router:` after the targets (docs/cli.md#the-router), with the router's exact arguments."""
     from orchestrator.serving import replica_router as R  # lazy: start-up time, ~6 ms of every command
 
-    r = R.spec(pb)
+    r = pb.conf.router
     if not r:
         return None
     try:
@@ -53,7 +53,7 @@ def _router_plan(inv, pb):
     base = R._base(pb)
     args = R.router_argv_args(pb, workers)
     warning = R.exposure_warning(pb)
-    return {"where": R.where(pb), "python": r.python, "venv": base["venv"], "argv_args": args,
+    return {"where": r.where, "python": r.python, "venv": base["venv"], "argv_args": args,
             "warnings": [warning] if warning else [], "steps": [
         f"install: {r.python} -m venv {base['venv']}; pip install vllm-router=={r.version} (skipped when "
         "installed and intact); check every file against its RECORD, the version, import vllm_router_rs",

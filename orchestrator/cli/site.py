@@ -71,7 +71,7 @@ def compare(obj, playbook_a, playbook_b, baseline, prompts_file, rounds, max_tok
             raise UsageError("compare needs PLAYBOOK_B or --baseline (not both)",
                              fix=f"deploy compare {playbook_a} qwen36-mtp, or deploy compare {playbook_a} --baseline")
         a = load_playbook(playbook_a, inv)
-        b = C.baseline_of(a) if baseline else load_playbook(playbook_b, inv)
+        b = a.variant(off=True) if baseline else load_playbook(playbook_b, inv)  # off: as tune's baseline
         if not baseline:
             C.check_pair(a, b)
         if plot_file:

@@ -149,11 +149,6 @@ def label(pb: Playbook) -> str:
     return f"{pb.name} (no speculation)" if pb.spec_off else pb.name
 
 
-def baseline_of(pb: Playbook) -> Playbook:
-    """`compare A --baseline`: A without --speculative-config, as deploy tune's baseline (gated on serving)."""
-    return pb.variant(off=True)
-
-
 def compare(fleet, a: Playbook, b: Playbook, progress: Progress, opts: ops.Options, *, prompts: list[str],
             rounds: int, max_tokens: int, timeout_s: float, keep: str | None = None,
             levels: list[int] = (1, 4, 16)) -> dict:

@@ -240,10 +240,11 @@ def check_text(path: str, inventory) -> callable:
 # ------------------------------------------------------------------ the run
 
 
-def _launch(fleet, pb: Playbook, progress: Progress, opts: ops.Options, step: P.Step) -> tuple[dict, dict | None]:
-    """One launch: a real up with its gate, then compare's sweep. -> (the launch record, the measurement)."""
+def _launch(fleet, pb: Playbook, progress: Progress, opts: ops.Options, step: P.Step | None) -> tuple[dict, dict | None]:
+    """One launch: a real up with its gate, then compare's sweep. -> (the launch record, the measurement). Without a
+    step: the last launch, the chosen configuration left running (not swept again)."""
     t0 = time.monotonic()
-    progress.say(f"{pb.host}/{pb.vmid}", f"tune: launching {label(pb)}")
+    progress.say(pb.where, f"tune: launching {label(pb)}" if step else f"tune: leaving {label(pb)} running")
     out = ops.up(fleet, pb, progress, dataclasses.replace(opts, yes=True))
     g = (out.info or {}).get("gate") or {}
     rec = {"config": label(pb), **_k(pb), "ok": out.ok, "status": out.status,
@@ -251,13 +252,15 @@ def _launch(fleet, pb: Playbook, progress: Progress, opts: ops.Options, step: P.
            {"passed": False, "reason": out.error.message if out.error else out.status},
            "error": out.error.as_dict() if out.error else None}
     m = None
-    if out.ok:
+    if out.ok and step:
         try:
             m = C._measure(fleet, pb, progress, step)
         except DeployError as e:
             rec.update(ok=False, error=e.as_dict())
     rec["seconds"] = round(time.monotonic() - t0, 2)
-    progress.say(f"{pb.host}/{pb.vmid}", f"tune: {label(pb)}: " + (
+    if not step:
+        return {**rec, "final": True}, None
+    progress.say(pb.where, f"tune: {label(pb)}: " + (
         f"measured in {rec['seconds']:.1f} s" if rec["ok"] else
         f"dropped after {rec['seconds']:.1f} s: {(rec['error'] or {}).get('message') or rec['status']}"))
     return rec, m
@@ -391,7 +394,7 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
     if last and last["ok"] and last["config"] == label(final):
         res["kept"] = {"config": label(final), "ok": True, "status": "up", "error": None}
     else:
-        rec, _ = _launch_only(fleet, final, progress, opts)
+        rec, _ = _launch(fleet, final, progress, opts, None)
         launches.append(rec)
         res["kept"] = {"config": rec["config"], "ok": rec["ok"], "status": rec["status"], "error": rec["error"]}
     res["ok"] = bool(res["kept"]["ok"])
@@ -415,19 +418,6 @@ def _record(fleet, pb: Playbook, progress: Progress, res: dict) -> None:
     if not ok:
         res["warnings"].append(f"could not record the verdict in {pb.conf.runtime.state_dir}/tune.json ({msg}): "
                                "deploy status says `not tuned`")
-
-
-def _launch_only(fleet, pb: Playbook, progress: Progress, opts: ops.Options) -> tuple[dict, None]:
-    """The last launch: the chosen configuration, gated, left running (not swept again)."""
-    t0 = time.monotonic()
-    progress.say(f"{pb.host}/{pb.vmid}", f"tune: leaving {label(pb)} running")
-    out = ops.up(fleet, pb, progress, dataclasses.replace(opts, yes=True))
-    g = (out.info or {}).get("gate") or {}
-    return {"config": label(pb), **_k(pb), "ok": out.ok, "status": out.status,
-            "gate": {"passed": bool(g.get("passed")), "reason": g.get("reason")} if out.ok else
-            {"passed": False, "reason": out.error.message if out.error else out.status},
-            "error": out.error.as_dict() if out.error else None, "seconds": round(time.monotonic() - t0, 2),
-            "final": True}, None
 
 
 # ------------------------------------------------------------------ output

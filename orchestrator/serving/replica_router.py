@@ -28,19 +28,10 @@ class RouterFailed(DeployError):
     pass
 
 
-def spec(pb: Playbook):
-    """The playbook's router: (spec.Router), or None."""
-    return pb.conf.router
-
-
-def where(pb: Playbook) -> str:
-    return spec(pb).where
-
-
 def replica_url(inv, pb: Playbook, member: Playbook) -> str:
     """The URL the router reaches a replica at: its container's inventory address (127.0.0.1 in the router's own
     container when that has none) and serve.port."""
-    r = spec(pb)
+    r = pb.conf.router
     host = inv.hosts.get(member.host) if inv is not None else None
     ct = host.container(member.vmid) if host is not None else None
     addr = ct.address if ct is not None else None
@@ -52,13 +43,9 @@ def replica_url(inv, pb: Playbook, member: Playbook) -> str:
     return base_url(addr, member.conf.serve.port)
 
 
-def state_dir(pb: Playbook) -> str:
-    return pb.conf.runtime.state_dir
-
-
 def _base(pb: Playbook) -> dict:
-    r = spec(pb)
-    sd = state_dir(pb)
+    r = pb.conf.router
+    sd = pb.conf.runtime.state_dir
     listen = r.listen
     return {"state_dir": sd, "playbook": pb.name, "venv": os.path.join(sd, f"router-venv-{r.version}"),
             "version": r.version, "port": r.port,
@@ -73,10 +60,10 @@ def exposure_warning(pb: Playbook) -> str | None:
     and `/remove_worker` included; bound to every address, anyone who reaches the container can take the replicas
     out or add a worker of theirs and receive the clients' requests. Said by `plan` and `up`, not refused (a
     closed network is the user's to judge)."""
-    r = spec(pb)
+    r = pb.conf.router
     if not r or pb.conf.serve.api_key_env or r.listen not in WILDCARD:
         return None
-    return (f"router {where(pb)} listens on {r.listen}:{r.port} without an API key: anyone who reaches that "
+    return (f"router {r.where} listens on {r.listen}:{r.port} without an API key: anyone who reaches that "
             "port can call /remove_worker and /add_worker (take the replicas out, or add a server of theirs that "
             "then receives your clients' requests). Close it: set serve.api_key_env (the router then accepts only "
             "the replicas' key, on every endpoint), or set router.listen to an address only your clients reach "
@@ -85,7 +72,7 @@ def exposure_warning(pb: Playbook) -> str | None:
 
 def router_argv_args(pb: Playbook, workers: list[str]) -> list[str]:
     """vllm-router's own arguments (after the launcher): exactly what the unit/process runs."""
-    r = spec(pb)
+    r = pb.conf.router
     return ["--host", r.listen, "--port", str(r.port), "--worker-urls", *workers, "--policy", r.policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(r.metrics_port),
             "--health-check-interval-secs", str(r.health_check_interval_s),
@@ -101,7 +88,7 @@ def _key(pb: Playbook) -> str | None:
 
 
 def call(fleet: Fleet, pb: Playbook, op: str, *, timeout: float = 60.0, on_event=None, **kw) -> dict:
-    r = spec(pb)
+    r = pb.conf.router
     key = _key(pb)
     if key:
         fleet.redact.add(key)
@@ -112,15 +99,15 @@ def call(fleet: Fleet, pb: Playbook, op: str, *, timeout: float = 60.0, on_event
 
 
 def _fail(pb, message, fix, **details):
-    raise RouterFailed(message, where=where(pb), fix=fix, details=details or None)
+    raise RouterFailed(message, where=pb.conf.router.where, fix=fix, details=details or None)
 
 
 def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -> dict:
     """Install (if needed), (re)start with the replicas that passed, wait until it sees them healthy, gate.
     -> the router section of the fleet result: {ok, where, url, workers, gate, ...}; raises nothing: a failure is
     the section's error (the replicas keep serving either way)."""
-    w = where(pb)
-    r = spec(pb)
+    r = pb.conf.router
+    w = r.where
     t0 = time.monotonic()
     out = {"where": w, "port": r.port, "policy": r.policy, "version": r.version, "ok": False}
     warning = exposure_warning(pb)
@@ -211,7 +198,7 @@ def _reset_open_circuits(fleet: Fleet, pb: Playbook, progress: Progress, workers
     whose circuit is not closed is re-added (remove_worker + add_worker: a new worker entry, a closed circuit;
     measured: the next request is served at once), one at a time. `ready`: the wait's answer, which carries the
     breakers read once every worker was healthy. -> [{url, circuit, readded, message}]."""
-    w = where(pb)
+    w = pb.conf.router.where
     circuits = ready.get("circuits")
     if not isinstance(circuits, dict):
         progress.say(w, f"router: circuit breakers not read ({ready.get('circuits_error')}); the gate below tells")
@@ -237,12 +224,12 @@ def _reset_open_circuits(fleet: Fleet, pb: Playbook, progress: Progress, workers
 def drain(fleet: Fleet, pb: Playbook, progress: Progress, member: Playbook) -> dict:
     """Before a replica stops: the router's own remove_worker (new requests go elsewhere at once), then wait
     (bounded by router.drain_timeout_s) until the replica runs no request."""
-    w = where(pb)
+    w = pb.conf.router.where
     url = replica_url(fleet.inventory, pb, member)
     res = call(fleet, pb, "remove", timeout=40, url=url)
     if not res.get("ok"):
         return {"ok": False, "message": f"remove_worker {url}: {res.get('status')} {res.get('message')}"}
-    r = spec(pb)
+    r = pb.conf.router
     res = call(fleet, pb, "drain_wait", timeout=r.drain_timeout_s + 30, url=url,
                op_timeout=max(0.1, r.drain_timeout_s))
     if res.get("drained"):
@@ -256,7 +243,7 @@ def drain(fleet: Fleet, pb: Playbook, progress: Progress, member: Playbook) -> d
 
 
 def add_back(fleet: Fleet, pb: Playbook, progress: Progress, member: Playbook) -> dict:
-    w = where(pb)
+    w = pb.conf.router.where
     url = replica_url(fleet.inventory, pb, member)
     res = call(fleet, pb, "add", timeout=150, url=url, op_timeout=130)
     if res.get("ok") or "already exists" in str(res.get("message")):
@@ -267,7 +254,7 @@ def add_back(fleet: Fleet, pb: Playbook, progress: Progress, member: Playbook) -
 
 def view(fleet: Fleet, pb: Playbook) -> dict:
     """The status row: the router's process, readiness and workers as it sees them, set against the replicas."""
-    out = {"where": where(pb), "port": spec(pb).port, "policy": spec(pb).policy}
+    out = {"where": pb.conf.router.where, "port": pb.conf.router.port, "policy": pb.conf.router.policy}
     try:
         res = call(fleet, pb, "view", timeout=30)
     except Unreachable as e:
@@ -331,7 +318,7 @@ def compare(pb: Playbook, inv, rview: dict, serving: set) -> list[str]:
 
 
 def down(fleet: Fleet, pb: Playbook, progress: Progress) -> dict:
-    w = where(pb)
+    w = pb.conf.router.where
     try:
         res = call(fleet, pb, "stop", timeout=60)
     except DeployError as e:

@@ -110,7 +110,7 @@ def holder_id() -> str:
 def secrets_for(pb: Playbook) -> dict:
     """vLLM's secret environment, read from LOCAL variables named by the playbook (serve.api_key_env,
     serve.secret_env): {NAME_IN_CONTAINER: value}. Sent on stdin only; every value is registered for redaction."""
-    refs = dict(pb.conf.serve.secret_env or {})
+    refs = dict(pb.conf.serve.secret_env)
     if pb.conf.serve.api_key_env:
         refs["VLLM_API_KEY"] = pb.conf.serve.api_key_env
     out = {}

@@ -152,7 +152,7 @@ def verify_fix(bad: list[dict], pb, stack: dict | None = None) -> str:
             add("the drafter weights do not match this config: download the drafter that goes with the pinned "
                 "config into speculative.drafter.path")
         else:
-            add(f"correct the pinned config {pb.conf.speculative.drafter.pinned_config if pb.drafter else ''} (and its "
+            add(f"correct the pinned config {getattr(pb.conf.speculative.drafter, 'pinned_config', '')} (and its "
                 f"sha256 in {pb.path}), then deploy verify {name}")
     return "; ".join(fixes) or f"deploy verify {name}"
 

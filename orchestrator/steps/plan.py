@@ -276,7 +276,7 @@ def step_plumbing(pb):
 
 
 def step_verify(pb):
-    if not pb.drafter or pb.spec_off:
+    if not pb.conf.speculative.drafter or pb.spec_off:
         return Step("verify", "verify the serving stack (vLLM version, complete build, import)", action="verify",
                     args={"stack_only": True, "method": pb.conf.speculative.method,
                           "vllm_min_version": pb.conf.requires.vllm_min_version, **launch_check_args(pb)},
@@ -610,7 +610,7 @@ def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, 
         return steps + [step_verify(pb), step_plumbing(pb),
                         step_stop(pb, clean, when=None if restart else something_to_stop),
                         step_gpus_free(pb), step_port(pb), step_launch(pb), step_wait(pb), step_serving(pb)]
-    if pb.drafter and write_config and drafter_config_path(pb):
+    if pb.conf.speculative.drafter and write_config and drafter_config_path(pb):
         steps.append(step_write_config(pb))
     steps.append(step_verify(pb))
     steps.append(step_plumbing(pb))  # before anything is stopped: a container that cannot serve keeps what runs
