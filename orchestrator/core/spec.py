@@ -288,8 +288,9 @@ def _conf(data: dict) -> Conf:
     dflash = sp["method"] == "dflash"
     acc, r = data["acceptance"], data.get("router")
     return Conf(
-        target=_view(Target, data.get("target")), targets=None if data.get("targets") is None else
-        tuple(_view(Target, t) for t in data["targets"]), router=r and _view(Router, r, install=_view(RouterInstall, r["install"])),
+        target=_view(Target, data.get("target")), targets=data.get("targets") and tuple(
+            _view(Target, t) for t in data["targets"]), router=r and _view(Router, r, install=_view(RouterInstall,
+                                                                                                   r["install"])),
         acceptance=_view(Acceptance, acc, probe=_view(Probe, acc["probe"])), tune=_view(Tune, data["tune"]),
         model=_view(Weights, data["model"]), runtime=_view(Runtime, data["runtime"]),
         serve=_view(Serve, sv, attention_backend=sv.get("attention_backend") or ("flash_attn" if dflash else None),
