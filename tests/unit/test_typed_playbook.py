@@ -39,7 +39,7 @@ def test_each_typed_class_has_exactly_its_maps_keys(cls, schema, derived):
     assert set(f.name for f in fields(S.Conf)) <= set(PLAYBOOK.fields)
 
 
-def test_conf_is_built_at_load_frozen_with_the_schema_defaults_and_derived_values(work):
+def test_conf_is_built_at_load_frozen_with_the_schema_defaults_derived_values_and_variants(work):
     pb = S.load_playbook(str(work / "playbooks" / "qwen36-dflash.yaml"), inv(work))
     assert "conf" in vars(pb)  # built by load_playbook, not on first use
     c = pb.conf
@@ -62,10 +62,7 @@ def test_conf_is_built_at_load_frozen_with_the_schema_defaults_and_derived_value
     assert a.on_low_acceptance == "fail" and a.min_mean_acceptance_length is None  # k-dependent: gate.thresholds
     assert mtp.targets == [mtp.conf.target] and mtp.where == mtp.conf.target.where == f"{mtp.host}/{mtp.vmid}"
     assert mtp.conf.targets is None and mtp.conf.router is None and mtp.conf.tune.expected_concurrency == 1
-
-
-def test_a_variant_is_a_playbook_whose_typed_view_is_its_own(work):
-    """compare and tune launch variants (k, schedule, baseline): built by the loader, each with its own conf."""
+    # compare's and tune's launches (k, schedule, baseline): variants built by the loader, each with its own conf
     pb = S.load_playbook(str(work / "playbooks" / "qwen36-dflash.yaml"), inv(work))
     v = pb.variant(k=3, schedule=[(1, 4, 3), (5, 4096, 1)])
     assert v.conf.speculative.num_speculative_tokens == 3 and v.conf.speculative.schedule == ([1, 4, 3], [5, 4096, 1])
