@@ -891,29 +891,23 @@ def fetch_items(pb: Playbook) -> list[dict]:
     """What deploy fetch (and up's fetch step) brings into the container: one item per fetched model/drafter.
     dest_kind dir: the files go into the directory (model.path, drafter.path); cache: into the hub cache under
     drafter.hf_home (a drafter with hub_id), laid out as huggingface_hub does."""
-    out = []
-    m = pb.data["model"]
-    if m.get("hub") or m.get("source"):
-        out.append(_item("model", "model", m, m["path"], "dir", None))
-    d = pb.drafter
-    if d and (d.get("hub") or d.get("source") or (d.get("hub_id") and d.get("revision"))):
-        if d.get("path"):
-            out.append(_item("drafter", "speculative.drafter", d, d["path"], "dir", None))
-        else:
-            out.append(_item("drafter", "speculative.drafter", d, None, "cache", d["hf_home"], hub=d["hub_id"]))
-    f = pb.data.get("fetch") or {}
-    if f.get("store"):  # hub sources into a directory: from the host's shared store (fetch.store)
+    out, m, d, f = [], pb.conf.model, pb.conf.speculative.drafter, pb.conf.fetch
+    if m.hub or m.source:
+        out.append(_item("model", "model", m, m.path, "dir", None))
+    if d and (d.hub or d.source or (d.hub_id and d.revision)):
+        out.append(_item("drafter", "speculative.drafter", d, d.path, "dir", None) if d.path else
+                   _item("drafter", "speculative.drafter", d, None, "cache", d.hf_home, hub=d.hub_id))
+    if f.store:  # hub sources into a directory: from the host's shared store (fetch.store)
         for it in out:
             if it["hub"] and not it["source_path"] and it["dest_kind"] == "dir":
-                it.update(store=f["store"], mount=f.get("mount") or "/models")
+                it.update(store=f.store, mount=f.mount)
     return out
 
 
-def _item(role, key, m, dest, kind, hf_home, hub=None) -> dict:
-    src = m.get("source") or {}
-    return {"role": role, "key": key, "hub": m.get("hub") or hub, "revision": m.get("revision"),
-            "token_env": m.get("token_env"), "endpoint": m.get("endpoint"), "dest": dest, "dest_kind": kind,
-            "hf_home": hf_home, "source_path": src.get("path")}
+def _item(role, key, w: Weights, dest, kind, hf_home, hub=None) -> dict:
+    return {"role": role, "key": key, "hub": w.hub or hub, "revision": w.revision, "token_env": w.token_env,
+            "endpoint": w.endpoint, "dest": dest, "dest_kind": kind, "hf_home": hf_home,
+            "source_path": (w.source or {}).get("path")}
 
 
 def _check_drafter(pb: Playbook, drafter: dict, spec: dict, problems: Problems) -> None:
