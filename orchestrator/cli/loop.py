@@ -308,7 +308,7 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
             not_a_container(inv, playbook)
         pbs = [load_playbook(n, inv) for n in names]
         for pb in pbs:
-            if pb.is_fleet and pb.data.get("router") and not rolling:  # issue 53: clients saw 500/503 meanwhile
+            if pb.is_fleet and pb.conf.router and not rolling:  # issue 53: clients saw 500/503 meanwhile
                 _echo_wrapped(f"warning: {pb.name} is served through its router: a plain restart stops every "
                               "replica at once, so clients get errors (500/503) until they are back; deploy restart "
                               f"{pb.name} --rolling restarts them one at a time while the router keeps serving",
@@ -368,7 +368,7 @@ def _running_playbooks(obj, inv):
                 pb = load_playbook(name, inv)
             except SpecError:
                 pb = None
-        if pb is None or (r["host"], r["vmid"]) not in {(t["host"], t["vmid"]) for t in pb.targets}:
+        if pb is None or where not in {t.where for t in pb.targets}:
             click.echo(f"{where}: its state file names {name!r}, which is not a playbook here for that container; "
                        "skipped (deploy restart PLAYBOOK to choose)", err=True)
             continue

@@ -43,7 +43,7 @@ def _router_plan(inv, pb):
     """What up does for `router:` after the targets (docs/cli.md#the-router), with the router's exact arguments."""
     from orchestrator.serving import replica_router as R  # lazy: start-up time, ~6 ms of every command
 
-    r = R.spec(pb)
+    r = pb.conf.router
     if not r:
         return None
     try:
@@ -53,17 +53,17 @@ def _router_plan(inv, pb):
     base = R._base(pb)
     args = R.router_argv_args(pb, workers)
     warning = R.exposure_warning(pb)
-    return {"where": R.where(pb), "python": r["python"], "venv": base["venv"], "argv_args": args,
+    return {"where": r.where, "python": r.python, "venv": base["venv"], "argv_args": args,
             "warnings": [warning] if warning else [], "steps": [
-        f"install: {r['python']} -m venv {base['venv']}; pip install vllm-router=={r['version']} (skipped when "
+        f"install: {r.python} -m venv {base['venv']}; pip install vllm-router=={r.version} (skipped when "
         "installed and intact); check every file against its RECORD, the version, import vllm_router_rs",
         f"start (unit vllm-router-{pb.name}.service where systemd runs, else detached): {base['venv']}/bin/python "
         f"-c LAUNCHER {shell_join(args)}" + (" (env VPD_ROUTER_KEY_CHECK_URLS: each replica's /v1/models)"
-                                             if pb.serve.get("api_key_env") else ""),
+                                             if pb.conf.serve.api_key_env else ""),
         "wait (60 s) until GET /workers shows every replica healthy",
         "circuits: read each replica's circuit breaker (vllm_router_cb_state on 127.0.0.1:port+1); one not closed "
         "(opened by failures while replicas were down) is re-added: POST /remove_worker, then /add_worker",
-        f"gate: {r['gate_requests_per_replica'] * len(pb.members)} completions through it; each replica's "
+        f"gate: {r.gate_requests_per_replica * len(pb.members)} completions through it; each replica's "
         "vllm:request_success_total must grow"]}
 
 
@@ -71,7 +71,7 @@ def render_plan(as_json, inv, pb, steps, emit=True):
     from orchestrator.steps.plan import PHASE_TITLES, session_command  # lazy: start-up time, ~6.5 ms of every command
     from orchestrator.core.report import dump_json  # lazy: start-up time, ~3.5 ms
 
-    py = pb.runtime["python"]
+    py = pb.conf.runtime.python
     rows = [s.as_dict(inv, py) for s in steps]
     session = session_command(pb, py)
     warnings = shared_gpu_warnings(inv, pb)

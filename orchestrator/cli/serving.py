@@ -54,8 +54,7 @@ def endpoint(obj, playbook, tunnel, local_port, where):
             pb.member(where)  # a UsageError naming the targets when it is not one
         if tunnel and pb.is_fleet and where is None:
             raise UsageError(f"{pb.name} has {len(pb.targets)} targets ({pb.where}): --tunnel needs one",
-                             fix=f"deploy endpoint {pb.name} --tunnel --target {pb.targets[0]['host']}/"
-                                 f"{pb.targets[0]['vmid']}")
+                             fix=f"deploy endpoint {pb.name} --tunnel --target {pb.targets[0].where}")
         rows = playbook_endpoints(inv, pb)
         if where is not None:
             rows = [r for r in rows if r["where"] == where]

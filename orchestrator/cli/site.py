@@ -71,24 +71,24 @@ def compare(obj, playbook_a, playbook_b, baseline, prompts_file, rounds, max_tok
             raise UsageError("compare needs PLAYBOOK_B or --baseline (not both)",
                              fix=f"deploy compare {playbook_a} qwen36-mtp, or deploy compare {playbook_a} --baseline")
         a = load_playbook(playbook_a, inv)
-        b = C.baseline_of(a) if baseline else load_playbook(playbook_b, inv)
+        b = a.variant(off=True) if baseline else load_playbook(playbook_b, inv)  # off: as tune's baseline
         if not baseline:
             C.check_pair(a, b)
         if plot_file:
             C.check_plot(plot_file)
         if keep and keep not in (C.label(a), C.label(b)):
             raise UsageError(f"--keep {keep} is neither {C.label(a)} nor {C.label(b)}", fix=f"--keep {a.name}")
-        probe = a.data["acceptance"]["probe"]
-        prompts = C.read_prompts(prompts_file) if prompts_file else list(probe["prompts"])
-        rounds_ = rounds or probe["rounds"]
+        probe = a.conf.acceptance.probe
+        prompts = C.read_prompts(prompts_file) if prompts_file else list(probe.prompts)
+        rounds_ = rounds or probe.rounds
         if not yes and not _confirm(f"compare replaces whatever runs on {a.host}/{a.vmid} with {a.name}, then "
                                     f"{C.label(b)}; continue?"):
             raise UsageError("not confirmed; nothing was changed",
                              fix=f"deploy compare {a.name} {b.name} -y (in scripts)")
         with Fleet(inv) as fleet:
             res = C.compare(fleet, a, b, obj.progress(), ops.Options(yes=True, wait_lock_s=wait_lock),
-                            prompts=prompts, rounds=rounds_, max_tokens=max_tokens or probe["max_tokens"],
-                            timeout_s=probe["timeout_s"] * 2, keep=keep, levels=levels)
+                            prompts=prompts, rounds=rounds_, max_tokens=max_tokens or probe.max_tokens,
+                            timeout_s=probe.timeout_s * 2, keep=keep, levels=levels)
         if plot_file and any(r.get("levels") for r in res["results"]):
             res["plot"] = C.plot(res, plot_file)
         if obj.json:
@@ -165,15 +165,15 @@ def tune(obj, playbook, levels, max_launches, prompts_file, rounds, max_tokens, 
         T.check_args(pb, max_launches)
         if plot_file:
             C.check_plot(plot_file)
-        probe = pb.data["acceptance"]["probe"]
-        prompts = C.read_prompts(prompts_file) if prompts_file else list(probe["prompts"])
+        probe = pb.conf.acceptance.probe
+        prompts = C.read_prompts(prompts_file) if prompts_file else list(probe.prompts)
         if not yes and not _confirm(f"tune replaces whatever runs on {pb.host}/{pb.vmid} with {pb.name} "
                                     f"without speculation, then with several values of k; continue?"):
             raise UsageError("not confirmed; nothing was changed", fix=f"deploy tune {pb.name} -y (in scripts)")
         with Fleet(inv) as fleet:
             res = T.tune(fleet, pb, obj.progress(), ops.Options(yes=True, wait_lock_s=wait_lock), prompts=prompts,
-                         rounds=rounds or probe["rounds"], max_tokens=max_tokens or probe["max_tokens"],
-                         timeout_s=probe["timeout_s"] * 2, levels=levels, max_launches=max_launches, write=write,
+                         rounds=rounds or probe.rounds, max_tokens=max_tokens or probe.max_tokens,
+                         timeout_s=probe.timeout_s * 2, levels=levels, max_launches=max_launches, write=write,
                          inventory=inv)
         if plot_file and res.get("levels"):
             res["plot"] = T.plot(res, plot_file)
@@ -466,8 +466,7 @@ def prepare(obj, target, gpus, driver_run, style, create, template, hostname, me
                              fix="deploy prepare pve1/129 --gpus 0-3 --dry-run")
         host, vmid, rt = resolve_targets(inv, [target])[0]
         mine = playbooks_targeting(host, vmid, inv)
-        assigned = sorted({tuple(t["gpus"]) for _, pb in mine for t in pb.targets
-                           if t["host"] == host and t["vmid"] == vmid})
+        assigned = sorted({t.gpus for _, pb in mine for t in pb.targets if (t.host, t.vmid) == (host, vmid)})
         declared = inv.hosts[host].container(vmid)
         if gpus is None and not assigned and declared is not None and declared.gpus:
             want = list(declared.gpus)  # no playbook targets it yet: the GPUs the inventory gives it
@@ -480,8 +479,8 @@ def prepare(obj, target, gpus, driver_run, style, create, template, hostname, me
             want = list(assigned[0])
         else:
             want = P.parse_gpus(gpus)
-            short = [(n, sorted(set(t["gpus"]) - set(want))) for n, pb in mine for t in pb.targets
-                     if t["host"] == host and t["vmid"] == vmid and set(t["gpus"]) - set(want)]
+            short = [(n, sorted(set(t.gpus) - set(want))) for n, pb in mine for t in pb.targets
+                     if (t.host, t.vmid) == (host, vmid) and set(t.gpus) - set(want)]
             if short:
                 raise UsageError(f"{target}: playbook {short[0][0]} runs there on GPUs that --gpus {gpus} leaves "
                                  f"out ({short[0][1]}); prepare adds lines and would leave that playbook short",
@@ -492,9 +491,8 @@ def prepare(obj, target, gpus, driver_run, style, create, template, hostname, me
                 pb = load_playbook(name, inv)
             except Exception:  # noqa: BLE001 - a broken playbook elsewhere is not this command's business
                 continue
-            others += [(name, t["vmid"], list(t["gpus"])) for t in pb.targets if t["host"] == host and
-                       t["vmid"] != vmid]
-        tps = {int(pb.serve.get("tensor_parallel_size") or 1) for _, pb in mine}
+            others += [(name, t.vmid, list(t.gpus)) for t in pb.targets if t.host == host and t.vmid != vmid]
+        tps = {pb.conf.serve.tensor_parallel_size for _, pb in mine}
         create_opts = None
         given = {"--template": template, "--hostname": hostname, "--memory": memory, "--cores": cores,
                  "--storage": storage, "--rootfs-size": rootfs_gb, "--net0": net0,
@@ -514,8 +512,7 @@ def prepare(obj, target, gpus, driver_run, style, create, template, hostname, me
         chain = [] if no_install else [(name, m) for name, pb in mine for m in pb.members
                                        if m.host == host and m.vmid == vmid]
         # the shared model stores its playbooks read (fetch.store): a read-only mount point each
-        stores = [(pb.data["fetch"]["store"], pb.data["fetch"].get("mount") or "/models") for _, pb in mine
-                  if (pb.data.get("fetch") or {}).get("store")]
+        stores = [(pb.conf.fetch.store, pb.conf.fetch.mount) for _, pb in mine if pb.conf.fetch.store]
         with Fleet(inv) as fleet:
             res = P.Prepare(fleet, inv, host, vmid, rt, want, driver_run=driver_run, style=style, yes=yes,
                             confirm=_confirm, progress=None if obj.json else obj.progress(),

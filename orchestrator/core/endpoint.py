@@ -102,13 +102,13 @@ def container_endpoint(inv, host_name: str, vmid: int, port: int) -> dict:
 
 def server_endpoint(inv, pb) -> dict:
     """The client endpoint of a one-target playbook's vLLM server (a fleet's member): its container, serve.port."""
-    return container_endpoint(inv, pb.host, pb.vmid, pb.serve["port"])
+    return container_endpoint(inv, pb.host, pb.vmid, pb.conf.serve.port)
 
 
 def router_endpoint(inv, pb) -> dict:
     """The client endpoint of a playbook's router (router:): the router's container, router.port."""
-    r = pb.data["router"]
-    return container_endpoint(inv, r["host"], r["vmid"], r["port"])
+    r = pb.conf.router
+    return container_endpoint(inv, r.host, r.vmid, r.port)
 
 
 def describe(ep: dict) -> str:
@@ -132,16 +132,14 @@ def curl_line(url: str, model: str, api_key_env: str | None = None) -> str:
 def playbook_endpoints(inv, pb) -> list[dict]:
     """One row per target of the playbook: where, the endpoint (see endpoint()), the served model and a curl line;
     for a playbook with router: one row, the router's (role "router"; clients use the replicas' key through it)."""
-    r = pb.data.get("router")
+    r = pb.conf.router
     if r:
-        first = pb.member(f"{pb.targets[0]['host']}/{pb.targets[0]['vmid']}") if pb.is_fleet else pb
-        return [_endpoint_row(r["host"], r["vmid"], "router", router_endpoint(inv, pb), first)]
-    members = [pb.member(f"{t['host']}/{t['vmid']}") for t in pb.targets] if pb.is_fleet else [pb]
-    return [_endpoint_row(m.host, m.vmid, "replica", server_endpoint(inv, m), m) for m in members]
+        return [_endpoint_row(r.host, r.vmid, "router", router_endpoint(inv, pb), pb.members[0])]
+    return [_endpoint_row(m.host, m.vmid, "replica", server_endpoint(inv, m), m) for m in pb.members]
 
 
 def _endpoint_row(host: str, vmid: int, role: str, ep: dict, member) -> dict:
-    model, key = member.serve["served_model_name"], member.serve.get("api_key_env")
+    model, key = member.conf.serve.served_model_name, member.conf.serve.api_key_env
     return {"where": f"{host}/{vmid}", "host": host, "vmid": vmid, "role": role, **ep, "model": model,
             "api_key_env": key, "curl": curl_line(ep["url"], model, key) if ep.get("url") else None}
 

@@ -80,11 +80,10 @@ def playbook_thresholds(pb) -> Thresholds:
     plan.step_acceptance carries them to the runner, monitor export and status show them). With a batch-size
     schedule (speculative.schedule) the probe, one request at a time, drafts the schedule's k at batch size 1: the
     positions past it are never drafted, so they are not a cliff."""
-    k = int(pb.spec["num_speculative_tokens"])
-    first = next((r for r in sorted(pb.spec.get("schedule") or []) if r[0] <= 1 <= r[1]), None)
-    if first is not None and first[2] >= 1:
-        k = min(k, int(first[2]))
-    return thresholds(pb.data.get("acceptance") or {}, k)
+    sp = pb.conf.speculative
+    first = next((r for r in sorted(sp.schedule or []) if r[0] <= 1 <= r[1]), None)
+    return thresholds(vars(pb.conf.acceptance), min(sp.num_speculative_tokens, first[2]) if first and first[2] >= 1
+                      else sp.num_speculative_tokens)
 
 
 def thresholds(acc_cfg: dict | None, k: int) -> Thresholds:

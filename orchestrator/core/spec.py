@@ -12,7 +12,7 @@ import difflib
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -179,9 +179,84 @@ class Fetch:
 
 
 @dataclass(frozen=True)
+class Target:
+    host: str
+    vmid: int
+    gpus: tuple
+
+    @property
+    def where(self) -> str:
+        return f"{self.host}/{self.vmid}"
+
+
+@dataclass(frozen=True)
+class Probe:
+    prompts: tuple  # the playbook's, its prompts_file's or the shipped set: read at load (_resolve_probe)
+    prompts_file: str | None
+    max_tokens: int
+    rounds: int
+    max_rounds: int  # derived at load: min(100, 4 x rounds) when unset
+    timeout_s: float
+    prompts_source: str | None = None  # derived at load: where the prompts came from
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The gate's keys; the ones left unset (None) get their k-dependent defaults in gate.thresholds."""
+    min_mean_acceptance_length: float | None
+    min_first_position: float | None
+    cliff_check: bool
+    min_drafts: int | None
+    min_draft_acceptance: float | None
+    probe: Probe
+    on_low_acceptance: str
+    fallback: str | None
+
+
+@dataclass(frozen=True)
+class RouterInstall:
+    index_url: str | None
+    find_links: tuple
+    no_index: bool
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Router:
+    host: str
+    vmid: int
+    listen: str
+    port: int
+    policy: str
+    version: str
+    python: str
+    install: RouterInstall
+    health_check_interval_s: int
+    health_failure_threshold: int
+    drain_timeout_s: float
+    gate_requests_per_replica: int
+
+    where = Target.where
+
+    @property
+    def metrics_port(self) -> int:
+        """vllm-router's Prometheus port: the router's port + 1, on 127.0.0.1 in its container."""
+        return self.port + 1
+
+
+@dataclass(frozen=True)
+class Tune:
+    expected_concurrency: int
+
+
+@dataclass(frozen=True)
 class Conf:
-    """The typed playbook: what plan_args.py and sizing.py read (the other sections are still read from
-    Playbook.data: docs/architecture.md, "The typed playbook")."""
+    """The typed playbook (docs/architecture.md, "The typed playbook")."""
+    target: Target | None  # one of target/targets (the schema's one_of); Playbook.targets gives the list
+    targets: tuple | None
+    acceptance: Acceptance
+    router: Router | None
+    tune: Tune
     model: Weights
     runtime: Runtime
     serve: Serve
@@ -211,7 +286,12 @@ def _view(cls, d: dict | None, **derived):
 def _conf(data: dict) -> Conf:
     sv, sp, rq = data["serve"], data["speculative"], data["requires"]
     dflash = sp["method"] == "dflash"
+    acc, r = data["acceptance"], data.get("router")
     return Conf(
+        target=_view(Target, data.get("target")), targets=data.get("targets") and tuple(
+            _view(Target, t) for t in data["targets"]), router=r and _view(Router, r, install=_view(RouterInstall,
+                                                                                                   r["install"])),
+        acceptance=_view(Acceptance, acc, probe=_view(Probe, acc["probe"])), tune=_view(Tune, data["tune"]),
         model=_view(Weights, data["model"]), runtime=_view(Runtime, data["runtime"]),
         serve=_view(Serve, sv, attention_backend=sv.get("attention_backend") or ("flash_attn" if dflash else None),
                     max_num_batched_tokens=sv.get("max_num_batched_tokens") or
@@ -245,18 +325,30 @@ class Playbook:
         """The typed playbook (above), built once: at the end of load, after the runtime is resolved."""
         return _conf(self.data)
 
+    def variant(self, *, k: int | None = None, schedule: list | None = None, off: bool | None = None) -> "Playbook":
+        """This playbook as one launch of compare or tune runs it: its fallback off (the playbook itself is measured,
+        or it failed); k given: that fixed k (its schedule dropped, or the one given); off: the baseline, without
+        --speculative-config (None: as it is)."""
+        spec = {key: v for key, v in self.data["speculative"].items() if k is None or key != "schedule"}
+        if k is not None:
+            spec["num_speculative_tokens"] = k
+        if schedule:
+            spec["schedule"] = [list(r) for r in schedule]
+        data = dict(self.data, speculative=spec, acceptance=dict(self.data["acceptance"], on_low_acceptance="fail"))
+        return replace(self, data=data, fallback=None, spec_off=self.spec_off if off is None else off)
+
     @property
     def is_fleet(self) -> bool:
         """Given `targets:` (replicas) rather than one `target:`."""
         return self.data.get("targets") is not None
 
     @property
-    def targets(self) -> list[dict]:
-        return list(self.data["targets"]) if self.is_fleet else [self.data["target"]]
+    def targets(self) -> list[Target]:
+        return list(self.conf.targets) if self.is_fleet else [self.conf.target]
 
     @property
     def where(self) -> str:
-        return ", ".join(f"{t['host']}/{t['vmid']}" for t in self.targets)
+        return ", ".join(t.where for t in self.targets)
 
     def member(self, where: str) -> "Playbook":
         """The single-target playbook of HOST/VMID (UsageError naming the targets if it is not one of them)."""
@@ -516,7 +608,7 @@ def playbooks_targeting(host: str, vmid: int, inventory: Inventory | None = None
             pb = load_playbook(name, inventory)
         except (SpecError, UsageError, OSError):
             continue
-        if any(t["host"] == host and t["vmid"] == vmid for t in pb.targets):
+        if any(t.where == f"{host}/{vmid}" for t in pb.targets):
             out.append((name, pb))
     return out
 
@@ -799,29 +891,23 @@ def fetch_items(pb: Playbook) -> list[dict]:
     """What deploy fetch (and up's fetch step) brings into the container: one item per fetched model/drafter.
     dest_kind dir: the files go into the directory (model.path, drafter.path); cache: into the hub cache under
     drafter.hf_home (a drafter with hub_id), laid out as huggingface_hub does."""
-    out = []
-    m = pb.data["model"]
-    if m.get("hub") or m.get("source"):
-        out.append(_item("model", "model", m, m["path"], "dir", None))
-    d = pb.drafter
-    if d and (d.get("hub") or d.get("source") or (d.get("hub_id") and d.get("revision"))):
-        if d.get("path"):
-            out.append(_item("drafter", "speculative.drafter", d, d["path"], "dir", None))
-        else:
-            out.append(_item("drafter", "speculative.drafter", d, None, "cache", d["hf_home"], hub=d["hub_id"]))
-    f = pb.data.get("fetch") or {}
-    if f.get("store"):  # hub sources into a directory: from the host's shared store (fetch.store)
+    out, m, d, f = [], pb.conf.model, pb.conf.speculative.drafter, pb.conf.fetch
+    if m.hub or m.source:
+        out.append(_item("model", "model", m, m.path, "dir", None))
+    if d and (d.hub or d.source or (d.hub_id and d.revision)):
+        out.append(_item("drafter", "speculative.drafter", d, d.path, "dir", None) if d.path else
+                   _item("drafter", "speculative.drafter", d, None, "cache", d.hf_home, hub=d.hub_id))
+    if f.store:  # hub sources into a directory: from the host's shared store (fetch.store)
         for it in out:
             if it["hub"] and not it["source_path"] and it["dest_kind"] == "dir":
-                it.update(store=f["store"], mount=f.get("mount") or "/models")
+                it.update(store=f.store, mount=f.mount)
     return out
 
 
-def _item(role, key, m, dest, kind, hf_home, hub=None) -> dict:
-    src = m.get("source") or {}
-    return {"role": role, "key": key, "hub": m.get("hub") or hub, "revision": m.get("revision"),
-            "token_env": m.get("token_env"), "endpoint": m.get("endpoint"), "dest": dest, "dest_kind": kind,
-            "hf_home": hf_home, "source_path": src.get("path")}
+def _item(role, key, w: Weights, dest, kind, hf_home, hub=None) -> dict:
+    return {"role": role, "key": key, "hub": w.hub or hub, "revision": w.revision, "token_env": w.token_env,
+            "endpoint": w.endpoint, "dest": dest, "dest_kind": kind, "hf_home": hf_home,
+            "source_path": (w.source or {}).get("path")}
 
 
 def _check_drafter(pb: Playbook, drafter: dict, spec: dict, problems: Problems) -> None:

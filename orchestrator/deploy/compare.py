@@ -42,22 +42,13 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-def step_speed(pb: Playbook, prompts: list[str], rounds: int, max_tokens: int, timeout_s: float) -> P.Step:
-    return P.Step("speed", f"{len(prompts) * rounds} timed completions of {max_tokens} tokens; /metrics before and "
-                           "after", action="speed",
-                  args={"port": pb.serve["port"], "prompts": prompts, "rounds": rounds, "max_tokens": max_tokens,
-                        "timeout_s": timeout_s, "model": pb.serve["served_model_name"],
-                        "state_dir": pb.runtime["state_dir"]},
-                  timeout=timeout_s + 30, host=pb.host, vmid=pb.vmid)
-
-
 def step_sweep(pb: Playbook, prompts: list[str], rounds: int, max_tokens: int, timeout_s: float,
                levels: list[int]) -> P.Step:
     return P.Step("sweep", f"concurrency {', '.join(map(str, levels))}: streamed completions of {max_tokens} tokens, "
                            "each timed; /metrics before and after each level", action="sweep",
-                  args={"port": pb.serve["port"], "prompts": prompts, "rounds": rounds, "max_tokens": max_tokens,
-                        "timeout_s": timeout_s, "model": pb.serve["served_model_name"], "levels": levels,
-                        "state_dir": pb.runtime["state_dir"]},
+                  args={"port": pb.conf.serve.port, "prompts": prompts, "rounds": rounds, "max_tokens": max_tokens,
+                        "timeout_s": timeout_s, "model": pb.conf.serve.served_model_name, "levels": levels,
+                        "state_dir": pb.conf.runtime.state_dir},
                   timeout=timeout_s + 30, host=pb.host, vmid=pb.vmid)
 
 
@@ -112,14 +103,9 @@ def pick_winner(results: list[dict]) -> dict | None:
     return max(measured, key=lambda r: r["speed"]["tokens_per_s"]) if measured else None
 
 
-def _gated(pb: Playbook) -> Playbook:
-    """The playbook with its fallback off: compare measures this playbook, or reports that it failed."""
-    data = dict(pb.data, acceptance=dict(pb.data["acceptance"], on_low_acceptance="fail"))
-    return dataclasses.replace(pb, data=data, fallback=None)
-
-
 def _bring_up(fleet, pb: Playbook, progress: Progress, opts: ops.Options) -> ops.Outcome:
-    return ops.up(fleet, _gated(pb), progress, dataclasses.replace(opts, yes=True))
+    """With its fallback off: compare measures this playbook, or reports that it failed."""
+    return ops.up(fleet, pb.variant(), progress, dataclasses.replace(opts, yes=True))
 
 
 def _measure(fleet, pb: Playbook, progress: Progress, step: P.Step) -> dict:
@@ -163,31 +149,12 @@ def label(pb: Playbook) -> str:
     return f"{pb.name} (no speculation)" if pb.spec_off else pb.name
 
 
-def variant(pb: Playbook, *, k: int | None = None, schedule: list | None = None, off: bool = False) -> Playbook:
-    """The playbook as one launch of tune runs it: its fallback off (the playbook itself is measured, or it failed);
-    k given: that fixed k (its schedule dropped, or the one given); off: the baseline, without --speculative-config."""
-    spec = dict(pb.data["speculative"])
-    if k is not None:
-        spec.pop("schedule", None)
-        spec["num_speculative_tokens"] = k
-    if schedule:
-        spec["schedule"] = [list(r) for r in schedule]
-    data = dict(pb.data, speculative=spec, acceptance=dict(pb.data["acceptance"], on_low_acceptance="fail"))
-    return dataclasses.replace(pb, data=data, fallback=None, spec_off=off)
-
-
-def baseline_of(pb: Playbook) -> Playbook:
-    """`compare A --baseline`: A without --speculative-config, as deploy tune's baseline (gated on serving)."""
-
-    return variant(pb, off=True)
-
-
 def compare(fleet, a: Playbook, b: Playbook, progress: Progress, opts: ops.Options, *, prompts: list[str],
             rounds: int, max_tokens: int, timeout_s: float, keep: str | None = None,
             levels: list[int] = (1, 4, 16)) -> dict:
     results = []
     for pb in (a, b):
-        method = "none" if pb.spec_off else pb.spec["method"]
+        method = "none" if pb.spec_off else pb.conf.speculative.method
         progress.say(f"{pb.host}/{pb.vmid}", f"compare: bringing up {label(pb)} ({method})")
         out = _bring_up(fleet, pb, progress, opts)
         row = {"playbook": label(pb), "method": method, "ok": out.ok, "status": out.status,

@@ -172,7 +172,8 @@ def diff_running(cur: CurrentResult, pb: Playbook) -> list[str]:
         diffs.append(f"playbook: running {st.get('playbook') or '(not recorded)'}, wanted {pb.name}")
     elif st.get("playbook_sha256") != pb.sha256:
         diffs.append(f"playbook file changed: {sha(st.get('playbook_sha256'), '(not recorded)')} -> {sha(pb.sha256)}")
-    want_d = None if pb.spec_off or not pb.conf.speculative.drafter else pb.conf.speculative.drafter.sha256
+    d = pb.conf.speculative.drafter
+    want_d = d.sha256 if d and not pb.spec_off else None
     if want_d and cur.drafter_sha256 != want_d:
         have = cur.drafter_sha256
         if have:
@@ -384,7 +385,7 @@ def r_verify(run: Run, step: P.Step) -> None:
     if step.drive.get("report"):  # deploy verify: every check's result, judged by verify_only
         run.verified = D.verify(run.ctx, step, record=False)
         return
-    run.verified = D.verify(run.ctx, step, blocking=run.opts.write_config or not pb.drafter,
+    run.verified = D.verify(run.ctx, step, blocking=run.opts.write_config or not pb.conf.speculative.drafter,
                             written_sha=run.written.after_sha256 if run.written else None)
     run.st.verified_sha = run.verified.sha256 if run.verified is not None else None
 
@@ -805,7 +806,7 @@ def verify_only(fleet: Fleet, pb: Playbook, progress: Progress) -> tuple[Outcome
 def apply_config_refusal(pb: Playbook) -> UsageError | None:
     """Why apply-config cannot run for PB (no drafter config to install), or None: the one message, for the CLI and
     for apply_config."""
-    if pb.drafter and P.drafter_config_path(pb):
+    if pb.conf.speculative.drafter and P.drafter_config_path(pb):
         return None
     return UsageError(f"{pb.name} has no drafter config to install (method {pb.conf.speculative.method}); nothing was run",
                       where=pb.path, fix=f"apply-config is for a playbook with a drafter (method dflash); deploy up "

@@ -27,7 +27,6 @@ import os
 import time
 
 from orchestrator.deploy import compare as C
-from orchestrator.deploy.compare import variant  # one launch of tune (compare --baseline uses it too)
 from orchestrator.deploy import ops
 from orchestrator.steps import plan as P
 from orchestrator.core.errors import DeployError, UsageError
@@ -44,15 +43,22 @@ MAX_BATCH = 4096          # the schedule's last range ends here (vLLM caps it at
 def label(pb: Playbook) -> str:
     if pb.spec_off:
         return "off"
-    s = pb.spec
-    return f"k={s['num_speculative_tokens']}" + (f" schedule {s['schedule']}" if s.get("schedule") else "")
+    k = _k(pb)
+    return f"k={k['k']}" + (f" schedule {k['schedule']}" if k["schedule"] else "")
+
+
+def _k(pb: Playbook) -> dict:
+    """A launch record's k and schedule (None for the baseline); the schedule as the playbook writes it."""
+    sp = pb.conf.speculative
+    return {"k": None if pb.spec_off else sp.num_speculative_tokens,
+            "schedule": list(sp.schedule) if sp.schedule and not pb.spec_off else None}
 
 
 def largest_k(pb: Playbook) -> int:
     """The largest k the drafter allows: DFlash drafts a block of block_size tokens, k = block_size - 1; else the
     playbook's k (MTP's head count limits it, and vLLM checks that at startup)."""
-    bs = (pb.drafter_config or {}).get("block_size") if pb.spec["method"] == "dflash" else None
-    return int(bs) - 1 if isinstance(bs, int) and bs > 1 else int(pb.spec["num_speculative_tokens"])
+    bs = (pb.drafter_config or {}).get("block_size") if pb.conf.speculative.method == "dflash" else None
+    return int(bs) - 1 if isinstance(bs, int) and bs > 1 else pb.conf.speculative.num_speculative_tokens
 
 
 def cap_levels(pb: Playbook, levels: list[int]) -> tuple[list[int], str | None]:
@@ -72,7 +78,7 @@ def cap_levels(pb: Playbook, levels: list[int]) -> tuple[list[int], str | None]:
     if len(keep) == len(levels):
         return keep, None
     return keep or [1], (f"concurrency {', '.join(str(c) for c in levels if c not in keep)} dropped: the sizing model "
-                         f"fits {cap:.1f} requests of max_model_len {pb.serve.get('max_model_len')} tokens")
+                         f"fits {cap:.1f} requests of max_model_len {pb.conf.serve.max_model_len} tokens")
 
 
 # ------------------------------------------------------------------ the model
@@ -234,25 +240,27 @@ def check_text(path: str, inventory) -> callable:
 # ------------------------------------------------------------------ the run
 
 
-def _launch(fleet, pb: Playbook, progress: Progress, opts: ops.Options, step: P.Step) -> tuple[dict, dict | None]:
-    """One launch: a real up with its gate, then compare's sweep. -> (the launch record, the measurement)."""
+def _launch(fleet, pb: Playbook, progress: Progress, opts: ops.Options, step: P.Step | None) -> tuple[dict, dict | None]:
+    """One launch: a real up with its gate, then compare's sweep. -> (the launch record, the measurement). Without a
+    step: the last launch, the chosen configuration left running (not swept again)."""
     t0 = time.monotonic()
-    progress.say(f"{pb.host}/{pb.vmid}", f"tune: launching {label(pb)}")
+    progress.say(pb.where, f"tune: launching {label(pb)}" if step else f"tune: leaving {label(pb)} running")
     out = ops.up(fleet, pb, progress, dataclasses.replace(opts, yes=True))
     g = (out.info or {}).get("gate") or {}
-    rec = {"config": label(pb), "k": None if pb.spec_off else pb.spec["num_speculative_tokens"],
-           "schedule": pb.spec.get("schedule") if not pb.spec_off else None, "ok": out.ok, "status": out.status,
+    rec = {"config": label(pb), **_k(pb), "ok": out.ok, "status": out.status,
            "gate": {"passed": bool(g.get("passed")), "reason": g.get("reason")} if out.ok else
            {"passed": False, "reason": out.error.message if out.error else out.status},
            "error": out.error.as_dict() if out.error else None}
     m = None
-    if out.ok:
+    if out.ok and step:
         try:
             m = C._measure(fleet, pb, progress, step)
         except DeployError as e:
             rec.update(ok=False, error=e.as_dict())
     rec["seconds"] = round(time.monotonic() - t0, 2)
-    progress.say(f"{pb.host}/{pb.vmid}", f"tune: {label(pb)}: " + (
+    if not step:
+        return {**rec, "final": True}, None
+    progress.say(pb.where, f"tune: {label(pb)}: " + (
         f"measured in {rec['seconds']:.1f} s" if rec["ok"] else
         f"dropped after {rec['seconds']:.1f} s: {(rec['error'] or {}).get('message') or rec['status']}"))
     return rec, m
@@ -285,12 +293,12 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
         launches.append(rec)
         return m if rec["ok"] else None
 
-    res = {"ok": False, "target": where, "playbook": pb.name, "method": pb.spec["method"], "concurrency": levels,
+    res = {"ok": False, "target": where, "playbook": pb.name, "method": pb.conf.speculative.method, "concurrency": levels,
            "prompts": len(prompts), "rounds": rounds, "max_tokens": max_tokens, "launches": launches,
            "levels": [], "predicted": {}, "prediction_error": {}, "chosen": None, "written": None, "backup": None,
            "diff": "", "warnings": warnings, "verdict": None, "kept": None,
            "prediction_tolerance": PREDICTION_TOLERANCE}
-    base = run(variant(pb, off=True), step_off)
+    base = run(pb.variant(off=True), step_off)
     if base is None:
         res["error"] = launches[-1]["error"]
         return res
@@ -300,7 +308,7 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
     sched_ok, version = _schedule_supported(fleet, pb, progress)
     res["vllm_version"], res["schedule_supported"] = version, sched_ok
     big_k = largest_k(pb)
-    big = run(variant(pb, k=big_k))
+    big = run(pb.variant(k=big_k))
     if big is not None:
         measured[str(big_k)] = big["levels"]
         acceptance = big.get("acceptance")
@@ -311,7 +319,7 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
         pred = predict(base["levels"], big["levels"], per_pos, min(big_k, len(per_pos)))
         res["predicted"] = {str(k): {str(c): v for c, v in by.items()} for k, by in pred.items()}
         for k in pick_candidates(pred, off_tps, big_k, max_launches):
-            m = run(variant(pb, k=k))
+            m = run(pb.variant(k=k))
             if m is not None:
                 measured[str(k)] = m["levels"]
         for name, figs in measured.items():
@@ -329,10 +337,10 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
     chosen = choose(levels, measured, noise)
     res["levels"] = chosen
     # the proposal
-    orig_k = pb.spec["num_speculative_tokens"]
+    orig_k = pb.conf.speculative.num_speculative_tokens
     wins = [x for x in chosen if x["winner"] not in (None, "off")]
     loses = [x for x in chosen if x["winner"] == "off"]
-    expected = int((pb.data.get("tune") or {}).get("expected_concurrency") or 1)
+    expected = pb.conf.tune.expected_concurrency
     why = f"vLLM {version or '(unknown version)'} has no {SCHEDULE_KEY} (vLLM >= 0.27)"
     if not wins:
         proposal = {"k": orig_k, "schedule": None, "off": True}
@@ -377,16 +385,16 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
         res["written"] = pb.path
     # leave the best configuration running
     if proposal["off"]:
-        final = variant(pb, off=True)
+        final = pb.variant(off=True)
     elif res["written"]:
-        final = variant(load_playbook(pb.path, inventory))
+        final = load_playbook(pb.path, inventory).variant()
     else:
-        final = variant(pb, k=proposal["k"], schedule=proposal["schedule"])
+        final = pb.variant(k=proposal["k"], schedule=proposal["schedule"])
     last = launches[-1] if launches else None
     if last and last["ok"] and last["config"] == label(final):
         res["kept"] = {"config": label(final), "ok": True, "status": "up", "error": None}
     else:
-        rec, _ = _launch_only(fleet, final, progress, opts)
+        rec, _ = _launch(fleet, final, progress, opts, None)
         launches.append(rec)
         res["kept"] = {"config": rec["config"], "ok": rec["ok"], "status": rec["status"], "error": rec["error"]}
     res["ok"] = bool(res["kept"]["ok"])
@@ -400,7 +408,7 @@ def _record(fleet, pb: Playbook, progress: Progress, res: dict) -> None:
     record is a warning (status then says `not tuned`)."""
     ctx = ops.new_context(fleet, pb, progress)
     step = P.Step("tune-record", "record the tune's verdict with the launch left running", action="tune_record",
-                  args={"state_dir": pb.runtime["state_dir"], "playbook": pb.name, "verdict": res["verdict"],
+                  args={"state_dir": pb.conf.runtime.state_dir, "playbook": pb.name, "verdict": res["verdict"],
                         "chosen": res["chosen"]}, timeout=20, host=pb.host, vmid=pb.vmid, playbook=pb.name)
     try:
         r = ctx.call(step)
@@ -408,22 +416,8 @@ def _record(fleet, pb: Playbook, progress: Progress, res: dict) -> None:
     except DeployError as e:
         ok, msg = False, e.message
     if not ok:
-        res["warnings"].append(f"could not record the verdict in {pb.runtime['state_dir']}/tune.json ({msg}): "
+        res["warnings"].append(f"could not record the verdict in {pb.conf.runtime.state_dir}/tune.json ({msg}): "
                                "deploy status says `not tuned`")
-
-
-def _launch_only(fleet, pb: Playbook, progress: Progress, opts: ops.Options) -> tuple[dict, None]:
-    """The last launch: the chosen configuration, gated, left running (not swept again)."""
-    t0 = time.monotonic()
-    progress.say(f"{pb.host}/{pb.vmid}", f"tune: leaving {label(pb)} running")
-    out = ops.up(fleet, pb, progress, dataclasses.replace(opts, yes=True))
-    g = (out.info or {}).get("gate") or {}
-    return {"config": label(pb), "k": None if pb.spec_off else pb.spec["num_speculative_tokens"],
-            "schedule": None if pb.spec_off else pb.spec.get("schedule"), "ok": out.ok, "status": out.status,
-            "gate": {"passed": bool(g.get("passed")), "reason": g.get("reason")} if out.ok else
-            {"passed": False, "reason": out.error.message if out.error else out.status},
-            "error": out.error.as_dict() if out.error else None, "seconds": round(time.monotonic() - t0, 2),
-            "final": True}, None
 
 
 # ------------------------------------------------------------------ output

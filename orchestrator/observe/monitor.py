@@ -62,12 +62,12 @@ def gate_thresholds(pb) -> dict:
 def choose(inv, playbooks: list) -> tuple[list, list]:
     """One playbook per container: -> ([(pb, member, target)], notes). Where several playbooks target a container
     (a playbook and its fallback), the one that is not another's fallback is kept and a note says so."""
-    fallbacks = {(pb.data.get("acceptance") or {}).get("fallback") for pb in playbooks}
+    fallbacks = {pb.conf.acceptance.fallback for pb in playbooks}
     by_ct: dict = {}
     for pb in playbooks:
         for t in pb.targets:
-            key = (t["host"], t["vmid"])
-            if t["host"] not in inv.hosts:
+            key = (t.host, t.vmid)
+            if t.host not in inv.hosts:
                 continue
             by_ct.setdefault(key, []).append((pb, t))
     chosen, notes = [], []
@@ -78,7 +78,7 @@ def choose(inv, playbooks: list) -> tuple[list, list]:
         if len(cands) > 1:
             notes.append(f"{key[0]}/{key[1]} is targeted by {', '.join(c[0].name for c in cands)}: labelled "
                          f"{pb.name} (after a fallback, export again naming the playbook that runs there)")
-        member = pb.member(f"{t['host']}/{t['vmid']}") if pb.is_fleet else pb
+        member = pb.member(t.where) if pb.is_fleet else pb
         chosen.append((pb, member, t))
     return chosen, notes
 
@@ -87,17 +87,17 @@ def targets(inv, chosen) -> tuple[list, list]:
     """file_sd groups (one per container) and the containers left out (no address in the inventory)."""
     groups, missing = [], []
     for pb, member, t in chosen:
-        host = inv.hosts[t["host"]]
-        ct = host.container(t["vmid"])
+        host = inv.hosts[t.host]
+        ct = host.container(t.vmid)
         addr = getattr(ct, "address", None) if ct is not None else None
         if not addr:
-            missing.append(f"{t['host']}/{t['vmid']}")
+            missing.append(t.where)
             continue
         shown = f"[{addr}]" if ":" in addr else addr
-        groups.append({"targets": [f"{shown}:{member.serve['port']}"],
-                       "labels": {"host": t["host"], "vmid": str(t["vmid"]), "playbook": pb.name,
-                                  "method": str(member.spec["method"]),
-                                  "model": str(member.serve["served_model_name"])}})
+        groups.append({"targets": [f"{shown}:{member.conf.serve.port}"],
+                       "labels": {"host": t.host, "vmid": str(t.vmid), "playbook": pb.name,
+                                  "method": member.conf.speculative.method,
+                                  "model": member.conf.serve.served_model_name}})
     return groups, missing
 
 
@@ -210,7 +210,7 @@ def rule_tests(chosen, *, for_: str, status_exporter: bool = False) -> dict:
     tests = []
     for pb, member, t, th in _each_playbook(chosen):
         k = th["k"]
-        lab = inst(t["host"], str(t["vmid"]), pb.name, str(member.spec["method"]))
+        lab = inst(t.host, str(t.vmid), pb.name, member.conf.speculative.method)
         # a broken drafter: 100 drafts/min, accepted tokens a tenth of the gate's, position 0 at 0.05
         low_acc = max(0.0, (th["min_al"] - 1) * 100 * 0.1)
         series = [{"series": f"{DRAFTS}{{{lab}}}", "values": f"0+100x{mins}"},

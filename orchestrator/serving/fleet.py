@@ -109,11 +109,11 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, par
     t0 = time.monotonic()
     warning = R.exposure_warning(pb)
     if warning:  # before anything runs, where it is read (issue 41); again in the router's result
-        progress.say(R.where(pb), "warning: " + warning)
+        progress.say(pb.conf.router.where, "warning: " + warning)
     opts = ops.Options(**{**opts.__dict__, "confirm": None})  # no prompt from several threads: -y replaces
     outs = run_each(pb.members, lambda m: ops.up(fleet, m, progress, opts, restart=restart), parallel)
     res = result(pb, "restart" if restart else "up", outs, t0, parallel=parallel)
-    if R.spec(pb):
+    if pb.conf.router:
         _router_up(fleet, pb, progress, res)
     return res
 
@@ -141,12 +141,12 @@ def rolling_restart(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Op
     members = pb.members
     outs: list = [None] * len(members)
     drains = None
-    if R.spec(pb):
+    if pb.conf.router:
         rv = R.view(fleet, pb)
         if rv.get("running"):
             drains = {}
         else:
-            progress.say(R.where(pb), f"router: {rv.get('state')}: the replicas restart without a drain "
+            progress.say(pb.conf.router.where, f"router: {rv.get('state')}: the replicas restart without a drain "
                                       f"(deploy up {pb.name} starts the router)")
     for start in range(0, len(members), max_unavailable):
         batch = members[start:start + max_unavailable]
@@ -163,7 +163,7 @@ def rolling_restart(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Op
             break
     res = result(pb, "rolling restart", outs, t0, max_unavailable=max_unavailable)
     if drains is not None:
-        res["router"] = {"where": R.where(pb), "ok": all(d.get("ok") for d in drains.values()),
+        res["router"] = {"where": pb.conf.router.where, "ok": all(d.get("ok") for d in drains.values()),
                          "mechanism": "vllm-router POST /remove_worker, then /add_worker after the gates",
                          "drains": drains}
         res["ok"] = res["ok"] and res["router"]["ok"]
@@ -185,7 +185,7 @@ def _rolled(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, m
         d = {"ok": False, "message": e.message}
     drains[w] = d
     if not d.get("ok"):
-        progress.say(R.where(pb), f"router: could not remove {w} ({d.get('message')}): restarting it anyway")
+        progress.say(pb.conf.router.where, f"router: could not remove {w} ({d.get('message')}): restarting it anyway")
     o = ops.up(fleet, m, progress, opts, restart=True)
     if o.ok:
         try:
@@ -196,7 +196,7 @@ def _rolled(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, m
         if not a.get("ok"):
             d["ok"] = False
             d["message"] = a.get("message")
-            progress.say(R.where(pb), f"router: could not add {w} back: {a.get('message')}")
+            progress.say(pb.conf.router.where, f"router: could not add {w} back: {a.get('message')}")
     return o
 
 
@@ -208,12 +208,12 @@ def down(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, o
     t0 = time.monotonic()
     members = [pb.member(only)] if only else pb.members
     rr = None
-    if R.spec(pb):
+    if pb.conf.router:
         if only:
             try:
-                rr = {"where": R.where(pb), **R.drain(fleet, pb, progress, members[0])}
+                rr = {"where": pb.conf.router.where, **R.drain(fleet, pb, progress, members[0])}
             except DeployError as e:
-                rr = {"where": R.where(pb), "ok": False, "message": e.message}
+                rr = {"where": pb.conf.router.where, "ok": False, "message": e.message}
         else:
             rr = R.down(fleet, pb, progress)
     outs = run_each(members, lambda m: ops.down(fleet, m, progress, opts), parallel)

@@ -30,23 +30,14 @@ class RouterFailed(DeployError):
     pass
 
 
-def spec(pb: Playbook) -> dict | None:
-    return pb.data.get("router") or None
-
-
-def where(pb: Playbook) -> str:
-    r = spec(pb)
-    return f"{r['host']}/{r['vmid']}"
-
-
 def replica_url(inv, pb: Playbook, member: Playbook) -> str:
     """The URL the router reaches a replica at: its container's inventory address (127.0.0.1 in the router's own
     container when that has none) and serve.port."""
-    r = spec(pb)
+    r = pb.conf.router
     host = inv.hosts.get(member.host) if inv is not None else None
     ct = host.container(member.vmid) if host is not None else None
     addr = ct.address if ct is not None else None
-    if not addr and (member.host, member.vmid) == (r["host"], r["vmid"]):
+    if not addr and (member.host, member.vmid) == (r.host, r.vmid):
         addr = "127.0.0.1"
     if not addr:
         raise RouterFailed(f"{member.host}/{member.vmid} has no address in the inventory: the router cannot reach it",
@@ -54,16 +45,12 @@ def replica_url(inv, pb: Playbook, member: Playbook) -> str:
     return base_url(addr, member.conf.serve.port)
 
 
-def state_dir(pb: Playbook) -> str:
-    return pb.conf.runtime.state_dir
-
-
 def _base(pb: Playbook) -> dict:
-    r = spec(pb)
-    sd = state_dir(pb)
-    listen = r["listen"]
-    return {"state_dir": sd, "playbook": pb.name, "venv": os.path.join(sd, f"router-venv-{r['version']}"),
-            "version": r["version"], "port": r["port"],
+    r = pb.conf.router
+    sd = pb.conf.runtime.state_dir
+    listen = r.listen
+    return {"state_dir": sd, "playbook": pb.name, "venv": os.path.join(sd, f"router-venv-{r.version}"),
+            "version": r.version, "port": r.port,
             "connect": "127.0.0.1" if listen in WILDCARD else listen}
 
 
@@ -75,10 +62,10 @@ def exposure_warning(pb: Playbook) -> str | None:
     and `/remove_worker` included; bound to every address, anyone who reaches the container can take the replicas
     out or add a worker of theirs and receive the clients' requests. Said by `plan` and `up`, not refused (a
     closed network is the user's to judge)."""
-    r = spec(pb)
-    if not r or pb.conf.serve.api_key_env or r["listen"] not in WILDCARD:
+    r = pb.conf.router
+    if not r or pb.conf.serve.api_key_env or r.listen not in WILDCARD:
         return None
-    return (f"router {where(pb)} listens on {r['listen']}:{r['port']} without an API key: anyone who reaches that "
+    return (f"router {r.where} listens on {r.listen}:{r.port} without an API key: anyone who reaches that "
             "port can call /remove_worker and /add_worker (take the replicas out, or add a server of theirs that "
             "then receives your clients' requests). Close it: set serve.api_key_env (the router then accepts only "
             "the replicas' key, on every endpoint), or set router.listen to an address only your clients reach "
@@ -87,11 +74,11 @@ def exposure_warning(pb: Playbook) -> str | None:
 
 def router_argv_args(pb: Playbook, workers: list[str]) -> list[str]:
     """vllm-router's own arguments (after the launcher): exactly what the unit/process runs."""
-    r = spec(pb)
-    return ["--host", r["listen"], "--port", str(r["port"]), "--worker-urls", *workers, "--policy", r["policy"],
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(r["port"] + 1),
-            "--health-check-interval-secs", str(r["health_check_interval_s"]),
-            "--health-failure-threshold", str(r["health_failure_threshold"]),
+    r = pb.conf.router
+    return ["--host", r.listen, "--port", str(r.port), "--worker-urls", *workers, "--policy", r.policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(r.metrics_port),
+            "--health-check-interval-secs", str(r.health_check_interval_s),
+            "--health-failure-threshold", str(r.health_failure_threshold),
             "--health-check-timeout-secs", str(HEALTH_TIMEOUT_S),
             "--worker-startup-timeout-secs", "120", "--worker-startup-check-interval", "1",
             "--log-level", "info"]
@@ -103,28 +90,28 @@ def _key(pb: Playbook) -> str | None:
 
 
 def call(fleet: Fleet, pb: Playbook, op: str, *, timeout: float = 60.0, on_event=None, **kw) -> dict:
-    r = spec(pb)
+    r = pb.conf.router
     key = _key(pb)
     if key:
         fleet.redact.add(key)
     args = dict(_base(pb), op=op, timeout_s=kw.pop("op_timeout", None) or max(1.0, timeout - 10), **kw)
-    step = step_on(r["host"], r["vmid"], r["python"], f"router-{op}", "router", args, timeout, f"router {op}")
-    res = call_on(fleet.session(r["host"]), step, secrets={"router_key": key} if key else None, on_event=on_event)
+    step = step_on(r.host, r.vmid, r.python, f"router-{op}", "router", args, timeout, f"router {op}")
+    res = call_on(fleet.session(r.host), step, secrets={"router_key": key} if key else None, on_event=on_event)
     return res.as_dict()  # RouterResult, checked; its per-op fields are data this module reads as such
 
 
 def _fail(pb, message, fix, **details):
-    raise RouterFailed(message, where=where(pb), fix=fix, details=details or None)
+    raise RouterFailed(message, where=pb.conf.router.where, fix=fix, details=details or None)
 
 
 def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -> dict:
     """Install (if needed), (re)start with the replicas that passed, wait until it sees them healthy, gate.
     -> the router section of the fleet result: {ok, where, url, workers, gate, ...}; raises nothing: a failure is
     the section's error (the replicas keep serving either way)."""
-    w = where(pb)
-    r = spec(pb)
+    r = pb.conf.router
+    w = r.where
     t0 = time.monotonic()
-    out = {"where": w, "port": r["port"], "policy": r["policy"], "version": r["version"], "ok": False}
+    out = {"where": w, "port": r.port, "policy": r.policy, "version": r.version, "ok": False}
     warning = exposure_warning(pb)
     if warning:
         out["warnings"] = [warning]
@@ -134,12 +121,12 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
         inv = fleet.inventory
         workers = [replica_url(inv, pb, m) for m in passed]
         out["workers"] = workers
-        ins = r["install"]
-        progress.say(w, f"router: vllm-router=={r['version']} in {_base(pb)['venv']} (installed if missing, then "
+        ins = r.install
+        progress.say(w, f"router: vllm-router=={r.version} in {_base(pb)['venv']} (installed if missing, then "
                         "checked against its RECORD)")
-        res = call(fleet, pb, "install", timeout=ins["timeout_s"] + 60, python=r["python"],
-                   index_url=ins.get("index_url"), find_links=ins.get("find_links") or [], no_index=ins["no_index"],
-                   op_timeout=ins["timeout_s"],
+        res = call(fleet, pb, "install", timeout=ins.timeout_s + 60, python=r.python,
+                   index_url=ins.index_url, find_links=list(ins.find_links), no_index=ins.no_index,
+                   op_timeout=ins.timeout_s,
                    on_event=lambda e: progress.say(w, "router: " + str(e.get("line", ""))[:300]) if e.get("line")
                    else None)
         if not res.get("ok"):
@@ -157,13 +144,12 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
             out["status"] = "already up"
         else:
             key_urls = [u + "/v1/models" for u in workers] if _key(pb) else []
-            res = call(fleet, pb, "start", timeout=90, args=args, workers=workers, policy=r["policy"],
-                       key_check_urls=key_urls,
-                       supervise=dataclasses.asdict(pb.conf.supervise))
+            res = call(fleet, pb, "start", timeout=90, args=args, workers=workers, policy=r.policy,
+                       key_check_urls=key_urls, supervise=dataclasses.asdict(pb.conf.supervise))
             if not res.get("ok"):
                 _fail(pb, f"router did not start: {res.get('message')}", "see docs/troubleshooting.md#router")
             progress.say(w, f"router: started ({res.get('supervisor') == 'systemd' and res.get('unit') or 'detached, not supervised'}"
-                            f", pid {res.get('pid')}) on port {r['port']}, policy {r['policy']}")
+                            f", pid {res.get('pid')}) on port {r.port}, policy {r.policy}")
             out.update(status="up", supervisor=res.get("supervisor"), unit=res.get("unit"), pid=res.get("pid"))
         res = call(fleet, pb, "wait", timeout=90, workers=workers, op_timeout=60)
         if not res.get("ready"):
@@ -174,7 +160,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
                   f"deploy status {pb.name} shows the replicas (they keep serving on their own addresses); "
                   "docs/troubleshooting.md#router")
         out["circuits_reset"] = _reset_open_circuits(fleet, pb, progress, workers, res)
-        n = r["gate_requests_per_replica"] * len(workers)
+        n = r.gate_requests_per_replica * len(workers)
         res = call(fleet, pb, "gate", timeout=180, workers=workers, model=pb.conf.serve.served_model_name,
                    requests=n, op_timeout=60)
         out["gate"] = {"sent": res.get("sent"), "succeeded": res.get("succeeded"),
@@ -191,7 +177,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
         if bad:
             _fail(pb, f"router gate: {n} completions through the router, but none reached "
                       + ", ".join(f"{u} ({(per.get(u) or {}).get('error') or '0 requests'})" for u in bad),
-                  f"with policy {r['policy']} every replica should get some; deploy status {pb.name} shows the "
+                  f"with policy {r.policy} every replica should get some; deploy status {pb.name} shows the "
                   "router's view")
         spread = ", ".join(f"{u.split('//')[1]}: {per[u]['requests']}" for u in workers)
         progress.say(w, f"router: ok   {n} completions through it, all succeeded, spread over the replicas ({spread})")
@@ -214,7 +200,7 @@ def _reset_open_circuits(fleet: Fleet, pb: Playbook, progress: Progress, workers
     whose circuit is not closed is re-added (remove_worker + add_worker: a new worker entry, a closed circuit;
     measured: the next request is served at once), one at a time. `ready`: the wait's answer, which carries the
     breakers read once every worker was healthy. -> [{url, circuit, readded, message}]."""
-    w = where(pb)
+    w = pb.conf.router.where
     circuits = ready.get("circuits")
     if not isinstance(circuits, dict):
         progress.say(w, f"router: circuit breakers not read ({ready.get('circuits_error')}); the gate below tells")
@@ -240,26 +226,26 @@ def _reset_open_circuits(fleet: Fleet, pb: Playbook, progress: Progress, workers
 def drain(fleet: Fleet, pb: Playbook, progress: Progress, member: Playbook) -> dict:
     """Before a replica stops: the router's own remove_worker (new requests go elsewhere at once), then wait
     (bounded by router.drain_timeout_s) until the replica runs no request."""
-    w = where(pb)
+    w = pb.conf.router.where
     url = replica_url(fleet.inventory, pb, member)
     res = call(fleet, pb, "remove", timeout=40, url=url)
     if not res.get("ok"):
         return {"ok": False, "message": f"remove_worker {url}: {res.get('status')} {res.get('message')}"}
-    r = spec(pb)
-    res = call(fleet, pb, "drain_wait", timeout=r["drain_timeout_s"] + 30, url=url,
-               op_timeout=max(0.1, r["drain_timeout_s"]))
+    r = pb.conf.router
+    res = call(fleet, pb, "drain_wait", timeout=r.drain_timeout_s + 30, url=url,
+               op_timeout=max(0.1, r.drain_timeout_s))
     if res.get("drained"):
         progress.say(w, f"router: {member.host}/{member.vmid} removed from the router; its running requests finished "
                         f"({res.get('seconds')}s)")
     else:
         progress.say(w, f"router: {member.host}/{member.vmid} removed from the router; still {res.get('running'):g} "
-                        f"request(s) running after {r['drain_timeout_s']:g}s (router.drain_timeout_s): restarting "
+                        f"request(s) running after {r.drain_timeout_s:g}s (router.drain_timeout_s): restarting "
                         "anyway")
     return {"ok": True, "url": url, **res}
 
 
 def add_back(fleet: Fleet, pb: Playbook, progress: Progress, member: Playbook) -> dict:
-    w = where(pb)
+    w = pb.conf.router.where
     url = replica_url(fleet.inventory, pb, member)
     res = call(fleet, pb, "add", timeout=150, url=url, op_timeout=130)
     if res.get("ok") or "already exists" in str(res.get("message")):
@@ -270,7 +256,7 @@ def add_back(fleet: Fleet, pb: Playbook, progress: Progress, member: Playbook) -
 
 def view(fleet: Fleet, pb: Playbook) -> dict:
     """The status row: the router's process, readiness and workers as it sees them, set against the replicas."""
-    out = {"where": where(pb), "port": spec(pb)["port"], "policy": spec(pb)["policy"]}
+    out = {"where": pb.conf.router.where, "port": pb.conf.router.port, "policy": pb.conf.router.policy}
     try:
         res = call(fleet, pb, "view", timeout=30)
     except Unreachable as e:
@@ -334,7 +320,7 @@ def compare(pb: Playbook, inv, rview: dict, serving: set) -> list[str]:
 
 
 def down(fleet: Fleet, pb: Playbook, progress: Progress) -> dict:
-    w = where(pb)
+    w = pb.conf.router.where
     try:
         res = call(fleet, pb, "stop", timeout=60)
     except DeployError as e:

@@ -58,7 +58,7 @@ class Context:
         on the Proxmox host itself). Returns the typed result (orchestrator/agent/protocol.py)."""
         fill = {TOKEN: self.token, HOLDER: self.holder}
         args = {k: fill.get(v, v) if isinstance(v, str) else v for k, v in step.args.items()}
-        py = step.drive.get("python") or self.pb.runtime["python"]
+        py = step.drive.get("python") or self.pb.conf.runtime.python
         how = "> (agent session)" if not fresh else f"$ {py} -   # on the host" if step.vmid is None else \
             f"$ pct exec {step.vmid} -- {py} -"
         self.progress.detail(self.where, self.session.audit.redact(
@@ -72,8 +72,8 @@ class Context:
         with hb:
             if fresh:
                 return agent.call(self.session, step.vmid, py, step.action, args, **kw)
-            return agent.session_for(self.session, step.vmid, self.pb.runtime["python"],
-                                     self.pb.runtime.get("state_dir")).call(step.action, args, **kw)
+            return agent.session_for(self.session, step.vmid, self.pb.conf.runtime.python,
+                                     self.pb.conf.runtime.state_dir).call(step.action, args, **kw)
 
     def record(self, name: str, ok: bool | None, summary: str, t0: float, **details) -> StepResult:
         r = StepResult(name, ok, summary, time.monotonic() - t0, details)
@@ -114,14 +114,14 @@ def holder_id() -> str:
 def secrets_for(pb: Playbook) -> dict:
     """vLLM's secret environment, read from LOCAL variables named by the playbook (serve.api_key_env,
     serve.secret_env): {NAME_IN_CONTAINER: value}. Sent on stdin only; every value is registered for redaction."""
-    refs = dict(pb.serve.get("secret_env") or {})
-    if pb.serve.get("api_key_env"):
-        refs["VLLM_API_KEY"] = pb.serve["api_key_env"]
+    refs = dict(pb.conf.serve.secret_env)
+    if pb.conf.serve.api_key_env:
+        refs["VLLM_API_KEY"] = pb.conf.serve.api_key_env
     out = {}
     for name, local in sorted(refs.items()):
         val = os.environ.get(local)
         if not val:
-            key = "serve.api_key_env" if name == "VLLM_API_KEY" and local == pb.serve.get("api_key_env") \
+            key = "serve.api_key_env" if name == "VLLM_API_KEY" and local == pb.conf.serve.api_key_env \
                 else f"serve.secret_env.{name}"
             raise DeployError(f"{key} names {local}, but it is not set in this shell",
                               where=pb.path, fix=f"export {local}=... before running deploy")

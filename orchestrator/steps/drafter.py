@@ -14,7 +14,7 @@ from . import Context
 def write_config(ctx: Context, step: Step) -> dict:
     t0 = time.monotonic()
     r = ctx.call(step, payload=ctx.pb.drafter_bytes)
-    path = step.args["path"]
+    path, d = step.args["path"], ctx.pb.conf.speculative.drafter
     if not r.ok:
         ctx.fail(step.name, t0, f"could not install the pinned drafter config at {path} ({r.stage}): "
                                 f"{r.message}; the old file is untouched "
@@ -26,8 +26,8 @@ def write_config(ctx: Context, step: Step) -> dict:
                       "payload": "the pinned bytes were damaged in transfer; run again (check the SSH link)",
                       "read": "make the existing config.json readable by root in the container",
                       "snapshot": "download the drafter into the container's hub cache first (HF_HOME="
-                                  f"{(ctx.pb.drafter or {}).get('hf_home')} huggingface-cli download "
-                                  f"{(ctx.pb.drafter or {}).get('hub_id')}), or use speculative.drafter.path"}.get(
+                                  f"{d and d.hf_home} huggingface-cli download {d and d.hub_id}), or use "
+                                  "speculative.drafter.path"}.get(
                      r.stage, "check the container"), result=r)
     if r.snapshot is not None:
         what = "built" if r.changed else "already holds the pinned config:"
@@ -96,9 +96,9 @@ def render_failures(bad: list[dict]) -> str:
 def verify_fix(bad: list[dict], pb, stack: dict | None = None) -> str:
     """One fix per class of failed check, each naming the command or edit that addresses that failure."""
     name = pb.name
-    py = pb.runtime["python"]
+    py = pb.conf.runtime.python
     ver = (stack or {}).get("version")
-    minv = pb.data["requires"].get("vllm_min_version")
+    minv = pb.conf.requires.vllm_min_version
     fixes: list[str] = []
 
     def add(f):
@@ -152,7 +152,7 @@ def verify_fix(bad: list[dict], pb, stack: dict | None = None) -> str:
             add("the drafter weights do not match this config: download the drafter that goes with the pinned "
                 "config into speculative.drafter.path")
         else:
-            add(f"correct the pinned config {pb.drafter.get('pinned_config') if pb.drafter else ''} (and its "
+            add(f"correct the pinned config {getattr(pb.conf.speculative.drafter, 'pinned_config', '')} (and its "
                 f"sha256 in {pb.path}), then deploy verify {name}")
     return "; ".join(fixes) or f"deploy verify {name}"
 
@@ -161,13 +161,13 @@ def drift(ctx: Context, step: Step, launched_sha: str | None) -> dict:
     """The file must still be what was there at launch (normally the pinned bytes)."""
     t0 = time.monotonic()
     r = ctx.call(step)
-    want = launched_sha or ctx.pb.drafter["sha256"]
+    want = launched_sha or ctx.pb.conf.speculative.drafter.sha256
     if r.sha256 != want:
         ctx.fail(step.name, t0, f"the drafter config changed behind our back while vLLM started: "
                                 f"{step.args['path']} now has sha256 {r.sha256 or r.error}, "
-                                f"it had {want} when verified (pinned {ctx.pb.drafter['sha256']})",
+                                f"it had {want} when verified (pinned {ctx.pb.conf.speculative.drafter.sha256})",
                  fix=f"find what rewrites {step.args['path']} (a sync job, a download) and stop it; then deploy up "
                      f"{ctx.pb.name} again", result=r)
-    note = "" if want == ctx.pb.drafter["sha256"] else " (NOT the pinned config: --skip-config-write)"
+    note = "" if want == ctx.pb.conf.speculative.drafter.sha256 else " (NOT the pinned config: --skip-config-write)"
     ctx.record(step.name, True, f"unchanged since verify (sha256 {want[:12]}){note}", t0)
     return r

@@ -190,7 +190,7 @@ def _devs(gpus) -> str:
 
 
 def _state(pb, name) -> str:
-    return os.path.join(pb.runtime["state_dir"], name)
+    return os.path.join(pb.conf.runtime.state_dir, name)
 
 
 def step_container(pb):
@@ -204,7 +204,7 @@ LOCK_TERM_S = 60.0  # a lock not renewed for this long is stale: its holder died
 def step_lock(pb, operation, lease_s):
     return Step("lock", f"take the container lock (fails fast if another deploy holds it); a heartbeat renews it "
                         f"every {LOCK_TERM_S / 4:g} s for at most {lease_s:g} s (the steps' timeouts)", action="lock",
-                args={"state_dir": pb.runtime["state_dir"], "token": TOKEN, "holder": HOLDER,
+                args={"state_dir": pb.conf.runtime.state_dir, "token": TOKEN, "holder": HOLDER,
                       "lease_s": lease_s, "term_s": LOCK_TERM_S, "wait_s": 0, "operation": operation},
                 timeout=30, runs=[f"ln {_state(pb, 'lock.NEW')} {_state(pb, 'lock')}   # atomic: fails if held "
                                   "(holder, operation, lease in the file; a stale one is broken)",
@@ -218,47 +218,47 @@ def lease_for(steps: list[Step]) -> float:
 
 
 def step_current(pb):
-    port = pb.serve["port"]
+    port = pb.conf.serve.port
     return Step("current", "read what runs there now (state file, health, gate verdict); if this same playbook "
                            "already runs healthy and its launch passed the gate, stop here: already up (without a "
                            "passed verdict: gate it now)", action="status",
-                args={"state_dir": pb.runtime["state_dir"],
+                args={"state_dir": pb.conf.runtime.state_dir,
                       "nvidia_smi_timeout_s": pb.conf.gpu.nvidia_smi_timeout_s},
                 timeout=pb.conf.gpu.nvidia_smi_timeout_s + 20,
                 runs=[f"cat {_state(pb, 'state.json')}; check its process group is alive (pid, start time, launch id)",
                       "sha256sum the drafter config the state file names; ps for vLLM processes deploy did not start",
                       f"curl -s http://127.0.0.1:{port}/health; curl -s http://127.0.0.1:{port}/v1/models "
                       "(only to our own listener; API key on stdin)",
-                      f"{NVIDIA_SMI_QUERY}   # timeout {pb.data['gpu']['nvidia_smi_timeout_s']:g} s"],
+                      f"{NVIDIA_SMI_QUERY}   # timeout {pb.conf.gpu.nvidia_smi_timeout_s:g} s"],
                 **_common(pb))
 
 
 def step_write_config(pb):
     path = drafter_config_path(pb)
     if hub_drafter_dir(pb):
-        d = pb.drafter
+        d = pb.conf.speculative.drafter
         return Step("drafter-config", f"serve the pinned config from {hub_drafter_dir(pb)}: config.json (pinned) "
-                                      f"+ links to the other files of the hub snapshot of {d['hub_id']} "
+                                      f"+ links to the other files of the hub snapshot of {d.hub_id} "
                                       f"(the hub cache is only read)", action="hub_drafter",
-                    args={"path": path, "dir": hub_drafter_dir(pb), "hub_id": d["hub_id"], "hf_home": d["hf_home"],
-                          "sha256": d["sha256"], **({"revision": d["revision"]} if d.get("revision") else {})},
+                    args={"path": path, "dir": hub_drafter_dir(pb), "hub_id": d.hub_id, "hf_home": d.hf_home,
+                          "sha256": d.sha256, **({"revision": d.revision} if d.revision else {})},
                     timeout=30,
-                    payload=f"{os.path.basename(d['pinned_config'])} ({len(pb.drafter_bytes)} bytes, "
-                            f"sha256 {d['sha256'][:12]}...)",
+                    payload=f"{os.path.basename(d.pinned_config)} ({len(pb.drafter_bytes)} bytes, "
+                            f"sha256 {d.sha256[:12]}...)",
                     runs=[f"mkdir -m 0700 {hub_drafter_dir(pb)}.NEW; write config.json (the pinned bytes, sha256 "
-                          f"{d['sha256']}); ln -s every other file of the snapshot of {d['hub_id']} in "
-                          f"{d['hf_home']}", f"mv -T {hub_drafter_dir(pb)}.NEW {hub_drafter_dir(pb)}; "
+                          f"{d.sha256}); ln -s every other file of the snapshot of {d.hub_id} in "
+                          f"{d.hf_home}", f"mv -T {hub_drafter_dir(pb)}.NEW {hub_drafter_dir(pb)}; "
                                              f"sha256sum {path}   # read back"],
                     **_common(pb))
     return Step("drafter-config", f"install the pinned drafter config at {path} if its sha256 differs "
                                   "(backup, temp file, fsync, rename, read back)", action="write_file",
-                args={"path": path, "sha256": pb.drafter["sha256"]}, timeout=30,
-                payload=f"{os.path.basename(pb.drafter['pinned_config'])} ({len(pb.drafter_bytes)} bytes, "
-                        f"sha256 {pb.drafter['sha256'][:12]}...)",
-                runs=[f"sha256sum {path}   # equal to {pb.drafter['sha256']}: nothing to do",
+                args={"path": path, "sha256": pb.conf.speculative.drafter.sha256}, timeout=30,
+                payload=f"{os.path.basename(pb.conf.speculative.drafter.pinned_config)} ({len(pb.drafter_bytes)} bytes, "
+                        f"sha256 {pb.conf.speculative.drafter.sha256[:12]}...)",
+                runs=[f"sha256sum {path}   # equal to {pb.conf.speculative.drafter.sha256}: nothing to do",
                       f"else: cp -p {path} {path}.bak-UTCSTAMP; write {path}.tmp-RANDOM (O_EXCL, no symlinks); "
                       f"fsync; mv {path}.tmp-RANDOM {path}; fsync the directory",
-                      f"sha256sum {path}   # read back: must be {pb.drafter['sha256']}"],
+                      f"sha256sum {path}   # read back: must be {pb.conf.speculative.drafter.sha256}"],
                 **_common(pb))
 
 
@@ -272,15 +272,15 @@ def step_plumbing(pb):
                 runs=[f"pct config {pb.vmid}; grep nvidia /proc/devices; stat /dev/nvidia*; "
                       "cat /proc/driver/nvidia/version; nvidia-smi   # on the host, one exec",
                       f"stat /dev/nvidia*; ls /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.* libcuda.so.*; "
-                      f"df /dev/shm; torch/version.py of {pb.runtime['python']}   # in the container, no exec"],
+                      f"df /dev/shm; torch/version.py of {pb.conf.runtime.python}   # in the container, no exec"],
                 **_common(pb))
 
 
 def step_verify(pb):
-    if not pb.drafter or pb.spec_off:
+    if not pb.conf.speculative.drafter or pb.spec_off:
         return Step("verify", "verify the serving stack (vLLM version, complete build, import)", action="verify",
-                    args={"stack_only": True, "method": pb.spec["method"],
-                          "vllm_min_version": pb.data["requires"].get("vllm_min_version"), **launch_check_args(pb)},
+                    args={"stack_only": True, "method": pb.conf.speculative.method,
+                          "vllm_min_version": pb.conf.requires.vllm_min_version, **launch_check_args(pb)},
                     timeout=180,
                     runs=_stack_runs(pb), **_common(pb))
     path = drafter_config_path(pb)
@@ -288,14 +288,14 @@ def step_verify(pb):
                 action="verify", args=verify_args(pb), bulk={"pinned": pb.drafter_config}, timeout=180,
                 runs=[f"realpath {path}; sha256sum it; parse it (duplicate keys refused) and compare every field "
                       "with the pinned config and the target's text_config",
-                      f"HF_HUB_OFFLINE=1 {pb.runtime['python']} -c 'AutoConfig.from_pretrained(DIR)'   # loaded as "
-                      "vLLM loads it, in a subprocess" + ("" if pb.serve.get("trust_remote_code") else
+                      f"HF_HUB_OFFLINE=1 {pb.conf.runtime.python} -c 'AutoConfig.from_pretrained(DIR)'   # loaded as "
+                      "vLLM loads it, in a subprocess" + ("" if pb.conf.serve.trust_remote_code else
                                                           ", trust_remote_code=False")] + _stack_runs(pb),
                 **_common(pb))
 
 
 def _stack_runs(pb) -> list[str]:
-    py = pb.runtime["python"]
+    py = pb.conf.runtime.python
     return [f"{py} -c 'import vllm; print(vllm.__version__)'; grep the fix markers in vllm's sources",
             f"{py} -c 'import vllm._C'   # compiled extensions, in a subprocess",
             "parse vllm/config/speculative.py (Python's ast, vllm not imported): the fields of SpeculativeConfig; "
@@ -303,12 +303,12 @@ def _stack_runs(pb) -> list[str]:
 
 
 def step_stop(pb, clean_gpus, when=something_to_stop, only_this_playbook=False, name="stop", phase="main"):
-    g = pb.data["gpu"]
+    g = pb.conf.gpu
     runs = [f"cat {_state(pb, 'state.json')}; prove the recorded group is ours (start time, launch id)" +
             (f" and runs {pb.name}" if only_this_playbook else ""),
             "if it names a systemd unit: systemctl stop UNIT; systemctl disable UNIT   # every process of the unit's "
-            f"cgroup: SIGTERM, SIGKILL after TimeoutStopSec={g['stop_grace_s']:g}s; the env file with the secrets removed",
-            f"else: kill -TERM -PGID; wait up to {g['stop_grace_s']:g} s; kill -KILL -PGID   # pidfd-checked, never "
+            f"cgroup: SIGTERM, SIGKILL after TimeoutStopSec={g.stop_grace_s:g}s; the env file with the secrets removed",
+            f"else: kill -TERM -PGID; wait up to {g.stop_grace_s:g} s; kill -KILL -PGID   # pidfd-checked, never "
             "a reused id", "wait until the group has left; list what still holds " + _devs(pb.gpus)]
     if clean_gpus:
         runs.append(f"fuser -k -TERM {_devs(pb.gpus)}; wait 5 s; fuser -k -KILL {_devs(pb.gpus)}   # in the "
@@ -316,27 +316,27 @@ def step_stop(pb, clean_gpus, when=something_to_stop, only_this_playbook=False, 
     return Step(name, "stop vLLM: SIGTERM its process group, grace period, SIGKILL, find leftovers"
                 + (", then fuser -k -TERM/-KILL the holders of " + ", ".join(f"/dev/nvidia{g}" for g in pb.gpus)
                    if clean_gpus else ""),
-                action="stop", args={"state_dir": pb.runtime["state_dir"], "grace_s": g["stop_grace_s"],
+                action="stop", args={"state_dir": pb.conf.runtime.state_dir, "grace_s": g.stop_grace_s,
                                      "clean_gpus": clean_gpus, "fuser_grace_s": 5, "gpus": pb.gpus,
-                                     "nvidia_smi_timeout_s": g["nvidia_smi_timeout_s"],
+                                     "nvidia_smi_timeout_s": g.nvidia_smi_timeout_s,
                                      **({"only_playbook": pb.name} if only_this_playbook else {})},
-                timeout=g["stop_grace_s"] + 60, when=when, runs=runs, phase=phase, **_common(pb))
+                timeout=g.stop_grace_s + 60, when=when, runs=runs, phase=phase, **_common(pb))
 
 
 OUTSIDE_AFTER_S = 10.0  # busy GPUs that nothing in the container holds for this long: held outside, fail now
 
 
 def step_gpus_free(pb):
-    g = pb.data["gpu"]
-    return Step("gpus-free", f"prove GPUs {pb.gpus} free: every one under {g['free_threshold_mib']} MiB "
-                             f"within {g['free_timeout_s']:g} s", action="gpus_free",
-                args={"gpus": pb.gpus, "threshold_mib": g["free_threshold_mib"], "timeout_s": g["free_timeout_s"],
-                      "outside_after_s": min(OUTSIDE_AFTER_S, g["free_timeout_s"]),
-                      "nvidia_smi_timeout_s": g["nvidia_smi_timeout_s"], "poll_s": 0.25},
-                timeout=g["free_timeout_s"] + g["nvidia_smi_timeout_s"] + 20,
-                runs=[f"{NVIDIA_SMI_QUERY}   # every 0.25 s up to {g['free_timeout_s']:g} s (each call "
-                      f"timeout {g['nvidia_smi_timeout_s']:g} s) until GPUs {pb.gpus} are each under "
-                      f"{g['free_threshold_mib']} MiB; busy for {min(OUTSIDE_AFTER_S, g['free_timeout_s']):g} s with "
+    g = pb.conf.gpu
+    return Step("gpus-free", f"prove GPUs {pb.gpus} free: every one under {g.free_threshold_mib} MiB "
+                             f"within {g.free_timeout_s:g} s", action="gpus_free",
+                args={"gpus": pb.gpus, "threshold_mib": g.free_threshold_mib, "timeout_s": g.free_timeout_s,
+                      "outside_after_s": min(OUTSIDE_AFTER_S, g.free_timeout_s),
+                      "nvidia_smi_timeout_s": g.nvidia_smi_timeout_s, "poll_s": 0.25},
+                timeout=g.free_timeout_s + g.nvidia_smi_timeout_s + 20,
+                runs=[f"{NVIDIA_SMI_QUERY}   # every 0.25 s up to {g.free_timeout_s:g} s (each call "
+                      f"timeout {g.nvidia_smi_timeout_s:g} s) until GPUs {pb.gpus} are each under "
+                      f"{g.free_threshold_mib} MiB; busy for {min(OUTSIDE_AFTER_S, g.free_timeout_s):g} s with "
                       "no holder in the container: held outside, stop waiting",
                       f"if not: fuser -v {_devs(pb.gpus)}   # holders in the container",
                       "if none there: pct list; pct config VMID for each other running container; nvidia-smi "
@@ -346,9 +346,9 @@ def step_gpus_free(pb):
 
 
 def step_port(pb):
-    return Step("port-free", f"port {pb.serve['port']} is free in the container", action="port_check",
-                args={"port": pb.serve["port"]}, timeout=20,
-                runs=[f"ss -ltn 'sport = :{pb.serve['port']}'   # read from /proc/net/tcp and tcp6"], **_common(pb))
+    return Step("port-free", f"port {pb.conf.serve.port} is free in the container", action="port_check",
+                args={"port": pb.conf.serve.port}, timeout=20,
+                runs=[f"ss -ltn 'sport = :{pb.conf.serve.port}'   # read from /proc/net/tcp and tcp6"], **_common(pb))
 
 
 def step_launch(pb):
@@ -358,7 +358,7 @@ def step_launch(pb):
                 action="launch", args={"argv": serve_argv(pb), "env": serve_env(pb), "state_dir": sp["state_dir"],
                                        "log_path": sp["log_path"], "record": state_record(pb),
                                        "unit": unit_name(pb), "playbook": pb.name, "supervise": supervise_args(pb),
-                                       "stop_grace_s": pb.data["gpu"]["stop_grace_s"]},
+                                       "stop_grace_s": pb.conf.gpu.stop_grace_s},
                 payload=("secrets (env: " + ", ".join(secret_env_names(pb)) + ")") if secret_env_names(pb) else None,
                 timeout=30, runs=[f"if /run/systemd/system exists: write /etc/systemd/system/{unit_name(pb)} (ExecStart= "
                                   "this argv, Environment= this environment, EnvironmentFile="
@@ -386,16 +386,16 @@ def step_wait(pb):
 
     sp = state_paths(pb)
     return Step("wait-ready", "follow the log and /health until /v1/models lists the model and a completion "
-                              f"succeeds (timeout {pb.serve['load_timeout_s']:g} s)", action="wait_ready",
-                args={"state_dir": sp["state_dir"], "log_path": sp["log_path"], "port": pb.serve["port"],
-                      "served_model_name": pb.serve["served_model_name"], "timeout_s": pb.serve["load_timeout_s"]},
+                              f"succeeds (timeout {pb.conf.serve.load_timeout_s:g} s)", action="wait_ready",
+                args={"state_dir": sp["state_dir"], "log_path": sp["log_path"], "port": pb.conf.serve.port,
+                      "served_model_name": pb.conf.serve.served_model_name, "timeout_s": pb.conf.serve.load_timeout_s},
                 bulk={"fatal": vf.FATAL, "phases": vf.PHASES, "aux_regex": vf.AUX_LAYERS},
-                timeout=pb.serve["load_timeout_s"] + 60,
+                timeout=pb.conf.serve.load_timeout_s + 60,
                 runs=[f"tail -f {sp['log_path']} (journalctl -f _SYSTEMD_INVOCATION_ID=... for a systemd unit)   "
                       "# startup phases, known fatal lines, the auxiliary-layers line",
-                      f"curl http://127.0.0.1:{pb.serve['port']}/health; curl /v1/models (lists "
-                      f"{pb.serve['served_model_name']}); POST /v1/completions (1 token)   # until ready, the "
-                      f"process exits, or {pb.serve['load_timeout_s']:g} s"],
+                      f"curl http://127.0.0.1:{pb.conf.serve.port}/health; curl /v1/models (lists "
+                      f"{pb.conf.serve.served_model_name}); POST /v1/completions (1 token)   # until ready, the "
+                      f"process exits, or {pb.conf.serve.load_timeout_s:g} s"],
                 **_common(pb))
 
 
@@ -414,21 +414,21 @@ def step_drift(pb, name="drift", title="re-read the drafter config's sha256 now 
 
 def step_acceptance(pb, when=None, phase="main"):
 
-    p = pb.data["acceptance"]["probe"]
+    p = pb.conf.acceptance.probe
     th = playbook_thresholds(pb)
-    n = len(p["prompts"]) * p["rounds"]
-    return Step("acceptance", f"measure acceptance: scrape /metrics, {n} probe requests ({p.get('prompts_source') or 'playbook'}"
+    n = len(p.prompts) * p.rounds
+    return Step("acceptance", f"measure acceptance: scrape /metrics, {n} probe requests ({p.prompts_source or 'playbook'}"
                               f"), scrape again; gate: {th.describe()}",
-                action="acceptance", args={"port": pb.serve["port"], "prompts": p["prompts"], "rounds": p["rounds"],
-                                           "max_rounds": p["max_rounds"], "min_drafts": th.min_drafts,
-                                           "max_tokens": p["max_tokens"], "timeout_s": p["timeout_s"],
-                                           "model": pb.serve["served_model_name"],
+                action="acceptance", args={"port": pb.conf.serve.port, "prompts": list(p.prompts), "rounds": p.rounds,
+                                           "max_rounds": p.max_rounds, "min_drafts": th.min_drafts,
+                                           "max_tokens": p.max_tokens, "timeout_s": p.timeout_s,
+                                           "model": pb.conf.serve.served_model_name,
                                            "log_path": state_paths(pb)["log_path"],
-                                           "state_dir": pb.runtime["state_dir"]},
-                timeout=p["timeout_s"] + 30, when=when, phase=phase, judge={"thresholds": th},
-                runs=[f"curl http://127.0.0.1:{pb.serve['port']}/metrics   # spec-decode counters before",
-                      f"{n} x POST /v1/completions (max_tokens {p['max_tokens']}); more rounds (up to "
-                      f"{p['max_rounds']}) while fewer than {th.min_drafts} drafts, within {p['timeout_s']:g} s",
+                                           "state_dir": pb.conf.runtime.state_dir},
+                timeout=p.timeout_s + 30, when=when, phase=phase, judge={"thresholds": th},
+                runs=[f"curl http://127.0.0.1:{pb.conf.serve.port}/metrics   # spec-decode counters before",
+                      f"{n} x POST /v1/completions (max_tokens {p.max_tokens}); more rounds (up to "
+                      f"{p.max_rounds}) while fewer than {th.min_drafts} drafts, within {p.timeout_s:g} s",
                       "curl /metrics again; AL = 1 + delta(accepted) / delta(drafts), rate = delta(accepted) / "
                       "delta(draft tokens), per position = delta(per_pos[p]) / delta(drafts) (else the SpecDecoding "
                       "log line)"],
@@ -446,7 +446,7 @@ def step_gate_record(pb, when=None, phase="main"):
     """The verdict itself is known only at run time: ops fills in args["verdict"]."""
     return Step("gate-record", "record the gate's verdict and figures with the launch it belongs to (deploy up "
                                "never says `already up` for a launch without a passed verdict; deploy status shows it)",
-                action="gate_record", args={"state_dir": pb.runtime["state_dir"], "playbook": pb.name, "verdict": {}},
+                action="gate_record", args={"state_dir": pb.conf.runtime.state_dir, "playbook": pb.name, "verdict": {}},
                 timeout=20, when=when, phase=phase,
                 runs=[f"write {_state(pb, 'gate.json')} (verdict, figures, the launch id of state.json); on a "
                       f"rejection with a fallback also {_state(pb, 'rejected.json')}"], **_common(pb))
@@ -455,14 +455,14 @@ def step_gate_record(pb, when=None, phase="main"):
 def step_note_failure(pb):
     """The failure itself is known only at run time: ops fills in args["failure"]."""
     return Step("note-failure", "record the failure in the state directory, for deploy status", action="note_failure",
-                args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,
+                args={"state_dir": pb.conf.runtime.state_dir, "failure": {}}, timeout=20,
                 when=changed_something, phase="on-failure",
                 runs=[f"write {_state(pb, 'last_failure.json')} (playbook, step, message)"], **_common(pb))
 
 
 def step_unlock(pb):
     return Step("unlock", "release the container lock", action="unlock",
-                args={"state_dir": pb.runtime["state_dir"], "token": TOKEN}, timeout=20, when=lock_held,
+                args={"state_dir": pb.conf.runtime.state_dir, "token": TOKEN}, timeout=20, when=lock_held,
                 phase="finally", runs=[f"rm {_state(pb, 'lock')}   # only if it is still ours"], **_common(pb))
 
 
@@ -531,7 +531,7 @@ def step_fetch(pb: Playbook, *, allow: bool = True, rehash: bool = False, connec
     return Step("fetch", ("fetch what is missing, detached, verified against the hub's record: " if allow else
                             "check that the weights are in place and verified (--no-fetch: refuse when not): ")
                   + "; ".join(_fetch_describe(it) for it in its), action="fetch",
-                  args={"op": "probe", "state_dir": pb.runtime["state_dir"], "items": its, "rehash": rehash},
+                  args={"op": "probe", "state_dir": pb.conf.runtime.state_dir, "items": its, "rehash": rehash},
                   timeout=timeout_s + 600 if allow else 60, runs=runs + (
                       ["every file in place re-hashed (sha256 / git blob id), not trusted from its record"]
                       if rehash else []), host=pb.host, vmid=pb.vmid, playbook=pb.name,
@@ -557,30 +557,30 @@ INSTALL_FALLBACK_PYTHON = "/usr/bin/python3"  # runs the agent when the runtime 
 def step_install(pb: Playbook, *, force: bool = False, rollback: bool = False) -> Step:
     """The step `install-vllm` (install.run drives it: probe, then start / re-attach / report / nothing to do, then
     follow; or the rollback)."""
-    req, rt = pb.data["requires"], pb.runtime
-    inst = req["install"]
-    py = inst.get("python") or rt["python"]
-    venv = os.path.dirname(os.path.dirname(rt["python"]))
+    req, rt = pb.conf.requires, pb.conf.runtime
+    inst = req.install
+    py = inst.python or rt.python
+    venv = os.path.dirname(os.path.dirname(rt.python))
     if rollback:
         return Step("install-vllm", f"switch the runtime {venv} back to the venv it had before the last switch, then "
                                     "verify the serving stack there", action="install_vllm",
                     args=install_args(pb, "probe"), timeout=360,
                     runs=[f"readlink {venv}; cat {_state(pb, 'runtime.json')}   # the previous venv",
                           f"ln -sfn PREVIOUS {venv}.NEW; mv -T {venv}.NEW {venv}   # one rename",
-                          f"{rt['python']} -c 'import vllm' ...   # the stack checks of verify"],
+                          f"{rt.python} -c 'import vllm' ...   # the stack checks of verify"],
                     drive={"rollback": True, "force": force, "python": py}, sub=install_calls(pb, py), **_common(pb))
-    spec = req.get("vllm") or "?"
+    spec = req.vllm or "?"
     runner = "uv pip install (uv venv) when the container has uv, else python -m venv + pip"
     return Step("install-vllm", f"install {spec} into a fresh venv beside {venv} ({venv}.versions/), detached, "
                                 f"verify it there, then switch {venv} to it (one rename); the previous venv stays",
                 action="install_vllm", args=install_args(pb, "probe"),
-                timeout=float(inst["timeout_s"]) + 1100,
+                timeout=float(inst.timeout_s) + 1100,
                 runs=[f"pct exec {pb.vmid} -- {py} - install_vllm probe   # runtime link, a running or finished install, "
                       "what serves (falls back to " + INSTALL_FALLBACK_PYTHON + " while the venv does not exist)",
                       f"{runner}: {spec} -> {venv}.versions/LABEL-ID   # detached runner, log "
-                      f"{_state(pb, 'install-ID.log')}, limit requires.install.timeout_s = {inst['timeout_s']:g} s"
-                      + (f", --index-url {inst['index_url']}" if inst.get("index_url") else "")
-                      + (" --require-hashes" if inst.get("hashes") else ""),
+                      f"{_state(pb, 'install-ID.log')}, limit requires.install.timeout_s = {inst.timeout_s:g} s"
+                      + (f", --index-url {inst.index_url}" if inst.index_url else "")
+                      + (" --require-hashes" if inst.hashes else ""),
                       f"{venv}.versions/LABEL-ID/bin/python -c 'import vllm; import vllm._C'; check the fix markers, "
                       "every file against the distribution's RECORD",
                       f"ln -sfn {venv}.versions/LABEL-ID {venv}.NEW; mv -T {venv}.NEW {venv}   # only when verified",
@@ -606,13 +606,13 @@ def main_steps(pb: Playbook, *, write_config: bool = True, clean: bool = False, 
         return steps + [step_verify(pb), step_plumbing(pb),
                         step_stop(pb, clean, when=None if restart else something_to_stop),
                         step_gpus_free(pb), step_port(pb), step_launch(pb), step_wait(pb), step_serving(pb)]
-    if pb.drafter and write_config and drafter_config_path(pb):
+    if pb.conf.speculative.drafter and write_config and drafter_config_path(pb):
         steps.append(step_write_config(pb))
     steps.append(step_verify(pb))
     steps.append(step_plumbing(pb))  # before anything is stopped: a container that cannot serve keeps what runs
     steps.append(step_stop(pb, clean, when=None if restart else something_to_stop))
     steps += [step_gpus_free(pb), step_port(pb), step_launch(pb), step_onboot(pb), step_wait(pb)]
-    if pb.spec["method"] == "dflash" and pb.drafter_config:
+    if pb.conf.speculative.method == "dflash" and pb.drafter_config:
         steps.append(step_aux_layers(pb))
     if drafter_config_path(pb):
         steps.append(step_drift(pb))
@@ -650,12 +650,12 @@ def plan_up(pb: Playbook, *, write_config: bool = True, clean_gpus: bool | None 
             restart: bool = False, ask: bool = False, fetch: bool = True) -> list[Step]:
     """ask: with fuser -k planned, list the GPU holders deploy did not start and ask first (no -y). fetch=False (up
     --no-fetch): the step fetch only checks that the weights are in place."""
-    clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
+    clean = pb.conf.gpu.clean_gpus if clean_gpus is None else clean_gpus
     steps = main_steps(pb, write_config=write_config, clean=clean, restart=restart, fetch=fetch)
     if clean and ask:
         i = next(k for k, s in enumerate(steps) if s.name == "stop")
         steps.insert(i, step_holders(pb, when=steps[i].when))
-    fb = pb.fallback if pb.data["acceptance"]["on_low_acceptance"] == "fallback" and pb.fallback else None
+    fb = pb.fallback if pb.conf.acceptance.on_low_acceptance == "fallback" and pb.fallback else None
     low = []
     if fb is not None:
         # never fuser here: the operator asked for a deployment, not for killing GPU holders
@@ -677,19 +677,19 @@ def step_holders(pb: Playbook, when=None) -> Step:
     not start, and ask; nothing is killed without a yes (the prompt on a terminal, or -y)."""
     return Step("holders", "list what holds the playbook's GPUs in the container (deploy's own processes apart: "
                            "stop ends those) and ask before killing them; nothing is killed without a yes (-y)",
-                action="gpu_read", args={"nvidia_smi_timeout_s": 5, "state_dir": pb.runtime["state_dir"]},
+                action="gpu_read", args={"nvidia_smi_timeout_s": 5, "state_dir": pb.conf.runtime.state_dir},
                 timeout=30, when=when, runs=[f"fuser -v {_devs(pb.gpus)}; {NVIDIA_SMI_QUERY}"], **_common(pb))
 
 
 def plan_down(pb: Playbook, *, clean_gpus: bool | None = None, ask: bool = False) -> list[Step]:
     """ask: before a fuser -k, list what holds the playbook's GPUs and ask (--clean-gpus without -y)."""
-    clean = pb.data["gpu"]["clean_gpus"] if clean_gpus is None else clean_gpus
+    clean = pb.conf.gpu.clean_gpus if clean_gpus is None else clean_gpus
     steps = []
     if clean and ask:
         steps.append(step_holders(pb))
     steps += [step_stop(pb, clean, when=None, only_this_playbook=True), step_gpus_free(pb),
              Step("clear-failure", "a deliberate down ends the story of an earlier failed up (deploy status)",
-                  action="note_failure", args={"state_dir": pb.runtime["state_dir"], "failure": {}}, timeout=20,
+                  action="note_failure", args={"state_dir": pb.conf.runtime.state_dir, "failure": {}}, timeout=20,
                   runs=[f"rm -f {_state(pb, 'last_failure.json')}"], **_common(pb))]
     return [step_container(pb), step_lock(pb, "down", lease_for(steps))] + steps + [step_unlock(pb)]
 

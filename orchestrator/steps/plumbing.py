@@ -16,7 +16,7 @@ def check(ctx: Context, host_facts: dict | None, ct_facts: dict | None) -> list[
     pb = ctx.pb
     return PL.findings(None if not host_facts or host_facts.get("error") else host_facts, ct_facts,
                        host_name=pb.host, vmid=pb.vmid, gpus=list(pb.gpus),
-                       tp=int(pb.serve.get("tensor_parallel_size") or 1))
+                       tp=pb.conf.serve.tensor_parallel_size)
 
 
 def run_check(ctx: Context, step: Step) -> tuple[list[dict], dict]:

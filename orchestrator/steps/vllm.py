@@ -164,7 +164,7 @@ def wait_ready(ctx: Context, step: Step) -> ReadyResult:
 
 def check_aux_layers(ctx: Context, ready: ReadyResult, verified, *, blocking: bool = True) -> None:
     """The taps in the startup log must be the pinned target_layer_ids + 1 (the +1 fix, PR #40727)."""
-    if ctx.pb.spec["method"] != "dflash" or not ctx.pb.drafter_config:
+    if ctx.pb.conf.speculative.method != "dflash" or not ctx.pb.drafter_config:
         return
     t0 = time.monotonic()
     ids = (ctx.pb.drafter_config.get("dflash_config") or {}).get("target_layer_ids") or []

@@ -249,12 +249,9 @@ def test_healthy_dflash_at_k15_with_a_17_percent_rate_passes(world):
 
 def test_the_old_rate_threshold_is_honoured_when_the_playbook_asks_for_it(world):
     inv, pb = world
-    pb.data["acceptance"]["min_draft_acceptance"] = 0.30
-    try:
-        out, _, _ = run_up(world, healthy_script(pb, acceptance=probe(metrics(220, curve=HEALTHY_K15)),
+    pb = dataclasses.replace(pb, data=dict(pb.data, acceptance=dict(pb.data["acceptance"], min_draft_acceptance=0.3)))
+    out, _, _ = run_up((inv, pb), healthy_script(pb, acceptance=probe(metrics(220, curve=HEALTHY_K15)),
                                                  status=[{"state": None, "vllm_processes": []}] * 2))
-    finally:
-        pb.data["acceptance"]["min_draft_acceptance"] = None
     assert out.status == "fell back" and "min_draft_acceptance 30%" in out.error.message
     assert "the rate falls as k grows" in out.error.message
 

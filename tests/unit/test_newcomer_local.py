@@ -182,7 +182,7 @@ def test_still_waiting_names_one_bound_and_a_lock_renewal_prints_no_wait(agent):
             return contextlib.nullcontext()
 
     sess = NS(audit=NS(redact=lambda s: s), agent_session=lambda vmid, py: NS(call=lambda *a, **k: {"ok": True}))
-    ctx = Context(session=sess, pb=NS(host="pve1", vmid=129, runtime={"python": "py"}), progress=P(), token="t",
+    ctx = Context(session=sess, pb=NS(host="pve1", vmid=129, conf=NS(runtime=NS(python="py", state_dir=None))), progress=P(), token="t",
                   holder="h")
     ctx.call(Step("wait-ready", "follow the log until it serves (timeout 900 s)", action="wait_ready", args={}, host="pve1",
                   timeout=960, vmid=129))

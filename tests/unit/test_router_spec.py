@@ -48,8 +48,8 @@ def problems(work, path):
 
 def test_router_defaults_and_urls(work):
     pb = load(work, write(work, TWO, "router:\n  host: pve1\n  vmid: 130\n"))
-    r = R.spec(pb)
-    assert (r["port"], r["policy"], r["version"], r["listen"]) == (30000, "round_robin", "0.1.17", "0.0.0.0")
+    r = pb.conf.router
+    assert (r.port, r.policy, r.version, r.listen, r.metrics_port) == (30000, "round_robin", "0.1.17", "0.0.0.0", 30001)
     inv = load_inventory(str(work / "hosts.yaml"))
     assert [R.replica_url(inv, pb, m) for m in pb.members] == ["http://10.0.0.11:8000", "http://10.0.0.12:8000"]
     args = R.router_argv_args(pb, ["http://10.0.0.11:8000", "http://10.0.0.12:8000"])

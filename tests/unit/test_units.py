@@ -1,5 +1,6 @@
 """Pure units: quoting, the planner, parsers of remote output, acceptance arithmetic."""
 
+import dataclasses
 import json
 import os
 import shlex
@@ -106,7 +107,7 @@ def test_serve_argv_dflash_and_mtp(pbs):
 
 def test_secrets_never_in_plan(pbs, monkeypatch):
     inv, dflash, _ = pbs
-    dflash.data["serve"]["api_key_env"] = "MY_KEY"
+    dflash = dataclasses.replace(dflash, data=dict(dflash.data, serve=dict(dflash.data["serve"], api_key_env="MY_KEY")))
     monkeypatch.setenv("MY_KEY", "s3cr3t-value")
     text = json.dumps([s.as_dict(inv, "py") for s in P.plan_up(dflash)])
     assert "s3cr3t-value" not in text and "--api-key" not in text
