@@ -450,14 +450,13 @@ def pinned_configs(inv) -> tuple[list[dict], dict]:
             pb = load_playbook(name, inv)
         except DeployError:
             continue
-        acc = pb.data["acceptance"]
-        d = pb.conf.speculative.drafter
-        info = {"playbook": pb.name, "fallback": acc.get("fallback"), "target": pb.where,
+        acc, d = pb.conf.acceptance, pb.conf.speculative.drafter
+        info = {"playbook": pb.name, "fallback": acc.fallback, "target": pb.where,
                 "model_path": pb.conf.model.path, "hf_home": d.hf_home if d else None,
                 "store": pb.conf.fetch.store,
-                "min_acceptance": acc.get("min_draft_acceptance"),
-                "acceptance": {k: acc.get(k) for k in ("min_mean_acceptance_length", "min_first_position",
-                                                       "cliff_check", "min_drafts", "min_draft_acceptance")}}
+                "min_acceptance": acc.min_draft_acceptance,
+                "acceptance": {k: getattr(acc, k) for k in ("min_mean_acceptance_length", "min_first_position",
+                                                            "cliff_check", "min_drafts", "min_draft_acceptance")}}
         for m in pb.members:  # every target of a playbook with targets: (replicas)
             targets.setdefault((m.host, m.vmid), {**info, "target": f"{m.host}/{m.vmid}", "gpus": list(m.gpus),
                                                   "tp": int(m.conf.serve.tensor_parallel_size or 1)})
