@@ -95,7 +95,13 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
     progress = ctx.progress
     run = _Runner(ctx, step)
     t0 = time.monotonic()
-    probe = run.call(step.name, 60)  # the planned probe
+    try:
+        probe = run.call(step.name, 60)  # the planned probe
+    except Unreachable as e:  # before anything started here: the same advice as a drop while following
+        raise ConnectionLost(f"lost the connection while reading the runtime ({e.message}); an install started "
+                             "earlier goes on in the container", where=ctx.where,
+                             fix=f"deploy install-vllm {pb.name} re-attaches to it (or starts it) and reports its "
+                                 "result") from e
     if not probe.get("ok"):
         ctx.fail("probe", t0, probe.get("message", "probe failed"), fix=probe.get("fix", ""))
     rt, ist, serving = probe["runtime"], probe.get("install") or {}, probe.get("serving")
@@ -137,7 +143,13 @@ def run(ctx, pb: Playbook, step: P.Step, out: Outcome, *, yes: bool = False, con
                                     "nothing was installed", where=ctx.where,
                                     fix=f"deploy install-vllm {pb.name} -y (the serving process is not touched)")
         t0 = time.monotonic()
-        started = run.call("install-start")
+        try:
+            started = run.call("install-start")
+        except Unreachable as e:
+            raise ConnectionLost(f"lost the connection while starting the install ({e.message}); it may have "
+                                 "started in the container", where=ctx.where,
+                                 fix=f"deploy install-vllm {pb.name} re-attaches to it (or starts it) and reports "
+                                     "its result") from e
         if not started.get("ok"):
             ctx.fail("install", t0, started.get("message", "the install did not start"),
                      fix=started.get("fix", ""))
