@@ -304,3 +304,83 @@ def test_hashes_pin_a_release_not_a_git_source(work):
     assert any("cannot be hash-pinned" in p for p in problems(lambda: load_playbook(path, inv(work))))
     edit(work, "qwen36-dflash", f"hashes: [{h}]", "hashes: [md5:abc]")
     assert any("sha256:<64 lowercase hex digits>" in p for p in problems(lambda: load_playbook(path, inv(work))))
+
+
+@pytest.mark.parametrize("content", [
+    b"", b"- a\n- b\n", b"a: [1, 2\n", b"a: &x [1]\nb: *x\n", b"name: a\n---\nname: b\n",
+    b"name: a\nname: b\n", b"name: 3\ntarget:\n  model: [x\n", b"a:\tb\n", b"name: a\n  bad: indent\n",
+    b"name: \"unterminated\n", b"\tname: a\n", b"name: a\nmembers:\n  - host: pve1\n    vmid: zz\n",
+])
+def test_libyaml_and_pure_python_parsers_report_the_same(tmp_path, monkeypatch, content):
+    # issue 54: files are read with libyaml's parser when PyYAML has it (~10-40x faster); a file it refuses is
+    # read again by the pure-Python one, so every message (text, line, column) is the one the docs quote
+    from orchestrator.core import schema
+
+    p = tmp_path / "pb.yaml"
+    p.write_bytes(content)
+
+    def msgs():
+        try:
+            load_playbook(str(p), None)
+        except SpecError as e:
+            return e.problems
+        return []
+
+    fast = msgs()
+    monkeypatch.setattr(schema, "_C_LOADER", None)
+    assert fast == msgs()
+
+
+def _tree(node):
+    import yaml
+
+    if node is None:
+        return None
+    if isinstance(node, yaml.MappingNode):
+        kids = [(_tree(k), _tree(v)) for k, v in node.value]
+    elif isinstance(node, yaml.SequenceNode):
+        kids = [_tree(v) for v in node.value]
+    else:
+        kids = node.value
+    return (type(node).__name__, node.tag, node.start_mark.line, node.start_mark.column, kids)
+
+
+def _both(monkeypatch, path):
+    from orchestrator.core import schema
+
+    out = []
+    for loader in (schema._C_LOADER, None):
+        monkeypatch.setattr(schema, "_C_LOADER", loader)
+        pr = schema.Problems(str(path))
+        out.append((_tree(schema.compose_file(path, pr)), pr.items))
+    return out
+
+
+def test_mutated_shipped_files_parse_the_same_with_either_parser(tmp_path, monkeypatch):
+    # the shipped playbooks and inventory, and 400 copies with 1-3 characters inserted, deleted or replaced
+    # (seeded): the same node tree (tags, lines, columns, values) or the same problems with either parser
+    import glob
+    import random
+
+    from orchestrator.core import schema
+
+    if schema._C_LOADER is None:
+        pytest.skip("PyYAML without libyaml: only the pure-Python parser")
+    texts = [open(f).read() for f in sorted(glob.glob(os.path.join(REPO, "playbooks", "*.yaml")))
+             + [os.path.join(REPO, "hosts.yaml")]]
+    rnd = random.Random(54)
+    chars = list(":- \n[]{}'\"#&*!|>?%@`,\t\r\\x0\u00e9\u2028\x85\ufeff\x00\x7f\xa0\U0001F600")
+    p = tmp_path / "f.yaml"
+    for i in range(len(texts) + 400):
+        t = list(texts[i] if i < len(texts) else rnd.choice(texts))
+        for _ in range(rnd.randint(1, 3) if i >= len(texts) else 0):
+            pos, op = rnd.randrange(len(t)), rnd.random()
+            if op < 0.4:
+                t.insert(pos, rnd.choice(chars))
+            elif op < 0.7:
+                del t[pos]
+            else:
+                t[pos] = rnd.choice(chars)
+        p.write_text("".join(t))
+        fast, slow = _both(monkeypatch, p)
+        assert fast == slow, "".join(t)

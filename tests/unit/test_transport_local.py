@@ -30,6 +30,36 @@ def test_paramiko_without_invoke_and_fabric_gets_it_back():
     assert second == "True True None"  # an ssh_config_alias host: `Match exec` works again
 
 
+def test_paramiko_without_importlib_metadata_keeps_its_true_version():
+    # paramiko/__init__ asks importlib.metadata for its version only; the stand-in answers from the .dist-info
+    # folder's name, leaves the real module unloaded (issue 54: ~20-40 ms of `deploy status`) and out of
+    # sys.modules afterwards, so a later `import importlib.metadata` gets the real one and the same answer
+    out = run_py(
+        "import sys\n"
+        "from orchestrator.core.remote import paramiko_module\n"
+        "pm = paramiko_module()\n"
+        "print('importlib.metadata' in sys.modules, pm.__version__)\n"
+        "import importlib.metadata as md\n"
+        "print(type(md).__name__, md.version('paramiko'), md.version('paramiko') == pm.__version__)\n")
+    first, second = out.splitlines()
+    loaded, version = first.split()
+    assert loaded == "False" and version[0].isdigit()
+    assert second == f"module {version} True"
+
+
+def test_metadata_stand_in_hands_what_it_cannot_answer_to_the_real_module():
+    from orchestrator.core.remote import _VersionOnlyMetadata
+
+    m = _VersionOnlyMetadata()
+    assert m.version("paramiko") == subprocess.run(
+        [sys.executable, "-c", "import importlib.metadata as m; print(m.version('paramiko'))"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    import importlib.metadata as real
+
+    assert m.version("PyYAML") == real.version("PyYAML")  # no module of that name: the real lookup
+    assert m.distribution is real.distribution  # anything else: the real module's
+
+
 def test_dial_connects_early_and_sets_nodelay():
     from orchestrator.core.remote import _Dial
 
