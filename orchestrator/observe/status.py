@@ -59,7 +59,8 @@ def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
             want += [(t, c.vmid, c.runtime) for c in inv.hosts[t].containers]
         elif t in playbooks or t.endswith((".yaml", ".yml")):
             pb = load_playbook(t, inv)
-            want += [(m.host, m.vmid, {**m.runtime, "api_key_env": m.serve.get("api_key_env")}) for m in pb.members]
+            want += [(m.host, m.vmid, {**vars(m.conf.runtime), "api_key_env": m.conf.serve.api_key_env})
+                     for m in pb.members]
         else:
             raise UsageError(f"{t!r} is not a host, HOST/VMID or playbook",
                              fix=f"hosts: {', '.join(inv.hosts) or 'none'}; playbooks: "
@@ -80,7 +81,7 @@ def _with_playbook_runtimes(inv, want):
         except DeployError:
             continue  # an invalid playbook says so when it is used; it must not break status
         for m in pb.members:
-            by_target.setdefault((m.host, m.vmid), {**m.runtime, "api_key_env": m.serve.get("api_key_env"),
+            by_target.setdefault((m.host, m.vmid), {**vars(m.conf.runtime), "api_key_env": m.conf.serve.api_key_env,
                                                     "implicit": f"playbook {m.name}"})
     return [(h, v, rt if rt is not None else by_target.get((h, v))) for h, v, rt in want]
 
@@ -107,7 +108,7 @@ def local_playbook(inv, playbook, host: str, vmid: int):
 def local_key_env(inv, playbook, host: str, vmid: int) -> str | None:
     """serve.api_key_env of the local playbook named `playbook` if it targets HOST/VMID, else None."""
     m = local_playbook(inv, playbook, host, vmid)
-    return (m.serve.get("api_key_env") or None) if m is not None else None
+    return (m.conf.serve.api_key_env or None) if m is not None else None
 
 
 def sizing_row(row: dict, lines, inv, st: dict, host: str, vmid: int) -> None:
@@ -742,7 +743,7 @@ def run_status(obj, targets, watch, deadline) -> int:
                 code = exit_code(rows)
                 if not targets and not fleets:  # plain status: the replica playbooks that run (issue 53)
                     fleets = deployed_fleets(inv, rows)
-                routers = {pb.name: router_status(fleet, inv, pb, rows) for pb in fleets if pb.data.get("router")}
+                routers = {pb.name: router_status(fleet, inv, pb, rows) for pb in fleets if pb.conf.router}
                 if any(not r["ok"] for r in routers.values()) and code == 0:
                     code = 1
                 if obj.json:

@@ -238,10 +238,10 @@ def test_a_playbook_runtime_overrides_the_inventory(dbed, tmp_path):
     os.environ["DEPLOY_PLAYBOOKS"] = env["DEPLOY_PLAYBOOKS"]
     try:
         pb = load_playbook("qwen36-mtp", load_inventory(str(inv)))
-        assert pb.runtime["python"] == "/opt/other/bin/python" and pb.runtime_source == "inventory"
+        assert pb.conf.runtime.python == "/opt/other/bin/python" and pb.runtime_source == "inventory"
         os.environ["DEPLOY_PLAYBOOKS"] = _playbooks(tmp_path / "r", 131, [2], runtime=True)["DEPLOY_PLAYBOOKS"]
         pb = load_playbook("qwen36-mtp", load_inventory(str(inv)))
-        assert pb.runtime["python"] == "/root/ml-env/bin/python" and pb.runtime_source == "playbook"
+        assert pb.conf.runtime.python == "/root/ml-env/bin/python" and pb.runtime_source == "playbook"
     finally:
         if old is None:
             os.environ.pop("DEPLOY_PLAYBOOKS", None)

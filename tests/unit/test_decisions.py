@@ -119,7 +119,7 @@ def world(tmp_path, monkeypatch):
 
 
 def healthy_script(pb, **over) -> dict:
-    sha = pb.drafter["sha256"]
+    sha = pb.conf.speculative.drafter.sha256
     good = metrics(220, curve=HEALTHY_K15)  # healthy DFlash at k=15: rate 17.0 %, AL 3.55
     s = {
         "lock": {"locked": True}, "unlock": {"unlocked": True},
@@ -195,7 +195,7 @@ def test_up_on_an_empty_container_runs_the_plan_in_order_and_skips_stop(world):
 def test_identical_but_unhealthy_deployment_is_restarted(world):
     inv, pb = world
     cur = {"state": {"alive": True, "pid": 7, "argv": P.serve_argv(pb), "playbook": pb.name,
-                     "playbook_sha256": pb.sha256}, "drafter_sha256": pb.drafter["sha256"], "health": 503,
+                     "playbook_sha256": pb.sha256}, "drafter_sha256": pb.conf.speculative.drafter.sha256, "health": 503,
            "models": [], "vllm_processes": []}
     out, actions, _ = run_up(world, healthy_script(pb, status=cur))
     assert out.ok and "stop" in actions and actions.index("stop") < actions.index("launch")
@@ -316,8 +316,8 @@ def test_an_interrupted_up_then_up_gates_the_running_server_instead_of_already_u
     """Ctrl-C or an SSH drop during wait-ready leaves vLLM running with no verdict: the next up measures it."""
     inv, pb = world
     running = {"state": {"alive": True, "pid": 7, "argv": P.serve_argv(pb), "playbook": pb.name,
-                         "playbook_sha256": pb.sha256, "started_at": 1.0e9}, "drafter_sha256": pb.drafter["sha256"],
-               "health": 200, "models": [pb.serve["served_model_name"]], "vllm_processes": [], "gate": None}
+                         "playbook_sha256": pb.sha256, "started_at": 1.0e9}, "drafter_sha256": pb.conf.speculative.drafter.sha256,
+               "health": 200, "models": [pb.conf.serve.served_model_name], "vllm_processes": [], "gate": None}
     out, actions, _ = run_up(world, healthy_script(pb, status=running))
     assert out.ok and out.status == "up" and out.info.get("gated_running")
     assert actions == ["pct status", "lock", "status", "acceptance", "gate_record", "unlock"]  # nothing relaunched
@@ -337,7 +337,7 @@ def test_a_failed_gate_on_an_ungated_server_without_fallback_stops_it_and_record
     mtp = pb.fallback
     running = {"state": {"alive": True, "pid": 7, "argv": P.serve_argv(mtp), "playbook": mtp.name,
                          "playbook_sha256": mtp.sha256}, "drafter_sha256": None,
-               "health": 200, "models": [mtp.serve["served_model_name"]], "vllm_processes": [], "gate": None}
+               "health": 200, "models": [mtp.conf.serve.served_model_name], "vllm_processes": [], "gate": None}
     fleet = Fleet(inv, audit=AuditLog(path=AUDIT))
     sess = FakeSession(healthy_script(pb, status=running, acceptance=probe(metrics(300, curve=[0.2, 0.05]))),
                        inv.host("pve1"))
@@ -352,8 +352,8 @@ def test_a_failed_gate_on_an_ungated_server_without_fallback_stops_it_and_record
 def test_already_up_needs_a_passed_verdict_for_the_launch_running_now(world):
     inv, pb = world
     cur = {"state": {"alive": True, "pid": 7, "argv": P.serve_argv(pb), "playbook": pb.name,
-                     "playbook_sha256": pb.sha256}, "drafter_sha256": pb.drafter["sha256"], "health": 200,
-           "models": [pb.serve["served_model_name"]], "vllm_processes": [],
+                     "playbook_sha256": pb.sha256}, "drafter_sha256": pb.conf.speculative.drafter.sha256, "health": 200,
+           "models": [pb.conf.serve.served_model_name], "vllm_processes": [],
            "gate": {"for_current_launch": True, "at": 1.0e9, "verdict": {"passed": True, "figures": {
                "mean_acceptance_length": 3.5, "k": 15, "draft_acceptance_rate": 0.17, "first_position": 0.62,
                "drafts": 220}}}}
@@ -373,7 +373,7 @@ def test_failure_after_launch_stops_the_server_checks_drift_and_leaves_a_record(
     assert actions == FULL_UP[:-4] + ["stop", "file_sha", "file_sha", "note_failure", "unlock"]
     # stop-failed, drift-check (unchanged: the failure stays wait-ready's), read-back, the record
     assert "the failed server had already exited" in out.error.state_left
-    assert "read now: sha256 " + pb.drafter["sha256"] + ", the pinned bytes" in out.error.state_left
+    assert "read now: sha256 " + pb.conf.speculative.drafter.sha256 + ", the pinned bytes" in out.error.state_left
     note = next(a for n, a in sess.calls if n == "note_failure")
     assert note["failure"]["step"] == "wait-ready"
 

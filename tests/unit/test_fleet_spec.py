@@ -44,7 +44,7 @@ def test_targets_give_one_playbook_per_target(work):
     assert pb.is_fleet and pb.where == "pve1/129, pve2/129"
     assert [(m.host, m.vmid, m.gpus) for m in pb.members] == [("pve1", 129, [0, 1, 2, 3]), ("pve2", 129, [0, 1, 2, 3])]
     # each target's runtime: the inventory's for that container, else the defaults
-    assert [m.runtime["python"] for m in pb.members] == ["/root/ml-env/bin/python", "/opt/vllm/bin/python"]
+    assert [m.conf.runtime.python for m in pb.members] == ["/root/ml-env/bin/python", "/opt/vllm/bin/python"]
     assert [m.runtime_source for m in pb.members] == ["default", "inventory"]
     assert pb.member("pve2/129") is pb.members[1]
     with pytest.raises(UsageError) as ei:
@@ -60,7 +60,7 @@ def test_a_fleet_with_a_fallback_retargets_it_per_target(work):
     pb = load(work, path)
     assert [(m.fallback.name, m.fallback.host, m.fallback.vmid) for m in pb.members] == [
         ("qwen36-mtp", "pve1", 129), ("qwen36-mtp", "pve2", 129)]
-    assert pb.members[1].fallback.runtime["python"] == "/opt/vllm/bin/python"
+    assert pb.members[1].fallback.conf.runtime.python == "/opt/vllm/bin/python"
 
 
 def test_a_single_target_playbook_refuses_a_replica_fallback(work):

@@ -28,11 +28,11 @@ def test_every_planned_step_is_in_the_one_table(work):
     for pb in pbs:
         plans = [P.plan_up(pb, ask=True, clean_gpus=True), P.plan_up(pb, restart=True, fetch=False),
                  P.plan_down(pb, clean_gpus=True, ask=True), P.plan_install(pb), P.plan_install(pb, rollback=True)]
-        plans += [P.plan_apply_config(pb)] if pb.drafter else []
+        plans += [P.plan_apply_config(pb)] if pb.conf.speculative.drafter else []
         plans += [P.plan_verify(pb)]
         plans += [P.plan_up(dataclasses.replace(pb, spec_off=True, fallback=None))]  # deploy tune's baseline
         plans += [P.plan_fetch(pb, rehash=True, connections=2, manifest=True)] if P.fetch_args(pb) else []
-        plans += [P.plan_unlock(pb.host, pb.vmid, pb.runtime)]
+        plans += [P.plan_unlock(pb.host, pb.vmid, pb.data["runtime"])]
         for plan in plans:
             for s in _all_steps(plan):
                 assert s.name in ops.STEPS, f"step {s.name} of {pb.name} has no row in ops.STEPS"
@@ -50,7 +50,7 @@ def test_fetch_and_install_steps_carry_how_they_are_driven(work):
     pb = load_playbook(str(work / "playbooks" / "qwen36-dflash.yaml"), inv(work))
     f = P.plan_fetch(pb, rehash=True, connections=3, timeout_s=100)[-1]
     assert f.drive == {"allow_start": True, "rehash": True, "timeout_s": 100,
-                       "transfer": {"connections": 3, "range_bytes": 64 << 20}, "python": pb.runtime["python"]}
+                       "transfer": {"connections": 3, "range_bytes": 64 << 20}, "python": pb.conf.runtime.python}
     assert f.args["rehash"] is True and f.args["items"][0]["hub"] == "Qwen/Qwen3.6-27B"
     up_fetch = next(s for s in P.plan_up(pb, fetch=False) if s.name == "fetch")
     assert up_fetch.drive["allow_start"] is False and "--no-fetch" in up_fetch.title
@@ -75,7 +75,7 @@ def test_the_store_calls_are_planned_on_the_host_and_shown(work):
     f = P.plan_fetch(pb)[-1]
     names = [c.name for c in f.sub]
     assert names[:6] == ["store-mark", "store-probe", "store-start", "store-attach", "store-records", "store-link"]
-    rows = {r["step"]: r for r in f.as_dict(inv(work), pb.runtime["python"])["steps"]}
+    rows = {r["step"]: r for r in f.as_dict(inv(work), pb.conf.runtime.python)["steps"]}
     assert rows["store-mark"]["command"].startswith("python3 - store ") and "/srv/st" in rows["store-mark"]["command"]
     assert rows["store-records"]["command"].startswith("python3 - fetch ") and "/srv/st/.deploy-state" in \
         rows["store-records"]["command"]

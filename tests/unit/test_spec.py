@@ -53,7 +53,7 @@ def test_shipped_playbooks_are_valid(work):
     assert pb.fallback.name == "qwen36-mtp"
     assert pb.drafter_config["block_size"] == 16
     mtp = load_playbook(str(work / "playbooks" / "qwen36-mtp.yaml"), inv(work))
-    assert mtp.drafter is None
+    assert mtp.conf.speculative.drafter is None
 
 
 def test_unknown_key_with_did_you_mean(work):

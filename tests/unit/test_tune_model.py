@@ -94,7 +94,7 @@ def test_edit_keeps_every_comment_and_layout_and_passes_the_schema(tmp_path):
     from orchestrator.core.spec import load_playbook
 
     pb = load_playbook(str(p), None)
-    assert pb.spec["schedule"] == [[1, 2, 6], [3, 8, 2], [9, 4096, 0]]
+    assert pb.data["speculative"]["schedule"] == [[1, 2, 6], [3, 8, 2], [9, 4096, 0]]
     assert T.edit_text(out, k=6, schedule=None).count("schedule") == 0  # a single k: the schedule goes
 
 
