@@ -15,7 +15,6 @@ import time
 
 import click
 
-from orchestrator import agent
 from orchestrator.steps import plumbing_check as PL
 from orchestrator.core import vllm_facts as vf
 from orchestrator.agent import AgentError, ContainerNotRunning
@@ -33,6 +32,8 @@ from orchestrator.observe.status_render import (NO_RUNTIME, render_endpoints, re
 
 SCHEMA = "vllm-pve-deploy/status/v1"
 from orchestrator.core.spec_schema import DEFAULT_PYTHON  # noqa: E402 (one spelling)
+from orchestrator.steps import call_on  # noqa: E402 (status's and logs' reads: planned steps, one route)
+from orchestrator.steps.plan import step_on  # noqa: E402
 FATAL_BULK = {"fatal_regex": [f["regex"] for f in vf.FATAL]}  # last_error: the line naming the cause
 
 
@@ -267,8 +268,8 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
         fleet.redact.add(key)
     try:
         args = {"state_dir": sdir, "nvidia_smi_timeout_s": smi_timeout, "plumbing": True}
-        r = agent.call(fleet.session(host), vmid, python, "status", args, timeout=smi_timeout + 15,
-                       secrets={"api_key": key} if key else None, bulk=FATAL_BULK)
+        step = step_on(host, vmid, python, "status", "status", args, smi_timeout + 15, bulk=FATAL_BULK)
+        r = call_on(fleet.session(host), step, secrets={"api_key": key} if key else None)
         st = r.state or {}
         # The state file is the container's word: it names the playbook, and only a LOCAL playbook of that name
         # that targets this container chooses the local variable (never the state file's api_key_env, which a
@@ -279,8 +280,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             # key-protected, and our own playbook names the local variable holding its key: ask again, with it
             key = os.environ[local]
             fleet.redact.add(key)
-            r = agent.call(fleet.session(host), vmid, python, "status", args, timeout=smi_timeout + 15,
-                           secrets={"api_key": key}, bulk=FATAL_BULK)
+            r = call_on(fleet.session(host), step, secrets={"api_key": key})
     except AgentError as e:
         if runtime.get("implicit") and e.message.startswith("cannot run "):
             row.update(process=NO_RUNTIME)
@@ -807,7 +807,7 @@ def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
             "follow": follow, "follow_s": 24 * 3600, "exclude": None if show_all else vf.OWN_PROBE_REQUESTS}
     if not follow:
         with Progress().heartbeat(f"{host}/{vmid}", f"read {log_path}", 30):
-            r = agent.call(fleet.session(host), vmid, python, "logs", args, timeout=30)
+            r = call_on(fleet.session(host), step_on(host, vmid, python, "logs", "logs", args, 30))
         if grep and not r.lines and (r.unit or r.exists):  # like grep: said, exit 1 (issue 26)
             click.echo(f"{host}/{vmid}: no line of {r.unit and 'the journal of ' + r.unit or log_path} "
                        f"matched --grep {grep!r}", err=True)
@@ -827,8 +827,8 @@ def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
             raise _ReaderGone()
 
     try:
-        agent.call(fleet.session(host), vmid, python, "logs", args, timeout=24 * 3600 + 60, on_event=line,
-                   streaming=True)
+        call_on(fleet.session(host), step_on(host, vmid, python, "logs", "logs", args, 24 * 3600 + 60),
+                on_event=line, streaming=True)
     except (KeyboardInterrupt, _ReaderGone):
         pass
     return EXIT_OK

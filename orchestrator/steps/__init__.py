@@ -51,7 +51,7 @@ class Context:
         return f"{self.pb.host}/{self.pb.vmid}"
 
     def call(self, step: Step, *, payload: bytes | None = None, secrets: dict | None = None, on_event=None,
-             fresh: bool = False, beat: bool = True):
+             fresh: bool = False, beat: bool = True, streaming: bool = False):
         """Run the step's agent action: over this container's agent session (one process for all of an
         operation's steps), or with fresh=True in a process of its own (the lock heartbeat, which runs beside a
         long step, and the calls of a driven step: fetch, install-vllm, under the python its drive names; vmid None:
@@ -63,7 +63,8 @@ class Context:
             f"$ pct exec {step.vmid} -- {py} -"
         self.progress.detail(self.where, self.session.audit.redact(
             f"{how} {step.action} {json.dumps(args, sort_keys=True)}"))
-        kw = dict(payload=payload, secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event)
+        kw = dict(payload=payload, secrets=secrets, bulk=step.bulk, timeout=step.timeout, on_event=on_event,
+                  **({"streaming": True} if streaming else {}))  # deploy logs -f: events until the reader goes
         # the step's own bound when its title states one ("(timeout 900 s)", "within 60 s"), else the channel's;
         # beat=False: a background call (the lock's renewal) prints no "still waiting" of its own (issue 26)
         bounded = re.search(r"\btimeout \d|\bwithin \d", step.title or "")

@@ -826,8 +826,8 @@ def plan_unlock(host: str, vmid: int, runtime: dict) -> list[Step]:
 
 
 def step_on(host: str, vmid: int | None, python: str, name: str, action: str, args: dict, timeout: float,
-            title: str = "") -> Step:
+            title: str = "", bulk: dict | None = None) -> Step:
     """One request to a container that no playbook is read for (deploy doctor's reads, prepare's check, the router's
-    ops), under the python its drive names; sent by steps.call_on through Context.call."""
+    ops, status's and logs' reads), under the python its drive names; sent by steps.call_on through Context.call."""
     return Step(name, title or f"agent action {action}", host=host, vmid=vmid, action=action, args=args,
-                timeout=timeout, drive={"python": python})
+                timeout=timeout, drive={"python": python}, **({"bulk": bulk} if bulk else {}))
