@@ -47,8 +47,10 @@ def test_a_forged_state_file_does_not_choose_which_local_secret_is_sent(monkeypa
     monkeypatch.setenv("VPD_WORKSTATION_SECRET", "ws-secret-5551234")
     sent = []
 
-    def call(session, vmid, python, action, args, **kw):  # as agent.call: the typed result
+    def call(session, step, **kw):  # as steps.call_on (status's one route): the typed result
         from orchestrator.agent.protocol import CurrentResult
+
+        assert step.action == "status"
 
         sent.append(kw.get("secrets"))
         return CurrentResult.parse("status", {
@@ -56,7 +58,7 @@ def test_a_forged_state_file_does_not_choose_which_local_secret_is_sent(monkeypa
                       "port": 8000, "served_model_name": "x"}, "models_status": 401, "health": 200,
             "memory": {"gpus": {}}})
 
-    monkeypatch.setattr(status.agent, "call", call)
+    monkeypatch.setattr(status, "call_on", call)
     row = status.container_row(_Fleet(inv), "pve1", 129, {"python": "/root/ml-env/bin/python"},
                                status.Sampler(persist=False), 1.0)
     assert sent == [None], sent  # one request, and no secret in it
@@ -160,7 +162,7 @@ def test_a_malformed_agent_answer_is_an_agent_error_naming_the_action(action, an
 def test_odd_nested_data_in_a_status_answer_is_an_error_row_not_a_traceback(monkeypatch, inv):
     from orchestrator.agent.protocol import CurrentResult
 
-    monkeypatch.setattr(status.agent, "call", lambda *a, **k: CurrentResult.parse(
+    monkeypatch.setattr(status, "call_on", lambda *a, **k: CurrentResult.parse(
         "status", {"state": {"playbook": "p", "alive": True, "pid": 5}, "memory": {"gpus": {"0": 7}}}))
     row = status._row_or_error(_Fleet(inv), "pve1", 129, {"python": "/root/ml-env/bin/python"},
                                status.Sampler(persist=False), 1.0)
