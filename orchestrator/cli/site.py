@@ -89,17 +89,23 @@ def compare(obj, playbook_a, playbook_b, baseline, prompts_file, rounds, max_tok
             res = C.compare(fleet, a, b, obj.progress(), ops.Options(yes=True, wait_lock_s=wait_lock),
                             prompts=prompts, rounds=rounds_, max_tokens=max_tokens or probe.max_tokens,
                             timeout_s=probe.timeout_s * 2, keep=keep, levels=levels)
-        if plot_file and any(r.get("levels") for r in res["results"]):
-            res["plot"] = C.plot(res, plot_file)
-        if obj.json:
-            dump_json(res)
-        else:
-            for line in C.render(res):
-                click.echo(line)
-            if res.get("plot"):
-                click.echo(f"chart: {res['plot']}")
-        sys.exit(EXIT_OK if res["ok"] else EXIT_FAILED)
+        _chart_and_exit(obj, res, C, plot_file if any(r.get("levels") for r in res["results"]) else None)
     run_guarded(go, obj)
+
+
+def _chart_and_exit(obj, res: dict, mod, plot_file) -> None:
+    """compare's and tune's ending: the chart file when asked (and there are levels), the result as JSON or as
+    mod.render's lines, the exit code from res["ok"]."""
+    if plot_file:
+        res["plot"] = mod.plot(res, plot_file)
+    if obj.json:
+        dump_json(res)
+    else:
+        for line in mod.render(res):
+            click.echo(line)
+        if res.get("plot"):
+            click.echo(f"chart: {res['plot']}")
+    sys.exit(EXIT_OK if res["ok"] else EXIT_FAILED)
 
 
 def _levels(param, value):
@@ -175,16 +181,7 @@ def tune(obj, playbook, levels, max_launches, prompts_file, rounds, max_tokens, 
                          rounds=rounds or probe.rounds, max_tokens=max_tokens or probe.max_tokens,
                          timeout_s=probe.timeout_s * 2, levels=levels, max_launches=max_launches, write=write,
                          inventory=inv)
-        if plot_file and res.get("levels"):
-            res["plot"] = T.plot(res, plot_file)
-        if obj.json:
-            dump_json(res)
-        else:
-            for line in T.render(res):
-                click.echo(line)
-            if res.get("plot"):
-                click.echo(f"chart: {res['plot']}")
-        sys.exit(EXIT_OK if res["ok"] else EXIT_FAILED)
+        _chart_and_exit(obj, res, T, plot_file if res.get("levels") else None)
     run_guarded(go, obj)
 
 

@@ -830,4 +830,4 @@ def step_on(host: str, vmid: int | None, python: str, name: str, action: str, ar
     """One request to a container that no playbook is read for (deploy doctor's reads, prepare's check, the router's
     ops, status's and logs' reads), under the python its drive names; sent by steps.call_on through Context.call."""
     return Step(name, title or f"agent action {action}", host=host, vmid=vmid, action=action, args=args,
-                timeout=timeout, drive={"python": python}, **({"bulk": bulk} if bulk else {}))
+                timeout=timeout, drive={"python": python}, bulk=bulk or {})
