@@ -121,10 +121,6 @@ def _repo_dir(hf_home, hub):
     return os.path.join(hf_home, "hub", "models--" + hub.replace("/", "--"))
 
 
-def git_blob_sha1(path):
-    return hash_file(path, None, "blob")
-
-
 def hash_file(path, dfd=None, kind="sha256"):
     """sha256 (or the git blob id) of a regular file: opened O_NONBLOCK (a FIFO does not hang us), refused when
     it is not a regular file (a link to /dev/zero is not read forever), read up to the size it had when opened.
