@@ -21,19 +21,10 @@ from .state import read_state
 
 
 INSTALL_STATE = "install.json"
-
-
 INSTALL_LOCK = "install.lock"
-
-
 RUNTIME_FILE = "runtime.json"
-
-
 INSTALL_VAR = "VLLM_PVE_DEPLOY_INSTALL"
-
-
 INSTALL_FINAL = ("ok", "failed", "timeout", "killed")
-
 
 INSTALL_PHASES = [  # over pip's and uv's output, first match wins
     ("install", re.compile(r"^\s*(Installing collected packages|Successfully installed|Installed \d+ packages?|"
