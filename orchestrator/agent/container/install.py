@@ -263,8 +263,7 @@ def _install_start(a, info):
                 "fix": "keep wheels, git repositories and find_links directories in root-owned directories that "
                        "others cannot write (e.g. chown -R root:root DIR && chmod -R go-w DIR), then retry"}
     try:
-        parent = open_dir(os.path.dirname(info["venv_root"]))
-        os.close(parent)
+        os.close(open_dir(os.path.dirname(info["venv_root"])))
         sfd = open_dir(info["store"], 0o755)
         dfd = open_dir(state_dir, 0o700)
     except (UnsafeDirectory, OSError) as e:
