@@ -781,10 +781,8 @@ class Prepare:
 def render(res: dict) -> str:
     """The result for a person (the output layer makes it terminal-safe)."""
     out = [f"prepare {res['where']}: GPUs {res['gpus']}, style {res.get('style')} ({res.get('why_style')})"]
-    if res.get("missing"):
-        out.append(f"  missing from the config: {', '.join(res['missing'])}")
-    else:
-        out.append("  the config already passes every node in")
+    out.append(f"  missing from the config: {', '.join(res['missing'])}" if res.get("missing") else
+               "  the config already passes every node in")
     for ln in res.get("mount_lines") or []:
         out.append(f"  the shared model store, read-only: {ln}")
     out.append("plan:" if res["dry_run"] or not res["applied"] else "plan (run):")

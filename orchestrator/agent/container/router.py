@@ -233,8 +233,7 @@ def _router_stop(a, st=None):
             time.sleep(0.05)
         if alive(pid) and signal_proven(proof, signal.SIGKILL):
             rep["killed"] = True
-        rep["stopped"] = True
-        rep["pid"] = pid
+        rep.update(stopped=True, pid=pid)
     d = _router_dir(a)
     for n in ("router.json", "router.env"):
         remove_owned(d, n)
