@@ -13,16 +13,5 @@ from __future__ import annotations
 from orchestrator.core.errors import AgentError, ContainerNotRunning, DeployError  # noqa: F401 (re-exported)
 from .call import MAX_EVENT_BYTES, MAX_EVENT_LINE, MAX_EVENTS, EventBudget  # noqa: F401
 from .call import agent_argv, agent_stdin, call, interpret  # noqa: F401
-from .session import SESSION_BOOT, AgentSession, session_for  # noqa: F401
-
-_FROM_PROTOCOL = ("PROTOCOL", "RESULT_TYPES", "AgentResult", "ProtocolError")
-
-
-def __getattr__(name):
-    """protocol.py's names, imported on first use: its ~20 dataclasses cost milliseconds that `deploy status`
-    would otherwise pay before it connects (status warms them while the agents run)."""
-    if name in _FROM_PROTOCOL:
-        from . import protocol
-
-        return getattr(protocol, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from .container.protocol import PROTOCOL  # noqa: F401 (the dataclasses of protocol.py load when answers come)
+from .session import SESSION_BOOT, session_for  # noqa: F401

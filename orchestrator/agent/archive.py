@@ -56,7 +56,7 @@ def archive() -> bytes:
         if hashlib.sha256(data).hexdigest() != sha256():
             from orchestrator.core.errors import AgentError
 
-            path = _record_path()
+            path = _state_file(ARCHIVE_RECORD)
             try:
                 os.unlink(path)
             except OSError:
@@ -71,10 +71,11 @@ def archive() -> bytes:
 ARCHIVE_RECORD = "agent-archive.json"
 
 
-def _record_path() -> str:
+def _state_file(name: str) -> str:
+    """A file of this module's in the workstation's state directory (the archive's record, the known set)."""
     from orchestrator.core.remote import state_dir
 
-    return os.path.join(state_dir(), ARCHIVE_RECORD)
+    return os.path.join(state_dir(), name)
 
 
 def _sources_key() -> list:
@@ -100,7 +101,7 @@ def sha256() -> str:
         key = _sources_key()
     except OSError:
         key = None
-    path = _record_path()
+    path = _state_file(ARCHIVE_RECORD)
     if key is not None:
         try:
             with open(path, encoding="utf-8") as fh:
@@ -160,12 +161,6 @@ _known: dict | None = None
 _known_lock = threading.Lock()
 
 
-def _known_path() -> str:
-    from orchestrator.core.remote import state_dir
-
-    return os.path.join(state_dir(), "agent-cache.json")
-
-
 def container_key(host, vmid: int, cache: str) -> str:
     return f"{host.name}|{host.address or host.ssh_config_alias}|{host.port}/{vmid}:{cache}"
 
@@ -173,7 +168,7 @@ def container_key(host, vmid: int, cache: str) -> str:
 def _load() -> dict:
     """The known set, read once per process and state directory (tests switch DEPLOY_STATE_DIR)."""
     global _known
-    path = _known_path()
+    path = _state_file("agent-cache.json")
     if _known is None or _known.get("") != path:
         try:
             with open(path, encoding="utf-8") as fh:

@@ -82,7 +82,8 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
     AgentSession.call does the same over one agent process for many steps.
     streaming=True (`logs -f`): events are printed and dropped, so only the per-line cap applies."""
 
-    budget = EventBudget(action, session.host.name + ("" if vmid is None else f"/{vmid}"), streaming)
+    where = session.host.name + ("" if vmid is None else f"/{vmid}")
+    budget = EventBudget(action, where, streaming)
 
     def on_line(raw: bytes):
         """Events go to on_event and are not kept: a long `logs -f` holds only the line in progress."""
@@ -141,9 +142,8 @@ def call(session, vmid: int, python: str, action: str, args: dict, *, payload: b
         if result is not None:
             archive.remember(key, cached)
         break
-    return interpret(result, proto, action, python, where=session.host.name + ("" if vmid is None else f"/{vmid}"),
-                     vmid=vmid,
-                     exited=res.exited, err=res.err.strip() or res.out.strip())
+    return interpret(result, proto, action, python, where=where, vmid=vmid, exited=res.exited,
+                     err=res.err.strip() or res.out.strip())
 
 
 def interpret(result, proto, action: str, python: str, *, where: str, vmid: int, exited: int | None, err: str):

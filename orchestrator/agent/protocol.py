@@ -1,5 +1,5 @@
-"""The typed results of the agent's actions: one dataclass per action result, read as attributes, registered under
-the action's name with @result (RESULT_TYPES).
+"""The typed results of the agent's actions: one dataclass per action result, read as attributes, made a dataclass
+and registered under the action's name by @result (RESULT_TYPES).
 
 The wire contract (the protocol version, each action declared once with the fields its result must carry:
 DECLARED) is container/protocol.py, which travels with the agent: the agent checks each result against it before it
@@ -26,8 +26,10 @@ RESULT_TYPES: dict = {}  # action -> its result dataclass (every action in DECLA
 
 
 def result(*actions):
-    """Register the dataclass below as the result of these actions, each declared in container/protocol.py."""
+    """Make the AgentResult subclass below a dataclass (unless it is one already) and register it as the result of
+    these actions, each declared in container/protocol.py."""
     def register(cls):
+        cls = cls if "__dataclass_fields__" in cls.__dict__ else dataclass(cls)
         for action in actions:
             if action not in DECLARED:
                 raise ProtocolError(f"{cls.__name__}: no agent action {action!r} is declared (container/protocol.py)")
@@ -69,7 +71,6 @@ class AgentResult:
 
 
 @result("lock")
-@dataclass
 class LockResult(AgentResult):
     locked: bool = False
     holder: dict = None
@@ -79,7 +80,6 @@ class LockResult(AgentResult):
 
 
 @result("unlock")
-@dataclass
 class UnlockResult(AgentResult):
     unlocked: bool = False
     holder: dict = None
@@ -87,7 +87,6 @@ class UnlockResult(AgentResult):
 
 
 @result("status")
-@dataclass
 class CurrentResult(AgentResult):
     """`status`: what runs in the container now (read by `current`, and by deploy status)."""
     state: dict = None
@@ -113,7 +112,6 @@ class CurrentResult(AgentResult):
 
 
 @result("write_file")
-@dataclass
 class WriteFileResult(AgentResult):
     ok: bool = False
     changed: bool = False
@@ -135,7 +133,6 @@ class WriteFileResult(AgentResult):
 
 
 @result("verify")
-@dataclass
 class VerifyResult(AgentResult):
     checks: list = field(default_factory=list)
     sha256: str = None
@@ -153,7 +150,6 @@ class VerifyResult(AgentResult):
 
 
 @result("stop")
-@dataclass
 class StopResult(AgentResult):
     unit: dict = None  # systemd's stop + disable report
     unit_problem: str = None
@@ -175,7 +171,6 @@ class StopResult(AgentResult):
 
 
 @result("gpus_free")
-@dataclass
 class GpusFreeResult(AgentResult):
     verdict: str = None  # free | held_inside | held_outside | gpu_missing | nvidia_smi_*
     before: dict = None
@@ -191,14 +186,12 @@ class GpusFreeResult(AgentResult):
 
 
 @result("port_check")
-@dataclass
 class PortResult(AgentResult):
     listeners: list = field(default_factory=list)
     port: int = None
 
 
 @result("launch")
-@dataclass
 class LaunchResult(AgentResult):
     ok: bool = False
     pid: int = None
@@ -217,7 +210,6 @@ class LaunchResult(AgentResult):
 
 
 @result("wait_ready")
-@dataclass
 class ReadyResult(AgentResult):
     """`wait_ready`: serving, or why not (reason: fatal, exited, timeout, model_missing, auth, ...)."""
     ready: bool = False
@@ -240,7 +232,6 @@ class ReadyResult(AgentResult):
 
 
 @result("file_sha")
-@dataclass
 class FileShaResult(AgentResult):
     sha256: str = None
     path: str = None
@@ -251,7 +242,6 @@ class FileShaResult(AgentResult):
 
 
 @result("acceptance")
-@dataclass
 class AcceptanceResult(AgentResult):
     """`acceptance`: /metrics before and after the probe requests (and the log tail for the fallback line)."""
     ok: bool = False
@@ -266,13 +256,11 @@ class AcceptanceResult(AgentResult):
 
 
 @result("note_failure")
-@dataclass
 class NoteFailureResult(AgentResult):
     ok: bool = False
 
 
 @result("logs")
-@dataclass
 class LogsResult(AgentResult):
     """`logs`: the last lines (or, following, events and then this)."""
     lines: list = None
@@ -283,7 +271,6 @@ class LogsResult(AgentResult):
 
 
 @result("doctor")
-@dataclass
 class DoctorResult(AgentResult):
     """`doctor`: read-only facts for diagnose() (doctor.py)."""
     processes: list = field(default_factory=list)
@@ -297,7 +284,6 @@ class DoctorResult(AgentResult):
 
 
 @result("drafter_scan")
-@dataclass
 class DrafterScanResult(AgentResult):
     """`drafter_scan`: the config.json files in the hub cache and models directories (container/scan.py), each
     {path, kind, hub_id, revision, dir, realpath, size, sha256, drafter (why it looks like one), error,
@@ -310,7 +296,6 @@ class DrafterScanResult(AgentResult):
 
 
 @result("hub_drafter")
-@dataclass
 class HubDrafterResult(AgentResult):
     ok: bool = False
     path: str = None
@@ -345,7 +330,6 @@ class _Detached(AgentResult):
 
 
 @result("install_vllm")
-@dataclass
 class InstallResult(_Detached):
     """`install_vllm` (probe, start, attach, rollback)."""
     runtime: dict = None
@@ -355,7 +339,6 @@ class InstallResult(_Detached):
 
 
 @result("gate_record")
-@dataclass
 class GateRecordResult(AgentResult):
     ok: bool = False
     launch_known: bool = False
@@ -365,7 +348,6 @@ class GateRecordResult(AgentResult):
 
 
 @result("tune_record")
-@dataclass
 class TuneRecordResult(AgentResult):
     """`tune_record` (deploy tune's verdict beside the launch it left running)."""
     ok: bool = False
@@ -373,7 +355,6 @@ class TuneRecordResult(AgentResult):
 
 
 @result("router")
-@dataclass
 class RouterResult(AgentResult):
     """`router` (op: install, start, wait, view, gate, remove, add, drain_wait, stop; issue 29): the fields every op
     that has them gives the same type; the rest (per op) are in .extra."""
@@ -390,7 +371,6 @@ class RouterResult(AgentResult):
 
 
 @result("plumbing")
-@dataclass
 class PlumbingResult(AgentResult):
     """`plumbing`: the container's facts for the gpu-plumbing check (orchestrator/steps/plumbing_check.py sane_container
     validates them further)."""
@@ -398,7 +378,6 @@ class PlumbingResult(AgentResult):
 
 
 @result("gpu_read")
-@dataclass
 class GpuReadResult(AgentResult):
     """`gpu_read`: the holders of GPU devices (pid, comm, cmdline, devices, ours), GPU memory, where it ran."""
     holders: list = field(default_factory=list)
@@ -407,7 +386,6 @@ class GpuReadResult(AgentResult):
 
 
 @result("fetch")
-@dataclass
 class FetchResult(_Detached):
     """`fetch` (op probe, start, attach, records): the items in place, the runner's record (`fetch`), the records
     of fetched items. Its callers (fetch.py, store.py, cli/weights.py) read it as its wire dict (as_dict())."""
@@ -417,7 +395,6 @@ class FetchResult(_Detached):
 
 
 @result("fetch_run", "install_run")
-@dataclass
 class RunnerResult(AgentResult):
     """`fetch_run`, `install_run`: the detached runner's own exit (its record in the state directory says more);
     the runner is started by the agent in the container, the tool never calls it."""
@@ -426,7 +403,6 @@ class RunnerResult(AgentResult):
 
 
 @result("stack_check")
-@dataclass
 class StackCheckResult(AgentResult):
     """`stack_check`: the serving stack of the interpreter it runs in (the install runner calls it in a staging
     venv, in the container)."""
@@ -437,7 +413,6 @@ class StackCheckResult(AgentResult):
 
 
 @result("speed", "sweep")
-@dataclass
 class ProbeResult(AgentResult):
     """`speed` (timed requests) and `sweep` (per concurrency level: timed streamed requests, /metrics before and
     after each level): ok or why not."""
@@ -451,7 +426,6 @@ class ProbeResult(AgentResult):
 
 
 @result("store")
-@dataclass
 class StoreResult(AgentResult):
     """`store` (op mark: the host store's marker id and free bytes; op link: the container's links into it, or the
     kind of problem). store.py reads it as its wire dict (as_dict())."""

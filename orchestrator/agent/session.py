@@ -175,20 +175,17 @@ class AgentSession:
                 self._chan.sendall(raw)
                 while True:
                     line = self._readline(deadline)
-                    if line.startswith(b'{"event"'):
+                    event = line.startswith(b'{"event"')
+                    if event:
                         budget.take(line)
-                        try:
-                            ev = json.loads(line)
-                        except ValueError:
-                            continue
-                        if on_event is not None:
-                            on_event(ev)
-                        continue
                     try:
                         msg = json.loads(line)
                     except ValueError:
                         continue
-                    if isinstance(msg, dict) and "result" in msg and msg.get("id") in (rid, None):
+                    if event:
+                        if on_event is not None:
+                            on_event(msg)
+                    elif isinstance(msg, dict) and "result" in msg and msg.get("id") in (rid, None):
                         result, proto = msg["result"], msg.get("protocol")
                         break
             except RemoteTimeout:
@@ -224,7 +221,6 @@ class AgentSession:
                         stdin_bytes=len(raw))
             return interpret(result, proto, action, self.python, where=self.where, vmid=self.vmid, exited=exited,
                              err=self._err.decode("utf-8", "replace").strip())
-
 
 
 class _SessionEnded(Exception):

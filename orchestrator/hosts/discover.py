@@ -86,15 +86,8 @@ def parse_pct_config(text: str) -> dict:
             out["net"].append({"key": key, "name": opts.get("name"), "bridge": opts.get("bridge"),
                                "ip": ip.split("/")[0] if ip and ip not in ("dhcp", "manual") else None,
                                "ip_mode": "static" if ip and ip not in ("dhcp", "manual") else (ip or None)})
-        elif re.fullmatch(r"dev\d+", key):
-            path = val.split(",")[0].strip()
-            m = re.fullmatch(r"/dev/nvidia(\d+)", path)
-            if m:
-                out["gpu_entries"].setdefault(int(m.group(1)), []).append(ln)
-            elif path.startswith("/dev/nvidia"):
-                out["other_nvidia"].append(ln)
-        elif key == "lxc.mount.entry":
-            src = val.split()[0] if val.split() else ""
+        elif re.fullmatch(r"dev\d+", key) or key == "lxc.mount.entry":
+            src = val.split(",")[0].strip() if key.startswith("dev") else (val.split() or [""])[0]
             m = re.fullmatch(r"/dev/nvidia(\d+)", src)
             if m:
                 out["gpu_entries"].setdefault(int(m.group(1)), []).append(ln)
@@ -438,9 +431,7 @@ def discover(session, *, timeout: float = 60.0, progress=None) -> dict:
                 "probe": probe}
 
     results = run_parallel(listed, read_one, deadline_s=timeout + 5) if listed else []
-    containers = []
-    for ct, value, err in results:
-        containers.append(_container(ct, value, err, host_gpus, warnings))
+    containers = [_container(ct, value, err, host_gpus, warnings) for ct, value, err in results]
     shared = shared_gpus(containers)
     running = {c["vmid"]: c["status"] == "running" for c in containers}
     for c in containers:
@@ -753,8 +744,7 @@ def run_discover(obj, target: str, *, write: bool, yes: bool, accept_new: bool, 
         raise
     finally:
         session.close()
-    host_name = name or inv_name or (inventory_name(hs.address, 0) if not hs.ssh_config_alias else
-                                     inventory_name(hs.ssh_config_alias, 0))
+    host_name = name or inv_name or inventory_name(hs.ssh_config_alias or hs.address, 0)
     found["host"] = host_name
     entry = host_entry(hs, host_name)
     if not write:

@@ -67,8 +67,6 @@ def low_acceptance_verdict(life, p: dict | None):
             return None
     return v
 SCHEMA = "vllm-pve-deploy/doctor/v1"
-CLASSES = ("guessed-config", "stale-write", "missing-fix", "incomplete-build", "import-fails", "leftover-holder",
-           "low-acceptance", "check-timeout", "driver-mismatch", "privileged-store")
 
 
 def _get(d, dotted):

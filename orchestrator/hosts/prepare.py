@@ -185,8 +185,7 @@ def plan(host_facts: dict, probe: dict, *, host: str, vmid: int, gpus: list[int]
     elif pve and pve >= DEV_MIN_PVE:
         style, why = "dev", f"Proxmox VE {pve[0]}.{pve[1]} has pve-container's devN: keys"
     else:
-        style, why = "raw", ("pveversion not found: raw lxc lines work on every version" if not pve else
-                             f"Proxmox VE {pve[0]}.{pve[1]} is older than 8.1: no devN: keys")
+        style, why = "raw", "pveversion not found: raw lxc lines work on every version"
     missing = [p for p in want if p not in cfg["dev"] and p not in cfg["mounts"]]
     res = {"style": style, "why_style": why, "missing": missing, "blockers": blockers, "set_argv": None,
            "add_lines": [], "notes": [], "conf_new": None}
@@ -626,8 +625,7 @@ class Prepare:
             return True
         procs = vllm_in(s, v) if self.running else []
         verb = "reboot" if self.running else "start"
-        what = (f"Restart container {self.host}/{v} now (pct reboot)?" if self.running else
-                f"Start container {self.host}/{v} now (pct start)?")
+        what = f"{'Restart' if self.running else 'Start'} container {self.host}/{v} now (pct {verb})?"
         if procs:
             what += f" vLLM runs there and stops with it: {procs[0]}"
             self.res["notes"].append(f"vLLM was running in {self.host}/{v}: {procs[0]}")
@@ -783,10 +781,8 @@ class Prepare:
 def render(res: dict) -> str:
     """The result for a person (the output layer makes it terminal-safe)."""
     out = [f"prepare {res['where']}: GPUs {res['gpus']}, style {res.get('style')} ({res.get('why_style')})"]
-    if res.get("missing"):
-        out.append(f"  missing from the config: {', '.join(res['missing'])}")
-    else:
-        out.append("  the config already passes every node in")
+    out.append(f"  missing from the config: {', '.join(res['missing'])}" if res.get("missing") else
+               "  the config already passes every node in")
     for ln in res.get("mount_lines") or []:
         out.append(f"  the shared model store, read-only: {ln}")
     out.append("plan:" if res["dry_run"] or not res["applied"] else "plan (run):")

@@ -103,6 +103,13 @@ def follow(ctx, attach: Callable, job: Job, record: dict, *, limit_s: float, fol
                              "it goes on in the container", fix=f"{job.command} re-attaches to it")
 
 
+def when(at) -> str:
+    """A record's time (seconds since the epoch) as people read it, in UTC."""
+    if not at:
+        return "at an unknown time"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(at)))
+
+
 class Every:
     """At most one event a second of a chatty kind (progress, heartbeat)."""
 

@@ -20,7 +20,7 @@ from orchestrator import agent
 from orchestrator.steps import plan as P
 from orchestrator.core.errors import DeployError, Unreachable, UsageError
 from orchestrator.steps import Outcome
-from orchestrator.provision.follow import Calls, Every, Job, follow
+from orchestrator.provision.follow import Calls, Every, Job, follow, when as _when
 from orchestrator.core.report import FOLLOW_LINE_MAX
 from orchestrator.steps.plan_args import install_requirement as requirement
 from orchestrator.core.spec import Playbook
@@ -276,9 +276,3 @@ def _info(rt: dict, ist: dict, pointer: dict | None = None) -> dict:
 def _ago(ist: dict) -> str:
     s = float(ist.get("elapsed") or 0.0)
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f} min"
-
-
-def _when(at) -> str:
-    if not at:
-        return "at an unknown time"
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(at)))

@@ -23,7 +23,7 @@ from orchestrator.provision import weights_store as S
 from orchestrator.agent.container.weights import MANIFEST_FORMAT, MANIFEST_NAME
 from orchestrator.core.atomic import write_atomic
 from orchestrator.core.errors import StepFailed, Unreachable, UsageError
-from orchestrator.provision.follow import Calls, Every, Job, follow
+from orchestrator.provision.follow import Calls, Every, Job, follow, when as _when
 from orchestrator.core.report import FOLLOW_LINE_MAX
 from orchestrator.core.spec import Playbook
 
@@ -70,9 +70,8 @@ def run(ctx, pb: Playbook, step: P.Step) -> dict:
     allow_start, rehash, timeout_s = d["allow_start"], d["rehash"], d["timeout_s"]
     secrets = tokens(pb, its)
     red = getattr(ctx.session.audit, "redact", None)
-    for v in secrets.values():
-        if red is not None:
-            red.add(v)
+    for v in secrets.values() if red is not None else ():
+        red.add(v)
     t0 = time.monotonic()
     shared = [it for it in its if it.get("store")]
     r = Calls(ctx, step)
@@ -217,7 +216,6 @@ def size(n) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def eta(s) -> str:
@@ -233,12 +231,6 @@ def _rev(rec: dict | None) -> str:
     src = rec.get("hub") or rec.get("source") or "files"
     rev, commit = rec.get("revision"), rec.get("commit") or ""
     return f"{src}@{commit[:12]}" if not rev or rev == commit else f"{src}@{rev} ({commit[:12]})"
-
-
-def _when(at) -> str:
-    if not at:
-        return "at an unknown time"
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(at)))
 
 
 def revisions(recs: dict, dests: dict) -> dict:

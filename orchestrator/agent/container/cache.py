@@ -106,6 +106,15 @@ def safe_dir(path):
     return s.st_uid in (0, os.geteuid()) and s.st_mode & 0o170777 == 0o40700
 
 
+def _write_new(path, data, dir_fd=None):
+    """A new file (O_EXCL|O_NOFOLLOW, 0600) holding data, fsync'ed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def store(sha, cache_dir, data):
     """Keep the verified archive as CACHE/SHA.zip (temp file O_EXCL|O_NOFOLLOW, fsync, rename, fsync the
     directory), prune all but the newest KEEP, and return its path. Where no cache can be kept (no directory
@@ -130,12 +139,8 @@ def store(sha, cache_dir, data):
             try:
                 name = sha + ".zip"
                 tmp = ".%s.tmp-%d-%s" % (sha, os.getpid(), os.urandom(6).hex())
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
                 try:
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
+                    _write_new(tmp, data, dfd)
                     os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 except BaseException:
                     os.unlink(tmp, dir_fd=dfd)
@@ -246,12 +251,8 @@ def _write_record(cache_dir, name, rows):
     body = "".join("%s\t%s\t%s\n" % r for r in rows)
     body = "%s %d\n%s" % (RECORD_HEAD, len(rows), body)
     tmp = os.path.join(cache_dir, ".%s.rec.tmp-%d-%s" % (name, os.getpid(), os.urandom(6).hex()))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_new(tmp, body.encode("utf-8"))
         os.rename(tmp, os.path.join(cache_dir, name + ".rec"))
     except BaseException:
         try:
@@ -355,11 +356,7 @@ def compile_archive(sha, cache_dir, path):
                 os.mkdir(tmp + d, 0o700)
 
             def put(rel, body):
-                fd = os.open(tmp + rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(body)
-                    f.flush()
-                    os.fsync(f.fileno())
+                _write_new(tmp + rel, body)
                 digests[rel] = hashlib.sha256(body).hexdigest()
 
             with zipfile.ZipFile(io.BytesIO(data)) as src:

@@ -132,10 +132,6 @@ def in_container():
     return os.path.exists("/run/systemd/container")
 
 
-def on_pve_host():
-    return os.path.isdir("/etc/pve") and not in_container()
-
-
 LAUNCH_ID_VAR = "VLLM_PVE_DEPLOY_LAUNCH"  # a random id in the environment of everything `launch` starts
 
 

@@ -5,6 +5,7 @@ launches the detached runner (fetch_runner.py), `attach` follows it."""
 import base64
 import json
 import os
+import stat
 import sys
 
 from .core import clean, emit, now
@@ -209,8 +210,6 @@ def plan_item(item, listing, state_dir):
 
 def _verified_at(item, path, f):
     """PATH is a regular file of ours (not a link, no one else may write it), of F's size, with F's hash."""
-    import stat
-
     try:
         dfd = stage_fd(item, os.path.dirname(path), create=False)
     except (OSError, FetchError):
@@ -279,13 +278,9 @@ def install_item(item, commit, listing, state_dir, source):
     if bad:
         raise FetchError("%s: not writing a record deploy could not read back: %s" % (item["role"], bad),
                          kind="unsafe")
-    p = _record_path(state_dir, _item_dest(item))
-    dfd = open_dir(state_dir, 0o700)
-    try:
-        os.close(open_dir(os.path.join(state_dir, FETCH_RECORDS), 0o700))
-    finally:
-        os.close(dfd)
-    write_json_atomic(p, rec)
+    os.close(open_dir(state_dir, 0o700))  # checked before the records directory in it is made
+    os.close(open_dir(os.path.join(state_dir, FETCH_RECORDS), 0o700))
+    write_json_atomic(_record_path(state_dir, _item_dest(item)), rec)
     return rec
 
 
@@ -293,8 +288,6 @@ def _move_in(item, src, dst):
     """A verified staged file renamed into place, both directories walked from the destination's parent
     (stage_fd: no link followed): the staged file still a regular file of ours, nothing but a regular file
     replaced at the destination."""
-    import stat
-
     sfd = stage_fd(item, os.path.dirname(src), create=False)
     try:
         dfd = stage_fd(item, os.path.dirname(dst))
@@ -326,8 +319,6 @@ def _link_blob(item, snap, f):
     """snapshots/COMMIT/NAME -> ../../blobs/ETAG, made through its directory's fd (stage_fd: no planted link
     followed on the way). What is there already is replaced only when it is a link (unlinking a link never
     touches its target); a file or a directory there is not deploy's: refused, named."""
-    import stat
-
     link = os.path.join(snap, f["name"])
     dfd = stage_fd(item, os.path.dirname(link))
     try:
@@ -356,7 +347,7 @@ def _link_blob(item, snap, f):
 
 def _fetch_state(state_dir):
     st = _read_json(os.path.join(state_dir, FETCH_STATE))
-    if st and st.get("status") == "running" and not _fetch_runner_alive(state_dir):
+    if st and st.get("status") == "running" and not lock_held(state_dir, FETCH_LOCK):
         st = _read_json(os.path.join(state_dir, FETCH_STATE)) or st
         if st.get("status") == "running":
             st.update(status="killed", finished_at=now(),
@@ -368,10 +359,6 @@ def _fetch_state(state_dir):
     if st and st.get("t0"):
         st["elapsed"] = round((st.get("finished_at") or now()) - st["t0"], 1)
     return st
-
-
-def _fetch_runner_alive(state_dir):
-    return lock_held(state_dir, FETCH_LOCK)
 
 
 def act_fetch(a):

@@ -150,27 +150,21 @@ STATE_DIR_FIX = ("set runtime.state_dir to a directory of deploy's own that only
                  + DEFAULT_STATE_DIR + " (the default)")
 
 
-
 def lock_held(state_dir, name):
     """Does a live process hold the flock on STATE_DIR/NAME? A detached runner (install, fetch) holds its lock
     for its whole life: free means no runner."""
-    import fcntl
-
     try:
         dfd = open_dir(state_dir, 0o700)
     except OSError:
         return False
     try:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        fd = take_runner_lock(dfd, name)
     finally:
         os.close(dfd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError:
+    if fd is None:
         return True
-    finally:
-        os.close(fd)
+    os.close(fd)
+    return False
 
 
 def take_runner_lock(dfd, name):
@@ -189,8 +183,6 @@ def take_runner_lock(dfd, name):
 
 def runner_id():
     """A detached run's id: its start in UTC, then a random suffix."""
-    import time
-
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + unique_name("")[:6]
 
 
@@ -263,6 +255,7 @@ def spawn_runner(argv, program, logfd, lock_fd, env):
     proc.stdin.write(program)
     proc.stdin.close()
     return proc
+
 
 def _check_private_dir(path, st=None):
     st = st or os.lstat(path)
@@ -402,11 +395,7 @@ def _sha_at(dfd, name, follow=True):
 def _open_log(path):
     """A runner's log for reading: its name comes from a state file (in a shared store, one a container may have
     written), so no final link is followed and no FIFO waited on; a regular file only."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not _stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", path)
-    return os.fdopen(fd, "rb")
+    return os.fdopen(open_regular(None, path), "rb")
 
 
 def _tail_lines(path, pos, limit=4 << 20):
@@ -417,8 +406,6 @@ def _tail_lines(path, pos, limit=4 << 20):
             fh.seek(pos)
             data = fh.read(limit)
     except OSError:
-        return pos, []
-    if not data:
         return pos, []
     cut = data.rfind(b"\n")
     if cut < 0:
@@ -432,9 +419,7 @@ def _tail_lines(path, pos, limit=4 << 20):
 def tail_file(path, n, grep=None, exclude=None):
     try:
         with _open_log(path) as fh:
-            fh.seek(0, 2)
-            size = fh.tell()
-            fh.seek(max(0, size - 256 * 1024))
+            fh.seek(max(0, fh.seek(0, 2) - 256 * 1024))
             data = fh.read()
     except OSError:
         return []

@@ -202,8 +202,7 @@ def act_gpus_free(a):
     poll = float(a.get("poll_s", 0.25))
     outside_after = a.get("outside_after_s")  # busy with no holder in here this long: held outside, say so now
     t0 = now()
-    first = None
-    last = None
+    first = last = None
     last_emit = 0
     outside_since, last_look = None, 0
     while True:

@@ -21,19 +21,10 @@ from .state import read_state
 
 
 INSTALL_STATE = "install.json"
-
-
 INSTALL_LOCK = "install.lock"
-
-
 RUNTIME_FILE = "runtime.json"
-
-
 INSTALL_VAR = "VLLM_PVE_DEPLOY_INSTALL"
-
-
 INSTALL_FINAL = ("ok", "failed", "timeout", "killed")
-
 
 INSTALL_PHASES = [  # over pip's and uv's output, first match wins
     ("install", re.compile(r"^\s*(Installing collected packages|Successfully installed|Installed \d+ packages?|"
@@ -272,8 +263,7 @@ def _install_start(a, info):
                 "fix": "keep wheels, git repositories and find_links directories in root-owned directories that "
                        "others cannot write (e.g. chown -R root:root DIR && chmod -R go-w DIR), then retry"}
     try:
-        parent = open_dir(os.path.dirname(info["venv_root"]))
-        os.close(parent)
+        os.close(open_dir(os.path.dirname(info["venv_root"])))
         sfd = open_dir(info["store"], 0o755)
         dfd = open_dir(state_dir, 0o700)
     except (UnsafeDirectory, OSError) as e:

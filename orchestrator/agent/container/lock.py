@@ -10,15 +10,14 @@ from .files import UnsafeDirectory, create_excl, open_dir, open_regular, unique_
 from . import core
 
 
-def _read_lock(dfd, name="lock"):
-    """(holder dict, inode) of the lock file, (None, None) when there is none. Lock files are complete when they
+def _read_lock(dfd):
+    """The holder dict of the lock file, None when there is none. Lock files are complete when they
     appear (written, then linked into place), so an unreadable one is damaged, not half-written."""
     try:
-        fd = open_regular(dfd, name)
+        fd = open_regular(dfd, "lock")
     except FileNotFoundError:
-        return None, None
+        return None
     with os.fdopen(fd, "rb") as fh:
-        ino = os.fstat(fh.fileno()).st_ino
         try:
             cur = loads(fh.read(65536).decode("utf-8", "replace"))
             if not isinstance(cur, dict):
@@ -26,7 +25,7 @@ def _read_lock(dfd, name="lock"):
         except ValueError:  # damaged (or from an older agent that filled it after creating it): one term of grace
             cur = {"holder": "unknown (unreadable lock file)", "token": None,
                    "expires": os.fstat(fh.fileno()).st_mtime + 60}
-    return cur, ino
+    return cur
 
 
 def _place_new(dfd, name, data):
@@ -73,7 +72,7 @@ def _under_break_mutex(dfd, fn):
 
 
 def _remove_locked(dfd, pred):
-    cur, _ = _read_lock(dfd)
+    cur = _read_lock(dfd)
     if cur is None or not pred(cur):
         return False
     os.rename("lock", unique_name(".lock.stale-"), src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -113,7 +112,7 @@ def _lock_in(dfd, a):
               "workstation": a.get("workstation"), "pid": a.get("pid"), "pid_start": a.get("pid_start")}
         if not a.get("renew") and _place_new(dfd, "lock", dumps(me).encode()):
             return {"locked": True}
-        cur, _ = _read_lock(dfd)
+        cur = _read_lock(dfd)
         if cur is None:
             if a.get("renew"):
                 return {"locked": False, "lost": True, "holder": None}
@@ -122,7 +121,7 @@ def _lock_in(dfd, a):
             # renew: the same identity, a later expiry (never past `until`); replaced atomically by rename, under
             # the lock.break mutex, re-read there: a breaker that saw it expired has moved it aside, or waits
             def renew():
-                c, _ = _read_lock(dfd)
+                c = _read_lock(dfd)
                 if c is None or c.get("token") != a["token"] or float(c.get("expires", 0)) < now():
                     return {"locked": False, "lost": True, "holder": c}
                 c["expires"] = min(now() + term, float(c.get("until", now() + term)))
@@ -167,7 +166,7 @@ def act_unlock(a):
     except UnsafeDirectory as e:
         return {"unlocked": False, "error": "refusing to use the state directory: %s" % e}
     try:
-        cur, _ = _read_lock(dfd)
+        cur = _read_lock(dfd)
         if cur is None:
             return {"unlocked": False, "holder": None}
         want = a.get("token") or _break_token(a)

@@ -209,7 +209,6 @@ def facts_recorded(state_dir):
             write_json_atomic(path, {"v": RECORD_VERSION, "key": key, "at": time.time(), "facts": out})
         except Exception as e:  # noqa: BLE001 - a record is a saving, never status's failure: said, not raised
             error = "not recorded in %s: %s" % (path, str(e)[:300])
-    out = dict(out)
     out["record"] = {"reused": False, "at": time.time(), "error": error}
     return out
 

@@ -16,7 +16,7 @@ from .net import http, listener_check
 from .procs import alive, proc_starttime
 from .protocol import M_REQUEST_SUCCESS, M_RUNNING
 from .state import read_json_state, signal_proven
-from .runner import _pip_ok
+from .runner import _pip_ok, index_opts
 from .stack import record_check
 from .systemd import UNIT_DIR, journal, systemctl, systemd_running, unit_quote, unit_show, unit_stop
 from . import core
@@ -184,13 +184,7 @@ def _router_install(a):
     else:
         steps.append([vpy, "-m", "ensurepip", "--default-pip"])
         pip = [vpy, "-m", "pip"]
-    pip += ["install", "--disable-pip-version-check", "--no-input", "--progress-bar", "off"]
-    if a.get("index_url"):
-        pip += ["--index-url", a["index_url"]]
-    for fl in a.get("find_links") or []:
-        pip += ["--find-links", fl]
-    if a.get("no_index"):
-        pip += ["--no-index"]
+    pip += ["install", "--disable-pip-version-check", "--no-input", "--progress-bar", "off"] + index_opts(a)
     steps.append(pip + ["vllm-router==" + a["version"]])
     for cmd in steps:
         left = deadline - now()
@@ -239,8 +233,7 @@ def _router_stop(a, st=None):
             time.sleep(0.05)
         if alive(pid) and signal_proven(proof, signal.SIGKILL):
             rep["killed"] = True
-        rep["stopped"] = True
-        rep["pid"] = pid
+        rep.update(stopped=True, pid=pid)
     d = _router_dir(a)
     for n in ("router.json", "router.env"):
         remove_owned(d, n)
@@ -264,7 +257,7 @@ def _router_start(a):
     st = {"playbook": a["playbook"], "argv": argv, "workers": a["workers"], "policy": a["policy"],
           "port": a["port"], "version": a["version"], "started_at": now()}
     if systemd_running():
-        unit = "vllm-router-%s.service" % a["playbook"]
+        unit = _router_unit(a)
         s = a["supervise"]
         env_file = os.path.join(d, "router.env")
         try:
@@ -410,7 +403,6 @@ def _router_wait(a):
     """Until the router answers and sees every expected worker healthy (bounded), or its process is gone."""
     deadline = now() + float(a.get("timeout_s") or 60)
     want = set(a["workers"])
-    last = {}
     while True:
         last = _router_view(a, circuits=False)
         healthy = {w["url"] for w in last.get("workers") or [] if w.get("healthy")}
@@ -451,7 +443,6 @@ def _router_drain_wait(a):
     """After remove_worker: until the replica runs no request (its own vllm:num_requests_running), bounded."""
     t0 = now()
     deadline = t0 + float(a.get("timeout_s") or 120)
-    last = {}
     while True:
         last = _replica_metrics(a["url"], timeout=5.0)
         if "error" in last:
@@ -463,24 +454,16 @@ def _router_drain_wait(a):
         time.sleep(0.1)
 
 
+OPS = {"install": _router_install, "start": _router_start, "wait": _router_wait, "view": _router_view,
+       "gate": _router_gate, "drain_wait": _router_drain_wait, "stop": lambda a: dict(_router_stop(a), ok=True)}
+
+
 def act_router(a):
     op = a.get("op")
-    if op == "install":
-        return _router_install(a)
-    if op == "start":
-        return _router_start(a)
-    if op == "wait":
-        return _router_wait(a)
-    if op == "view":
-        return _router_view(a)
-    if op == "gate":
-        return _router_gate(a)
+    if op in OPS:
+        return OPS[op](a)
     if op in ("remove", "add"):
         code, body = _router_http(a, "/%s_worker?url=%s" % ("remove" if op == "remove" else "add", a["url"]),
                                   method="POST", timeout=float(a.get("timeout_s") or 30))
         return {"ok": code == 200, "status": code, "message": (body or "")[:500], "sent": code is not None}
-    if op == "drain_wait":
-        return _router_drain_wait(a)
-    if op == "stop":
-        return dict(_router_stop(a), ok=True)
     return {"ok": False, "message": "unknown router op %r" % op}

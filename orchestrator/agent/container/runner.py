@@ -58,6 +58,13 @@ def _pip_ok(base):
     return p.returncode == 0 and bool(m) and (int(m.group(1)), int(m.group(2))) >= (22, 3)
 
 
+def index_opts(a):
+    """The installer's index options from requires.install (index_url, find_links, no_index)."""
+    return ((["--index-url", a["index_url"]] if a.get("index_url") else [])
+            + [x for fl in a.get("find_links") or [] for x in ("--find-links", fl)]
+            + (["--no-index"] if a.get("no_index") else []))
+
+
 def act_install_run(a):
     """The detached runner (its own session; stdout/stderr are the install log): venv, install, verify, switch."""
     state_dir = a["state_dir"]
@@ -90,24 +97,18 @@ def act_install_run(a):
                       "the venv" % st["timeout_s"] if why == "timeout" else
                       "creating the venv %s failed (%s)" % (stage, why),
                       fix="read the log %s in the container (its last lines are shown above)" % st["log"])
-    opts = []
-    if a.get("index_url"):
-        opts += ["--index-url", a["index_url"]]
-    for fl in a.get("find_links") or []:
-        opts += ["--find-links", fl]
-    if a.get("no_index"):
-        opts += ["--no-index"]
     what = [st["req"]]
     if a.get("hashes"):  # requires.install.hashes: a requirements file with the pinned hashes, --require-hashes
         rfd, _ = create_excl_path(stage, "deploy-requirements.txt")
         with os.fdopen(rfd, "w") as fh:
             fh.write("%s %s\n" % (st["req"], " ".join("--hash=%s" % h for h in a["hashes"])))
         what = ["--require-hashes", "-r", os.path.join(stage, "deploy-requirements.txt")]
+    opts = index_opts(a) + what
+    quiet = ["install", "--no-input", "--disable-pip-version-check", "--progress-bar", "off"]
     if uv:
-        cmd = [uv, "pip", "install", "--python", spy] + opts + what
+        cmd = [uv, "pip", "install", "--python", spy] + opts
     elif _pip_ok(base):
-        cmd = [base, "-m", "pip", "--python", spy, "install", "--no-input", "--disable-pip-version-check",
-               "--progress-bar", "off"] + opts + what
+        cmd = [base, "-m", "pip", "--python", spy] + quiet + opts
     else:
         rc, why = _run_logged([spy, "-m", "ensurepip", "--default-pip"], deadline, None)
         if rc != 0:
@@ -115,8 +116,7 @@ def act_install_run(a):
             return finish("failed", "no pip for %s: ensurepip failed (%s)" % (base, why),
                           fix="install uv in the container, or python3-venv (ensurepip), or set "
                               "requires.install.python to a Python with pip >= 22.3")
-        cmd = [spy, "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "--progress-bar",
-               "off"] + opts + what
+        cmd = [spy, "-m", "pip"] + quiet + opts
     st["phase"] = None
     rc, why = _run_logged(cmd, deadline, lambda p: p != st["phase"] and phase(p),
                           on_start=lambda pid: phase("download", child=pid))  # child: its own session

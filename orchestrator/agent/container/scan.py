@@ -126,9 +126,8 @@ def _hub_config(repo_dir, snap, budget):
         except (OSError, ValueError):
             target, root = None, None
         if not target or not root or os.path.commonpath([target, root]) != root or target == root:
-            info = {"path": path, "error": "a symlink that leaves %s (not followed)" % repo_dir}
             budget["files"] += 1
-            return info
+            return {"path": path, "error": "a symlink that leaves %s (not followed)" % repo_dir}
         info = _read(target, budget)
         info.update(path=path, realpath=target)
         return info
@@ -145,16 +144,10 @@ def act_drafter_scan(a):
     budget = {"end": t0 + budget_s, "files": 0, "notes": []}
     # a read on a hung mount cannot block the tool: it gives up after its own timeout, and this process ends too
     signal.alarm(int(budget_s) + 5)
-    hubs, models = [], []
-    for h in list(a.get("hf_homes") or [])[:16]:
-        if isinstance(h, str) and h.startswith("/"):
-            hubs.append(os.path.join(os.path.normpath(h), "hub"))
-    hubs.append(DEFAULT_HUB)
-    for d in [DEFAULT_MODELS] + list(a.get("model_dirs") or [])[:16]:
-        if isinstance(d, str) and d.startswith("/"):
-            models.append(os.path.normpath(d))
-    hubs = list(dict.fromkeys(hubs))
-    models = list(dict.fromkeys(models))
+    hubs = list(dict.fromkeys([os.path.join(os.path.normpath(h), "hub") for h in list(a.get("hf_homes") or [])[:16]
+                               if isinstance(h, str) and h.startswith("/")] + [DEFAULT_HUB]))
+    models = list(dict.fromkeys(os.path.normpath(d) for d in [DEFAULT_MODELS] + list(a.get("model_dirs") or [])[:16]
+                                if isinstance(d, str) and d.startswith("/")))
     configs, truncated = [], None
     try:
         for hub in hubs:

@@ -129,6 +129,5 @@ def act_note_failure(a):
         for name in ("last_failure.json", "rejected.json"):  # a deliberate down ends both stories
             remove_owned(a["state_dir"], name)
         return {"ok": True}
-    rec = dict(a.get("failure") or {}, at=now())
-    write_json_atomic(path, rec)
+    write_json_atomic(path, dict(a["failure"], at=now()))
     return {"ok": True}

@@ -91,7 +91,7 @@ def _status_rest(res, state_dir):
         dfd = None
     if dfd is not None:
         try:
-            cur, _ = _read_lock(dfd)
+            cur = _read_lock(dfd)
             if cur is not None:
                 cur.pop("token", None)  # the holder's token is its own
                 res["lock"] = cur

@@ -23,8 +23,8 @@ import stat
 import tempfile
 
 from .core import now
-from .files import UnsafeDirectory, open_dir, read_capped, write_at, write_json_atomic
-from .weights import FETCH_RECORDS, _record_path, bad_record, safe_dir
+from .files import UnsafeDirectory, open_beneath, open_dir, read_capped, write_at, write_json_atomic
+from .weights import FETCH_RECORDS, FetchError, _record_path, bad_record, safe_dir
 
 MARKER = ".deploy-store.json"
 LINK_MARKER = ".deploy-store-link"
@@ -44,8 +44,6 @@ def act_store(a):
 
 def _mark(store):
     """On the host: the store directory and its marker (made once; read back)."""
-    from .weights import FetchError
-
     try:
         safe_dir(store, "model store")
     except FetchError as e:
@@ -78,8 +76,6 @@ def _open_blobs(store):
     """blobs/ directories an older deploy left 0700 (its ranges record's write did) made 0755 again: a uid-mapped
     container reads the store as "others". Only deploy's own (root's, 0700 exactly), walked without following a
     link (open_beneath); anything odd is left alone for the fetch to refuse, named."""
-    from .files import open_beneath
-
     try:
         repos = [n for n in os.listdir(os.path.join(store, "hub")) if n.startswith("models--")][:10000]
     except OSError:

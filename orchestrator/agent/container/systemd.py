@@ -13,11 +13,7 @@ from .procs import _boot_time, init_starttime, pids, proc_starttime
 
 
 UNIT_DIR = "/etc/systemd/system"
-
-
 EXIT_MESSAGE_ID = "98e322203f7a4ed290d09fe03c09fe15"  # systemd: "UNIT: Main process exited, code=..., status=..."
-
-
 UNIT_PROPS = ("MainPID", "NRestarts", "ActiveState", "SubState", "Result", "ExecMainStatus", "ExecMainCode",
               "ExecMainExitTimestampMonotonic", "ActiveEnterTimestamp", "UnitFileState", "InvocationID", "LoadState",
               "Id")
@@ -62,11 +58,7 @@ def journal(args, timeout=20, limit=8 << 20):
 
 
 SUCCESS_MESSAGE_ID = "7ad2d189f7e94e70a38c781354912448"  # systemd: "UNIT: Deactivated successfully."
-
-
 FAILURE_MESSAGE_ID = "d9b373ed55a64feb8242e02dbe79a49c"  # systemd: "UNIT: Failed with result 'RESULT'."
-
-
 _CLD = {"1": "exited", "2": "killed", "3": "dumped"}  # ExecMainCode (siginfo CLD_*)
 
 

@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import re
+import stat
 import threading
 
 from .core import now
@@ -89,8 +90,6 @@ def read_ranges(part, size, dfd=None):
 
 def _regular_size(dfd, name):
     """The size of dir/NAME when it is a regular file (not followed if a link), else None."""
-    import stat
-
     try:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except OSError:
@@ -143,8 +142,6 @@ class _File:
         """The partial opened for writing, through its directory's fd (stage_fd: walked from the trusted root,
         no link followed): O_NOFOLLOW|O_NONBLOCK, a regular file with one link only (not a FIFO, not a hard link
         to another file that a container put there)."""
-        import stat
-
         if self.fd is None:
             if self.dfd is None:
                 self.dfd = stage_fd(self.item, os.path.dirname(self.part))
@@ -177,13 +174,17 @@ class _File:
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                d = os.path.dirname(self.part)
-                raise FetchError("disk full at %s while writing %s (%s of %s in; %s free there now); the partial file "
-                                 "%s is kept for resume and nothing was moved into place" % (
-                                     _existing_dir(d), self.f["name"], _fmt_bytes(self.got()),
-                                     _fmt_bytes(self.f["size"]), _fmt_bytes(_free(d)), self.part),
-                                 fix="free space there (or point the playbook elsewhere), then run deploy fetch "
-                                     "again: it resumes", kind="disk") from None
+                raise self.disk_full() from None
+
+    def disk_full(self):
+        """The FetchError of a full disk while this file (or its ranges record) was written."""
+        d = os.path.dirname(self.part)
+        return FetchError("disk full at %s while writing %s (%s of %s in; %s free there now); the partial file %s is "
+                          "kept for resume and nothing was moved into place" % (
+                              _existing_dir(d), self.f["name"], _fmt_bytes(self.got()), _fmt_bytes(self.f["size"]),
+                              _fmt_bytes(_free(d)), self.part),
+                          fix="free space there (or point the playbook elsewhere), then run deploy fetch again: it "
+                              "resumes", kind="disk")
 
     def close(self):
         if self.fd is not None:
@@ -230,7 +231,7 @@ class Transfer:
             if not force and t - self.reported_at < 0.5:
                 return
             self.reported_at = t
-            busy = [pf for pf in self.active.values()]
+            busy = list(self.active.values())
         self.on_progress(busy, len(busy))
 
     # ------------------------------------------------------------ the work
@@ -239,8 +240,6 @@ class Transfer:
         """Every file downloaded and verified, or a FetchError (the first failure; the others stop, every partial
         and its ranges record kept for the next run)."""
         units = list(self.units)
-        threads = []
-        n = min(self.connections, len(units)) or 0
 
         def worker():
             while not self.stop.is_set():
@@ -261,10 +260,9 @@ class Transfer:
                     with self.lock:
                         self.active.pop(id(r), None)
 
-        for _ in range(n):
-            t = threading.Thread(target=worker, daemon=True)
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(self.connections, len(units)))]
+        for t in threads:
             t.start()
-            threads.append(t)
         for t in threads:
             t.join()
         for pf, _ in self.files:
@@ -404,13 +402,7 @@ class Transfer:
             os.pwrite(pf.fd, chunk, pos)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                d = os.path.dirname(pf.part)
-                raise FetchError("disk full at %s while writing %s (%s of %s in; %s free there now); the partial file "
-                                 "%s is kept for resume and nothing was moved into place" % (
-                                     _existing_dir(d), pf.f["name"], _fmt_bytes(pf.got()), _fmt_bytes(pf.f["size"]),
-                                     _fmt_bytes(_free(d)), pf.part),
-                                 fix="free space there (or point the playbook elsewhere), then run deploy fetch "
-                                     "again: it resumes", kind="disk") from None
+                raise pf.disk_full() from None
             raise
 
     def _timeout(self):

@@ -4,47 +4,24 @@ the files, and `serving_weights` for `deploy status`. Shared by fetch.py and fet
 code."""
 
 import os
+import stat
 
 from .core import LazyRe, _some
-from .files import _read_json, open_beneath
+from .files import UnsafeDirectory, _read_json, open_beneath
 
 
 FETCH_STATE = "fetch.json"
-
-
 FETCH_LOCK = "fetch.lock"
-
-
 FETCH_RECORDS = "fetched"
-
-
 FETCH_VAR = "VLLM_PVE_DEPLOY_FETCH"
-
-
 FETCH_FINAL = ("ok", "failed", "timeout", "killed")
-
-
 MANIFEST_NAME = "deploy-manifest.json"
-
-
 MANIFEST_FORMAT = "vllm-pve-deploy-manifest/1"
-
-
 COMMIT_RE = LazyRe(r"^[0-9a-f]{40}$")
-
-
 SHA256_RE = LazyRe(r"^[0-9a-f]{64}$")
-
-
 MAX_FILE_BYTES = 1 << 42  # 4 TiB: what a hub (or a record) may say one file is; larger is not believed
-
-
 MAX_FILES = 100000  # files in one listing, manifest or record
-
-
 MAX_NAME = 1024  # characters in one file name of a listing
-
-
 CHUNK = 1 << 20
 
 
@@ -121,16 +98,11 @@ def _repo_dir(hf_home, hub):
     return os.path.join(hf_home, "hub", "models--" + hub.replace("/", "--"))
 
 
-def git_blob_sha1(path):
-    return hash_file(path, None, "blob")
-
-
 def hash_file(path, dfd=None, kind="sha256"):
     """sha256 (or the git blob id) of a regular file: opened O_NONBLOCK (a FIFO does not hang us), refused when
     it is not a regular file (a link to /dev/zero is not read forever), read up to the size it had when opened.
     With dfd: PATH is a name in that directory, opened O_NOFOLLOW."""
     import hashlib  # here: status loads this module, rarely hashes (OpenSSL, ~2 ms)
-    import stat
 
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
     fd = os.open(path, flags | os.O_NOFOLLOW, dir_fd=dfd) if dfd is not None else os.open(path, flags)
@@ -248,8 +220,6 @@ def _snapshot_link(item, commit, f):
     on the way (open_beneath from hf_home); else what was found instead."""
     base = _repo_dir(item["hf_home"], item["hub"])
     d = os.path.dirname(os.path.join(base, "snapshots", commit, f["name"]))
-    from .files import UnsafeDirectory
-
     try:
         dfd = open_beneath(item["hf_home"], d)
     except FileNotFoundError:
@@ -283,11 +253,9 @@ def read_manifest(item):
     if len(m["files"]) > MAX_FILES:
         raise FetchError("manifest %s: %d files, more than %d" % (item["source_path"], len(m["files"]), MAX_FILES))
     for f in m["files"]:
-        n = f.get("name") if isinstance(f, dict) else None
-        e = {"name": n, "size": int_size(f.get("size")) if isinstance(f, dict) else None,
-             "sha256": f.get("sha256") if isinstance(f, dict) else None,
-             "blob": f.get("blob") if isinstance(f, dict) else None}
-        why = "it is the manifest itself" if n == MANIFEST_NAME else bad_file(e)
+        f = f if isinstance(f, dict) else {}
+        e = {"name": f.get("name"), "size": int_size(f.get("size")), "sha256": f.get("sha256"), "blob": f.get("blob")}
+        why = "it is the manifest itself" if e["name"] == MANIFEST_NAME else bad_file(e)
         if why:
             raise FetchError("manifest %s: unsafe or unbelievable entry: %s" % (item["source_path"], why),
                              fix="write the manifest again with deploy manifest DIR", kind="unsafe")
@@ -312,8 +280,6 @@ def _staging(item, commit):
 def ours(path):
     """A file (or directory) this fetch may trust without hashing it again: not a symlink, owned by the user the
     agent runs as, writable by no one else. A planted file (another owner, or group/other-writable) is not."""
-    import stat
-
     try:
         s = os.lstat(path)
     except OSError:
@@ -324,8 +290,6 @@ def ours(path):
 def safe_dir(path, what):
     """Create PATH (0755) if missing, then refuse it unless it is a real directory of ours that no one else can
     write (a staging or destination directory under a shared path: another user could plant or swap files)."""
-    import stat
-
     os.makedirs(path, mode=0o755, exist_ok=True)
     parent = os.path.dirname(os.path.abspath(path))
     ps = os.stat(parent)
@@ -357,8 +321,6 @@ def stage_root(item):
 def stage_fd(item, path, create=True):
     """An fd of the directory PATH (a partial's, a staged file's), walked from stage_root (open_beneath);
     an UnsafeDirectory becomes a FetchError naming it."""
-    from .files import UnsafeDirectory
-
     try:
         return open_beneath(stage_root(item), path, 0o755 if create else None)
     except UnsafeDirectory as e:
