@@ -141,7 +141,7 @@ def label(pb: Playbook) -> str:
 
 def compare(fleet, a: Playbook, b: Playbook, progress: Progress, opts: ops.Options, *, prompts: list[str],
             rounds: int, max_tokens: int, timeout_s: float, keep: str | None = None,
-            levels: list[int] = P.SWEEP_LEVELS) -> dict:
+            levels: list[int]) -> dict:
     results = []
     for pb in (a, b):
         method = "none" if pb.spec_off else pb.conf.speculative.method
@@ -152,8 +152,8 @@ def compare(fleet, a: Playbook, b: Playbook, progress: Progress, opts: ops.Optio
                "gate_acceptance": out.info.get("acceptance")}
         if out.ok:
             try:
-                row.update(_measure(fleet, pb, progress,
-                                    P.step_sweep(pb, prompts, rounds, max_tokens, timeout_s * len(levels), list(levels))))
+                row.update(_measure(fleet, pb, progress, P.step_sweep(pb, prompts, rounds, max_tokens,
+                                                                      timeout_s * len(levels), list(levels))))
             except DeployError as e:
                 row.update(ok=False, error=e.as_dict())
         results.append(row)

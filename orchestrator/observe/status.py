@@ -25,7 +25,6 @@ from orchestrator.core.facts import nvml_mismatch_fix, parse_pct_status
 from orchestrator.core.locate import testbed_inventory
 from orchestrator.core.remote import Fleet, run_parallel, shell_word, state_dir, warm_when_connected
 from orchestrator.core.report import Progress, dump_json, own, term_width
-from orchestrator.core.spec import DEFAULT_STATE_DIR  # noqa: F401 (one spelling; ops.py imports it from status)
 from orchestrator.core.locate import playbook_dirs
 from orchestrator.core.spec import Runtime, list_playbooks, load_playbook
 from orchestrator.observe.status_render import (NO_RUNTIME, render_endpoints, render_history, render_router, render_table,
@@ -39,10 +38,9 @@ FATAL_BULK = {"fatal_regex": [f["regex"] for f in vf.FATAL]}  # last_error: the 
 
 @dataclass(frozen=True)
 class Reach(Runtime):
-    """A container's runtime as status, logs, doctor and unlock reach it: the inventory's, or a playbook's with its
-    serve.api_key_env; `implicit`: a playbook's that targets it, the inventory naming none (_with_playbook_runtimes)."""
-    api_key_env: str | None = None
-    implicit: str | None = None
+    """A container's runtime (inventory's or playbook's) as status, logs, doctor, unlock and prepare reach it."""
+    api_key_env: str | None = None  # the playbook's serve.api_key_env
+    implicit: str | None = None  # "playbook NAME": the inventory names no runtime (_with_playbook_runtimes)
 
 
 def _reach(rt: Runtime | None, **more) -> Reach | None:

@@ -114,7 +114,7 @@ PHASE_TITLES = {"gate-running": "If the same deployment already runs healthy but
                                 "(measure and gate it now)",
                 "on-low-acceptance": "On low acceptance (acceptance.on_low_acceptance: fallback)",
                 "on-failure": "If a step above fails", "finally": "At the end, whatever happened",
-                "measure": "Then deploy compare measures it (--prompts, --rounds, --max-tokens, --concurrency change it)"}
+                "measure": "Then deploy compare measures it (--prompts, --rounds, --max-tokens, --concurrency)"}
 
 
 @dataclass
@@ -832,9 +832,6 @@ def step_on(host: str, vmid: int | None, python: str, name: str, action: str, ar
                 timeout=timeout, drive={"python": python}, bulk=bulk or {})
 
 
-SWEEP_LEVELS = (1, 4, 16)  # deploy compare's and tune's concurrency levels by default (--concurrency)
-
-
 def step_sweep(pb: Playbook, prompts: list[str], rounds: int, max_tokens: int, timeout_s: float,
                levels: list[int]) -> Step:
     """deploy compare's and tune's measurement of a launch: every level, that many clients streaming the prompts."""
@@ -847,8 +844,7 @@ def step_sweep(pb: Playbook, prompts: list[str], rounds: int, max_tokens: int, t
 
 
 def plan_compare(pb: Playbook, **up) -> list[Step]:
-    """`deploy compare` for one of its playbooks, with compare's defaults (the probe's prompts, rounds, max_tokens
-    and twice its timeout per level; SWEEP_LEVELS): up with the fallback off, then the sweep (ops, then compare.py)."""
-    p = pb.conf.acceptance.probe
-    return plan_up(pb.variant(), **up) + [step_sweep(pb, list(p.prompts), p.rounds, p.max_tokens,
-                                                      p.timeout_s * 2 * len(SWEEP_LEVELS), list(SWEEP_LEVELS))]
+    """`deploy compare` of one playbook with its defaults: up with the fallback off, then the sweep (docs/cli.md)."""
+    p = pb.conf.acceptance.probe  # compare's --prompts, --rounds, --max-tokens; --concurrency 1,4,16
+    return plan_up(pb.variant(), **up) + [step_sweep(pb, list(p.prompts), p.rounds, p.max_tokens, p.timeout_s * 2 * 3,
+                                                      [1, 4, 16])]
