@@ -82,6 +82,17 @@ class Runtime:
 
 
 @dataclass(frozen=True)
+class Reach(Runtime):
+    """A container's runtime (inventory's or playbook's) as status, logs, doctor, unlock and prepare reach it."""
+    api_key_env: str | None = None  # the playbook's serve.api_key_env
+    implicit: str | None = None  # "playbook NAME": the inventory names none (status._with_playbook_runtimes)
+
+
+def reach(rt: Runtime | None, **more) -> Reach | None:
+    return rt and Reach(**vars(rt), **more)
+
+
+@dataclass(frozen=True)
 class Weights:
     """`model` and `speculative.drafter`'s fetch keys (spec_schema.FETCH_FIELDS); the drafter's own below."""
     path: str | None

@@ -12,7 +12,6 @@ import re
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import click
 
@@ -26,7 +25,7 @@ from orchestrator.core.locate import testbed_inventory
 from orchestrator.core.remote import Fleet, run_parallel, shell_word, state_dir, warm_when_connected
 from orchestrator.core.report import Progress, dump_json, own, term_width
 from orchestrator.core.locate import playbook_dirs
-from orchestrator.core.spec import Runtime, list_playbooks, load_playbook
+from orchestrator.core.spec import Reach, list_playbooks, load_playbook, reach
 from orchestrator.observe.status_render import (NO_RUNTIME, render_endpoints, render_history, render_router, render_table,
                             render_totals)
 
@@ -36,22 +35,11 @@ from orchestrator.steps.plan import step_on  # noqa: E402
 FATAL_BULK = {"fatal_regex": [f["regex"] for f in vf.FATAL]}  # last_error: the line naming the cause
 
 
-@dataclass(frozen=True)
-class Reach(Runtime):
-    """A container's runtime (inventory's or playbook's) as status, logs, doctor, unlock and prepare reach it."""
-    api_key_env: str | None = None  # the playbook's serve.api_key_env
-    implicit: str | None = None  # "playbook NAME": the inventory names no runtime (_with_playbook_runtimes)
-
-
-def _reach(rt: Runtime | None, **more) -> Reach | None:
-    return rt and Reach(**vars(rt), **more)
-
-
 def resolve_targets(inv, targets) -> list[tuple[str, int, Reach | None]]:
     """-> [(host, vmid, runtime)] in inventory order. A playbook name brings its runtime paths."""
     want = []
     if not targets:
-        every = [(h.name, c.vmid, _reach(c.runtime)) for h in inv.hosts.values() for c in h.containers]
+        every = [(h.name, c.vmid, reach(c.runtime)) for h in inv.hosts.values() for c in h.containers]
         if not every:
             raise UsageError(f"the inventory {inv.path} lists no " + ("containers" if inv.hosts else "hosts")
                              + ": there is nothing to show",
@@ -65,12 +53,12 @@ def resolve_targets(inv, targets) -> list[tuple[str, int, Reach | None]]:
             if host not in inv.hosts or inv.hosts[host].container(int(vmid)) is None:
                 raise UsageError(f"no container {t} in inventory {inv.path}",
                                  fix="deploy status with no arguments lists everything")
-            want.append((host, int(vmid), _reach(inv.hosts[host].container(int(vmid)).runtime)))
+            want.append((host, int(vmid), reach(inv.hosts[host].container(int(vmid)).runtime)))
         elif t in inv.hosts:
-            want += [(t, c.vmid, _reach(c.runtime)) for c in inv.hosts[t].containers]
+            want += [(t, c.vmid, reach(c.runtime)) for c in inv.hosts[t].containers]
         elif t in playbooks or t.endswith((".yaml", ".yml")):
             pb = load_playbook(t, inv)
-            want += [(m.host, m.vmid, _reach(m.conf.runtime, api_key_env=m.conf.serve.api_key_env)) for m in pb.members]
+            want += [(m.host, m.vmid, reach(m.conf.runtime, api_key_env=m.conf.serve.api_key_env)) for m in pb.members]
         else:
             raise UsageError(f"{t!r} is not a host, HOST/VMID or playbook",
                              fix=f"hosts: {', '.join(inv.hosts) or 'none'}; playbooks: "
@@ -91,8 +79,8 @@ def _with_playbook_runtimes(inv, want):
         except DeployError:
             continue  # an invalid playbook says so when it is used; it must not break status
         for m in pb.members:
-            by_target.setdefault((m.host, m.vmid), _reach(m.conf.runtime, api_key_env=m.conf.serve.api_key_env,
-                                                          implicit=f"playbook {m.name}"))
+            by_target.setdefault((m.host, m.vmid), reach(m.conf.runtime, api_key_env=m.conf.serve.api_key_env,
+                                                         implicit=f"playbook {m.name}"))
     return [(h, v, rt if rt is not None else by_target.get((h, v))) for h, v, rt in want]
 
 
