@@ -23,7 +23,7 @@ from .base import (CONTEXT, _confirm, _fleet_exit, _outcome_exit, _outcomes_exit
 # ------------------------------------------------------------------ plan
 
 
-PLANNED = ("up", "restart", "down", "fetch", "install-vllm", "apply-config", "verify")
+PLANNED = ("up", "restart", "down", "fetch", "install-vllm", "apply-config", "verify", "compare")
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -36,7 +36,8 @@ PLANNED = ("up", "restart", "down", "fetch", "install-vllm", "apply-config", "ve
 @click.pass_obj
 def plan(obj, playbook, op, restart, clean_gpus):
     """Print the ordered steps of `deploy up PLAYBOOK` (or of --op fetch, install-vllm, down, restart,
-    apply-config, verify) and the exact remote commands, without running any.
+    apply-config, verify, compare: its run of PLAYBOOK, with its defaults) and the exact remote commands, without
+    running any.
 
     \b
     Examples:
@@ -65,7 +66,7 @@ def plan(obj, playbook, op, restart, clean_gpus):
                  "restart": lambda m: P.plan_up(m, clean_gpus=clean_gpus, restart=True, ask=ask(m)),
                  "down": lambda m: P.plan_down(m, clean_gpus=clean_gpus, ask=ask(m)),
                  "fetch": P.plan_fetch, "install-vllm": P.plan_install, "apply-config": P.plan_apply_config,
-                 "verify": P.plan_verify}
+                 "verify": P.plan_verify, "compare": lambda m: P.plan_compare(m, clean_gpus=clean_gpus)}
         render_plans(obj.json, inv, pb, plans[kind])
     run_guarded(go, obj)
 

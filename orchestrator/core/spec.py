@@ -37,7 +37,7 @@ class ContainerSpec:
     name: str | None
     gpus: tuple[int, ...]
     address: str | None = None
-    runtime: dict | None = None  # {python, vllm, state_dir} from the inventory, or None
+    runtime: "Runtime | None" = None  # the inventory's (typed like the playbook's; _runtime), or None
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,21 @@ DFLASH_BATCHED_TOKENS = 32768  # serve.max_num_batched_tokens when a DFlash play
 
 @dataclass(frozen=True)
 class Runtime:
+    """A playbook's `runtime` (Conf.runtime) and a container's in the inventory (ContainerSpec.runtime): one type."""
     python: str
     vllm: str
     state_dir: str
+
+
+@dataclass(frozen=True)
+class Reach(Runtime):
+    """A container's runtime (inventory's or playbook's) as status, logs, doctor, unlock and prepare reach it."""
+    api_key_env: str | None = None  # the playbook's serve.api_key_env
+    implicit: str | None = None  # "playbook NAME": the inventory names none (status._with_playbook_runtimes)
+
+
+def reach(rt: Runtime | None, **more) -> Reach | None:
+    return rt and Reach(**vars(rt), **more)
 
 
 @dataclass(frozen=True)
@@ -515,15 +527,13 @@ def _resolve_runtime(pb: Playbook, inv: Inventory | None) -> None:
     host = inv.hosts.get(pb.host) if inv is not None else None
     ct = host.container(pb.vmid) if host is not None else None
     if ct is not None and ct.runtime:
-        pb.data["runtime"] = dict(ct.runtime)
+        pb.data["runtime"] = vars(ct.runtime).copy()
         pb.runtime_source = "inventory"
 
 
-def _runtime(rt: dict | None) -> dict | None:
-    if not rt:
-        return None
-    return {"python": rt["python"], "vllm": rt.get("vllm") or os.path.join(os.path.dirname(rt["python"]), "vllm"),
-            "state_dir": rt.get("state_dir") or DEFAULT_STATE_DIR}
+def _runtime(rt: dict | None) -> Runtime | None:
+    """An inventory runtime, typed: the schema applied state_dir's default; vllm's (next to python) is derived."""
+    return rt and _view(Runtime, rt, vllm=rt["vllm"] or os.path.join(os.path.dirname(rt["python"]), "vllm"))
 
 
 def load_playbook(name_or_path: str, inventory: Inventory | None, *, _seen: tuple = ()) -> Playbook:

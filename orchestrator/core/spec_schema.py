@@ -227,7 +227,7 @@ PLAYBOOK = Map({
         **FETCH_FIELDS,
     }), required=True),
     "runtime": _defaulted(Map({
-        "python": Field(Str(**ABS_PATH), default="/root/ml-env/bin/python", doc="the Python that runs vLLM"),
+        "python": Field(Str(**ABS_PATH), default=DEFAULT_PYTHON, doc="the Python that runs vLLM"),
         "vllm": Field(Str(**ABS_PATH), default="/root/ml-env/bin/vllm"),
         "state_dir": Field(Str(**ABS_PATH), default=DEFAULT_STATE_DIR),
     })),

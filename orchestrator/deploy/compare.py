@@ -42,16 +42,6 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-def step_sweep(pb: Playbook, prompts: list[str], rounds: int, max_tokens: int, timeout_s: float,
-               levels: list[int]) -> P.Step:
-    return P.Step("sweep", f"concurrency {', '.join(map(str, levels))}: streamed completions of {max_tokens} tokens, "
-                           "each timed; /metrics before and after each level", action="sweep",
-                  args={"port": pb.conf.serve.port, "prompts": prompts, "rounds": rounds, "max_tokens": max_tokens,
-                        "timeout_s": timeout_s, "model": pb.conf.serve.served_model_name, "levels": levels,
-                        "state_dir": pb.conf.runtime.state_dir},
-                  timeout=timeout_s + 30, host=pb.host, vmid=pb.vmid)
-
-
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0..100), linear between closest ranks (numpy's default); None without values."""
     v = sorted(x for x in values if x is not None)
@@ -151,7 +141,7 @@ def label(pb: Playbook) -> str:
 
 def compare(fleet, a: Playbook, b: Playbook, progress: Progress, opts: ops.Options, *, prompts: list[str],
             rounds: int, max_tokens: int, timeout_s: float, keep: str | None = None,
-            levels: list[int] = (1, 4, 16)) -> dict:
+            levels: list[int]) -> dict:
     results = []
     for pb in (a, b):
         method = "none" if pb.spec_off else pb.conf.speculative.method
@@ -162,8 +152,8 @@ def compare(fleet, a: Playbook, b: Playbook, progress: Progress, opts: ops.Optio
                "gate_acceptance": out.info.get("acceptance")}
         if out.ok:
             try:
-                row.update(_measure(fleet, pb, progress,
-                                    step_sweep(pb, prompts, rounds, max_tokens, timeout_s * len(levels), list(levels))))
+                row.update(_measure(fleet, pb, progress, P.step_sweep(pb, prompts, rounds, max_tokens,
+                                                                      timeout_s * len(levels), list(levels))))
             except DeployError as e:
                 row.update(ok=False, error=e.as_dict())
         results.append(row)

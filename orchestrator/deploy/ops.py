@@ -16,7 +16,7 @@ from orchestrator.core.gate import Verdict, gate_figures
 from orchestrator.agent.protocol import CurrentResult, GpusFreeResult, ReadyResult, StopResult, VerifyResult, WriteFileResult
 from orchestrator.core.remote import Fleet, shell_word
 from orchestrator.core.report import Progress, sha
-from orchestrator.core.spec import Playbook
+from orchestrator.core.spec import Playbook, Runtime
 from orchestrator.provision import weights_fetch as F
 from orchestrator.provision import vllm_install as I
 from orchestrator.core.endpoint import server_endpoint
@@ -825,7 +825,7 @@ def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
     return run.out
 
 
-def unlock(fleet: Fleet, host: str, vmid: int, runtime: dict, confirm, progress: Progress) -> dict:
+def unlock(fleet: Fleet, host: str, vmid: int, runtime: Runtime, confirm, progress: Progress) -> dict:
     """`deploy unlock`: show the holder of a container's lock; break it if confirm(holder) says yes.
     -> {"holder": ..., "broken": bool, "state": "free" | "broken" | "kept" | "changed"}"""
 

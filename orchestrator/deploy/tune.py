@@ -282,9 +282,9 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
     where = f"{pb.host}/{pb.vmid}"
     levels, capped = cap_levels(pb, sorted(levels))
     warnings = [capped] if capped else []
-    step = C.step_sweep(pb, prompts, rounds, max_tokens, timeout_s * len(levels), list(levels))
+    step = P.step_sweep(pb, prompts, rounds, max_tokens, timeout_s * len(levels), list(levels))
     # the baseline sweeps its first level once more at the end: the run-to-run noise, measured
-    step_off = C.step_sweep(pb, prompts, rounds, max_tokens, timeout_s * (len(levels) + 1),
+    step_off = P.step_sweep(pb, prompts, rounds, max_tokens, timeout_s * (len(levels) + 1),
                             list(levels) + [levels[0]])
     launches, measured, acceptance = [], {}, None
 

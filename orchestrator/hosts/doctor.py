@@ -492,15 +492,15 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
 
     def one(item):
         host, vmid, rt = item
-        row = {"host": host, "vmid": vmid, "reachable": True, "runtime": rt and rt.get("python"), "servers": [],
+        row = {"host": host, "vmid": vmid, "reachable": True, "runtime": rt and rt.python, "servers": [],
                "processes": [], "findings": [], "error": None, "seconds": None}
         t = time.monotonic()
         if rt is None:
             row["note"] = "no vLLM runtime (deploy discover shows what the container has)"
             return row
         try:
-            facts = call_on(fleet.session(host), step_on(host, vmid, rt["python"], "doctor", "doctor", {
-                "budget_s": budget_s, "state_dir": rt.get("state_dir")}, budget_s * LOAD_MAX + 10))  # grows with load
+            facts = call_on(fleet.session(host), step_on(host, vmid, rt.python, "doctor", "doctor", {
+                "budget_s": budget_s, "state_dir": rt.state_dir}, budget_s * LOAD_MAX + 10))  # grows with load
         except DeployError as e:
             row["error"] = e.render()
             row["reachable"] = not isinstance(e, Unreachable)
@@ -525,11 +525,11 @@ def run_doctor(obj, targets, budget_s: float = 12.0) -> int:
         if not facts.get("servers"):  # no server: still check the drafter configs a server started now would read
             row["idle_configs"] = idle_drafter_checks(
                 pinned, host, vmid, lambda path: call_on(fleet.session(host), step_on(
-                    host, vmid, rt["python"], "file_sha", "file_sha", {"path": path}, 20)))
+                    host, vmid, rt.python, "file_sha", "file_sha", {"path": path}, 20)))
             row["findings"] += [c["finding"] for c in row["idle_configs"] if c.get("finding")]
             row["scanned_configs"], row["scan"] = [], None
             try:  # the hub cache and models directories: one agent call for all of them
-                r = call_on(fleet.session(host), step_on(host, vmid, rt["python"], "drafter_scan", "drafter_scan",
+                r = call_on(fleet.session(host), step_on(host, vmid, rt.python, "drafter_scan", "drafter_scan",
                                                          scan_args(pinned, by_target), 20))
                 row["scan"] = {k: v for k, v in r.as_dict().items() if k != "configs"}
                 row["scanned_configs"] = scan_checks(r.as_dict(), pinned, host, vmid,

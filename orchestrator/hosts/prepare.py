@@ -38,7 +38,7 @@ from orchestrator.steps import plumbing_check as PL
 from orchestrator.core.errors import DeployError, UsageError
 from orchestrator.core.remote import shell_join, shell_word
 from orchestrator.core.report import Progress
-from orchestrator.core.spec import fetch_items
+from orchestrator.core.spec import Runtime, fetch_items
 from orchestrator.core.spec_schema import DEFAULT_PYTHON
 
 BACKUP_DIR = "/root/vllm-pve-deploy-backups"
@@ -340,12 +340,12 @@ def vllm_in(session, vmid: int) -> list[str]:
 class Prepare:
     """One `deploy prepare`: facts, plan, and (unless dry_run) the changes, in order; the result as a dict."""
 
-    def __init__(self, fleet, inv, host: str, vmid: int, runtime: dict, gpus: list[int], *, driver_run=None,
+    def __init__(self, fleet, inv, host: str, vmid: int, runtime: Runtime | None, gpus: list[int], *, driver_run=None,
                  style=None, yes=False, confirm=None, progress=None, tp: int = 1, others=(), create=None,
                  chain=(), stores=()):
         self.fleet, self.inv, self.host, self.vmid = fleet, inv, host, int(vmid)
         self.create, self.chain, self.created, self.stores = create, list(chain), False, list(stores)
-        self.runtime, self.gpus, self.driver_run, self.style = runtime or {}, gpus, driver_run, style
+        self.runtime, self.gpus, self.driver_run, self.style = runtime, gpus, driver_run, style
         self.yes, self.confirm, self.progress, self.tp, self.others = yes, confirm, progress, tp, list(others)
         self.conf = f"/etc/pve/lxc/{self.vmid}.conf"
         self.res = {"where": f"{host}/{self.vmid}", "gpus": gpus, "ok": False, "dry_run": False, "plan": [],
@@ -667,7 +667,7 @@ class Prepare:
         self.res["container_nvidia_smi"] = self.smi
         ct = None
         try:
-            py = "python3" if self.created else self.runtime.get("python") or DEFAULT_PYTHON  # new: no venv yet
+            py = "python3" if self.created else self.runtime.python if self.runtime else DEFAULT_PYTHON  # new: no venv
             r = call_on(s, step_on(self.host, v, py, "plumbing", "plumbing", {}, 30))
             ct = r.plumbing if isinstance(r.plumbing, dict) else None
         except DeployError as e:

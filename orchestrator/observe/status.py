@@ -24,24 +24,22 @@ from orchestrator.core.facts import nvml_mismatch_fix, parse_pct_status
 from orchestrator.core.locate import testbed_inventory
 from orchestrator.core.remote import Fleet, run_parallel, shell_word, state_dir, warm_when_connected
 from orchestrator.core.report import Progress, dump_json, own, term_width
-from orchestrator.core.spec import DEFAULT_STATE_DIR  # noqa: F401 (one spelling; ops.py imports it from status)
 from orchestrator.core.locate import playbook_dirs
-from orchestrator.core.spec import list_playbooks, load_playbook
+from orchestrator.core.spec import Reach, list_playbooks, load_playbook, reach
 from orchestrator.observe.status_render import (NO_RUNTIME, render_endpoints, render_history, render_router, render_table,
                             render_totals)
 
 SCHEMA = "vllm-pve-deploy/status/v1"
-from orchestrator.core.spec_schema import DEFAULT_PYTHON  # noqa: E402 (one spelling)
 from orchestrator.steps import call_on  # noqa: E402 (status's and logs' reads: planned steps, one route)
 from orchestrator.steps.plan import step_on  # noqa: E402
 FATAL_BULK = {"fatal_regex": [f["regex"] for f in vf.FATAL]}  # last_error: the line naming the cause
 
 
-def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
+def resolve_targets(inv, targets) -> list[tuple[str, int, Reach | None]]:
     """-> [(host, vmid, runtime)] in inventory order. A playbook name brings its runtime paths."""
     want = []
     if not targets:
-        every = [(h.name, c.vmid, c.runtime) for h in inv.hosts.values() for c in h.containers]
+        every = [(h.name, c.vmid, reach(c.runtime)) for h in inv.hosts.values() for c in h.containers]
         if not every:
             raise UsageError(f"the inventory {inv.path} lists no " + ("containers" if inv.hosts else "hosts")
                              + ": there is nothing to show",
@@ -55,13 +53,12 @@ def resolve_targets(inv, targets) -> list[tuple[str, int, dict]]:
             if host not in inv.hosts or inv.hosts[host].container(int(vmid)) is None:
                 raise UsageError(f"no container {t} in inventory {inv.path}",
                                  fix="deploy status with no arguments lists everything")
-            want.append((host, int(vmid), inv.hosts[host].container(int(vmid)).runtime))
+            want.append((host, int(vmid), reach(inv.hosts[host].container(int(vmid)).runtime)))
         elif t in inv.hosts:
-            want += [(t, c.vmid, c.runtime) for c in inv.hosts[t].containers]
+            want += [(t, c.vmid, reach(c.runtime)) for c in inv.hosts[t].containers]
         elif t in playbooks or t.endswith((".yaml", ".yml")):
             pb = load_playbook(t, inv)
-            want += [(m.host, m.vmid, {**vars(m.conf.runtime), "api_key_env": m.conf.serve.api_key_env})
-                     for m in pb.members]
+            want += [(m.host, m.vmid, reach(m.conf.runtime, api_key_env=m.conf.serve.api_key_env)) for m in pb.members]
         else:
             raise UsageError(f"{t!r} is not a host, HOST/VMID or playbook",
                              fix=f"hosts: {', '.join(inv.hosts) or 'none'}; playbooks: "
@@ -82,8 +79,8 @@ def _with_playbook_runtimes(inv, want):
         except DeployError:
             continue  # an invalid playbook says so when it is used; it must not break status
         for m in pb.members:
-            by_target.setdefault((m.host, m.vmid), {**vars(m.conf.runtime), "api_key_env": m.conf.serve.api_key_env,
-                                                    "implicit": f"playbook {m.name}"})
+            by_target.setdefault((m.host, m.vmid), reach(m.conf.runtime, api_key_env=m.conf.serve.api_key_env,
+                                                         implicit=f"playbook {m.name}"))
     return [(h, v, rt if rt is not None else by_target.get((h, v))) for h, v, rt in want]
 
 
@@ -255,14 +252,12 @@ def no_runtime_row(fleet: Fleet, host: str, vmid: int) -> dict:
     return row
 
 
-def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, sampler: Sampler,
+def container_row(fleet: Fleet, host: str, vmid: int, runtime: Reach | None, sampler: Sampler,
                   smi_timeout: float) -> dict:
     if runtime is None:
         return no_runtime_row(fleet, host, vmid)
     row = _row(host, vmid, container="running", process="none", healthy=True)
-    sdir = runtime.get("state_dir") or DEFAULT_STATE_DIR
-    python = runtime.get("python") or DEFAULT_PYTHON
-    key_env = runtime.get("api_key_env")
+    sdir, python, key_env = runtime.state_dir, runtime.python, runtime.api_key_env
     key = os.environ.get(key_env) if key_env else None
     if key:
         fleet.redact.add(key)
@@ -282,7 +277,7 @@ def container_row(fleet: Fleet, host: str, vmid: int, runtime: dict | None, samp
             fleet.redact.add(key)
             r = call_on(fleet.session(host), step, secrets={"api_key": key})
     except AgentError as e:
-        if runtime.get("implicit") and e.message.startswith("cannot run "):
+        if runtime.implicit and e.message.startswith("cannot run "):
             row.update(process=NO_RUNTIME)
             return row  # that playbook's Python is not in this container: nothing it started runs here
         raise
@@ -801,13 +796,12 @@ def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
         click.echo(f"{host}/{vmid}: {NO_RUNTIME} in the inventory and no playbook targets it: nothing deploy "
                    f"launched there (deploy discover {host} --write records a runtime)", err=True)
         return EXIT_FAILED
-    log_path = os.path.join(rt.get("state_dir") or DEFAULT_STATE_DIR, "vllm.log")
-    python = rt.get("python") or DEFAULT_PYTHON
-    args = {"log_path": log_path, "state_dir": rt.get("state_dir") or DEFAULT_STATE_DIR, "n": n, "grep": grep,
+    log_path = os.path.join(rt.state_dir, "vllm.log")
+    args = {"log_path": log_path, "state_dir": rt.state_dir, "n": n, "grep": grep,
             "follow": follow, "follow_s": 24 * 3600, "exclude": None if show_all else vf.OWN_PROBE_REQUESTS}
     if not follow:
         with Progress().heartbeat(f"{host}/{vmid}", f"read {log_path}", 30):
-            r = call_on(fleet.session(host), step_on(host, vmid, python, "logs", "logs", args, 30))
+            r = call_on(fleet.session(host), step_on(host, vmid, rt.python, "logs", "logs", args, 30))
         if grep and not r.lines and (r.unit or r.exists):  # like grep: said, exit 1 (issue 26)
             click.echo(f"{host}/{vmid}: no line of {r.unit and 'the journal of ' + r.unit or log_path} "
                        f"matched --grep {grep!r}", err=True)
@@ -827,7 +821,7 @@ def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
             raise _ReaderGone()
 
     try:
-        call_on(fleet.session(host), step_on(host, vmid, python, "logs", "logs", args, 24 * 3600 + 60),
+        call_on(fleet.session(host), step_on(host, vmid, rt.python, "logs", "logs", args, 24 * 3600 + 60),
                 on_event=line, streaming=True)
     except (KeyboardInterrupt, _ReaderGone):
         pass

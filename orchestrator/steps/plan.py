@@ -26,7 +26,7 @@ from orchestrator.core.remote import pct_exec_argv, shell_join
 from orchestrator.steps.plan_args import (drafter_config_path, fetch_args, fetch_dests, fetch_transfer, hub_drafter_dir, install_args,
                         launch_check_args, secret_env_names, serve_argv, serve_env, spec_config, state_paths,
                         state_record, supervise_args, unit_name, verify_args)
-from orchestrator.core.spec import Inventory, Playbook, fetch_items
+from orchestrator.core.spec import Inventory, Playbook, Runtime, fetch_items
 
 
 # Run-time values the plan cannot know; Context.call fills them in (they are not secret).
@@ -113,7 +113,8 @@ PHASES = ("main", "gate-running", "on-low-acceptance", "on-failure", "finally")
 PHASE_TITLES = {"gate-running": "If the same deployment already runs healthy but its launch never passed the gate "
                                 "(measure and gate it now)",
                 "on-low-acceptance": "On low acceptance (acceptance.on_low_acceptance: fallback)",
-                "on-failure": "If a step above fails", "finally": "At the end, whatever happened"}
+                "on-failure": "If a step above fails", "finally": "At the end, whatever happened",
+                "measure": "Then deploy compare measures it (--prompts, --rounds, --max-tokens, --concurrency)"}
 
 
 @dataclass
@@ -811,14 +812,12 @@ def step_manifest_records(pb: Playbook) -> Step:
                                "--manifest FILE (the hub's hashes of every file)")
 
 
-def plan_unlock(host: str, vmid: int, runtime: dict) -> list[Step]:
+def plan_unlock(host: str, vmid: int, runtime: Runtime) -> list[Step]:
     """`deploy unlock`: who holds the container lock (read only), then, when confirmed, break it: only if it is
     still that holder's (its token on stdin). Each in a process of its own."""
-    from orchestrator.core.spec_schema import DEFAULT_PYTHON, DEFAULT_STATE_DIR
-
-    sd = runtime.get("state_dir") or DEFAULT_STATE_DIR
+    sd = runtime.state_dir
     kw = dict(host=host, vmid=vmid, action="unlock", args={"state_dir": sd}, timeout=30,
-              drive={"python": runtime.get("python") or DEFAULT_PYTHON})
+              drive={"python": runtime.python})
     return [Step("lock-holder", "who holds the container lock (read only)", runs=[f"cat {sd}/lock"], **kw),
             Step("break-lock", "break the lock, when confirmed, only if the holder shown still holds it",
                  payload="the holder's token (break_token)", runs=[f"rm {sd}/lock   # if its token is still the "
@@ -831,3 +830,21 @@ def step_on(host: str, vmid: int | None, python: str, name: str, action: str, ar
     ops, status's and logs' reads), under the python its drive names; sent by steps.call_on through Context.call."""
     return Step(name, title or f"agent action {action}", host=host, vmid=vmid, action=action, args=args,
                 timeout=timeout, drive={"python": python}, bulk=bulk or {})
+
+
+def step_sweep(pb: Playbook, prompts: list[str], rounds: int, max_tokens: int, timeout_s: float,
+               levels: list[int]) -> Step:
+    """deploy compare's and tune's measurement of a launch: every level, that many clients streaming the prompts."""
+    return Step("sweep", f"concurrency {', '.join(map(str, levels))}: streamed completions of {max_tokens} tokens, "
+                         "each timed; /metrics before and after each level", action="sweep",
+                args={"port": pb.conf.serve.port, "prompts": prompts, "rounds": rounds, "max_tokens": max_tokens,
+                      "timeout_s": timeout_s, "model": pb.conf.serve.served_model_name, "levels": levels,
+                      "state_dir": pb.conf.runtime.state_dir}, timeout=timeout_s + 30, host=pb.host, vmid=pb.vmid,
+                phase="measure")
+
+
+def plan_compare(pb: Playbook, **up) -> list[Step]:
+    """`deploy compare` of one playbook with its defaults: up with the fallback off, then the sweep (docs/cli.md)."""
+    p = pb.conf.acceptance.probe  # compare's --prompts, --rounds, --max-tokens; --concurrency 1,4,16
+    return plan_up(pb.variant(), **up) + [step_sweep(pb, list(p.prompts), p.rounds, p.max_tokens, p.timeout_s * 2 * 3,
+                                                      [1, 4, 16])]

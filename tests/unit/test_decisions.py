@@ -19,7 +19,7 @@ from orchestrator.steps import plan as P
 from orchestrator.agent.protocol import PROTOCOL
 from orchestrator.core.remote import AuditLog, Fleet, Result
 from orchestrator.core.report import Progress
-from orchestrator.core.spec import load_inventory, load_playbook
+from orchestrator.core.spec import Runtime, load_inventory, load_playbook
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AUDIT = os.path.join(os.environ.get("TMPDIR", "/tmp"), "vpd-decisions-audit-%d.jsonl" % os.getpid())
@@ -591,16 +591,17 @@ def test_unlock_is_a_plan_run_by_the_executor(world):
     """Issue 51: deploy unlock runs plan_unlock (lock-holder, then break-lock when confirmed) through ops.execute;
     the holder's token travels on stdin, never in the request."""
     holder = {"holder": "ann@ws pid 7", "operation": "up", "token": "T0K", "since": 1, "expires": 2}
+    rt = Runtime("/root/ml-env/bin/python", "/root/ml-env/bin/vllm", "/var/lib/vllm-pve-deploy")  # the defaults
     fleet, sess = _fake_fleet(world, {"unlock": [{"unlocked": False, "holder": holder}, {"unlocked": True}]})
-    r = ops.unlock(fleet, "pve1", 129, {}, lambda view: "token" not in view, Progress(quiet=True))
+    r = ops.unlock(fleet, "pve1", 129, rt, lambda view: "token" not in view, Progress(quiet=True))
     assert r["state"] == "broken" and r["holder"]["holder"] == "ann@ws pid 7" and "token" not in r["holder"]
     assert [a for a, _ in sess.calls] == ["unlock", "unlock"] and "T0K" not in json.dumps(sess.calls)
-    check_plan_is_program(P.plan_unlock("pve1", 129, {}), sess)
+    check_plan_is_program(P.plan_unlock("pve1", 129, rt), sess)
     fleet, sess = _fake_fleet(world, {"unlock": {"unlocked": False, "holder": holder}})
-    assert ops.unlock(fleet, "pve1", 129, {}, lambda view: False, Progress(quiet=True))["state"] == "kept"
+    assert ops.unlock(fleet, "pve1", 129, rt, lambda view: False, Progress(quiet=True))["state"] == "kept"
     assert len(sess.calls) == 1  # not confirmed: the planned break-lock never runs
     fleet, sess = _fake_fleet(world, {"unlock": {"unlocked": False, "holder": None}})
-    assert ops.unlock(fleet, "pve1", 129, {}, lambda view: 1 / 0, Progress(quiet=True))["state"] == "free"
+    assert ops.unlock(fleet, "pve1", 129, rt, lambda view: 1 / 0, Progress(quiet=True))["state"] == "free"
 
 
 def test_install_vllm_sends_only_its_planned_calls(world):

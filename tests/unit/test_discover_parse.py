@@ -136,7 +136,7 @@ def test_render_is_a_valid_inventory(tmp_path):
     p.write_text(text)
     inv = load_inventory(str(p))
     c129, c130 = inv.hosts["pve1"].containers
-    assert c129.runtime["python"] == "/root/ml-env/bin/python" and c129.address == "10.1.2.31"
+    assert c129.runtime.python == "/root/ml-env/bin/python" and c129.address == "10.1.2.31"
     assert c130.runtime is None and c130.name == "stopped-one"
     assert "SHARED" in text and "stopped" in text and "vLLM 0.34.0, transformers 4.57.1" in text
 
@@ -167,7 +167,7 @@ hosts:
     assert h.connect_timeout_s == 7 and h.port == 2222 and "other" in inv.hosts
     assert [c.vmid for c in h.containers] == [129, 130, 555]
     assert h.container(130).gpus == (0,)  # a fact: replaced
-    assert h.container(130).runtime["python"] == "/opt/mine/bin/python"  # a choice: kept
+    assert h.container(130).runtime.python == "/opt/mine/bin/python"  # a choice: kept
     assert h.container(555).name == "gone"
     for kept in ("# my comment, kept", "# a comment between hosts", "# the end", "  - name: other"):
         assert kept in new

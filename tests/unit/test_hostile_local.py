@@ -59,7 +59,8 @@ def test_a_forged_state_file_does_not_choose_which_local_secret_is_sent(monkeypa
             "memory": {"gpus": {}}})
 
     monkeypatch.setattr(status, "call_on", call)
-    row = status.container_row(_Fleet(inv), "pve1", 129, {"python": "/root/ml-env/bin/python"},
+    row = status.container_row(_Fleet(inv), "pve1", 129, status.Reach("/root/ml-env/bin/python",
+                               "/root/ml-env/bin/vllm", "/var/lib/vllm-pve-deploy"),
                                status.Sampler(persist=False), 1.0)
     assert sent == [None], sent  # one request, and no secret in it
     assert not row["healthy"] and "VPD_WORKSTATION_SECRET" not in " ".join(row["problems"])

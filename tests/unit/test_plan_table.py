@@ -32,7 +32,7 @@ def test_every_planned_step_is_in_the_one_table(work):
         plans += [P.plan_verify(pb)]
         plans += [P.plan_up(dataclasses.replace(pb, spec_off=True, fallback=None))]  # deploy tune's baseline
         plans += [P.plan_fetch(pb, rehash=True, connections=2, manifest=True)] if P.fetch_args(pb) else []
-        plans += [P.plan_unlock(pb.host, pb.vmid, pb.data["runtime"])]
+        plans += [P.plan_unlock(pb.host, pb.vmid, pb.conf.runtime)]
         for plan in plans:
             for s in _all_steps(plan):
                 assert s.name in ops.STEPS, f"step {s.name} of {pb.name} has no row in ops.STEPS"
@@ -95,6 +95,31 @@ def test_verify_is_a_read_only_plan_with_its_exact_requests(work):
     assert rev.action == "fetch" and rev.args["op"] == "records"
     assert rev.args["dests"] == ["/root/models/Qwen3.6-27B", "/root/models/Qwen3.6-27B-DFlash"]
     assert rev.drive["roles"] == {"model": rev.args["dests"][0], "drafter": rev.args["dests"][1]}
+
+
+def test_compare_is_up_with_the_fallback_off_then_the_sweep_and_plan_shows_it(work):
+    """Issue 51: compare's sweep is declared in plan.py with the other steps (step_sweep); `deploy plan --op compare`
+    shows compare's run of a playbook with its defaults: up without the fallback, then the sweep."""
+    import json
+
+    from click.testing import CliRunner
+
+    from orchestrator.cli import main
+
+    pb = load_playbook(str(work / "playbooks" / "qwen36-dflash.yaml"), inv(work))
+    steps, p = P.plan_compare(pb), pb.conf.acceptance.probe
+    assert "fallback" in [s.name for s in P.plan_up(pb)] and "fallback" not in [s.name for s in steps]
+    assert [s.name for s in steps] == [s.name for s in P.plan_up(pb.variant())] + ["sweep"]
+    sw = steps[-1]
+    assert (sw.action, sw.phase, sw.args["levels"], sw.args["rounds"], sw.args["prompts"]) == (
+        "sweep", "measure", [1, 4, 16], p.rounds, list(p.prompts))
+    assert sw.timeout == p.timeout_s * 2 * 3 + 30 and sw.args["state_dir"] == pb.conf.runtime.state_dir
+    res = CliRunner().invoke(main, ["--inventory", str(work / "hosts.yaml"), "--json", "plan",
+                                    str(work / "playbooks" / "qwen36-dflash.yaml"), "--op", "compare"])
+    assert res.exit_code == 0, res.output
+    last = json.loads(res.output)["steps"][-1]
+    assert last["step"] == "sweep" and last["command"].startswith(f"pct exec {pb.vmid} ") and " - sweep " in \
+        last["command"]
 
 
 # ---- every remote call a planned step (issue 51): direct agent calls outside the executor, counted per module.

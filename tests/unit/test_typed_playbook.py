@@ -3,7 +3,9 @@
 - each typed class's fields are exactly its map's keys in spec_schema.PLAYBOOK (the schema applied the defaults);
 - the derived values (the DFlash defaults of serve) are computed there, once;
 - string-key reads of the playbook (`pb.data["serve"]`, `sv.get("port")`, ...) outside the loader are counted per
-  module, and today's counts are a ceiling: the number can only go down (0 outside the modules in CEILING)."""
+  module, and today's counts are a ceiling: the number can only go down (0 outside the modules in CEILING);
+- the inventory's runtime is the same typed `Runtime` (ContainerSpec.runtime), and its string-key reads
+  (`c.runtime["python"]`, `rt.get("state_dir")`) are counted the same way: 0 outside the loader."""
 
 import ast
 import os
@@ -12,7 +14,7 @@ from dataclasses import FrozenInstanceError, fields
 import pytest
 
 from orchestrator.core import spec as S
-from orchestrator.core.spec_schema import DRAFTER, PLAYBOOK
+from orchestrator.core.spec_schema import DEFAULT_STATE_DIR, DRAFTER, PLAYBOOK
 from test_spec import edit, inv, work  # noqa: F401 - the fixture
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "orchestrator")
@@ -99,16 +101,21 @@ def _own_scope(fn):
         todo[:0] = [c for c in ast.iter_child_nodes(node) if not isinstance(c, SCOPES)]
 
 
-def _str_key_reads(tree) -> int:
+def _is_pb_root(e) -> bool:
+    return isinstance(e, ast.Attribute) and e.attr in PB_ATTRS and _is_pb(e.value)
+
+
+def _str_key_reads(tree, is_root=_is_pb_root, keys=None) -> int:
     """Subscripts with a string constant and .get("KEY") calls on a playbook's dict accessors (pb.data, pb.serve,
-    ...), or on a local name bound to one (sv = pb.serve; sv["port"]) or to something read from one."""
+    ...), or on a local name bound to one (sv = pb.serve; sv["port"]) or to something read from one. `is_root`:
+    what the data is read from; `keys`: only these keys count (None: any)."""
     n = 0
     for fn in [tree] + [f for f in ast.walk(tree) if isinstance(f, SCOPES)]:
         tainted = set()
 
         def rooted(e) -> bool:
             while True:
-                if isinstance(e, ast.Attribute) and e.attr in PB_ATTRS and _is_pb(e.value):
+                if is_root(e):
                     return True
                 if isinstance(e, ast.Name):
                     return e.id in tainted
@@ -134,12 +141,12 @@ def _str_key_reads(tree) -> int:
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                     and node.func.attr == "get" and node.args and rooted(node.func.value):
                 key = node.args[0]
-            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            if isinstance(key, ast.Constant) and isinstance(key.value, str) and (keys is None or key.value in keys):
                 n += 1
     return n
 
 
-def reads_per_module() -> dict:
+def reads_per_module(**how) -> dict:
     out = {}
     for root, _, files in os.walk(PKG):
         if "container" in root.split(os.sep):
@@ -148,7 +155,7 @@ def reads_per_module() -> dict:
             rel = os.path.relpath(os.path.join(root, f), PKG)
             if f.endswith(".py") and rel not in LOADER:
                 with open(os.path.join(root, f)) as fh:
-                    n = _str_key_reads(ast.parse(fh.read()))
+                    n = _str_key_reads(ast.parse(fh.read()), **how)
                 if n:
                     out[rel] = n
     return out
@@ -176,3 +183,43 @@ def test_the_counter_sees_direct_aliased_and_looped_reads():
            "        t['host']\n"
            "    return pb.conf.serve.port, other['port']\n")
     assert _str_key_reads(ast.parse(src)) == 6
+
+
+# ---- the inventory's runtime: typed like the playbook's (ContainerSpec.runtime is a spec.Runtime)
+
+RT_KEYS = {f.name for f in fields(S.Runtime)}
+RT_NAMES = {"rt", "runtime"}  # what the code calls a container's runtime (resolve_targets' records, parameters)
+
+
+def _is_inventory_runtime(e) -> bool:
+    """c.runtime, ct.runtime, self.runtime (pb.conf.runtime is the typed playbook's), or a name a runtime is in."""
+    return isinstance(e, ast.Attribute) and e.attr == "runtime" and not (
+        isinstance(e.value, ast.Attribute) and e.value.attr == "conf") or isinstance(e, ast.Name) and e.id in RT_NAMES
+
+
+def test_the_inventory_runtime_is_typed_and_read_by_no_string_key(tmp_path):
+    (tmp_path / "inv.yaml").write_text(
+        "hosts:\n  - name: pve1\n    address: 127.0.0.1\n    containers:\n"
+        "      - {vmid: 129, runtime: {python: /opt/v/bin/python}}\n"
+        "      - {vmid: 130, runtime: {python: /opt/w/bin/python, vllm: /usr/bin/vllm, state_dir: /srv/vpd}}\n"
+        "      - {vmid: 131}\n")
+    h = S.load_inventory(str(tmp_path / "inv.yaml")).host("pve1")
+    assert h.container(129).runtime == S.Runtime("/opt/v/bin/python", "/opt/v/bin/vllm", DEFAULT_STATE_DIR)
+    assert h.container(130).runtime == S.Runtime("/opt/w/bin/python", "/usr/bin/vllm", "/srv/vpd")
+    assert h.container(131).runtime is None
+    with pytest.raises(FrozenInstanceError):
+        h.container(129).runtime.python = "/x"
+    # before (15aa653): 13 in 4 modules (status.py 5, doctor.py 5, plan.py 2, prepare.py 1), most with a default of
+    # their own (`or DEFAULT_STATE_DIR`); the loader (spec.py) alone builds it now, from the schema's defaults
+    got = reads_per_module(is_root=_is_inventory_runtime, keys=RT_KEYS)
+    assert not got, f"string-key reads of a container's runtime (module: count): {got}; read its fields (spec.Runtime)"
+
+
+def test_the_runtime_counter_sees_inventory_reads_but_not_agent_answers():
+    src = ("def f(c, inv, pb, r):\n"
+           "    x = c.runtime['python'], inv.hosts['a'].container(1).runtime.get('state_dir')\n"
+           "    host, vmid, rt = scope[0]\n"
+           "    y = rt.get('vllm') or rt['state_dir'], pb.conf.runtime.python\n"
+           "    rt = r.runtime\n"
+           "    return rt.get('venv_root'), rt['target']\n")
+    assert _str_key_reads(ast.parse(src), _is_inventory_runtime, RT_KEYS) == 4

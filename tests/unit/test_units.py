@@ -191,10 +191,9 @@ def test_the_state_directory_has_one_spelling_each_side():
     tool's modules), and they agree; the other modules take theirs from these two."""
     from orchestrator.hosts import discover
     from orchestrator.core import spec
-    from orchestrator.observe import status
     from orchestrator.agent import archive
     from orchestrator.agent.container import protocol
 
     assert spec.DEFAULT_STATE_DIR == protocol.DEFAULT_STATE_DIR == "/var/lib/vllm-pve-deploy"
-    assert status.DEFAULT_STATE_DIR is spec.DEFAULT_STATE_DIR and discover.DEFAULT_STATE_DIR is spec.DEFAULT_STATE_DIR
+    assert discover.DEFAULT_STATE_DIR is spec.DEFAULT_STATE_DIR
     assert archive.DEFAULT_STATE_DIR is protocol.DEFAULT_STATE_DIR
