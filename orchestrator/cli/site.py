@@ -375,6 +375,11 @@ def unlock(obj, target, yes):
         if len(scope) != 1:
             raise DeployError(f"{target} names {len(scope)} containers; unlock takes one", fix="deploy unlock HOST/VMID")
         host, vmid, rt = scope[0]
+        if rt is None:  # no Python and no state directory known: a guessed one could answer "no lock" wrongly
+            raise UsageError(f"{host}/{vmid}: neither the inventory nor any playbook names its runtime (the Python "
+                             "and state directory a deploy would lock it in)", where=f"{host}/{vmid}",
+                             fix=f"deploy discover {host} --write records it, or name the playbook: deploy unlock "
+                                 "PLAYBOOK")
 
         def confirm(h):
             click.echo(f"{host}/{vmid} is locked by {ops.describe_holder(h)}" +

@@ -341,3 +341,18 @@ def test_a_wait_on_a_tty_is_one_line_updated_in_place(monkeypatch):
     text = tty.getvalue()  # Progress applies the output boundary itself on a plain stream (own() restored)
     assert text.count("\r\x1b[2K") == 4 and text.count("\n") == 3  # first line, in-place updates, end, next line
     assert "(4s)" in text and "gpus-free" in text
+
+
+def test_unlock_without_a_known_runtime_says_so_before_connecting(tmp_path, monkeypatch):
+    """A container with no runtime in the inventory and no playbook targeting it: unlock cannot know the state
+    directory the lock is in, so it refuses (exit 2) instead of crashing or answering 'no lock' from a guess."""
+    from click.testing import CliRunner
+
+    from orchestrator.cli import main
+
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text("hosts:\n  - name: lab\n    address: 127.0.0.9\n    containers:\n      - vmid: 555\n")
+    monkeypatch.setenv("DEPLOY_PLAYBOOKS", str(tmp_path))  # no playbook of its own targets lab/555
+    res = CliRunner().invoke(main, ["-i", str(inv), "unlock", "lab/555", "-y"])
+    assert res.exit_code == 2, res.output
+    assert "lab/555" in res.output and "runtime" in res.output and "deploy discover lab --write" in res.output
