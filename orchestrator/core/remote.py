@@ -393,17 +393,14 @@ class HostSession:
 
     def _open_dialled(self, dial, started):
         paramiko = paramiko_module()
-        # lazy: start-up time, ~10 ms, imported while the dial is under way (like paramiko)
-        from tenacity import (retry, retry_if_exception_type, stop_after_attempt, stop_after_delay,
-                              wait_exponential)
-
         h = self.host
+        retryable = _RETRYABLE + (paramiko.ssh_exception.NoValidConnectionsError,)
 
-        @retry(retry=retry_if_exception_type(_RETRYABLE + (paramiko.ssh_exception.NoValidConnectionsError,)),
-               stop=stop_after_attempt(self.connect_attempts) | stop_after_delay(h.connect_timeout_s * 2),
-               wait=wait_exponential(multiplier=0.2, max=2), reraise=True)
         def attempt():
-            nonlocal dial
+            nonlocal dial, first_error
+            if first_error is not None:  # the first attempt, made before tenacity was imported
+                e, first_error = first_error, None
+                raise e
             first, dial = dial, None  # only the first attempt uses the early dial
             try:
                 sock = first.take() if first is not None else None
@@ -425,8 +422,20 @@ class HostSession:
             return conn
 
         where = f"{h.name} ({h.user}@{h.ssh_config_alias or h.address}:{h.port})"
+        first_error = None
         try:
-            conn = attempt()
+            try:
+                conn = attempt()
+            except retryable as e:
+                # lazy: tenacity (~25 ms with concurrent.futures) only once a first attempt failed; it replays that
+                # failure as its own attempt 1, so the policy (attempts, backoff, overall bound) is unchanged
+                from tenacity import retry, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_exponential
+
+                first_error = e
+                conn = retry(retry=retry_if_exception_type(retryable), reraise=True,
+                             stop=stop_after_attempt(self.connect_attempts) | stop_after_delay(
+                                 h.connect_timeout_s * 2 - (time.monotonic() - started)),
+                             wait=wait_exponential(multiplier=0.2, max=2))(attempt)()
         except paramiko.BadHostKeyException as e:
             raise HostKeyError(
                 f"host key CHANGED: known_hosts has {e.expected_key.get_name()} {sha256_fingerprint(e.expected_key)}, "

@@ -87,3 +87,42 @@ def test_a_refused_dial_falls_back_to_paramikos_own_connect():
     d = _Dial("127.0.0.1", port, 5.0)
     assert d.take() is None
     d.close()
+
+
+CONNECT_WITH = (
+    "import sys, time\n"
+    "from orchestrator.core import remote\n"
+    "from orchestrator.core.spec import HostSpec\n"
+    "fails = %r\n"
+    "class Conn:\n"
+    "    is_connected = True\n"
+    "    transport = None\n"
+    "    def open(self):\n"
+    "        if fails:\n"
+    "            raise fails.pop(0)\n"
+    "opened = []\n"
+    "remote.HostSession._connection = lambda self, sock=None: opened.append(time.monotonic()) or Conn()\n"
+    "h = HostSpec('pve1', '127.0.0.1', None, 1, 'root', None, '/dev/null', False, 5.0, ())\n"
+    "s = remote.HostSession(h, remote.AuditLog(path=sys.argv[1]))\n"
+    "try:\n"
+    "    s.connect()\n"
+    "    print('connected', len(opened), 'tenacity' in sys.modules, round(opened[-1] - opened[0], 1))\n"
+    "except Exception as e:\n"
+    "    print(type(e).__name__, len(opened), 'tenacity' in sys.modules, e.message.split(':')[0])\n")
+
+
+def test_tenacity_is_imported_only_when_a_first_connect_attempt_fails(tmp_path):
+    """The connect's retry (tenacity, ~25 ms of start-up) is loaded only on the retry path; the policy is as it
+    was: a refused connect is tried again after 0.2 s, at most 3 attempts in all, then Unreachable."""
+    def run(fails: str) -> str:
+        p = subprocess.run([sys.executable, "-c", CONNECT_WITH.replace("%r", fails),
+                            str(tmp_path / "audit.jsonl")], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert p.returncode == 0, p.stderr
+        return p.stdout.split()
+
+    assert run("[]") == ["connected", "1", "False", "0.0"]
+    done, attempts, loaded, waited = run("[ConnectionRefusedError(111, 'refused')]")
+    assert (done, attempts, loaded) == ("connected", "2", "True") and 0.2 <= float(waited) < 1.0
+    assert run("[ConnectionRefusedError(111, 'refused')] * 5") == ["Unreachable", "3", "True", "cannot", "connect"]
+    # not retryable (a bad key file, an auth failure...): one attempt, tenacity never loaded
+    assert run("[PermissionError(13, 'denied')]")[:3] == ["Unreachable", "1", "False"]
