@@ -10,13 +10,12 @@ import sys
 import click
 
 from orchestrator.core.errors import EXIT_USAGE
-from . import loop, monitor, serving, site, weights  # noqa: F401 - each registers its commands on `main`
-from .base import Obj, main
+from .base import Obj, main  # the commands' modules are imported as each runs (base.LazyGroup)
 
 __all__ = ["Obj", "main"]
 
 
-def _add_testbed():
+def add_testbed():
     """`deploy testbed` comes from the test bed's own distribution (testbed/ in the repo, import name vpd_testbed);
     without it, the command says how to get it instead of click's bare "No such command"."""
     try:
@@ -32,5 +31,3 @@ def _add_testbed():
         return
     main.add_command(testbed)
 
-
-_add_testbed()

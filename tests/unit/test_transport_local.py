@@ -126,3 +126,21 @@ def test_tenacity_is_imported_only_when_a_first_connect_attempt_fails(tmp_path):
     assert run("[ConnectionRefusedError(111, 'refused')] * 5") == ["Unreachable", "3", "True", "cannot", "connect"]
     # not retryable (a bad key file, an auth failure...): one attempt, tenacity never loaded
     assert run("[PermissionError(13, 'denied')]")[:3] == ["Unreachable", "1", "False"]
+
+
+def test_prometheus_parser_without_the_package_init_then_the_whole_package_as_usual():
+    """status reads vLLM's /metrics with prometheus_client's own parser, loaded without the package's __init__ and
+    its HTTP exposition (~40 ms of CPU); afterwards `import prometheus_client` (deploy monitor metrics) is whole."""
+    out = run_py(
+        "import sys\n"
+        "from orchestrator.core.vllm_facts import prometheus_parser, parse_spec_counters\n"
+        "fams = list(prometheus_parser().text_string_to_metric_families('# TYPE a gauge\\na{x=\"1\"} 2\\n'))\n"
+        "print(fams[0].name, fams[0].samples[0].value, 'http.server' in sys.modules,\n"
+        "      sorted(m for m in sys.modules if m.startswith('prometheus_client')))\n"
+        "import prometheus_client.parser, prometheus_client\n"
+        "from prometheus_client import CollectorRegistry, generate_latest\n"
+        "print(prometheus_client.parser.text_string_to_metric_families is not None, generate_latest(CollectorRegistry()),\n"
+        "      prometheus_parser() is prometheus_client.parser)\n")
+    first, second = out.splitlines()
+    assert first == "a 2 False []"
+    assert second == "True b'' True"
