@@ -144,3 +144,78 @@ def test_prometheus_parser_without_the_package_init_then_the_whole_package_as_us
     first, second = out.splitlines()
     assert first == "a 2 False []"
     assert second == "True b'' True"
+
+
+
+def test_connect_ahead_hands_its_connection_or_its_error_to_the_next_connect(monkeypatch, tmp_path):
+    """deploy status connects ahead (while it imports): the row's connect() gets that connection and its first
+    channel (opened ahead: the spare), or the error the attempts met, raised once: no second round of attempts."""
+    import threading
+    import time
+
+    from orchestrator.core import remote
+    from orchestrator.core.errors import Unreachable
+    from orchestrator.core.spec import HostSpec, Inventory
+
+    opened, release, refuse = [], threading.Event(), []
+
+    class Transport:
+        def open_session(self, timeout=None):
+            return Channel()
+
+    class Channel:
+        closed, active, transport = False, True, None
+
+    class Conn:
+        is_connected, transport = True, Transport()
+
+        def open(self):
+            release.wait(10)  # the row's connect() comes while this one is still under way
+            if refuse:
+                raise ConnectionRefusedError(111, "Connection refused")
+
+    Channel.transport = Conn.transport
+    monkeypatch.setattr(remote.HostSession, "_connection", lambda self, sock=None: opened.append(1) or Conn())
+    h = HostSpec("pve1", "127.0.0.1", None, 1, "root", None, "/dev/null", False, 5.0, ())
+    for fails in (False, True):
+        opened.clear()
+        refuse[:] = [1] if fails else []
+        release.clear()
+        fleet = remote.Fleet(Inventory("hosts.yaml", {"pve1": h}), audit=remote.AuditLog(path=str(tmp_path / "a")))
+        s = fleet.session("pve1")
+        fleet.connect_ahead(["pve1"])
+        end = time.monotonic() + 10
+        while not opened and time.monotonic() < end:  # the ahead thread is connecting (it holds the lock)
+            time.sleep(0.01)
+        threading.Timer(0.1, release.set).start()
+        if not fails:
+            conn = s.connect()
+            assert isinstance(conn, Conn) and isinstance(s._take_spare(), Channel) and opened == [1]
+            assert s.connect() is conn and opened == [1]
+            continue
+        try:
+            s.connect()
+            raise AssertionError("connect() did not raise the error met ahead")
+        except Unreachable as e:
+            assert "Connection refused" in e.message
+        assert len(opened) == 3  # the ahead round's 3 attempts only: the row's connect raised its error
+        try:
+            s.connect()  # a later connect (--watch's next refresh) tries again, as before
+        except Unreachable:
+            pass
+        assert len(opened) == 6
+
+
+def test_commands_load_lazily_and_help_lists_them_all():
+    """`deploy status` loads its own command module only (click's lazily loaded subcommands); --help and
+    completion list every command, as before."""
+    out = run_py(
+        "import sys\n"
+        "from orchestrator.cli import main\n"
+        "main.get_command(None, 'status')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('orchestrator.cli.')), 'orchestrator.steps' in sys.modules)\n"
+        "print(' '.join(main.list_commands(None)))\n")
+    first, second = out.splitlines()
+    assert first == "['orchestrator.cli.base', 'orchestrator.cli.serving'] False"
+    assert second == ("apply-config compare discover docs doctor down endpoint fetch init install-vllm logs manifest "
+                      "monitor plan prepare restart schema size status testbed tune unlock up verify")
