@@ -82,8 +82,10 @@ def user_install(src: str, workdir: str, tag: str) -> str:
     install, into workdir/TAG-site (returned: the PYTHONPATH of that variant). An editable install measures worse:
     its finder costs ~10-16 ms in `site`, and where PYTHONDONTWRITEBYTECODE is set every changed module is compiled
     again on each run (+40-75 ms here)."""
-    whl, site = os.path.join(workdir, tag + "-wheel"), os.path.join(workdir, tag + "-site")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", whl, src], check=True, timeout=600)
+    whl, site, tree = (os.path.join(workdir, tag + x) for x in ("-wheel", "-site", "-src"))
+    # built from a copy: setuptools leaves build/ and *.egg-info in the tree it builds
+    shutil.copytree(src, tree, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", whl, tree], check=True, timeout=600)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site,
                     os.path.join(whl, os.listdir(whl)[0])], check=True, timeout=600)
     return site
