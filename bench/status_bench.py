@@ -19,7 +19,9 @@ repeated runs of:
 With --containers 2 (and e.g. --hosts 24) only the whole-fleet `deploy --json status` with the default deadline
 (idle containers) against every container's raw probe at once, and the per-row CPU (issue 54).
 
-and PASS/MISS against the targets of issue 8. The test bed is always torn down (finally + atexit).
+and PASS/MISS against the targets of issue 8. deploy (and --baseline) run as a user installs them: a wheel
+installed with compiled bytecode, in a venv without the editable install's finder (user_install, user_venv).
+The test bed is always torn down (finally + atexit).
 Every subprocess has a timeout, and the whole run has a budget (--budget-s).
 
     sudo /tmp/venv/bin/python bench/status_bench.py            # ~2 min on 2 cores
