@@ -15,7 +15,7 @@ from .base import Obj, main  # the commands' modules are imported as each runs (
 __all__ = ["Obj", "main"]
 
 
-def add_testbed():
+def _add_testbed():
     """`deploy testbed` comes from the test bed's own distribution (testbed/ in the repo, import name vpd_testbed);
     without it, the command says how to get it instead of click's bare "No such command"."""
     try:
@@ -31,3 +31,5 @@ def add_testbed():
         return
     main.add_command(testbed)
 
+
+_add_testbed()

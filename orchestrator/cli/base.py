@@ -33,14 +33,10 @@ class LazyGroup(click.Group):
             for module, names in LAZY.items():
                 if cmd_name in names.split():
                     importlib.import_module(f"orchestrator.cli.{module}")  # its commands register on `main`
-        if cmd_name == "testbed" and cmd_name not in self.commands:
-            from orchestrator.cli import add_testbed
-
-            add_testbed()
         return super().get_command(ctx, cmd_name)
 
     def list_commands(self, ctx):  # --help, completion: every command
-        for name in " ".join(LAZY.values()).split() + ["testbed"]:
+        for name in " ".join(LAZY.values()).split():
             self.get_command(ctx, name)
         return super().list_commands(ctx)
 
