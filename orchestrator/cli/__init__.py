@@ -10,8 +10,7 @@ import sys
 import click
 
 from orchestrator.core.errors import EXIT_USAGE
-from . import loop, monitor, serving, site, weights  # noqa: F401 - each registers its commands on `main`
-from .base import Obj, main
+from .base import Obj, main  # the commands' modules are imported as each runs (base.LazyGroup)
 
 __all__ = ["Obj", "main"]
 

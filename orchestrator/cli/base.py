@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
@@ -12,7 +13,6 @@ from .. import __version__
 from orchestrator.core.errors import (EXIT_CODES_HELP, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE,
                       DeployError, Unreachable, UsageError)
 from orchestrator.core.locate import find_inventory, list_playbooks
-from orchestrator.cli.render import _echo_wrapped, render_outcome
 from orchestrator.core.report import Progress, dump_json, guard_std_streams, term_width, wrap
 from orchestrator.core.spec import load_inventory, load_playbook, playbooks_targeting
 # lazy, inside the commands, for start-up time (deploy --help, --version and status do not load what they
@@ -20,6 +20,25 @@ from orchestrator.core.spec import load_inventory, load_playbook, playbooks_targ
 
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+# each command's module (orchestrator.cli.X), imported when that command runs (click's "Lazily Loading Subcommands"):
+# `deploy status` dials its hosts before the planner's and the other commands' modules are loaded
+LAZY = {"loop": "plan size up restart down verify", "monitor": "monitor", "serving": "endpoint status logs",
+        "site": "compare tune discover doctor init schema docs unlock prepare",
+        "weights": "install-vllm fetch manifest apply-config"}
+
+
+class LazyGroup(click.Group):
+    def get_command(self, ctx, cmd_name):
+        if cmd_name not in self.commands:
+            for module, names in LAZY.items():
+                if cmd_name in names.split():
+                    importlib.import_module(f"orchestrator.cli.{module}")  # its commands register on `main`
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx):  # --help, completion: every command
+        for name in " ".join(LAZY.values()).split():
+            self.get_command(ctx, name)
+        return super().list_commands(ctx)
 
 
 class Obj:
@@ -57,7 +76,7 @@ def run_guarded(fn, obj: Obj):
         sys.exit(EXIT_INTERRUPTED)
 
 
-@click.group(context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
+@click.group(cls=LazyGroup, context_settings=CONTEXT, epilog=EXIT_CODES_HELP + """
 
 \b
 Examples:
@@ -151,6 +170,7 @@ def not_a_container(inv, playbook: str) -> None:
 
 
 def _outcome_exit(obj, out):
+    from orchestrator.cli.render import render_outcome  # lazy: it loads the planner's modules (steps)
 
     if obj.json:
         dump_json(out.as_dict())
@@ -166,6 +186,7 @@ def _outcome_exit(obj, out):
 def _outcomes_exit(obj, outs):
     """Several outcomes (a playbook's targets, or several playbooks): --json all of them, else each rendered. Exit 0
     all passed, 3 only unreachable hosts failed (as _outcome_exit for one), else 1."""
+    from orchestrator.cli.render import render_outcome
 
     if obj.json:
         dump_json([o.as_dict() for o in outs])
@@ -196,6 +217,7 @@ def _confirm(prompt):
 def _fleet_exit(obj, res):
     """A playbook with targets: every failed target's error (fix, state left), then one line per target and the
     totals; --json: every target. Exit 0 all passed, 3 only unreachable hosts failed, else 1."""
+    from orchestrator.cli.render import _echo_wrapped, render_outcome
     from orchestrator.serving import fleet as F
 
     if obj.json:

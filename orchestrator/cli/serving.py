@@ -101,15 +101,34 @@ def status(obj, targets, watch, deadline):
       deploy status --watch 5
     """
     def go():
+        from orchestrator.core.remote import Fleet, paramiko_module
+
+        inv = obj.inventory()
+        fleet = Fleet(inv)
+        fleet.connect_ahead(_hosts_named(inv, targets))
+        paramiko_module()  # first (the handshakes wait for it), then status's imports while the handshakes run
         from orchestrator.observe.status import run_status
 
-        code = run_status(obj, targets, watch, deadline)
+        code = run_status(obj, targets, watch, deadline, inv=inv, fleet=fleet)
         # Everything is written and every connection closed: skip the interpreter's teardown of paramiko and
         # cryptography (~40 ms, a tenth of a status call). Daemon threads of timed-out hosts die with us.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     run_guarded(go, obj)
+
+
+def _hosts_named(inv, targets) -> list[str]:
+    """The hosts `deploy status TARGETS` connects to when every target is a HOST or HOST/VMID of the inventory (no
+    targets: every host with containers); else none yet (a playbook is read first, a bad target fails before any
+    connection)."""
+    want = set()
+    for t in targets:
+        host, _, vmid = t.partition("/")
+        if host not in inv.hosts or vmid and not (vmid.isdigit() and inv.hosts[host].container(int(vmid))):
+            return []
+        want.add(host)
+    return [h.name for h in inv.hosts.values() if (h.name in want if targets else h.containers)]
 
 
 def _regex(_ctx, _param, value):

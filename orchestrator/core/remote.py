@@ -158,14 +158,14 @@ _PARAMIKO_LOCK = threading.Lock()
 CONNECTED = threading.Event()
 
 
-def warm_when_connected(*modules: str, timeout: float = 30.0) -> None:
-    """Import `modules` in a daemon thread once the first connection is up (bounded wait): a command that will
-    need them after a remote answer gets them while the remote side works, not after it answered."""
+def warm_when_connected(*modules, timeout: float = 30.0) -> None:
+    """Import `modules` (names, or functions that import) in a daemon thread once the first connection is up
+    (bounded wait): a command that will need them after a remote answer gets them while the remote side works."""
     def warm():
         if CONNECTED.wait(timeout):
             for m in modules:
                 try:
-                    importlib.import_module(m)
+                    m() if callable(m) else importlib.import_module(m)
                 except Exception:  # noqa: BLE001 - only a warm-up: the real import reports any error
                     pass
 
@@ -325,6 +325,7 @@ class HostSession:
     _closed: bool = field(default=False, init=False, repr=False)
     _kept: dict = field(default_factory=dict, init=False, repr=False)
     last_connect_error: BaseException | None = field(default=None, init=False, repr=False)
+    _ahead_error: BaseException | None = field(default=None, init=False, repr=False)
 
     # -------------------------------------------------------------- connection
 
@@ -366,19 +367,36 @@ class HostSession:
         else:
             client.set_missing_host_key_policy(paramiko.RejectPolicy())
 
-    def connect(self):
+    def connect(self, ahead: bool = False):
+        """The connection, opened on first use. ahead=True (Fleet.connect_ahead, in a thread of its own): an error
+        is kept for the next connect() to raise (once, as if it met it itself: no second round of attempts), and
+        the first command's session channel is opened too (its open waits on sshd setting up the session)."""
         with self._lock:
+            if self._ahead_error is not None:
+                e, self._ahead_error = self._ahead_error, None
+                raise e
             if self._conn is not None and self._conn.is_connected:
                 return self._conn
             self._closed = False
-            self._conn = self._open_with_retries()
-            _no_delay(self._conn)
-            CONNECTED.set()
-            if self._closed:  # closed by the caller while connecting (its deadline passed)
-                conn, self._conn = self._conn, None
-                conn.close()
-                raise Unreachable("connection closed: the caller's deadline passed while connecting",
-                                  where=self.host.name)
+            try:
+                self._conn = self._open_with_retries()
+                _no_delay(self._conn)
+                CONNECTED.set()
+                if self._closed:  # closed by the caller while connecting (its deadline passed)
+                    conn, self._conn = self._conn, None
+                    conn.close()
+                    raise Unreachable("connection closed: the caller's deadline passed while connecting",
+                                      where=self.host.name)
+            except BaseException as e:
+                if not ahead:
+                    raise
+                self._ahead_error = e
+                return None
+            if ahead:
+                try:
+                    self._spare = self._conn.transport.open_session(timeout=10)
+                except Exception:  # noqa: BLE001 - a spare is an optimisation only (see open_spare)
+                    pass
             return self._conn
 
     def _open_with_retries(self):
@@ -393,17 +411,14 @@ class HostSession:
 
     def _open_dialled(self, dial, started):
         paramiko = paramiko_module()
-        # lazy: start-up time, ~10 ms, imported while the dial is under way (like paramiko)
-        from tenacity import (retry, retry_if_exception_type, stop_after_attempt, stop_after_delay,
-                              wait_exponential)
-
         h = self.host
+        retryable = _RETRYABLE + (paramiko.ssh_exception.NoValidConnectionsError,)
 
-        @retry(retry=retry_if_exception_type(_RETRYABLE + (paramiko.ssh_exception.NoValidConnectionsError,)),
-               stop=stop_after_attempt(self.connect_attempts) | stop_after_delay(h.connect_timeout_s * 2),
-               wait=wait_exponential(multiplier=0.2, max=2), reraise=True)
         def attempt():
-            nonlocal dial
+            nonlocal dial, first_error
+            if first_error is not None:  # the first attempt, made before tenacity was imported
+                e, first_error = first_error, None
+                raise e
             first, dial = dial, None  # only the first attempt uses the early dial
             try:
                 sock = first.take() if first is not None else None
@@ -425,8 +440,20 @@ class HostSession:
             return conn
 
         where = f"{h.name} ({h.user}@{h.ssh_config_alias or h.address}:{h.port})"
+        first_error = None
         try:
-            conn = attempt()
+            try:
+                conn = attempt()
+            except retryable as e:
+                # lazy: tenacity (~25 ms with concurrent.futures) only once a first attempt failed; it replays that
+                # failure as its own attempt 1, so the policy (attempts, backoff, overall bound) is unchanged
+                from tenacity import retry, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_exponential
+
+                first_error = e
+                conn = retry(retry=retry_if_exception_type(retryable), reraise=True,
+                             stop=stop_after_attempt(self.connect_attempts) | stop_after_delay(
+                                 h.connect_timeout_s * 2 - (time.monotonic() - started)),
+                             wait=wait_exponential(multiplier=0.2, max=2))(attempt)()
         except paramiko.BadHostKeyException as e:
             raise HostKeyError(
                 f"host key CHANGED: known_hosts has {e.expected_key.get_name()} {sha256_fingerprint(e.expected_key)}, "
@@ -753,6 +780,12 @@ class Fleet:
             if host_name not in self._sessions:
                 self._sessions[host_name] = HostSession(self.inventory.host(host_name), self.audit)
             return self._sessions[host_name]
+
+    def connect_ahead(self, hosts) -> None:
+        """Start connecting to these hosts now, each in a daemon thread (HostSession.connect(ahead=True)): what
+        the caller does meanwhile (imports, reading files) overlaps the handshakes instead of preceding them."""
+        for h in hosts:
+            threading.Thread(target=self.session(h).connect, kwargs={"ahead": True}, daemon=True).start()
 
     def open_spares(self) -> None:
         """In the background, open one spare session channel per connected host (see HostSession.open_spare)."""

@@ -5,7 +5,11 @@ Facts from docs/domain/vllm.md (read from release wheels 0.20.2 to 0.34.0).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
+import sys
+import threading
 from dataclasses import dataclass
 
 FATAL = [
@@ -128,9 +132,36 @@ def _r(x):
     return None if x is None else round(x, 4)
 
 
+_PROMETHEUS = threading.Lock()
+
+
+def prometheus_parser():
+    """prometheus_client.parser, loaded without the package's __init__, which imports its HTTP exposition
+    (http.server, wsgiref, email: ~40 ms of CPU of every `deploy status`) the parser does not use. The package
+    stands in unexecuted while parser.py and its three modules load; all of them leave sys.modules afterwards, so
+    `import prometheus_client` elsewhere gets the whole package as usual (monitor_metrics: prometheus_package())."""
+    with _PROMETHEUS:
+        if "prometheus_client" in sys.modules:
+            return importlib.import_module("prometheus_client.parser")
+        before = set(sys.modules)
+        sys.modules["prometheus_client"] = importlib.util.module_from_spec(importlib.util.find_spec("prometheus_client"))
+        try:
+            return importlib.import_module("prometheus_client.parser")
+        finally:
+            for name in set(sys.modules) - before:
+                if name.partition(".")[0] == "prometheus_client":
+                    del sys.modules[name]
+
+
+def prometheus_package():
+    """The whole prometheus_client (never while prometheus_parser's stand-in is in sys.modules)."""
+    with _PROMETHEUS:
+        return importlib.import_module("prometheus_client")
+
+
 def parse_spec_counters(text: str) -> dict | None:
     """Sum the spec-decode counters over `engine` labels. None if speculative decoding metrics are absent."""
-    from prometheus_client.parser import text_string_to_metric_families  # lazy: start-up time, ~27 ms
+    text_string_to_metric_families = prometheus_parser().text_string_to_metric_families
 
     totals = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
     seen = False

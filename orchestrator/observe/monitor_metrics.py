@@ -134,7 +134,9 @@ def series(rows: list[dict], *, now: float | None = None, times: dict | None = N
 
 def render(families: list[dict]) -> str:
     """Prometheus text exposition (prometheus_client's own writer: escaping, HELP/TYPE, counter naming)."""
-    # lazy: ~50 ms, imported while the agents run (status.gather warms prometheus_client.parser)
+    from orchestrator.core.vllm_facts import prometheus_package
+
+    prometheus_package()  # lazy: ~50 ms
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -159,7 +161,9 @@ def render(families: list[dict]) -> str:
 
 def parse(text: str) -> dict:
     """{metric family name: [(labels, value)]} by prometheus_client's parser; ValueError when it is not valid."""
-    from prometheus_client.parser import text_string_to_metric_families  # lazy: ~50 ms, warmed by status.gather
+    from orchestrator.core.vllm_facts import prometheus_parser
+
+    text_string_to_metric_families = prometheus_parser().text_string_to_metric_families  # warmed by status.gather
 
     out: dict = {}
     for f in text_string_to_metric_families(text):

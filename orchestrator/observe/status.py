@@ -539,7 +539,7 @@ def gather(inv, targets, fleet: Fleet | None = None, *, deadline: float = 15.0, 
     smi_timeout = smi_timeout or max(0.5, min(5.0, deadline / 3))
     sampler = sampler or Sampler(persist=False)
     # what the rows need once the agents answer (~20 ms of imports), imported while the first agent runs
-    warm_when_connected("orchestrator.agent.protocol", "prometheus_client.parser", "orchestrator.core.gate",
+    warm_when_connected("orchestrator.agent.protocol", vf.prometheus_parser, "orchestrator.core.gate",
                         "orchestrator.core.endpoint", "orchestrator.core.sizing")
     own = fleet is None
     fleet = fleet or Fleet(inv)
@@ -721,8 +721,9 @@ def router_status(fleet, inv, pb, rows) -> dict:
     return rv
 
 
-def run_status(obj, targets, watch, deadline) -> int:
-    inv = obj.inventory()
+def run_status(obj, targets, watch, deadline, inv=None, fleet: Fleet | None = None) -> int:
+    """fleet: one whose connections may be under way already (Fleet.connect_ahead); closed here."""
+    inv = inv or obj.inventory()
     resolve_targets(inv, targets)  # bad targets fail before any connection
     fleets = fleet_playbooks(inv, targets)
     sampler = Sampler(persist=True)
@@ -730,7 +731,7 @@ def run_status(obj, targets, watch, deadline) -> int:
     code = None
     gates: dict = {}
     try:
-        with Fleet(inv) as fleet:
+        with fleet or Fleet(inv) as fleet:
             while True:
                 t0 = time.monotonic()
                 with obj.progress().heartbeat("status", "the slowest host(s) to answer", deadline):

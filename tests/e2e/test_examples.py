@@ -165,7 +165,8 @@ def help_examples() -> list[Example]:
                 for argv in split_commands(s):
                     out.append(Example(f"{' '.join(path)} --help", argv, s))
         if isinstance(cmd, click.Group):
-            for name, sub in sorted(cmd.commands.items()):
+            for name in cmd.list_commands(None):  # the lazily loaded commands too
+                sub = cmd.get_command(None, name)
                 walk(sub, path + [name])
 
     walk(main, ["deploy"])
@@ -240,8 +241,8 @@ def words(argv):
     for t in argv:
         if t.startswith("-"):
             continue
-        if isinstance(cmd, click.Group) and t in cmd.commands:
-            cmd = cmd.commands[t]
+        if isinstance(cmd, click.Group) and cmd.get_command(None, t) is not None:
+            cmd = cmd.get_command(None, t)
             path.append(t)
         else:
             break
@@ -295,8 +296,8 @@ def synopsis_options(argv):
 
     cmd, chain = main, [main]
     for t in argv:
-        if isinstance(cmd, click.Group) and t in cmd.commands:
-            cmd = cmd.commands[t]
+        if isinstance(cmd, click.Group) and cmd.get_command(None, t) is not None:
+            cmd = cmd.get_command(None, t)
             chain.append(cmd)
     known = {o for c in chain for p in c.params for o in p.opts + p.secondary_opts}
     known |= {"-h", "--help", "--version"}
@@ -500,7 +501,8 @@ def _click_commands():
     def walk(cmd, path):
         yield path, cmd
         if isinstance(cmd, click.Group):
-            for name, sub in sorted(cmd.commands.items()):
+            for name in cmd.list_commands(None):  # the lazily loaded commands too
+                sub = cmd.get_command(None, name)
                 yield from walk(sub, path + [name])
     return list(walk(main, ["deploy"]))
 
