@@ -133,6 +133,7 @@ def _r(x):
 
 
 _PROMETHEUS = threading.Lock()
+_parser = None  # the module prometheus_parser loaded: kept here, so it is loaded once per process
 
 
 def prometheus_parser():
@@ -140,13 +141,17 @@ def prometheus_parser():
     (http.server, wsgiref, email: ~40 ms of CPU of every `deploy status`) the parser does not use. The package
     stands in unexecuted while parser.py and its three modules load; all of them leave sys.modules afterwards, so
     `import prometheus_client` elsewhere gets the whole package as usual (monitor_metrics: prometheus_package())."""
+    global _parser
     with _PROMETHEUS:
         if "prometheus_client" in sys.modules:
             return importlib.import_module("prometheus_client.parser")
+        if _parser is not None:
+            return _parser
         before = set(sys.modules)
         sys.modules["prometheus_client"] = importlib.util.module_from_spec(importlib.util.find_spec("prometheus_client"))
         try:
-            return importlib.import_module("prometheus_client.parser")
+            _parser = importlib.import_module("prometheus_client.parser")
+            return _parser
         finally:
             for name in set(sys.modules) - before:
                 if name.partition(".")[0] == "prometheus_client":

@@ -219,3 +219,12 @@ def test_commands_load_lazily_and_help_lists_them_all():
     assert first == "['orchestrator.cli.base', 'orchestrator.cli.serving'] False"
     assert second == ("apply-config compare discover docs doctor down endpoint fetch init install-vllm logs manifest "
                       "monitor plan prepare restart schema size status testbed tune unlock up verify")
+
+
+def test_prometheus_parser_is_loaded_once_per_process():
+    """Every row of a status (48 on a big fleet, each --watch refresh) parses /metrics: the parser's modules load
+    once, not once per call."""
+    out = run_py(
+        "from orchestrator.core.vllm_facts import prometheus_parser\n"
+        "print(prometheus_parser() is prometheus_parser())\n")
+    assert out.strip() == "True"
