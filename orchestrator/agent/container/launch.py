@@ -35,16 +35,10 @@ def act_launch(a):
         finally:
             os.close(dfd)
         if r.get("ok"):
-            st = dict(a.get("record") or {})
-            pid = r["pid"]
-            st.update(pid=pid, pgid=pid, argv=a["argv"], env_keys=sorted(env), log_path=None, started_at=now(),
-                      starttime=proc_starttime(pid), launch_id=launch_id, supervisor="systemd", unit=r["unit"],
-                      unit_path=r["unit_path"], env_file=r["env_file"], unit_sha256=r["unit_sha256"],
-                      invocation=r.get("invocation"), init_starttime=init_starttime(),
-                      launched={"pid": pid, "starttime": proc_starttime(pid)},
-                      argv0_real=os.path.realpath(a["argv"][0]))  # which venv it runs from (install-vllm)
-            write_json_atomic(os.path.join(state_dir, "state.json"), st)
-            r.update(pgid=pid, log_path="journal: journalctl -u %s" % r["unit"])
+            _record(a, r["pid"], env, launch_id, log_path=None, supervisor="systemd", unit=r["unit"],
+                    unit_path=r["unit_path"], env_file=r["env_file"], unit_sha256=r["unit_sha256"],
+                    invocation=r.get("invocation"))
+            r.update(pgid=r["pid"], log_path="journal: journalctl -u %s" % r["unit"])
         return r
     try:
         if os.path.dirname(log_path) != state_dir.rstrip("/"):
@@ -82,14 +76,19 @@ def act_launch(a):
     finally:
         for fd in (logfd, exitfd, dfd):
             os.close(fd)
-    st = dict(a.get("record") or {})
-    st.update(pid=proc.pid, pgid=proc.pid, argv=a["argv"], env_keys=sorted(env), log_path=log_path,
-              started_at=now(), starttime=proc_starttime(proc.pid), launch_id=launch_id, supervisor="none",
-              init_starttime=init_starttime(), launched={"pid": proc.pid, "starttime": proc_starttime(proc.pid)},
-              argv0_real=os.path.realpath(a["argv"][0]))  # which venv it runs from (install-vllm switches links)
-    write_json_atomic(os.path.join(state_dir, "state.json"), st)
+    _record(a, proc.pid, env, launch_id, log_path=log_path, supervisor="none")
     return {"ok": True, "pid": proc.pid, "pgid": proc.pid, "log_path": log_path, "supervisor": "none",
             "systemd": systemd_running()}
+
+
+def _record(a, pid, env, launch_id, log_path, supervisor, **unit):
+    """state.json for the launch: the playbook's record, the process (its start time), how it was launched."""
+    st = dict(a.get("record") or {})
+    st.update(pid=pid, pgid=pid, argv=a["argv"], env_keys=sorted(env), log_path=log_path, started_at=now(),
+              starttime=proc_starttime(pid), launch_id=launch_id, supervisor=supervisor, **unit)
+    st.update(init_starttime=init_starttime(), launched={"pid": pid, "starttime": proc_starttime(pid)},
+              argv0_real=os.path.realpath(a["argv"][0]))  # which venv it runs from (install-vllm switches links)
+    write_json_atomic(os.path.join(a["state_dir"], "state.json"), st)
 
 
 def _launch_unit(a, dfd, env, launch_id):
