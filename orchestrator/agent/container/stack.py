@@ -340,8 +340,8 @@ def record_row(stack, check):
         return
     none = rec["status"] == "no-record"
     check("vllm files (RECORD)", rec["status"] == "ok", expected="every file as in RECORD",
-          on_disk="no RECORD" if none else rec.get("message"),
-          reason=rec.get("message", "") + ("; files not checked" if none else ""), severity="warning" if none else "error")
+          on_disk="no RECORD" if none else rec.get("message"), severity="warning" if none else "error",
+          reason=rec.get("message", "") + ("; files not checked" if none else ""))
 
 
 def act_stack_check(a):
