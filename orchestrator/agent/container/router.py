@@ -463,7 +463,7 @@ def act_router(a):
     if op in OPS:
         return OPS[op](a)
     if op in ("remove", "add"):
-        code, body = _router_http(a, "/%s_worker?url=%s" % ("remove" if op == "remove" else "add", a["url"]),
-                                  method="POST", timeout=float(a.get("timeout_s") or 30))
+        code, body = _router_http(a, "/%s_worker?url=%s" % (op, a["url"]), method="POST",
+                                  timeout=float(a.get("timeout_s") or 30))
         return {"ok": code == 200, "status": code, "message": (body or "")[:500], "sent": code is not None}
     return {"ok": False, "message": "unknown router op %r" % op}
