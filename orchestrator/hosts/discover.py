@@ -561,18 +561,10 @@ def host_yaml(host: dict, found: dict, indent: int = 2) -> list[str]:
 
 def host_entry(hs, name: str) -> dict:
     """The connection keys of a discovered host, as the inventory writes them."""
-    d = {"name": name}
-    if hs.ssh_config_alias:
-        d["ssh_config_alias"] = hs.ssh_config_alias
-    else:
-        d["address"] = hs.address
-    d["port"] = hs.port
-    d["user"] = hs.user
-    if hs.identity_file:
-        d["identity_file"] = hs.identity_file
-    d["known_hosts"] = hs.known_hosts
-    d["accept_new_host_keys"] = hs.accept_new_host_keys
-    return d
+    where = {"ssh_config_alias": hs.ssh_config_alias} if hs.ssh_config_alias else {"address": hs.address}
+    return {"name": name, **where, "port": hs.port, "user": hs.user,
+            **({"identity_file": hs.identity_file} if hs.identity_file else {}),
+            "known_hosts": hs.known_hosts, "accept_new_host_keys": hs.accept_new_host_keys}
 
 
 def render_inventory(host: dict, found: dict) -> str:
@@ -706,10 +698,6 @@ def write_inventory(path: str, text: str) -> str | None:
 
 def to_json(found: dict) -> dict:
     return {"schema": "vllm-pve-deploy/discover/v1", **found}
-
-
-__all__ = ["parse_target", "parse_pct_config", "container_gpus", "parse_probe", "runtimes_of", "shared_gpus",
-           "discover", "render_inventory", "merge_text", "write_inventory"]
 
 
 # ------------------------------------------------------------------ the command
