@@ -121,11 +121,11 @@ def open_beneath(root, path, create_mode=None):
         raise
 
 
-def read_capped(dfd, name, limit, what="file"):
+def read_capped(dfd, name, limit, what="file", follow=False):
     """The bytes of dir/NAME, a small record: opened O_NOFOLLOW|O_NONBLOCK (a link or a FIFO planted there neither
-    redirects nor hangs us), a regular file only, at most LIMIT bytes (a larger one is refused, never read into
-    memory). Raises FileNotFoundError, or OSError naming what it found."""
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    redirects nor hangs us; follow=True: a link is followed), a regular file only, at most LIMIT bytes (a larger one
+    is refused, never read into memory). Raises FileNotFoundError, or OSError naming what it found."""
+    fd = os.open(name, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW) | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
     try:
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode):
