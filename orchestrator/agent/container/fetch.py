@@ -10,7 +10,7 @@ import sys
 
 from .core import clean, emit, now
 from .files import (
-    follow_runner, lock_held, UnsafeDirectory, _read_json, new_runner_log, open_dir, runner_env, runner_id,
+    follow_runner, lock_held, lstat_at, UnsafeDirectory, _read_json, new_runner_log, open_dir, runner_env, runner_id,
     spawn_runner, tail_file, take_runner_lock, unique_name, write_at, write_json_atomic)
 from .install import _agent_source
 from .transfer import partial_bytes
@@ -293,17 +293,11 @@ def _move_in(item, src, dst):
         dfd = stage_fd(item, os.path.dirname(dst))
         try:
             sname, dname = os.path.basename(src), os.path.basename(dst)
-            try:
-                dl = os.stat(dname, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                dl = None
+            dl = lstat_at(dname, dfd)
             if dl is not None and not stat.S_ISREG(dl.st_mode):
                 raise FetchError("%s exists and is not a regular file: not replacing it" % dst,
                                  fix="move it away, then run deploy fetch again")
-            try:
-                sl = os.stat(sname, dir_fd=sfd, follow_symlinks=False)
-            except FileNotFoundError:
-                sl = None
+            sl = lstat_at(sname, sfd)
             if sl is None or not stat.S_ISREG(sl.st_mode) or sl.st_uid != os.geteuid() or sl.st_mode & 0o022:
                 raise FetchError("%s: the verified file %s is no longer a regular file of ours (owner or mode "
                                  "changed): not moving it into place" % (item["role"], src),
@@ -323,10 +317,7 @@ def _link_blob(item, snap, f):
     dfd = stage_fd(item, os.path.dirname(link))
     try:
         name, rel = os.path.basename(link), snapshot_target(f)
-        try:
-            lst = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            lst = None
+        lst = lstat_at(name, dfd)
         if lst is not None:
             if not stat.S_ISLNK(lst.st_mode):
                 raise FetchError("%s: %s is not a link (mode %o): deploy made only links there; not replacing it" % (
