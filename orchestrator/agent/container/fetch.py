@@ -190,12 +190,11 @@ def plan_item(item, listing, state_dir):
             have += f["size"]  # a blob (or a staged file) whose bytes match the listing's hash
             f["state"] = "verified"
             continue
-        if item["role"] == "drafter" and f["name"] == "config.json" and item["dest_kind"] == "dir" \
-                and os.path.isfile(final) and not os.path.islink(final):
-            have += f["size"]  # the pinned bytes (or the hub's, to be pinned by up): never replaced by a fetch
-            f["state"] = "in place"
-            continue
-        if item["dest_kind"] == "dir" and os.path.isdir(item["dest"]) and _verified_at(item, final, f):
+        # in place: a drafter's config.json (pinned bytes, or the hub's to be pinned by up: never replaced by a
+        # fetch), or a file of a directory destination with the listing's hash
+        pinned = item["role"] == "drafter" and f["name"] == "config.json" and os.path.isfile(final) \
+            and not os.path.islink(final)
+        if item["dest_kind"] == "dir" and (pinned or os.path.isdir(item["dest"]) and _verified_at(item, final, f)):
             have += f["size"]
             f["state"] = "in place"
             continue
