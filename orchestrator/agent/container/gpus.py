@@ -6,7 +6,7 @@ import os
 import time
 
 from . import core
-from .core import emit, in_container, now
+from .core import emit, in_container, now, wait_while
 from .procs import pids, proc_cmdline, proc_comm
 from .protocol import SMI_MEMORY_ARGS
 from .state import proven_members, read_state
@@ -183,9 +183,7 @@ def fuser_kill(gpus, grace):
         p = subprocess.run(["fuser", "-k", "-" + sig] + devs, capture_output=True, timeout=30)
         done = res[sig.lower()] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
         res[sig.lower() + "_procs"] = [named(pid, seen) for pid in done]
-        deadline = now() + wait
-        while our_gpu_holders(devs) and now() < deadline:
-            time.sleep(step)
+        wait_while(lambda: our_gpu_holders(devs), wait, step)
         left = our_gpu_holders(devs)
     return res
 

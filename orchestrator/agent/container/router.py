@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 
-from .core import clean, emit, now
+from .core import clean, emit, now, wait_while
 from .files import UnsafeDirectory, open_dir, remove_owned, write_json_atomic, write_owned
 from .net import http, listener_check
 from .procs import alive, proc_starttime
@@ -228,9 +228,7 @@ def _router_stop(a, st=None):
         proof = _router_proof(st)
         pid = st["pid"]
         signal_proven(proof, signal.SIGTERM)
-        end = now() + float(a.get("grace_s") or 10)
-        while now() < end and alive(pid):
-            time.sleep(0.05)
+        wait_while(lambda: alive(pid), float(a.get("grace_s") or 10))
         if alive(pid) and signal_proven(proof, signal.SIGKILL):
             rep["killed"] = True
         rep.update(stopped=True, pid=pid)
