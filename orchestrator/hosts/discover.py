@@ -136,12 +136,8 @@ def container_gpus(cfg: dict, host_gpus: list[int] | None, inside: list[int] | N
 
 def parse_host_gpus(text: str) -> list[int]:
     """`nvidia-smi --query-gpu=index --format=csv,noheader` -> [indices]."""
-    out = []
-    for ln in text.splitlines():
-        first = ln.split(",")[0].strip()
-        if first.isdigit():
-            out.append(int(first))
-    return sorted(out)
+    firsts = (ln.split(",")[0].strip() for ln in text.splitlines())
+    return sorted(int(f) for f in firsts if f.isdigit())
 
 
 def parse_probe(text: str) -> dict:
@@ -177,10 +173,8 @@ def runtimes_of(probe: dict) -> list[dict]:
     """The vLLM runtimes found: one per Python prefix that has vllm, the one owning `vllm` on PATH first."""
     seen, found = set(), []
     for p in probe["pythons"]:
-        if not p.get("vllm") and not p.get("vllm_path"):
-            continue
-        if p.get("untrusted"):
-            continue  # deploy would run it as root: never proposed (untrusted_runtimes says why)
+        if p.get("untrusted") or not p.get("vllm") and not p.get("vllm_path"):
+            continue  # untrusted: deploy would run it as root, never proposed (untrusted_runtimes says why)
         key = p.get("prefix") or p["path"]
         if key in seen:
             continue

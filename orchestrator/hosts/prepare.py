@@ -235,8 +235,7 @@ def mount_plan(config: list[str], stores: list[tuple[str, str]], vmid: int) -> d
         have[m.group(1)] = {"volume": parts[0].strip(), "mp": opts.get("mp"), "ro": opts.get("ro") in ("1", "true"),
                             "line": ln, "opts": parts[1:]}
     used = {int(k[2:]) for k in have}
-    lines, argv, blockers = [], ["pct", "set", str(int(vmid))], []
-    n = 0
+    lines, argv, blockers, n = [], ["pct", "set", str(int(vmid))], [], 0
     for store, mount in dict.fromkeys(stores):
         at = [(k, h) for k, h in have.items() if h["mp"] == mount]
         if at and at[0][1]["volume"] != store:
