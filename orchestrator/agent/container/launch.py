@@ -25,15 +25,10 @@ def act_launch(a):
         return {"ok": False, "message": "refusing to use the state directory: %s" % e}
     launch_id = base64.b32encode(os.urandom(15)).decode().lower()
     env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
-           "LANG": "C.UTF-8"}
-    env.update(a.get("env") or {})
-    env.update(core.SECRETS.get("env") or {})
-    env[LAUNCH_ID_VAR] = launch_id
+           "LANG": "C.UTF-8", **(a.get("env") or {}), **(core.SECRETS.get("env") or {}), LAUNCH_ID_VAR: launch_id}
     if a.get("unit") and systemd_running():
-        try:
-            r = _launch_unit(a, dfd, {k: v for k, v in env.items() if k != LAUNCH_ID_VAR}, launch_id)
-        finally:
-            os.close(dfd)
+        os.close(dfd)  # the state directory is checked: write_owned writes in it by name, checking it again
+        r = _launch_unit(a, env, launch_id)
         if r.get("ok"):
             _record(a, r["pid"], env, launch_id, log_path=None, supervisor="systemd", unit=r["unit"],
                     unit_path=r["unit_path"], env_file=r["env_file"], unit_sha256=r["unit_sha256"],
@@ -91,13 +86,12 @@ def _record(a, pid, env, launch_id, log_path, supervisor, **unit):
     write_json_atomic(os.path.join(a["state_dir"], "state.json"), st)
 
 
-def _launch_unit(a, dfd, env, launch_id):
+def _launch_unit(a, env, launch_id):
     """Install, enable and start vllm-PLAYBOOK.service. The caller's env minus the secrets goes into the unit
     (what `deploy plan` shows), the secrets and the launch id into a 0600 EnvironmentFile in the state dir."""
     state_dir = a["state_dir"]
     unit = a["unit"]
-    secrets = dict(core.SECRETS.get("env") or {})
-    secrets[LAUNCH_ID_VAR] = launch_id
+    secrets = {**(core.SECRETS.get("env") or {}), LAUNCH_ID_VAR: launch_id}
     plain = {k: v for k, v in env.items() if k not in secrets}
     env_name = unit.rsplit(".", 1)[0] + ".env"
     env_file = os.path.join(state_dir, env_name)
