@@ -136,12 +136,8 @@ def container_gpus(cfg: dict, host_gpus: list[int] | None, inside: list[int] | N
 
 def parse_host_gpus(text: str) -> list[int]:
     """`nvidia-smi --query-gpu=index --format=csv,noheader` -> [indices]."""
-    out = []
-    for ln in text.splitlines():
-        first = ln.split(",")[0].strip()
-        if first.isdigit():
-            out.append(int(first))
-    return sorted(out)
+    firsts = (ln.split(",")[0].strip() for ln in text.splitlines())
+    return sorted(int(f) for f in firsts if f.isdigit())
 
 
 def parse_probe(text: str) -> dict:
@@ -177,10 +173,8 @@ def runtimes_of(probe: dict) -> list[dict]:
     """The vLLM runtimes found: one per Python prefix that has vllm, the one owning `vllm` on PATH first."""
     seen, found = set(), []
     for p in probe["pythons"]:
-        if not p.get("vllm") and not p.get("vllm_path"):
-            continue
-        if p.get("untrusted"):
-            continue  # deploy would run it as root: never proposed (untrusted_runtimes says why)
+        if p.get("untrusted") or not p.get("vllm") and not p.get("vllm_path"):
+            continue  # untrusted: deploy would run it as root, never proposed (untrusted_runtimes says why)
         key = p.get("prefix") or p["path"]
         if key in seen:
             continue
@@ -561,18 +555,10 @@ def host_yaml(host: dict, found: dict, indent: int = 2) -> list[str]:
 
 def host_entry(hs, name: str) -> dict:
     """The connection keys of a discovered host, as the inventory writes them."""
-    d = {"name": name}
-    if hs.ssh_config_alias:
-        d["ssh_config_alias"] = hs.ssh_config_alias
-    else:
-        d["address"] = hs.address
-    d["port"] = hs.port
-    d["user"] = hs.user
-    if hs.identity_file:
-        d["identity_file"] = hs.identity_file
-    d["known_hosts"] = hs.known_hosts
-    d["accept_new_host_keys"] = hs.accept_new_host_keys
-    return d
+    where = {"ssh_config_alias": hs.ssh_config_alias} if hs.ssh_config_alias else {"address": hs.address}
+    return {"name": name, **where, "port": hs.port, "user": hs.user,
+            **({"identity_file": hs.identity_file} if hs.identity_file else {}),
+            "known_hosts": hs.known_hosts, "accept_new_host_keys": hs.accept_new_host_keys}
 
 
 def render_inventory(host: dict, found: dict) -> str:
@@ -706,10 +692,6 @@ def write_inventory(path: str, text: str) -> str | None:
 
 def to_json(found: dict) -> dict:
     return {"schema": "vllm-pve-deploy/discover/v1", **found}
-
-
-__all__ = ["parse_target", "parse_pct_config", "container_gpus", "parse_probe", "runtimes_of", "shared_gpus",
-           "discover", "render_inventory", "merge_text", "write_inventory"]
 
 
 # ------------------------------------------------------------------ the command

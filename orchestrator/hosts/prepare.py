@@ -235,8 +235,7 @@ def mount_plan(config: list[str], stores: list[tuple[str, str]], vmid: int) -> d
         have[m.group(1)] = {"volume": parts[0].strip(), "mp": opts.get("mp"), "ro": opts.get("ro") in ("1", "true"),
                             "line": ln, "opts": parts[1:]}
     used = {int(k[2:]) for k in have}
-    lines, argv, blockers = [], ["pct", "set", str(int(vmid))], []
-    n = 0
+    lines, argv, blockers, n = [], ["pct", "set", str(int(vmid))], [], 0
     for store, mount in dict.fromkeys(stores):
         at = [(k, h) for k, h in have.items() if h["mp"] == mount]
         if at and at[0][1]["volume"] != store:
@@ -347,14 +346,14 @@ class Prepare:
         self.create, self.chain, self.created, self.stores = create, list(chain), False, list(stores)
         self.runtime, self.gpus, self.driver_run, self.style = runtime, gpus, driver_run, style
         self.yes, self.confirm, self.progress, self.tp, self.others = yes, confirm, progress, tp, list(others)
-        self.conf = f"/etc/pve/lxc/{self.vmid}.conf"
-        self.res = {"where": f"{host}/{self.vmid}", "gpus": gpus, "ok": False, "dry_run": False, "plan": [],
+        self.conf, self.where = f"/etc/pve/lxc/{self.vmid}.conf", f"{host}/{self.vmid}"
+        self.res = {"where": self.where, "gpus": gpus, "ok": False, "dry_run": False, "plan": [],
                     "applied": [], "pending": [], "backup": None, "restore": None, "notes": [], "findings": [],
                     "container_nvidia_smi": None, "created": False, "chain": [], "mount_lines": []}
 
     def say(self, msg):
         if self.progress is not None:
-            self.progress.say(f"{self.host}/{self.vmid}", msg)
+            self.progress.say(self.where, msg)
 
     def step(self, name, command, why):
         self.res["plan"].append({"step": name, "command": command, "why": why})
@@ -366,10 +365,8 @@ class Prepare:
             raise UsageError(check_driver_run(self.driver_run, None) + "; nothing was run", fix="--driver-run "
                              "/root/NVIDIA-Linux-x86_64-VERSION.run (an absolute path on the host)")
         s = self.session = self.fleet.session(self.host)
-        r = s.run(["sh", "-c", PROBE_SH, "sh", str(self.vmid), self.driver_run or ""], timeout=30,
-                  vmid=self.vmid, label="prepare: probe", max_output=512 << 10)
-        self.pr = parse_probe(r.out)
-        where = f"{self.host}/{self.vmid}"
+        self.pr = self.probe(self.driver_run or "")
+        where = self.where
         if self.create and self.pr["exists"]:
             raise UsageError(f"{where} exists already ({self.conf}); --create only makes a new container, and never "
                              "replaces one; nothing was changed", where=where,
@@ -397,8 +394,7 @@ class Prepare:
             if procs:
                 raise UsageError(f"GPU(s) {both} are served by playbook {name} in container {self.host}/{other} "
                                  f"(vLLM running: {procs[0]}); passing them into {self.vmid} too would let two "
-                                 "containers load onto the same GPUs; nothing was changed",
-                                 where=f"{self.host}/{self.vmid}",
+                                 "containers load onto the same GPUs; nothing was changed", where=self.where,
                                  fix=f"choose other GPUs (--gpus), or deploy down {name} first")
             self.res["notes"].append(f"GPU(s) {both} are also assigned by playbook {name} to {self.host}/{other} "
                                      "(not running now): do not run both at once")
@@ -411,10 +407,14 @@ class Prepare:
         self.smi = container_smi(s, self.vmid) if self.running else None
         self.res["container_nvidia_smi"] = self.smi
 
+    def probe(self, run: str) -> dict:
+        return parse_probe(self.session.run(["sh", "-c", PROBE_SH, "sh", str(self.vmid), run], timeout=30,
+                                            vmid=self.vmid, label="prepare: probe", max_output=512 << 10).out)
+
     def plan_mounts(self):
         self.mp = mount_plan(self.hf["config"], self.stores, self.vmid)
         if self.mp["blockers"]:
-            raise UsageError("; ".join(self.mp["blockers"]) + "; nothing was changed", where=f"{self.host}/{self.vmid}",
+            raise UsageError("; ".join(self.mp["blockers"]) + "; nothing was changed", where=self.where,
                              fix="set fetch.mount in the playbook to a free path, or remove that mount point")
         self.res["mount_lines"] = self.mp["lines"]
         privileged = self.mp["privileged"] if not (self.create and not self.created) else \
@@ -428,7 +428,7 @@ class Prepare:
         hf = PL.read_host(self.session, self.vmid, label=label, need_config=not (self.create and not self.created))
         if hf.get("error"):
             raise DeployError(f"cannot read the host side of {self.host}/{self.vmid}: {hf['error']}",
-                              where=f"{self.host}/{self.vmid}", fix=f"pct config {self.vmid} on {self.host}")
+                              where=self.where, fix=f"pct config {self.vmid} on {self.host}")
         return hf
 
     def make_plan(self, stamp: str):
@@ -494,7 +494,7 @@ class Prepare:
         if not r.ok:
             raise DeployError(f"`{shell_join(argv)}` failed on {self.host} (exit {r.exited}): "
                               f"{PL.clean((r.err or r.out).strip()[-400:], 400)}; no container was made by deploy",
-                              where=f"{self.host}/{v}",
+                              where=self.where,
                               fix="pveam list local (the templates), pvesm status (the storages); then run again")
         self.created = self.res["created"] = True
         self.res["restore"] = f"pct destroy {v} (on {self.host}): removes the container this command made"
@@ -510,9 +510,7 @@ class Prepare:
                               fix=f"pct config {v} on {self.host}; pct destroy {v} to start over")
         self.res["applied"].append(f"read back: pct config {v} (hostname {want['hostname']}, {want['cores']} cores, "
                                    f"{want['memory']} MiB)")
-        r = s.run(["sh", "-c", PROBE_SH, "sh", str(v), ""], timeout=30, vmid=v, label="prepare: probe",
-                  max_output=512 << 10)
-        self.pr = parse_probe(r.out)
+        self.pr = self.probe("")
         self.running = False
         before = self.pl["add_lines"]
         self.pl = plan(self.hf, self.pr, host=self.host, vmid=v, gpus=self.gpus, style=self.pl["style"])
@@ -523,23 +521,27 @@ class Prepare:
         self.res["add_lines"] = self.pl["add_lines"]
 
     def apply_config(self):
-        s, v = self.session, self.vmid
-        if self.created:
-            return self._apply(list(self.hf["config"]))
-        r = s.run(["sh", "-c", BACKUP_SH, "sh", self.conf, self.backup], timeout=30, vmid=v, label="prepare: backup")
-        if not r.ok or not re.fullmatch(r"[0-9a-f]{64}", r.out.strip()):
-            raise DeployError(f"backup of {self.conf} to {self.backup} failed: {PL.clean(r.err or r.out)}; nothing "
-                              "was changed", where=f"{self.host}/{v}", fix=f"check {BACKUP_DIR} on {self.host}")
-        self.res["backup"] = self.backup
-        self.res["restore"] = f"cp {self.backup} {self.conf} (on {self.host}), then pct reboot {v}"
-        self.res["applied"].append(f"backup {self.backup}")
-        self._apply(list(self.hf["config"]))
-
-    def _apply(self, before):
+        v = self.vmid
+        if not self.created:
+            r = self.session.run(["sh", "-c", BACKUP_SH, "sh", self.conf, self.backup], timeout=30, vmid=v,
+                                 label="prepare: backup")
+            if not r.ok or not re.fullmatch(r"[0-9a-f]{64}", r.out.strip()):
+                raise DeployError(f"backup of {self.conf} to {self.backup} failed: {PL.clean(r.err or r.out)}; "
+                                  "nothing was changed", where=self.where, fix=f"check {BACKUP_DIR} on {self.host}")
+            self.res["backup"] = self.backup
+            self.res["restore"] = f"cp {self.backup} {self.conf} (on {self.host}), then pct reboot {v}"
+            self.res["applied"].append(f"backup {self.backup}")
         if self.pl["add_lines"]:
-            self._change_config(before)
+            self._change_config(list(self.hf["config"]))
         if self.mp["lines"]:
             self._change_mounts(list(self.hf["config"]))
+
+    def _read_back(self) -> dict:
+        after = PL.read_host(self.session, self.vmid, label="prepare: read back")
+        if after.get("error"):
+            raise DeployError(f"read back of {self.conf} failed: {after['error']}", where=self.where,
+                              fix=self.res["restore"])
+        return after
 
     def _change_mounts(self, before):
         s, v = self.session, self.vmid
@@ -554,10 +556,7 @@ class Prepare:
                               f"{PL.clean(r.err or r.out, 400)}; the config is as it was (backup {self.backup})",
                               where=f"{self.host}/{v} {self.conf}", fix="see pct's message")
         self.res["applied"].append("config: " + "; ".join(self.mp["lines"]))
-        after = PL.read_host(s, v, label="prepare: read back")
-        if after.get("error"):
-            raise DeployError(f"read back of {self.conf} failed: {after['error']}", where=f"{self.host}/{v}",
-                              fix=self.res["restore"])
+        after = self._read_back()
         absent = [ln for ln in self.mp["lines"] if ln not in [x.strip() for x in after["config"]]]
         lost = [ln for ln in before if ln not in after["config"] and not any(
             ln.split(":", 1)[0] == a.split(":", 1)[0] for a in self.mp["lines"])]
@@ -587,10 +586,7 @@ class Prepare:
                                   f"was (backup {self.backup})", where=f"{self.host}/{v} {self.conf}",
                                   fix=f"deploy prepare {self.host}/{v} again")
         self.res["applied"].append("config: " + "; ".join(self.pl["add_lines"]))
-        after = PL.read_host(s, v, label="prepare: read back")
-        if after.get("error"):
-            raise DeployError(f"read back of {self.conf} failed: {after['error']}", where=f"{self.host}/{v}",
-                              fix=self.res["restore"])
+        after = self._read_back()
         cfg = PL.parse_config(after["config"])
         lost = [ln for ln in before if ln not in after["config"]]
         absent = [p for p in self.pl["missing"] if p not in cfg["dev"] and p not in cfg["mounts"]]
@@ -637,7 +633,7 @@ class Prepare:
         r = s.run(["pct", verb, str(v)], timeout=180, vmid=v, label=f"prepare: pct {verb}")
         if not r.ok:
             raise DeployError(f"pct {verb} {v} failed on {self.host}: {PL.clean(r.err or r.out, 400)}",
-                              where=f"{self.host}/{v}",
+                              where=self.where,
                               fix=f"see the message; the config backup: {self.res['restore'] or 'none made'}")
         self.running = True
         self.res["applied"].append(f"pct {verb} {v}")
@@ -656,7 +652,7 @@ class Prepare:
                 s.ct(v, ["rm", "-f", RUN_IN_CT], timeout=30, label="prepare: rm")
                 tail = PL.clean((r.err or r.out).strip()[-400:], 400)
                 raise DeployError(f"`{shell_join(argv)}` failed (exit {r.exited}): {tail}",
-                                  where=f"{self.host}/{v}", fix="see the installer's message; in the container its "
+                                  where=self.where, fix="see the installer's message; in the container its "
                                                                 "log is /var/log/nvidia-installer.log")
         s.ct(v, ["rm", "-f", RUN_IN_CT], timeout=30, label="prepare: rm")
         self.res["applied"].append(f"driver {self.module} user space from {self.driver_run}")

@@ -184,22 +184,22 @@ def prune(dfd, keep_name, cache_dir=None):
     def mtime(n):
         return os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime
 
+    def drop(n):
+        try:
+            _remove(cache_dir, n) if cache_dir else os.unlink(n, dir_fd=dfd)
+        except OSError:
+            pass
+
     try:
         names = os.listdir(dfd)
         others = sorted((mtime(n), n) for n in names if n.endswith(".zip") and n.count(".") == 1 and n != keep_name)
         for _, n in others[:max(0, len(others) - (KEEP - 1))]:
             for m in names:
                 if m.startswith(n[:-len("zip")]):
-                    try:
-                        _remove(cache_dir, m) if cache_dir else os.unlink(m, dir_fd=dfd)
-                    except OSError:
-                        pass
+                    drop(m)
         for n in os.listdir(dfd):
             if n.startswith(".") and ".tmp-" in n and time.time() - mtime(n) > 3600:
-                try:
-                    _remove(cache_dir, n) if cache_dir else os.unlink(n, dir_fd=dfd)
-                except OSError:
-                    pass
+                drop(n)
     except OSError:
         pass
 

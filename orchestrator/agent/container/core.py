@@ -119,6 +119,13 @@ def now():
     return time.time()
 
 
+def wait_while(cond, seconds, step=0.05):
+    """Poll cond() every `step` seconds while it holds, for at most `seconds`."""
+    deadline = now() + seconds
+    while cond() and now() < deadline:
+        time.sleep(step)
+
+
 def in_container():
     """True inside an LXC container: its init runs with container=lxc (systemd also records it in
     /run/systemd/container). When unsure, False: the callers then refuse to kill anything."""
@@ -143,6 +150,13 @@ def sha256_file(path):
         for chunk in iter(lambda: fh.read(1 << 16), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def sha256_or_none(path):
+    try:
+        return sha256_file(path)
+    except OSError:
+        return None
 
 
 def _some(items, n=5):

@@ -13,7 +13,7 @@ from .core import now
 from .files import why_untrusted
 from .gpus import gpu_holders, read_gpu_memory
 from .net import http
-from .protocol import DEFAULT_STATE_DIR, DOCTOR_LOAD_MAX
+from .protocol import DEFAULT_STATE_DIR, DOCTOR_LOAD_MAX as LOAD_MAX  # the most the budget grows
 from .procs import _argv, _boot_time, _environ, pids, proc_cmdline, proc_name, proc_stat, vllm_processes
 from .stack import _vllm_stack
 from .state import read_state
@@ -74,9 +74,6 @@ def _read_config(path, limit=1 << 20):
     except OSError as e:
         info["error"] = (e.strerror or str(e)) if e.errno != errno.ELOOP else "a symlink (not followed)"
     return info
-
-
-LOAD_MAX = DOCTOR_LOAD_MAX  # the most the budget grows (the tool waits budget_s x LOAD_MAX + 10 s)
 
 
 def load_factor():

@@ -8,7 +8,7 @@ import os
 import time
 
 from .core import sha256_file
-from .files import UnsafeDirectory, _sha_at, create_excl, open_dir, write_at
+from .files import UnsafeDirectory, _sha_at, create_excl, lstat_at, open_dir, write_at
 from . import core
 
 
@@ -57,10 +57,7 @@ def _write_in(dfd, d, name, path, data, want, res):
     if old == want:
         res.update(ok=True, after_sha256=old)
         return res
-    try:
-        lst = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-    except FileNotFoundError:
-        lst = None
+    lst = lstat_at(name, dfd)
     if lst is not None and _stat.S_ISLNK(lst.st_mode):
         res.update(ok=False, stage="symlink",
                    message="%s is a symlink to %s; refusing to write through it (a hub cache blob?)"

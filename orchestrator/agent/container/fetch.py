@@ -10,7 +10,7 @@ import sys
 
 from .core import clean, emit, now
 from .files import (
-    follow_runner, lock_held, UnsafeDirectory, _read_json, new_runner_log, open_dir, runner_env, runner_id,
+    follow_runner, lock_held, lstat_at, UnsafeDirectory, _read_json, new_runner_log, open_dir, runner_env, runner_id,
     spawn_runner, tail_file, take_runner_lock, unique_name, write_at, write_json_atomic)
 from .install import _agent_source
 from .transfer import partial_bytes
@@ -190,12 +190,11 @@ def plan_item(item, listing, state_dir):
             have += f["size"]  # a blob (or a staged file) whose bytes match the listing's hash
             f["state"] = "verified"
             continue
-        if item["role"] == "drafter" and f["name"] == "config.json" and item["dest_kind"] == "dir" \
-                and os.path.isfile(final) and not os.path.islink(final):
-            have += f["size"]  # the pinned bytes (or the hub's, to be pinned by up): never replaced by a fetch
-            f["state"] = "in place"
-            continue
-        if item["dest_kind"] == "dir" and os.path.isdir(item["dest"]) and _verified_at(item, final, f):
+        # in place: a drafter's config.json (pinned bytes, or the hub's to be pinned by up: never replaced by a
+        # fetch), or a file of a directory destination with the listing's hash
+        pinned = item["role"] == "drafter" and f["name"] == "config.json" and os.path.isfile(final) \
+            and not os.path.islink(final)
+        if item["dest_kind"] == "dir" and (pinned or os.path.isdir(item["dest"]) and _verified_at(item, final, f)):
             have += f["size"]
             f["state"] = "in place"
             continue
@@ -293,17 +292,11 @@ def _move_in(item, src, dst):
         dfd = stage_fd(item, os.path.dirname(dst))
         try:
             sname, dname = os.path.basename(src), os.path.basename(dst)
-            try:
-                dl = os.stat(dname, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                dl = None
+            dl = lstat_at(dname, dfd)
             if dl is not None and not stat.S_ISREG(dl.st_mode):
                 raise FetchError("%s exists and is not a regular file: not replacing it" % dst,
                                  fix="move it away, then run deploy fetch again")
-            try:
-                sl = os.stat(sname, dir_fd=sfd, follow_symlinks=False)
-            except FileNotFoundError:
-                sl = None
+            sl = lstat_at(sname, sfd)
             if sl is None or not stat.S_ISREG(sl.st_mode) or sl.st_uid != os.geteuid() or sl.st_mode & 0o022:
                 raise FetchError("%s: the verified file %s is no longer a regular file of ours (owner or mode "
                                  "changed): not moving it into place" % (item["role"], src),
@@ -323,10 +316,7 @@ def _link_blob(item, snap, f):
     dfd = stage_fd(item, os.path.dirname(link))
     try:
         name, rel = os.path.basename(link), snapshot_target(f)
-        try:
-            lst = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            lst = None
+        lst = lstat_at(name, dfd)
         if lst is not None:
             if not stat.S_ISLNK(lst.st_mode):
                 raise FetchError("%s: %s is not a link (mode %o): deploy made only links there; not replacing it" % (

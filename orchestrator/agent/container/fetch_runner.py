@@ -33,6 +33,11 @@ def act_fetch_run(a):
     def log(msg):
         print("[deploy] %s %s" % (time.strftime("%H:%M:%S"), msg), flush=True)
 
+    def verified(it, f, got):
+        f["state"], f["partial"] = "verified", 0
+        log("%s: %s verified (%s, %s %s)" % (it["role"], f["name"], _fmt_bytes(f["size"]),
+                                             "sha256" if f["sha256"] else "git blob", got[:12]))
+
     def finish(status, message, fix=None, **kw):
         st.update(status=status, message=message, fix=fix, finished_at=now(), progress=None, **kw)
         save()
@@ -117,10 +122,8 @@ def act_fetch_run(a):
                     got = verify_file(it, f, part, dn, dfd)
                 finally:
                     os.close(dfd)
-                f["state"], f["partial"] = "verified", 0
                 finished[0] += f["size"]
-                log("%s: %s verified (%s, %s %s)" % (it["role"], f["name"], _fmt_bytes(f["size"]),
-                                                     "sha256" if f["sha256"] else "git blob", got[:12]))
+                verified(it, f, got)
         # the hub: every file still to come, in parallel ranges (transfer.py)
         work = [(it, lst["commit"], f, token) for it, lst, need, have, token in listings
                 if not it.get("source_path") for f in need]
@@ -151,16 +154,9 @@ def act_fetch_run(a):
                 st["progress"] = prog
                 save()
 
-            def on_verified(pf, got):
-                pf.f["state"], pf.f["partial"] = "verified", 0
-                log("%s: %s verified (%s, %s %s)" % (pf.item["role"], pf.f["name"], _fmt_bytes(pf.f["size"]),
-                                                     "sha256" if pf.f["sha256"] else "git blob", got[:12]))
-
-            for it, lst, _, _, _ in listings:
-                it["commit"] = lst["commit"]
             tr = Transfer(work, request=_hub_request, error=hub_error, connections=conns, range_bytes=rbytes,
                           deadline=deadline, stall_s=stall, log=log, on_progress=on_progress,
-                          on_verified=on_verified)
+                          on_verified=lambda pf, got: verified(pf.item, pf.f, got))
             tr.run()
         st["phase"] = "install"
         save()

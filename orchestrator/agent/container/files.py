@@ -121,11 +121,19 @@ def open_beneath(root, path, create_mode=None):
         raise
 
 
-def read_capped(dfd, name, limit, what="file"):
+def lstat_at(name, dfd):
+    """os.stat of dir/NAME without following a link; None when there is nothing there."""
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def read_capped(dfd, name, limit, what="file", follow=False):
     """The bytes of dir/NAME, a small record: opened O_NOFOLLOW|O_NONBLOCK (a link or a FIFO planted there neither
-    redirects nor hangs us), a regular file only, at most LIMIT bytes (a larger one is refused, never read into
-    memory). Raises FileNotFoundError, or OSError naming what it found."""
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    redirects nor hangs us; follow=True: a link is followed), a regular file only, at most LIMIT bytes (a larger one
+    is refused, never read into memory). Raises FileNotFoundError, or OSError naming what it found."""
+    fd = os.open(name, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW) | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
     try:
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode):
@@ -447,10 +455,7 @@ def write_owned(d, name, data, mode):
     want = hashlib.sha256(data).hexdigest()
     dfd = open_dir(d)
     try:
-        try:
-            lst = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            lst = None
+        lst = lstat_at(name, dfd)
         if lst is not None and not _stat.S_ISREG(lst.st_mode):
             raise OSError(errno.EEXIST, "%s/%s exists and is not a regular file (a symlink?): refusing to write "
                                         "through it" % (d, name))

@@ -6,7 +6,7 @@ import os
 import time
 
 from . import core
-from .core import emit, in_container, now
+from .core import emit, in_container, now, wait_while
 from .procs import pids, proc_cmdline, proc_comm
 from .protocol import SMI_MEMORY_ARGS
 from .state import proven_members, read_state
@@ -175,21 +175,16 @@ def fuser_kill(gpus, grace):
     import re
     import subprocess
 
-    p = subprocess.run(["fuser", "-k", "-TERM"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
-    res["term"] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
-    res["term_procs"] = [named(pid, seen) for pid in res["term"]]
-    deadline = now() + grace
-    while our_gpu_holders(devs) and now() < deadline:
-        time.sleep(0.1)
-    left = our_gpu_holders(devs)
-    if left:
+    left = before
+    for sig, wait, step in (("TERM", grace, 0.1), ("KILL", 10, 0.05)):  # -KILL only for what -TERM left
+        if not left:
+            break
         seen.update((h["pid"], h) for h in left)
-        p = subprocess.run(["fuser", "-k", "-KILL"] + devs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
-        res["kill"] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
-        res["kill_procs"] = [named(pid, seen) for pid in res["kill"]]
-        deadline = now() + 10
-        while our_gpu_holders(devs) and now() < deadline:
-            time.sleep(0.05)
+        p = subprocess.run(["fuser", "-k", "-" + sig] + devs, capture_output=True, timeout=30)
+        done = res[sig.lower()] = sorted(set(int(x) for x in re.findall(r"\d+", p.stdout.decode())))
+        res[sig.lower() + "_procs"] = [named(pid, seen) for pid in done]
+        wait_while(lambda: our_gpu_holders(devs), wait, step)
+        left = our_gpu_holders(devs)
     return res
 
 

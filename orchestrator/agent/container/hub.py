@@ -4,7 +4,7 @@ other files), built in a temp dir and renamed into place; the hub cache is only 
 import hashlib
 import os
 
-from .core import sha256_file
+from .core import sha256_file, sha256_or_none
 from .verify import resolve_drafter_path
 from . import core
 
@@ -27,17 +27,11 @@ def act_hub_drafter(a):
         return res
     snap = os.path.dirname(loc["path"])
     res["snapshot"] = snap
-    try:
-        res["snapshot_config_sha256"] = sha256_file(loc["path"])
-    except OSError:
-        res["snapshot_config_sha256"] = None
+    res["snapshot_config_sha256"] = sha256_or_none(loc["path"])
     links = {n: os.path.join(snap, n) for n in sorted(os.listdir(snap)) if n != "config.json"}
     res["links"] = sorted(links)
     cfg = os.path.join(d, "config.json")
-    try:
-        before = sha256_file(cfg) if os.path.isfile(cfg) and not os.path.islink(cfg) else None
-    except OSError:
-        before = None
+    before = sha256_or_none(cfg) if os.path.isfile(cfg) and not os.path.islink(cfg) else None
     res["before_sha256"] = before
     if before == want and os.path.isdir(d) and not os.path.islink(d):
         have = set(os.listdir(d)) - {"config.json"}

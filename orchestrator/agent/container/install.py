@@ -138,10 +138,6 @@ def _save_install(state_dir, st):
     write_json_atomic(os.path.join(state_dir, INSTALL_STATE), st)
 
 
-def _runner_alive(state_dir):
-    return lock_held(state_dir, INSTALL_LOCK)
-
-
 def install_status(state_dir, check_timeout=120):
     """install.json (plus `elapsed`, in the container's clock), with a runner that died (SIGKILL, OOM, a reboot)
     turned into status 'killed' and its staging venv checked (RECORD, import) so the report says what it left."""
@@ -153,7 +149,7 @@ def install_status(state_dir, check_timeout=120):
 
 def _install_status(state_dir, check_timeout):
     st = _install_state(state_dir)
-    if not st or st.get("status") != "running" or _runner_alive(state_dir):
+    if not st or st.get("status") != "running" or lock_held(state_dir, INSTALL_LOCK):
         return st
     st = _install_state(state_dir) or st  # it may have finished between the two reads
     if st.get("status") != "running":
@@ -200,7 +196,7 @@ def stack_check_in(python, check_args, timeout):
     return {"ok": False, "checks": [], "error": "%s exited %d: %s" % (python, p.returncode, err[-1] if err else "")}
 
 
-def _find_uv(a):
+def _find_uv():
     path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin") + ":/root/.local/bin:/root/.cargo/bin"
     import shutil
 
@@ -251,7 +247,7 @@ def _install_start(a, info):
         return {"ok": False, "message": "the base Python %s does not exist in the container" % base,
                 "fix": "set requires.install.python to a Python that exists there (e.g. /usr/bin/python3)"}
     installer = a.get("installer") or "auto"
-    uv = _find_uv(a) if installer in ("auto", "uv") else None
+    uv = _find_uv() if installer in ("auto", "uv") else None
     if installer == "uv" and not uv:
         return {"ok": False, "message": "requires.install.installer is uv, but no uv on PATH, ~/.local/bin or "
                                         "~/.cargo/bin in the container",
@@ -388,7 +384,7 @@ def _rollback(a, info):
         return {"ok": False, "message": "no previous vLLM runtime recorded in %s/%s: nothing to roll back to"
                                         % (state_dir, RUNTIME_FILE),
                 "fix": "deploy install-vllm PLAYBOOK installs one (the one it replaces becomes the previous)"}
-    if _runner_alive(state_dir):
+    if lock_held(state_dir, INSTALL_LOCK):
         return {"ok": False, "message": "an install is running (deploy install-vllm PLAYBOOK re-attaches to it)",
                 "fix": "wait for it to finish, then roll back"}
     parent = os.path.dirname(info["venv_root"])

@@ -25,26 +25,15 @@ def act_launch(a):
         return {"ok": False, "message": "refusing to use the state directory: %s" % e}
     launch_id = base64.b32encode(os.urandom(15)).decode().lower()
     env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
-           "LANG": "C.UTF-8"}
-    env.update(a.get("env") or {})
-    env.update(core.SECRETS.get("env") or {})
-    env[LAUNCH_ID_VAR] = launch_id
+           "LANG": "C.UTF-8", **(a.get("env") or {}), **(core.SECRETS.get("env") or {}), LAUNCH_ID_VAR: launch_id}
     if a.get("unit") and systemd_running():
-        try:
-            r = _launch_unit(a, dfd, {k: v for k, v in env.items() if k != LAUNCH_ID_VAR}, launch_id)
-        finally:
-            os.close(dfd)
+        os.close(dfd)  # the state directory is checked: write_owned writes in it by name, checking it again
+        r = _launch_unit(a, env, launch_id)
         if r.get("ok"):
-            st = dict(a.get("record") or {})
-            pid = r["pid"]
-            st.update(pid=pid, pgid=pid, argv=a["argv"], env_keys=sorted(env), log_path=None, started_at=now(),
-                      starttime=proc_starttime(pid), launch_id=launch_id, supervisor="systemd", unit=r["unit"],
-                      unit_path=r["unit_path"], env_file=r["env_file"], unit_sha256=r["unit_sha256"],
-                      invocation=r.get("invocation"), init_starttime=init_starttime(),
-                      launched={"pid": pid, "starttime": proc_starttime(pid)},
-                      argv0_real=os.path.realpath(a["argv"][0]))  # which venv it runs from (install-vllm)
-            write_json_atomic(os.path.join(state_dir, "state.json"), st)
-            r.update(pgid=pid, log_path="journal: journalctl -u %s" % r["unit"])
+            _record(a, r["pid"], env, launch_id, log_path=None, supervisor="systemd", unit=r["unit"],
+                    unit_path=r["unit_path"], env_file=r["env_file"], unit_sha256=r["unit_sha256"],
+                    invocation=r.get("invocation"))
+            r.update(pgid=r["pid"], log_path="journal: journalctl -u %s" % r["unit"])
         return r
     try:
         if os.path.dirname(log_path) != state_dir.rstrip("/"):
@@ -82,23 +71,27 @@ def act_launch(a):
     finally:
         for fd in (logfd, exitfd, dfd):
             os.close(fd)
-    st = dict(a.get("record") or {})
-    st.update(pid=proc.pid, pgid=proc.pid, argv=a["argv"], env_keys=sorted(env), log_path=log_path,
-              started_at=now(), starttime=proc_starttime(proc.pid), launch_id=launch_id, supervisor="none",
-              init_starttime=init_starttime(), launched={"pid": proc.pid, "starttime": proc_starttime(proc.pid)},
-              argv0_real=os.path.realpath(a["argv"][0]))  # which venv it runs from (install-vllm switches links)
-    write_json_atomic(os.path.join(state_dir, "state.json"), st)
+    _record(a, proc.pid, env, launch_id, log_path=log_path, supervisor="none")
     return {"ok": True, "pid": proc.pid, "pgid": proc.pid, "log_path": log_path, "supervisor": "none",
             "systemd": systemd_running()}
 
 
-def _launch_unit(a, dfd, env, launch_id):
+def _record(a, pid, env, launch_id, log_path, supervisor, **unit):
+    """state.json for the launch: the playbook's record, the process (its start time), how it was launched."""
+    st = dict(a.get("record") or {})
+    st.update(pid=pid, pgid=pid, argv=a["argv"], env_keys=sorted(env), log_path=log_path, started_at=now(),
+              starttime=proc_starttime(pid), launch_id=launch_id, supervisor=supervisor, **unit)
+    st.update(init_starttime=init_starttime(), launched={"pid": pid, "starttime": proc_starttime(pid)},
+              argv0_real=os.path.realpath(a["argv"][0]))  # which venv it runs from (install-vllm switches links)
+    write_json_atomic(os.path.join(a["state_dir"], "state.json"), st)
+
+
+def _launch_unit(a, env, launch_id):
     """Install, enable and start vllm-PLAYBOOK.service. The caller's env minus the secrets goes into the unit
     (what `deploy plan` shows), the secrets and the launch id into a 0600 EnvironmentFile in the state dir."""
     state_dir = a["state_dir"]
     unit = a["unit"]
-    secrets = dict(core.SECRETS.get("env") or {})
-    secrets[LAUNCH_ID_VAR] = launch_id
+    secrets = {**(core.SECRETS.get("env") or {}), LAUNCH_ID_VAR: launch_id}
     plain = {k: v for k, v in env.items() if k not in secrets}
     env_name = unit.rsplit(".", 1)[0] + ".env"
     env_file = os.path.join(state_dir, env_name)

@@ -48,7 +48,20 @@ def _remove_lock_if(dfd, pred):
     """Move the lock aside (to a unique name) if pred(holder) holds, atomically with respect to every other remover:
     removers take the short `lock.break` mutex first, and takers can only add a lock where none is, so the file
     read under the mutex is the file moved. -> True (removed), False (pred false or no lock), None (mutex busy)."""
-    return _under_break_mutex(dfd, lambda: _remove_locked(dfd, pred))
+    def remove():
+        cur = _read_lock(dfd)
+        if cur is None or not pred(cur):
+            return False
+        os.rename("lock", unique_name(".lock.stale-"), src_dir_fd=dfd, dst_dir_fd=dfd)
+        for n in os.listdir(dfd):  # keep only the newest few stale copies (for the curious)
+            if n.startswith((".lock.stale-", "lock.break.stale-")):
+                try:
+                    if now() - os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime > 86400:
+                        os.unlink(n, dir_fd=dfd)
+                except OSError:
+                    pass
+        return True
+    return _under_break_mutex(dfd, remove)
 
 
 def _under_break_mutex(dfd, fn):
@@ -69,21 +82,6 @@ def _under_break_mutex(dfd, fn):
             os.unlink("lock.break", dir_fd=dfd)
         except OSError:
             pass
-
-
-def _remove_locked(dfd, pred):
-    cur = _read_lock(dfd)
-    if cur is None or not pred(cur):
-        return False
-    os.rename("lock", unique_name(".lock.stale-"), src_dir_fd=dfd, dst_dir_fd=dfd)
-    for n in os.listdir(dfd):  # keep only the newest few stale copies (for the curious)
-        if n.startswith((".lock.stale-", "lock.break.stale-")):
-            try:
-                if now() - os.stat(n, dir_fd=dfd, follow_symlinks=False).st_mtime > 86400:
-                    os.unlink(n, dir_fd=dfd)
-            except OSError:
-                pass
-    return True
 
 
 def act_lock(a):

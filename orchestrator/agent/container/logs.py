@@ -25,18 +25,24 @@ def _unit_of(state_dir):
 def act_logs(a):
     path, n, grep, exclude = a["log_path"], int(a.get("n", 50)), a.get("grep"), a.get("exclude")
     unit = _unit_of(a.get("state_dir"))
-    if unit:
-        lines = unit_log_tail(unit, n, grep, exclude)
-        if not a.get("follow"):
+    lines = unit_log_tail(unit, n, grep, exclude) if unit else tail_file(path, n, grep, exclude)
+    if not a.get("follow"):
+        if unit:
             return {"lines": lines, "exists": True, "unit": unit, "source": "journalctl -u %s -o cat" % unit}
-        for ln in lines:
+        return {"lines": lines, "exists": os.path.exists(path)}
+    for ln in lines:
+        emit(event="line", line=ln)
+    rx = re.compile(grep) if grep else None
+    ex = re.compile(exclude) if exclude else None
+    deadline = now() + float(a.get("follow_s", 3600))
+
+    def show(ln):
+        if (rx is None or rx.search(ln)) and (ex is None or not ex.search(ln)):
             emit(event="line", line=ln)
+    if unit:
         args = ["-u", unit, "-o", "cat", "-f", "-n", "0"]
         p = subprocess.Popen(["journalctl", "--no-pager", "-q"] + args, stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        rx = re.compile(grep) if grep else None
-        ex = re.compile(exclude) if exclude else None
-        deadline = now() + float(a.get("follow_s", 3600))
         try:
             import selectors
             sel = selectors.DefaultSelector()
@@ -47,26 +53,15 @@ def act_logs(a):
                 raw = p.stdout.readline()
                 if not raw:
                     break
-                ln = ANSI.sub("", raw.decode("utf-8", "replace").rstrip("\n"))
-                if (rx is None or rx.search(ln)) and (ex is None or not ex.search(ln)):
-                    emit(event="line", line=ln)
+                show(ANSI.sub("", raw.decode("utf-8", "replace").rstrip("\n")))
         finally:
             p.kill()
             p.wait()
         return {"followed_s": a.get("follow_s"), "unit": unit}
-    lines = tail_file(path, n, grep, exclude)
-    if not a.get("follow"):
-        return {"lines": lines, "exists": os.path.exists(path)}
-    for ln in lines:
-        emit(event="line", line=ln)
-    rx = re.compile(grep) if grep else None
-    ex = re.compile(exclude) if exclude else None
     pos = os.path.getsize(path) if os.path.exists(path) else 0
-    deadline = now() + float(a.get("follow_s", 3600))
     while now() < deadline:
         pos, new = _tail_lines(path, pos)
         for ln in new:
-            if (rx is None or rx.search(ln)) and (ex is None or not ex.search(ln)):
-                emit(event="line", line=ln)
+            show(ln)
         time.sleep(0.25)
     return {"followed_s": a.get("follow_s")}

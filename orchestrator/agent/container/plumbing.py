@@ -196,10 +196,7 @@ def facts_recorded(state_dir):
     rec = _read_json(path) if os.path.isdir(state_dir) else None
     if isinstance(rec, dict) and rec.get("v") == RECORD_VERSION and rec.get("key") == key \
             and isinstance(rec.get("facts"), dict):
-        out = dict(rec["facts"])
-        out["shm_mib"] = read_shm_mib()
-        out["record"] = {"reused": True, "at": rec.get("at"), "error": None}
-        return out
+        return dict(rec["facts"], shm_mib=read_shm_mib(), record={"reused": True, "at": rec.get("at"), "error": None})
     out = facts()
     error = None
     if out.get("errors"):

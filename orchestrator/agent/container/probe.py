@@ -60,7 +60,6 @@ def act_acceptance(a):
     errors = []
     rounds, planned = 0, int(a["rounds"])
     max_rounds, min_drafts = max(planned, int(a.get("max_rounds") or planned)), int(a.get("min_drafts") or 0)
-    after = None
     while rounds < max_rounds and now() < deadline:
         if rounds >= planned:  # the planned rounds are done: more only while the drafts are too few to judge
             st, after = http(port, "/metrics", timeout=10, host=host)

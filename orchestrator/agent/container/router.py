@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 
-from .core import clean, emit, now
+from .core import clean, emit, now, wait_while
 from .files import UnsafeDirectory, open_dir, remove_owned, write_json_atomic, write_owned
 from .net import http, listener_check
 from .procs import alive, proc_starttime
@@ -228,9 +228,7 @@ def _router_stop(a, st=None):
         proof = _router_proof(st)
         pid = st["pid"]
         signal_proven(proof, signal.SIGTERM)
-        end = now() + float(a.get("grace_s") or 10)
-        while now() < end and alive(pid):
-            time.sleep(0.05)
+        wait_while(lambda: alive(pid), float(a.get("grace_s") or 10))
         if alive(pid) and signal_proven(proof, signal.SIGKILL):
             rep["killed"] = True
         rep.update(stopped=True, pid=pid)
@@ -463,7 +461,7 @@ def act_router(a):
     if op in OPS:
         return OPS[op](a)
     if op in ("remove", "add"):
-        code, body = _router_http(a, "/%s_worker?url=%s" % ("remove" if op == "remove" else "add", a["url"]),
-                                  method="POST", timeout=float(a.get("timeout_s") or 30))
+        code, body = _router_http(a, "/%s_worker?url=%s" % (op, a["url"]), method="POST",
+                                  timeout=float(a.get("timeout_s") or 30))
         return {"ok": code == 200, "status": code, "message": (body or "")[:500], "sent": code is not None}
     return {"ok": False, "message": "unknown router op %r" % op}

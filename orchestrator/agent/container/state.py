@@ -124,10 +124,9 @@ def read_exit_code(state_dir, wait_s=1.0):
 def act_note_failure(a):
     """Record that an up/restart failed after changing something, for `deploy status` to report; with no
     failure (after a successful down), forget the last one."""
-    path = os.path.join(a["state_dir"], "last_failure.json")
     if not a.get("failure"):
         for name in ("last_failure.json", "rejected.json"):  # a deliberate down ends both stories
             remove_owned(a["state_dir"], name)
         return {"ok": True}
-    write_json_atomic(path, dict(a["failure"], at=now()))
+    write_json_atomic(os.path.join(a["state_dir"], "last_failure.json"), dict(a["failure"], at=now()))
     return {"ok": True}

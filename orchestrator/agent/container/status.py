@@ -42,7 +42,7 @@ def pick_last_error(entries, fatal=()):
 def act_status(a):
     state_dir = a["state_dir"]
     timeout = a.get("nvidia_smi_timeout_s", 5)
-    res = {"state": read_state(state_dir), "memory": None, "_fatal": a.get("fatal_regex")}
+    res, fatal = {"state": read_state(state_dir), "memory": None}, a.get("fatal_regex")
     argv = (res["state"] or {}).get("argv") or []
     if argv and isinstance(argv[0], str):
         res["argv0_real_now"] = os.path.realpath(argv[0])
@@ -50,18 +50,17 @@ def act_status(a):
         # the exec's preamble started nvidia-smi (call.py EARLY_SMI): it runs while the state, lock and HTTP checks
         # run here, and is collected after them within the same timeout, counted from now (no thread to import)
         t0 = core.now()
-        _status_rest(res, state_dir)
+        _status_rest(res, state_dir, fatal)
         res["memory"] = read_gpu_memory(timeout, wait=max(0.0, timeout - (core.now() - t0)))
     else:
-        _status_with_smi_thread(res, state_dir, timeout)
-    res.pop("_fatal", None)
+        _status_with_smi_thread(res, state_dir, timeout, fatal)
     if a.get("plumbing"):  # the gpu-plumbing check's container facts: from their record while its key holds
         from .plumbing import facts_recorded
         res["plumbing"] = facts_recorded(state_dir)
     return res
 
 
-def _status_with_smi_thread(res, state_dir, timeout):
+def _status_with_smi_thread(res, state_dir, timeout, fatal):
     """nvidia-smi in a thread while the rest runs (an agent session's `current`: no preamble started it)."""
     import threading
 
@@ -76,14 +75,14 @@ def _status_with_smi_thread(res, state_dir, timeout):
     smi = threading.Thread(target=gpu)
     smi.start()
     try:
-        _status_rest(res, state_dir)
+        _status_rest(res, state_dir, fatal)
     finally:
         smi.join()
     if failed:
         raise failed[0]
 
 
-def _status_rest(res, state_dir):
+def _status_rest(res, state_dir, fatal):
     st = res["state"]
     try:
         dfd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -146,7 +145,7 @@ def _status_rest(res, state_dir):
                 entries = [(None, ln) for ln in tail_file(st.get("log_path") or "", 400)]
             # the line that names the cause (vLLM's known startup failures) over the wrapper's last words
             # (the table is ordered specific first: "CUDA out of memory" before "Engine core initialization failed")
-            res["last_error"] = pick_last_error(entries, res.get("_fatal"))
+            res["last_error"] = pick_last_error(entries, fatal)
     else:
         res["vllm_processes"] = vllm_processes()
         res["supervision"] = {"supervisor": "none", "systemd_running": systemd_running()}

@@ -4,9 +4,8 @@ wait until the group has left. Foreign vLLM processes are reported, never signal
 
 import os
 import signal
-import time
 
-from .core import emit, now
+from .core import emit, now, wait_while
 from .files import UnsafeDirectory, open_dir, remove_owned
 from .gpus import fuser_kill, gpu_holders, read_gpu_memory
 from .procs import proc_cmdline, proc_name, vllm_processes
@@ -64,22 +63,16 @@ def act_stop(a):
             emit(event="stop", message="SIGTERM sent to process group %d: %d of the %d process(es) deploy started "
                                        "there%s" % (st["pgid"], len(sent), len(members),
                                                     " (the other %d were already exiting)" % gone if gone else ""))
-            deadline = now() + grace
-            while proven_members(st) and now() < deadline:
-                time.sleep(0.1)
+            wait_while(lambda: proven_members(st), grace, 0.1)
             left = proven_members(st)
             if left:
                 report["killed"] = [{"pid": p, "comm": proc_name(p), "cmdline": proc_cmdline(p)[:200]} for p in left]
                 emit(event="stop", message="%d process(es) ignored SIGTERM for %gs; SIGKILL" % (len(left), grace))
                 signal_proven(st, signal.SIGKILL)
-                deadline = now() + 10
-                while proven_members(st) and now() < deadline:
-                    time.sleep(0.05)
+                wait_while(lambda: proven_members(st), 10)
             # A process on its way out can no longer be proven (its environ and cmdline are gone) but still holds
             # its /dev/nvidia* fds for a moment: wait, without signalling anything, until the group has left.
-            deadline = now() + min(max(grace, 1.0), 10.0)
-            while _group_members(st["pgid"]) and now() < deadline:
-                time.sleep(0.05)
+            wait_while(lambda: _group_members(st["pgid"]), min(max(grace, 1.0), 10.0))
     elif st and st.get("corrupt"):
         report["state_error"] = st["corrupt"]
     # vLLM processes outside our recorded group were not started by deploy: never signalled here. They are

@@ -259,25 +259,12 @@ def _owned_by_us(path, what):
 
 
 def _read_config(path, nofollow):
-    """The bytes of a config.json (a regular file, at most CONFIG_MAX), None when there is none; read from one
-    open descriptor, O_NONBLOCK (a FIFO does not hang us)."""
+    """The bytes of a config.json (files.read_capped: a regular file, at most CONFIG_MAX, read from one open
+    descriptor, O_NONBLOCK: a FIFO does not hang us), None when there is none or it is not one."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0))
+        return read_capped(None, path, CONFIG_MAX, "config", follow=not nofollow)
     except OSError:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > CONFIG_MAX:
-            return None
-        out = b""
-        while len(out) <= CONFIG_MAX:
-            chunk = os.read(fd, CONFIG_MAX + 1 - len(out))
-            if not chunk:
-                break
-            out += chunk
-        return out if len(out) <= CONFIG_MAX else None
-    finally:
-        os.close(fd)
 
 
 def _same(dest, links, keep_cfg, snap):

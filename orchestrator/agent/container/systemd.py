@@ -106,34 +106,29 @@ def pick_last_exit(entries, unit_state=None, since=None):
     return None
 
 
-def last_exit(unit, unit_state=None, since=None):
-    """The unit's last main-process exit since `since` (the launch, epoch seconds): see pick_last_exit."""
-    args = ["-o", "json", "-n", "200", "UNIT=" + unit, "_PID=1"]
-    if since:
-        args += ["--since", "@%d" % int(since)]
-    entries = []
-    for ln in journal(args):
+def _journal_json(args, since):
+    """journalctl -o json ARGS, since `since` (epoch seconds) when given -> its entries (a line not JSON left out)."""
+    out = []
+    for ln in journal(args + (["--since", "@%d" % int(since)] if since else [])):
         try:
-            entries.append(loads(ln))
+            out.append(loads(ln))
         except ValueError:
             continue
+    return out
+
+
+def last_exit(unit, unit_state=None, since=None):
+    """The unit's last main-process exit since `since` (the launch, epoch seconds): see pick_last_exit."""
+    entries = _journal_json(["-o", "json", "-n", "200", "UNIT=" + unit, "_PID=1"], since)
     return pick_last_exit(entries, unit_state, since)
 
 
 def unit_error_entries(unit, since):
     """The server's own lines (not systemd's about it) since the launch -> [(invocation id, line)]."""
-    args = ["_SYSTEMD_UNIT=" + unit, "-o", "json", "-n", "400", "--output-fields=MESSAGE,_SYSTEMD_INVOCATION_ID"]
-    if since:
-        args += ["--since", "@%d" % int(since)]
-    out = []
-    for ln in journal(args):
-        try:
-            d = loads(ln)
-        except ValueError:
-            continue
-        if isinstance(d.get("MESSAGE"), str):
-            out.append((d.get("_SYSTEMD_INVOCATION_ID"), clean(d["MESSAGE"])))
-    return out
+    entries = _journal_json(["_SYSTEMD_UNIT=" + unit, "-o", "json", "-n", "400",
+                             "--output-fields=MESSAGE,_SYSTEMD_INVOCATION_ID"], since)
+    return [(d.get("_SYSTEMD_INVOCATION_ID"), clean(d["MESSAGE"])) for d in entries
+            if isinstance(d.get("MESSAGE"), str)]
 
 
 def unit_quote(arg):
@@ -232,11 +227,8 @@ def supervision(st):
     bt, stt = _boot_time(), proc_starttime(out["main_pid"]) if out["main_pid"] else None
     out["main_started_at"] = bt + stt / os.sysconf("SC_CLK_TCK") if bt and stt is not None else None
     launched = st.get("launched") or {}
-    if out["main_pid"]:
-        out["serving_passed_gate"] = (out["main_pid"] == launched.get("pid")
-                                      and proc_starttime(out["main_pid"]) == launched.get("starttime"))
-    else:
-        out["serving_passed_gate"] = None
+    out["serving_passed_gate"] = None if not out["main_pid"] else \
+        out["main_pid"] == launched.get("pid") and stt == launched.get("starttime")
     return out
 
 

@@ -10,7 +10,7 @@ import os
 import re
 import sys
 
-from .core import sha256_file
+from .core import sha256_or_none
 from .stack import _vllm_stack, _vtuple, serving_checks
 
 
@@ -161,10 +161,7 @@ def act_verify(a):
                 check("loaded " + key, True, expected=pinned.get(key, ABSENT), on_disk=disk.get(key),
                       as_loaded=loaded.get(key))
 
-    try:
-        out["sha256_after"] = sha256_file(path)
-    except OSError:
-        out["sha256_after"] = None
+    out["sha256_after"] = sha256_or_none(path)
     check("unchanged during verify", out["sha256_after"] == sha, expected=sha, on_disk=out["sha256_after"],
           reason="the file changed while it was being verified: something rewrites it")
 

@@ -85,13 +85,9 @@ def bad_record(rec):
 
 def int_size(v):
     """A size from JSON as an int (None when it is not an integral number: the caller says so)."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
     if isinstance(v, float) and v.is_integer():
         return int(v)
-    return None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _repo_dir(hf_home, hub):
