@@ -190,5 +190,3 @@ def other_containers_sharing(ctx: Context, gpus: list[int]) -> list[dict]:
             out.append({"vmid": ct["vmid"], "name": ct["name"], "gpus": shared})
     return out
 
-
-prove_free = gpus_free  # the name before protocol 2
