@@ -132,7 +132,6 @@ def size(obj, playbook, max_model_len, tp, gmu, gpu_mib, target_config):
 def _load_offline(obj, playbook):
     """The playbook, validated without the inventory (size contacts nothing and needs no host); HOST/VMID of an
     inventory there is still told apart from a playbook name."""
-
     try:
         not_a_container(obj.inventory(), playbook)
     except (UsageError, SpecError, OSError) as e:
@@ -143,7 +142,6 @@ def _load_offline(obj, playbook):
 
 def _local_target(pb, path):
     """--target-config: read the config (and safetensors headers) as sizing.target_config is read at load."""
-
     from orchestrator.core.sizing import NotUnderstood, weights_from_safetensors
 
     cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -161,14 +159,6 @@ def _local_target(pb, path):
 
 
 # ------------------------------------------------------------------ up / restart / down
-
-
-
-
-
-
-
-
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -255,8 +245,6 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
     run_guarded(go, obj)
 
 
-
-
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("playbook", required=False, shell_complete=complete_playbooks)
 @click.option("--wait-lock", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
@@ -303,7 +291,6 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
         if not names:
             raise DeployError("no playbook given and no container's state file names a running deployment",
                               fix="deploy restart PLAYBOOK")
-
         if playbook:
             not_a_container(inv, playbook)
         pbs = [load_playbook(n, inv) for n in names]
@@ -446,13 +433,7 @@ def verify(obj, playbook):
         for m, out, r in outs:
             doc = {"ok": out.ok, "playbook": m.name, "where": out.where,
                    "error": out.error.as_dict() if out.error else None,
-                   **r.as_dict()}
-            if "revisions" in out.info:
-                doc["revisions"] = out.info["revisions"]
-            if "gpu_plumbing" in out.info:
-                doc["gpu_plumbing"] = out.info["gpu_plumbing"]
-            if "fits" in out.info:
-                doc["fits"] = out.info["fits"]
+                   **r.as_dict(), **{k: out.info[k] for k in ("revisions", "gpu_plumbing", "fits") if k in out.info}}
             docs.append(doc)
             if obj.json:
                 continue

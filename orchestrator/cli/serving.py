@@ -114,7 +114,6 @@ def status(obj, targets, watch, deadline):
 
 def _regex(_ctx, _param, value):
     """--grep is a Python regular expression, checked here: a bad one is a usage error before anything runs."""
-
     if value is not None:
         try:
             re.compile(value)

@@ -165,7 +165,6 @@ def gpus_free(ctx: Context, step: Step) -> GpusFreeResult:
 def host_holders(ctx: Context, gpus: list[int]) -> list[dict]:
     """Read-only, on the Proxmox host: the processes nvidia-smi says use the busy GPUs, outside this container
     (host PID, MiB, the container by its cgroup, or none: the host itself), as deploy doctor names them."""
-
     try:
         r = ctx.session.run(["sh", "-c", HOST_HOLDERS_SH], timeout=25, label="gpus-free")
     except DeployError:  # naming the holder is extra information; the failure stands without it
@@ -177,7 +176,6 @@ def host_holders(ctx: Context, gpus: list[int]) -> list[dict]:
 
 def other_containers_sharing(ctx: Context, gpus: list[int]) -> list[dict]:
     """From `pct list` and `pct config`: the other running containers that are given any of `gpus`."""
-
     s = ctx.session
     res = s.run(["pct", "list"], timeout=20)
     out = []

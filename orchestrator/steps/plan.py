@@ -161,7 +161,6 @@ class Step:
 
 def session_command(pb, python: str) -> str:
     """The one command that carries every agent step of an operation in this container (agent/AgentSession)."""
-
     return shell_join(pct_exec_argv(pb.vmid, [python, "-c", SESSION_BOOT, "N"]))
 
 
@@ -383,7 +382,6 @@ def step_onboot(pb):
 
 
 def step_wait(pb):
-
     sp = state_paths(pb)
     return Step("wait-ready", "follow the log and /health until /v1/models lists the model and a completion "
                               f"succeeds (timeout {pb.conf.serve.load_timeout_s:g} s)", action="wait_ready",
@@ -413,7 +411,6 @@ def step_drift(pb, name="drift", title="re-read the drafter config's sha256 now 
 
 
 def step_acceptance(pb, when=None, phase="main"):
-
     p = pb.conf.acceptance.probe
     th = playbook_thresholds(pb)
     n = len(p.prompts) * p.rounds
