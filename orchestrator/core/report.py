@@ -377,7 +377,7 @@ def table(rows: list[list[str]], headers: list[str], width: int | None = None, *
     return text
 
 
-def short(value, n: int = 40, none: str = "-") -> str:
+def short(value, none: str = "-") -> str:
     """A value for a table cell: null as `none`, JSON for non-strings. Never cut (the table moves long ones)."""
     if value is None:
         return none
@@ -389,7 +389,7 @@ def sha(value, none: str = "none") -> str:
     return none if not value else str(value)[:12]
 
 
-def check_rows(checks: list[dict], widths=None) -> list[list[str]]:
+def check_rows(checks: list[dict]) -> list[list[str]]:
     """Rows of check, expected, on disk, as loaded, verdict, reason: null is shown as null, n/a as -."""
     rows = []
     for c in checks:

@@ -120,12 +120,10 @@ def layer_kinds(tc: dict) -> list[str]:
         return [SLIDING if tc.get("use_sliding_window") and tc.get("sliding_window") else FULL] * n
     if not isinstance(lts, list) or len(lts) != n:
         raise NotUnderstood(f"layer_types has {len(lts) if isinstance(lts, list) else '?'} entries for {n} layers")
-    out = []
-    for t in lts:
-        if t not in (FULL, SLIDING, LINEAR):
-            raise NotUnderstood(f"layer type {t!r} is not understood")
-        out.append(t)
-    return out
+    bad = [t for t in lts if t not in (FULL, SLIDING, LINEAR)]
+    if bad:
+        raise NotUnderstood(f"layer type {bad[0]!r} is not understood")
+    return list(lts)
 
 
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -677,9 +675,7 @@ def check_measured(pb, gpu_mem: dict | None, gpu_count: int | None = None) -> di
     if not got or any(not isinstance(x, dict) or not x.get("total") for x in got):
         return None
     total = min(float(x["total"]) for x in got)
-    inp = from_playbook(pb, gpu_mib=total)
-    if inp is None:
-        return None
+    inp = from_playbook(pb, gpu_mib=total)  # not None: pb.target_config is set
     s = size(replace(inp, gpu_source=f"measured: nvidia-smi on {pb.host}, GPUs {list(pb.gpus)}",
                      max_gpus=gpu_count or len(gpu_mem)))
     level, line = assess(pb, s)

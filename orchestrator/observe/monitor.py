@@ -66,14 +66,11 @@ def choose(inv, playbooks: list) -> tuple[list, list]:
     by_ct: dict = {}
     for pb in playbooks:
         for t in pb.targets:
-            key = (t.host, t.vmid)
-            if t.host not in inv.hosts:
-                continue
-            by_ct.setdefault(key, []).append((pb, t))
+            if t.host in inv.hosts:
+                by_ct.setdefault((t.host, t.vmid), []).append((pb, t))
     chosen, notes = [], []
     for key in sorted(by_ct):
-        cands = by_ct[key]
-        cands.sort(key=lambda c: (c[0].name in fallbacks, c[0].name))
+        cands = sorted(by_ct[key], key=lambda c: (c[0].name in fallbacks, c[0].name))
         pb, t = cands[0]
         if len(cands) > 1:
             notes.append(f"{key[0]}/{key[1]} is targeted by {', '.join(c[0].name for c in cands)}: labelled "
@@ -216,16 +213,14 @@ def rule_tests(chosen, *, for_: str, status_exporter: bool = False) -> dict:
         series = [{"series": f"{DRAFTS}{{{lab}}}", "values": f"0+100x{mins}"},
                   {"series": f"{ACCEPTED}{{{lab}}}", "values": f"0+{low_acc:g}x{mins}"},
                   {"series": f'{PER_POS}{{{lab},position="0"}}', "values": f"0+5x{mins}"}]
-        exp = {"alertname": "VllmAcceptanceLengthLow",
-               "exp_labels": [dict(_labels(lab), severity="warning", gate_min_al=f"{th['min_al']:g}")]}
+        low = dict(_labels(lab), severity="warning", gate_min_al=f"{th['min_al']:g}")
         tests.append({"interval": "1m", "input_series": series,
                       "_values": {"VllmAcceptanceLengthLow": 1 + low_acc / 100, "VllmFirstPositionLow": 0.05},
-                      "alert_rule_test": [{"eval_time": f"{mins}m", **exp},
+                      "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": "VllmAcceptanceLengthLow",
+                                           "exp_alerts": [{"exp_labels": low}]},
                                           {"eval_time": f"{mins}m", "alertname": "VllmFirstPositionLow",
                                            "exp_alerts": [{"exp_labels": dict(_labels(lab), severity="warning",
                                                                               position="0")}]}]})
-        tests[-1]["alert_rule_test"][0] = {"eval_time": f"{mins}m", "alertname": exp["alertname"],
-                                           "exp_alerts": [{"exp_labels": exp["exp_labels"][0]}]}
         # a healthy drafter: nothing fires
         good = [{"series": f"{DRAFTS}{{{lab}}}", "values": f"0+100x{mins}"},
                 {"series": f"{ACCEPTED}{{{lab}}}", "values": f"0+{(th['min_al'] - 1) * 100 * 1.5:g}x{mins}"},
@@ -267,8 +262,6 @@ def rule_tests(chosen, *, for_: str, status_exporter: bool = False) -> dict:
     ]
     for name, series, labels in other:
         exp = labels if "host" in labels else dict(_labels(lab), **labels)
-        if name == "VllmServerRestarted":
-            exp = dict(_labels(lab), **labels)
         tests.append({"interval": "1m", "input_series": series,
                       "_values": {name: mins * 60.0 if name == "VpdStatusStale" else 30000.0},
                       "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": name,
@@ -305,9 +298,9 @@ def _render(text: str, labels: dict, value: float | None) -> str:
     return re.sub(r"\{\{(.*?)\}\}", sub, text)
 
 
-def add_annotations(tests: dict, rule_file: dict, values: dict) -> dict:
+def add_annotations(tests: dict, rule_file: dict) -> dict:
     """Fill every expected alert's exp_annotations by rendering the rule's templates with its labels and the value
-    the series give (values: alertname -> value, per test in order of appearance)."""
+    the series give (each test's _values: alertname -> value)."""
     by_name: dict = {}
     for g in rule_file["groups"]:
         for r in g["rules"]:
@@ -408,8 +401,7 @@ def export(inv, playbooks: list, directory: str, *, window="5m", for_="10m", dow
         "targets.json": json.dumps(groups, indent=2) + "\n",
         "rules.yml": yaml.safe_dump(rule_set, sort_keys=False, width=120),
         "rules.test.yml": yaml.safe_dump(add_annotations(rule_tests(chosen, for_=for_,
-                                                                    status_exporter=bool(node_exporters)),
-                                                         rule_set, {}),
+                                                                    status_exporter=bool(node_exporters)), rule_set),
                                          sort_keys=False, width=120),
         "prometheus.yml": yaml.safe_dump(prometheus_config(scrape_interval=scrape_interval,
                                                            evaluation_interval=evaluation_interval,
@@ -418,8 +410,7 @@ def export(inv, playbooks: list, directory: str, *, window="5m", for_="10m", dow
     }
     os.makedirs(directory, exist_ok=True)
     for name, text in files.items():
-        path = os.path.join(directory, name)
-        write_atomic(path, text, mode=0o644)
+        write_atomic(os.path.join(directory, name), text, mode=0o644)
     return {"directory": os.path.abspath(directory), "files": sorted(files), "targets": groups, "left_out": missing,
             "notes": notes, "playbooks": sorted({pb.name for pb, _m, _t in chosen}),
             "thresholds": {pb.name: gate_thresholds(pb) for pb, _m, _t in chosen}}
