@@ -123,8 +123,6 @@ def _regex(_ctx, _param, value):
     return value
 
 
-
-
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
 @click.argument("target", metavar="PLAYBOOK|HOST/VMID", shell_complete=complete_targets)
 @click.option("-n", "lines", type=click.IntRange(min=1), default=50, show_default=True, help="How many lines.")

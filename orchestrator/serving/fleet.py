@@ -124,8 +124,7 @@ def _router_up(fleet: Fleet, pb: Playbook, progress: Progress, res: dict) -> Non
     rr = R.up(fleet, pb, progress, passed)
     if rr.get("ok"):
         ep = router_endpoint(fleet.inventory, pb)
-        rr["url"] = ep.get("url")
-        rr["endpoint"] = ep
+        rr.update(url=ep.get("url"), endpoint=ep)
     res["router"] = rr
     res["ok"] = res["ok"] and rr["ok"]
 
@@ -194,8 +193,7 @@ def _rolled(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, m
             a = {"ok": False, "message": e.message}
         d["added_back"] = a.get("ok")
         if not a.get("ok"):
-            d["ok"] = False
-            d["message"] = a.get("message")
+            d.update(ok=False, message=a.get("message"))
             progress.say(pb.conf.router.where, f"router: could not add {w} back: {a.get('message')}")
     return o
 
