@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 from ..agent.protocol import GpusFreeResult, StopResult
-from orchestrator.core.facts import HOST_HOLDERS_SH, parse_host_holders
 from orchestrator.core.errors import DeployError
-from orchestrator.core.facts import nvml_mismatch_fix, parse_pct_config_gpus, parse_pct_list
+from orchestrator.core.facts import (HOST_HOLDERS_SH, nvml_mismatch_fix, parse_host_holders, parse_pct_config_gpus,
+                                     parse_pct_list)
 from orchestrator.steps.plan import Step
 from . import Context
 from orchestrator.core.remote import shell_word
