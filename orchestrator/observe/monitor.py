@@ -16,7 +16,7 @@ import yaml
 
 from orchestrator.core import vllm_facts as vf
 from orchestrator.core.atomic import write_atomic
-from orchestrator.core.gate import playbook_thresholds
+from orchestrator.core.gate import CLIFF_BEFORE, CLIFF_ZERO, playbook_thresholds  # the cliff: as the gate judges it
 
 JOB = "vllm-pve-deploy"
 # vLLM's metric names, as the queries spell them (the families: vllm_facts.py)
@@ -42,7 +42,6 @@ STALE_S = 300  # VpdStatusStale: deploy monitor metrics has not refreshed a host
 STATUS_JOB = "vllm-pve-deploy-status"  # prometheus.yml's job for node_exporter (--node-exporter)
 STALE_MISSING_FOR = "5m"  # VpdStatusMissing: no vpd_status_timestamp_seconds at all for this long
 
-CLIFF_ZERO, CLIFF_BEFORE = 0.01, 0.05  # as the gate's cliff check: ~0 from p on, after a position that drafted
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d))+$")
 
 
