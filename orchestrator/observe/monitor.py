@@ -24,12 +24,6 @@ DRAFTS = vf.M_DRAFTS + "_total"
 ACCEPTED = vf.M_ACCEPTED + "_total"
 PER_POS = vf.M_PER_POS + "_total"
 GEN_TOKENS = vf.M_GEN_TOKENS + "_total"
-RUNNING = vf.M_RUNNING
-WAITING = vf.M_WAITING
-KV_USE = vf.M_KV_USE
-TTFT = vf.M_TTFT
-ITL = vf.M_ITL
-START_TIME = vf.M_START_TIME
 # deploy's own facts, from `deploy monitor metrics` (node_exporter textfile collector, see docs/monitoring.md)
 VPD_GATED = "vpd_gated"
 VPD_RESTARTS = "vpd_unit_restarts_total"
@@ -158,7 +152,7 @@ def rules(chosen, *, window: str, for_: str, down_for: str, status_exporter: boo
                 "sliding window in the drafter config. deploy verify {{ $labels.playbook }}", for_=for_))
     alerts += [
         _alert("VllmServerRestarted",
-               f'changes({START_TIME}{{job="{JOB}"}}[15m]) > 0 or increase({VPD_RESTARTS}[15m]) > 0', "warning",
+               f'changes({vf.M_START_TIME}{{job="{JOB}"}}[15m]) > 0 or increase({VPD_RESTARTS}[15m]) > 0', "warning",
                "vLLM on {{ $labels.host }}/{{ $labels.vmid }} restarted in the last 15 minutes",
                "systemd restarted the server (or it was started again). "
                "deploy logs {{ $labels.host }}/{{ $labels.vmid }}"),
@@ -241,7 +235,7 @@ def rule_tests(chosen, *, for_: str, status_exporter: bool = False) -> dict:
     lab = inst()
     other = [
         ("VllmEndpointDown", [{"series": f"up{{{lab}}}", "values": f"0x{mins}"}], {"severity": "critical"}),
-        ("VllmServerRestarted", [{"series": f"{START_TIME}{{{lab}}}", "values": f"1000x{mins - 5} 2000x5"}],
+        ("VllmServerRestarted", [{"series": f"{vf.M_START_TIME}{{{lab}}}", "values": f"1000x{mins - 5} 2000x5"}],
          {"severity": "warning"}),
         ("VllmStartLimitHit", [{"series": f'{VPD_START_LIMIT}{{host="pve1",vmid="129",playbook="p",'
                                           f'unit="vllm-p.service"}}', "values": f"1x{mins}"}],
@@ -362,18 +356,19 @@ def dashboard(window: str = "5m") -> dict:
                 "{{playbook}} {{host}}/{{vmid}} pos {{position}}")], unit="percentunit", x=12, y=0),
         panel(3, "Generated tokens/s", [(f"rate({GEN_TOKENS}{{{sel}}}[{w}])", None)], x=0, y=8),
         panel(4, "Requests running / waiting",
-              [(f"{RUNNING}{{{sel}}}", "running {{host}}/{{vmid}}"), (f"{WAITING}{{{sel}}}", "waiting {{host}}/{{vmid}}")],
+              [(f"{vf.M_RUNNING}{{{sel}}}", "running {{host}}/{{vmid}}"),
+               (f"{vf.M_WAITING}{{{sel}}}", "waiting {{host}}/{{vmid}}")],
               x=12, y=8),
-        panel(5, "GPU KV-cache use", [(f"{KV_USE}{{{sel}}}", None)], unit="percentunit", x=0, y=16),
+        panel(5, "GPU KV-cache use", [(f"{vf.M_KV_USE}{{{sel}}}", None)], unit="percentunit", x=0, y=16),
         panel(6, "Time to first token (p50, p99)",
-              [(f"histogram_quantile(0.5, sum by (le, host, vmid, playbook) (rate({TTFT}_bucket{{{sel}}}[{w}])))",
+              [(f"histogram_quantile(0.5, sum by (le, host, vmid, playbook) (rate({vf.M_TTFT}_bucket{{{sel}}}[{w}])))",
                 "p50 {{host}}/{{vmid}}"),
-               (f"histogram_quantile(0.99, sum by (le, host, vmid, playbook) (rate({TTFT}_bucket{{{sel}}}[{w}])))",
+               (f"histogram_quantile(0.99, sum by (le, host, vmid, playbook) (rate({vf.M_TTFT}_bucket{{{sel}}}[{w}])))",
                 "p99 {{host}}/{{vmid}}")], unit="s", x=12, y=16),
         panel(7, "Inter-token latency (p50, p99)",
-              [(f"histogram_quantile(0.5, sum by (le, host, vmid, playbook) (rate({ITL}_bucket{{{sel}}}[{w}])))",
+              [(f"histogram_quantile(0.5, sum by (le, host, vmid, playbook) (rate({vf.M_ITL}_bucket{{{sel}}}[{w}])))",
                 "p50 {{host}}/{{vmid}}"),
-               (f"histogram_quantile(0.99, sum by (le, host, vmid, playbook) (rate({ITL}_bucket{{{sel}}}[{w}])))",
+               (f"histogram_quantile(0.99, sum by (le, host, vmid, playbook) (rate({vf.M_ITL}_bucket{{{sel}}}[{w}])))",
                 "p99 {{host}}/{{vmid}}")], unit="s", x=0, y=24),
         panel(8, "Scrape up (1) / down (0)", [(f'up{{{sel}}}', None)], x=12, y=24),
     ]
