@@ -135,12 +135,10 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
                 raise refused
             return render_plans(obj.json, inv, pb, lambda m: plan_fetch(m, rehash=rehash, connections=connections,
                                                                         timeout_s=timeout_s, manifest=bool(manifest_out)))
-        outs = []
         with Fleet(inv) as fleet:
-            for m in pb.members:
-                outs.append(do_fetch(fleet, m, obj.progress(), rehash=rehash, timeout_s=timeout_s,
-                                     connections=connections, manifest=(lambda recs, m=m: _write_fetch_manifests(
-                                         m, manifest_out, recs)) if manifest_out else None))
+            outs = [do_fetch(fleet, m, obj.progress(), rehash=rehash, timeout_s=timeout_s, connections=connections,
+                             manifest=(lambda recs, m=m: _write_fetch_manifests(m, manifest_out, recs))
+                             if manifest_out else None) for m in pb.members]
         if len(outs) == 1:
             _outcome_exit(obj, outs[0])
         _outcomes_exit(obj, outs)

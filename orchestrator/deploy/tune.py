@@ -435,11 +435,8 @@ def render(res: dict) -> list[str]:
             lines.append("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip())
     for name, errs in (res.get("prediction_error") or {}).items():
         pred = res["predicted"].get(name, {})
-        cells = []
-        for x in res.get("levels") or []:
-            c = str(x["concurrency"])
-            if c in errs:
-                cells.append(f"{c}: {pred[c]:g} vs {x['tokens_per_s'][name]:g} ({errs[c]:+.0%})")
+        cells = [f"{c}: {pred[c]:g} vs {x['tokens_per_s'][name]:g} ({errs[c]:+.0%})"
+                 for x in res.get("levels") or [] if (c := str(x["concurrency"])) in errs]
         if cells:
             worst = max(abs(e) for e in errs.values())
             lines.append(f"k={name} predicted vs measured tok/s: " + ", ".join(cells) +

@@ -228,12 +228,9 @@ def result(pb: Playbook, action: str, outs: list, t0: float, members: list | Non
     rows = []
     for m, o in zip(members, outs):
         row = {"where": where_of(m), "host": m.host, "vmid": m.vmid}
-        if o is None:
-            row.update(ok=None, status="not restarted", note="still on the old deployment (not touched)")
-        else:
-            row.update(o.as_dict())
-            row["where"] = where_of(m)
-        rows.append(row)
+        row.update(o.as_dict() if o is not None else
+                   {"ok": None, "status": "not restarted", "note": "still on the old deployment (not touched)"})
+        rows.append({**row, "where": where_of(m)})  # the target's own where, not the outcome's
     ran = [o for o in outs if o is not None]
     return {"schema": SCHEMA, "ok": len(ran) == len(members) and all(o.ok for o in ran), "playbook": pb.name,
             "action": action, "seconds": round(time.monotonic() - t0, 2), **extra,
