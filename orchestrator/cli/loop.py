@@ -202,20 +202,19 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
       deploy up qwen36-replicas --parallel 2      # a playbook with targets:
     """
     def go():
+        from orchestrator.core.sizing import refuse_if_certain
         from orchestrator.deploy import ops
+        from orchestrator.provision.vllm_install import refusal
+        from orchestrator.provision.weights_fetch import tokens as fetch_tokens
         from orchestrator.steps import plan as P
 
         inv, pb = load(obj, playbook)
-        from orchestrator.core.sizing import refuse_if_certain
-
         refuse_if_certain(pb)  # a certain does-not-fit stops here, before any connection (nothing is stopped)
         if dry_run:
             return render_plans(obj.json, inv, pb, lambda m: P.plan_up(
                 m, write_config=not skip_config_write, clean_gpus=clean_gpus,
                 ask=ops.Options(clean_gpus=clean_gpus, yes=yes).ask_before_kill(m), fetch=not no_fetch))
         if install_first:
-            from orchestrator.provision.vllm_install import refusal
-
             refused = refusal(pb, "--install-vllm")
             if refused:
                 raise refused
@@ -225,10 +224,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
                                                 f"deploy up {pb.name}")
         opts = ops.Options(yes=yes, write_config=not skip_config_write, clean_gpus=clean_gpus, wait_lock_s=wait_lock,
                            confirm=_confirm, fetch=not no_fetch)
-        from orchestrator.provision.weights_fetch import tokens as fetch_tokens
-        from orchestrator.steps.plan import fetch_args
-
-        fetch_tokens(pb, fetch_args(pb))  # an unset token variable stops here, before any connection
+        fetch_tokens(pb, P.fetch_args(pb))  # an unset token variable stops here, before any connection
         if pb.is_fleet:
             from orchestrator.serving import fleet as F
 

@@ -70,13 +70,12 @@ def _router_plan(inv, pb):
 def render_plan(as_json, inv, pb, steps, emit=True):
     from orchestrator.steps.plan import PHASE_TITLES, session_command  # lazy: start-up time, ~6.5 ms of every command
     from orchestrator.core.report import dump_json  # lazy: start-up time, ~3.5 ms
+    from orchestrator.core.sizing import check_playbook  # lazy: start-up time, ~3 ms
 
     py = pb.conf.runtime.python
     rows = [s.as_dict(inv, py) for s in steps]
     session = session_command(pb, py)
     warnings = shared_gpu_warnings(inv, pb)
-    from orchestrator.core.sizing import check_playbook  # lazy: start-up time, ~3 ms
-
     fits = check_playbook(pb)
     if fits["level"] == "warn":
         warnings.append(f"sizing: {fits['line']}")

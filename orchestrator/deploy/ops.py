@@ -695,15 +695,13 @@ def state_left_text(run: Run) -> str:
     st, written, back = run.st, run.written or WriteFileResult(), run.read_back
     parts = list(st.changed)
     if st.config_replaced:
-        path = written.path
         if "now" not in back:
-            parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.backup}); "
-                            f"it could not be read back now ({back.get('now_error', 'not read')})")
+            read = f"it could not be read back now ({back.get('now_error', 'not read')})"
         else:
             now, pinned = back["now"], run.ctx.pb.conf.speculative.drafter.sha256
-            what = "the pinned bytes" if now == pinned else f"NOT the pinned bytes ({pinned}): something rewrote it"
-            parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.backup}); "
-                            f"read now: sha256 {now}, {what}")
+            read = f"read now: sha256 {now}, " + ("the pinned bytes" if now == pinned else
+                                                   f"NOT the pinned bytes ({pinned}): something rewrote it")
+        parts.insert(0, f"the drafter config {written.path} was replaced (old file kept as {written.backup}); {read}")
     return "; ".join(parts) if parts else "nothing was changed on the host"
 
 
