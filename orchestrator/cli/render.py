@@ -99,7 +99,7 @@ def render_plan(as_json, inv, pb, steps, emit=True):
             phase = r["phase"]
             click.echo(f"\n{PHASE_TITLES.get(phase, phase)}:")
         n += 1
-        _render_step(r, f"{n:2}.", py)
+        _render_step(r, f"{n:2}.")
     lock = next((r for r in rows if r["step"] == "lock"), None)
     detached = any(r["step"] in ("fetch", "install-vllm") for r in rows)
     click.echo(f"\n{n} steps. " + (f"The lock heartbeat runs beside them as its own command: `{lock['command']}` with "
@@ -126,7 +126,7 @@ def shared_gpu_warnings(inv, pb) -> list[str]:
     return out
 
 
-def _render_step(r, label, py, indent=""):
+def _render_step(r, label, indent=""):
     click.echo(f"\n{indent}{label} {r['step']}: {r['title']}" + (f"  [when {r['when']}]" if r["when"] else ""))
     if r["request"] and not r.get("own_process"):  # a request to the agent session; else its own command
         click.echo(f"{indent}    > {r['request']}")
@@ -137,7 +137,7 @@ def _render_step(r, label, py, indent=""):
     for line in r.get("runs") or []:
         click.echo(f"{indent}      runs: {line}")
     for i, sub in enumerate(r.get("steps") or [], 1):
-        _render_step(sub, f"{label}{i}.", py, indent + "    ")
+        _render_step(sub, f"{label}{i}.", indent + "    ")
 
 
 def _echo_wrapped(text: str = "", err: bool = False, indent: int = 0) -> None:

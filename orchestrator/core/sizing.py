@@ -642,7 +642,6 @@ def assess(pb, s: Sizing | None) -> tuple[str, str]:
     if s is None:
         return "unknown", ("unknown: no local copy of the target's config.json (set sizing.target_config); "
                            "not a refusal")
-    accept = pb.conf.sizing.accept_tight
     line = summary(s)
     if s.fixes:
         line += "; would fit with: " + ", or ".join(s.fixes)
@@ -651,7 +650,7 @@ def assess(pb, s: Sizing | None) -> tuple[str, str]:
             return "refuse", line
         return "warn", line + f" (on an {s.gpu_source})"
     if s.verdict == "tight":
-        return ("ok", line + " (accepted: sizing.accept_tight)") if accept else ("warn", line)
+        return ("ok", line + " (accepted: sizing.accept_tight)") if pb.conf.sizing.accept_tight else ("warn", line)
     return ("ok" if s.verdict == "fits" else "unknown"), line
 
 

@@ -160,8 +160,7 @@ def fetch(dash: dict, base: str, *, since: float, step: float | None, scrape: fl
     v}], errors: [{expr, error}]}]}. Unreachable when Prometheus does not answer at all."""
     end = time.time() if end is None else end
     start = end - since
-    step = step or max(1.0, since / 240)
-    step = max(step, since / MAX_POINTS)
+    step = max(step or max(1.0, since / 240), since / MAX_POINTS)
     out = []
     for p in dash.get("panels") or []:
         if not isinstance(p, dict) or p.get("type") == "row" or not p.get("targets"):

@@ -116,9 +116,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
     try:
         if not passed:
             _fail(pb, "not started: no replica passed its gates", "fix the replicas (above), then deploy up again")
-        inv = fleet.inventory
-        workers = [replica_url(inv, pb, m) for m in passed]
-        out["workers"] = workers
+        out["workers"] = workers = [replica_url(fleet.inventory, pb, m) for m in passed]
         ins = r.install
         progress.say(w, f"router: vllm-router=={r.version} in {_base(pb)['venv']} (installed if missing, then "
                         "checked against its RECORD)")
