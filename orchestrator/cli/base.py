@@ -48,20 +48,16 @@ class Obj:
         self.json = as_json
 
     def inventory(self):
-
         return load_inventory(find_inventory(self.inventory_path))
 
     def progress(self):
-
         return Progress(verbose=self.verbose)
 
 
 def fail(err: DeployError, as_json: bool) -> None:
-
     if as_json:
         dump_json({"ok": False, **err.as_dict()})
     else:
-
         click.echo(wrap(err.render(), term_width(sys.stderr), indent=4), err=True)
     sys.exit(err.exit_code)
 
@@ -109,20 +105,17 @@ def main(ctx, inventory, verbose, as_json):
     Shell completion (bash; zsh and fish alike, see deploy docs cli#shell-completion):
       eval "$(_DEPLOY_COMPLETE=bash_source deploy)"
     """
-
     guard_std_streams()  # a reader that goes away (| head) must not abort an operation half-way
     ctx.obj = Obj(inventory, verbose, as_json)
 
 
 def complete_playbooks(_ctx, _param, incomplete):
     """Shell completion (click's own): playbook names in the search order."""
-
     return [n for n in list_playbooks() if n.startswith(incomplete)]
 
 
 def complete_targets(ctx, param, incomplete):
     """Shell completion: playbook names, inventory hosts and HOST/VMID."""
-
     names = complete_playbooks(ctx, param, incomplete)
     try:
         inv = load_inventory(find_inventory(ctx.find_root().params.get("inventory")
@@ -145,7 +138,6 @@ def json_option(f):
 
 
 def load(obj: Obj, playbook: str):
-
     inv = obj.inventory()
     not_a_container(inv, playbook)
     return inv, load_playbook(playbook, inv)
@@ -154,7 +146,6 @@ def load(obj: Obj, playbook: str):
 def not_a_container(inv, playbook: str) -> None:
     """`deploy down pve1/129`: HOST/VMID of the inventory where a PLAYBOOK is expected -> a usage error (exit 2,
     nothing ran) naming the playbooks that target that container, instead of "file not found"."""
-
     m = re.fullmatch(r"([^/\s]+)/(\d+)", playbook)
     if not m or os.path.exists(playbook) or m.group(1) not in inv.hosts:
         return
@@ -171,7 +162,6 @@ def not_a_container(inv, playbook: str) -> None:
 
 def _outcome_exit(obj, out):
     from orchestrator.cli.render import render_outcome  # lazy: it loads the planner's modules (steps)
-
     if obj.json:
         dump_json(out.as_dict())
     else:
@@ -187,7 +177,6 @@ def _outcomes_exit(obj, outs):
     """Several outcomes (a playbook's targets, or several playbooks): --json all of them, else each rendered. Exit 0
     all passed, 3 only unreachable hosts failed (as _outcome_exit for one), else 1."""
     from orchestrator.cli.render import render_outcome
-
     if obj.json:
         dump_json([o.as_dict() for o in outs])
     else:
@@ -210,7 +199,6 @@ def up_options(f):
 def _confirm(prompt):
     if not sys.stdin.isatty():
         return False
-
     return click.confirm(wrap(prompt, term_width(sys.stderr), indent=4), default=False, err=True)
 
 

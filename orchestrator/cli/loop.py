@@ -133,7 +133,6 @@ def size(obj, playbook, max_model_len, tp, gmu, gpu_mib, target_config):
 def _load_offline(obj, playbook):
     """The playbook, validated without the inventory (size contacts nothing and needs no host); HOST/VMID of an
     inventory there is still told apart from a playbook name."""
-
     try:
         not_a_container(obj.inventory(), playbook)
     except (UsageError, SpecError, OSError) as e:
@@ -144,7 +143,6 @@ def _load_offline(obj, playbook):
 
 def _local_target(pb, path):
     """--target-config: read the config (and safetensors headers) as sizing.target_config is read at load."""
-
     from orchestrator.core.sizing import NotUnderstood, weights_from_safetensors
 
     cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -162,14 +160,6 @@ def _local_target(pb, path):
 
 
 # ------------------------------------------------------------------ up / restart / down
-
-
-
-
-
-
-
-
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -213,20 +203,19 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
       deploy up qwen36-replicas --parallel 2      # a playbook with targets:
     """
     def go():
+        from orchestrator.core.sizing import refuse_if_certain
         from orchestrator.deploy import ops
+        from orchestrator.provision.vllm_install import refusal
+        from orchestrator.provision.weights_fetch import tokens as fetch_tokens
         from orchestrator.steps import plan as P
 
         inv, pb = load(obj, playbook)
-        from orchestrator.core.sizing import refuse_if_certain
-
         refuse_if_certain(pb)  # a certain does-not-fit stops here, before any connection (nothing is stopped)
         if dry_run:
             return render_plans(obj.json, inv, pb, lambda m: P.plan_up(
                 m, write_config=not skip_config_write, clean_gpus=clean_gpus,
                 ask=ops.Options(clean_gpus=clean_gpus, yes=yes).ask_before_kill(m), fetch=not no_fetch))
         if install_first:
-            from orchestrator.provision.vllm_install import refusal
-
             refused = refusal(pb, "--install-vllm")
             if refused:
                 raise refused
@@ -236,10 +225,7 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
                                                 f"deploy up {pb.name}")
         opts = ops.Options(yes=yes, write_config=not skip_config_write, clean_gpus=clean_gpus, wait_lock_s=wait_lock,
                            confirm=_confirm, fetch=not no_fetch)
-        from orchestrator.provision.weights_fetch import tokens as fetch_tokens
-        from orchestrator.steps.plan import fetch_args
-
-        fetch_tokens(pb, fetch_args(pb))  # an unset token variable stops here, before any connection
+        fetch_tokens(pb, P.fetch_args(pb))  # an unset token variable stops here, before any connection
         if pb.is_fleet:
             from orchestrator.serving import fleet as F
 
@@ -254,8 +240,6 @@ def up(obj, playbook, yes, wait_lock, dry_run, skip_config_write, clean_gpus, pa
             out = ops.up(fleet, pb, obj.progress(), opts)
         _outcome_exit(obj, out)
     run_guarded(go, obj)
-
-
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)
@@ -304,7 +288,6 @@ def restart(obj, playbook, wait_lock, dry_run, clean_gpus, yes, rolling, max_una
         if not names:
             raise DeployError("no playbook given and no container's state file names a running deployment",
                               fix="deploy restart PLAYBOOK")
-
         if playbook:
             not_a_container(inv, playbook)
         pbs = [load_playbook(n, inv) for n in names]
@@ -363,12 +346,10 @@ def _running_playbooks(obj, inv):
         name, where = r.get("playbook"), f"{r['host']}/{r['vmid']}"
         if not name or r.get("process") != "running":
             continue
-        pb = None
-        if name in known:
-            try:
-                pb = load_playbook(name, inv)
-            except SpecError:
-                pb = None
+        try:
+            pb = load_playbook(name, inv) if name in known else None
+        except SpecError:
+            pb = None
         if pb is None or where not in {t.where for t in pb.targets}:
             click.echo(f"{where}: its state file names {name!r}, which is not a playbook here for that container; "
                        "skipped (deploy restart PLAYBOOK to choose)", err=True)
@@ -447,13 +428,7 @@ def verify(obj, playbook):
         for m, out, r in outs:
             doc = {"ok": out.ok, "playbook": m.name, "where": out.where,
                    "error": out.error.as_dict() if out.error else None,
-                   **r.as_dict()}
-            if "revisions" in out.info:
-                doc["revisions"] = out.info["revisions"]
-            if "gpu_plumbing" in out.info:
-                doc["gpu_plumbing"] = out.info["gpu_plumbing"]
-            if "fits" in out.info:
-                doc["fits"] = out.info["fits"]
+                   **r.as_dict(), **{k: out.info[k] for k in ("revisions", "gpu_plumbing", "fits") if k in out.info}}
             docs.append(doc)
             if obj.json:
                 continue

@@ -132,7 +132,6 @@ def monitor_metrics(obj, targets, textfile, deadline):
 
         inv = obj.inventory()
         from orchestrator.observe.status import resolve_targets
-
         resolve_targets(inv, targets)  # bad targets fail before any connection
         path = M.check_textfile(textfile) if textfile else None
         with obj.progress().heartbeat("monitor metrics", "the slowest host(s) to answer", deadline):

@@ -70,13 +70,12 @@ def _router_plan(inv, pb):
 def render_plan(as_json, inv, pb, steps, emit=True):
     from orchestrator.steps.plan import PHASE_TITLES, session_command  # lazy: start-up time, ~6.5 ms of every command
     from orchestrator.core.report import dump_json  # lazy: start-up time, ~3.5 ms
+    from orchestrator.core.sizing import check_playbook  # lazy: start-up time, ~3 ms
 
     py = pb.conf.runtime.python
     rows = [s.as_dict(inv, py) for s in steps]
     session = session_command(pb, py)
     warnings = shared_gpu_warnings(inv, pb)
-    from orchestrator.core.sizing import check_playbook  # lazy: start-up time, ~3 ms
-
     fits = check_playbook(pb)
     if fits["level"] == "warn":
         warnings.append(f"sizing: {fits['line']}")
@@ -100,7 +99,7 @@ def render_plan(as_json, inv, pb, steps, emit=True):
             phase = r["phase"]
             click.echo(f"\n{PHASE_TITLES.get(phase, phase)}:")
         n += 1
-        _render_step(r, f"{n:2}.", py)
+        _render_step(r, f"{n:2}.")
     lock = next((r for r in rows if r["step"] == "lock"), None)
     detached = any(r["step"] in ("fetch", "install-vllm") for r in rows)
     click.echo(f"\n{n} steps. " + (f"The lock heartbeat runs beside them as its own command: `{lock['command']}` with "
@@ -127,7 +126,7 @@ def shared_gpu_warnings(inv, pb) -> list[str]:
     return out
 
 
-def _render_step(r, label, py, indent=""):
+def _render_step(r, label, indent=""):
     click.echo(f"\n{indent}{label} {r['step']}: {r['title']}" + (f"  [when {r['when']}]" if r["when"] else ""))
     if r["request"] and not r.get("own_process"):  # a request to the agent session; else its own command
         click.echo(f"{indent}    > {r['request']}")
@@ -138,7 +137,7 @@ def _render_step(r, label, py, indent=""):
     for line in r.get("runs") or []:
         click.echo(f"{indent}      runs: {line}")
     for i, sub in enumerate(r.get("steps") or [], 1):
-        _render_step(sub, f"{label}{i}.", py, indent + "    ")
+        _render_step(sub, f"{label}{i}.", indent + "    ")
 
 
 def _echo_wrapped(text: str = "", err: bool = False, indent: int = 0) -> None:

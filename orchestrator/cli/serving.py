@@ -133,7 +133,6 @@ def _hosts_named(inv, targets) -> list[str]:
 
 def _regex(_ctx, _param, value):
     """--grep is a Python regular expression, checked here: a bad one is a usage error before anything runs."""
-
     if value is not None:
         try:
             re.compile(value)
@@ -141,8 +140,6 @@ def _regex(_ctx, _param, value):
             raise click.BadParameter(f"not a valid regular expression: {e} (escape literal characters, e.g. "
                                      "'\\(' for a parenthesis)")
     return value
-
-
 
 
 @main.command(context_settings=CONTEXT, epilog=EXIT_CODES_HELP)

@@ -80,14 +80,13 @@ def compare(obj, playbook_a, playbook_b, baseline, prompts_file, rounds, max_tok
             raise UsageError(f"--keep {keep} is neither {C.label(a)} nor {C.label(b)}", fix=f"--keep {a.name}")
         probe = a.conf.acceptance.probe
         prompts = C.read_prompts(prompts_file) if prompts_file else list(probe.prompts)
-        rounds_ = rounds or probe.rounds
         if not yes and not _confirm(f"compare replaces whatever runs on {a.host}/{a.vmid} with {a.name}, then "
                                     f"{C.label(b)}; continue?"):
             raise UsageError("not confirmed; nothing was changed",
                              fix=f"deploy compare {a.name} {b.name} -y (in scripts)")
         with Fleet(inv) as fleet:
             res = C.compare(fleet, a, b, obj.progress(), ops.Options(yes=True, wait_lock_s=wait_lock),
-                            prompts=prompts, rounds=rounds_, max_tokens=max_tokens or probe.max_tokens,
+                            prompts=prompts, rounds=rounds or probe.rounds, max_tokens=max_tokens or probe.max_tokens,
                             timeout_s=probe.timeout_s * 2, keep=keep, levels=levels)
         _chart_and_exit(obj, res, C, plot_file if any(r.get("levels") for r in res["results"]) else None)
     run_guarded(go, obj)

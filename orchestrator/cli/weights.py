@@ -66,17 +66,12 @@ def install_vllm(obj, playbook, yes, rollback, force, dry_run):
             raise refused
         if dry_run:
             return render_plans(obj.json, inv, pb, lambda m: plan_install(m, force=force, rollback=rollback))
+        with Fleet(inv) as fleet:  # a playbook with targets: each target in turn (a build per container)
+            outs = [install(fleet, m, obj.progress(), yes=yes, confirm=_confirm, force=force, rollback=rollback)
+                    for m in pb.members]
         if not pb.is_fleet:
-            with Fleet(inv) as fleet:
-                out = install(fleet, pb, obj.progress(), yes=yes, confirm=_confirm, force=force, rollback=rollback)
-            _outcome_exit(obj, out)
-        # a playbook with targets: each target in turn (a build per container), every outcome reported
-        outs = []
-        with Fleet(inv) as fleet:
-            for m in pb.members:
-                outs.append(install(fleet, m, obj.progress(), yes=yes, confirm=_confirm, force=force,
-                                    rollback=rollback))
-        _outcomes_exit(obj, outs)
+            _outcome_exit(obj, outs[0])
+        _outcomes_exit(obj, outs)  # every outcome reported
     run_guarded(go, obj)
 
 
@@ -140,12 +135,10 @@ def fetch(obj, playbook, rehash, timeout_s, connections, manifest_out, dry_run):
                 raise refused
             return render_plans(obj.json, inv, pb, lambda m: plan_fetch(m, rehash=rehash, connections=connections,
                                                                         timeout_s=timeout_s, manifest=bool(manifest_out)))
-        outs = []
         with Fleet(inv) as fleet:
-            for m in pb.members:
-                outs.append(do_fetch(fleet, m, obj.progress(), rehash=rehash, timeout_s=timeout_s,
-                                     connections=connections, manifest=(lambda recs, m=m: _write_fetch_manifests(
-                                         m, manifest_out, recs)) if manifest_out else None))
+            outs = [do_fetch(fleet, m, obj.progress(), rehash=rehash, timeout_s=timeout_s, connections=connections,
+                             manifest=(lambda recs, m=m: _write_fetch_manifests(m, manifest_out, recs))
+                             if manifest_out else None) for m in pb.members]
         if len(outs) == 1:
             _outcome_exit(obj, outs[0])
         _outcomes_exit(obj, outs)
@@ -223,7 +216,6 @@ def apply_config(obj, playbook):
         if refusal is not None:
             raise refusal
         if pb.is_fleet:  # each target's container, in parallel (one connection per host), a line per target
-
             from orchestrator.serving import fleet as F
 
             t0 = time.monotonic()

@@ -44,9 +44,7 @@ def routable(address: str | None, routes: list[tuple[int, int]] | None = None) -
         ip = ipaddress.ip_address(address)
     except ValueError:
         return None  # a name: leave it to the resolver
-    if ip.is_loopback:
-        return True
-    if ip.is_global:
+    if ip.is_loopback or ip.is_global:
         return True
     if ip.version != 4:
         return None
@@ -54,10 +52,7 @@ def routable(address: str | None, routes: list[tuple[int, int]] | None = None) -
     if routes is None:
         return None
     n = int(ip)
-    for dest, mask in routes:
-        if n & mask == dest & mask:
-            return True
-    return False
+    return any(n & mask == dest & mask for dest, mask in routes)
 
 
 def tunnel_command(host, address: str, port: int) -> str:

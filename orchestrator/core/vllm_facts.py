@@ -169,6 +169,7 @@ def parse_spec_counters(text: str) -> dict | None:
     text_string_to_metric_families = prometheus_parser().text_string_to_metric_families
 
     totals = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
+    summed = {M_ACCEPTED: "accepted", M_DRAFT_TOKENS: "draft_tokens", M_DRAFTS: "drafts"}
     seen = False
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -180,14 +181,8 @@ def parse_spec_counters(text: str) -> dict | None:
                 pos = int(s.labels.get("position", 0))
                 totals["per_pos"][pos] = totals["per_pos"].get(pos, 0.0) + s.value
                 seen = True
-            elif name == M_ACCEPTED:
-                totals["accepted"] += s.value
-                seen = True
-            elif name == M_DRAFT_TOKENS:
-                totals["draft_tokens"] += s.value
-                seen = True
-            elif name == M_DRAFTS:
-                totals["drafts"] += s.value
+            elif name in summed:
+                totals[summed[name]] += s.value
                 seen = True
     return totals if seen else None
 

@@ -236,18 +236,24 @@ def render(res: dict) -> list[str]:
 
 def chart(res: dict, width: int = 40) -> list[str]:
     """Tokens/s per concurrency level as horizontal bars, one per playbook (a terminal chart)."""
-    rows = [(lvw["concurrency"], name, v) for lvw in res.get("levels") or []
-            for name, v in lvw["tokens_per_s"].items()]
-    top = max((v for _c, _n, v in rows if v), default=0)
+    levels = res.get("levels") or []
+    order = [r["playbook"] for r in res["results"]]
+    return bars(levels, sorted({n for x in levels for n in x["tokens_per_s"]}, key=order.index), width)
+
+
+def bars(levels: list[dict], names: list[str], width: int = 40) -> list[str]:
+    """compare's and tune's terminal chart: per level ({concurrency, tokens_per_s: {name: value}}) a bar per name,
+    each name's mark in the order NAMES gives."""
+    top = max((v for x in levels for v in x["tokens_per_s"].values() if v), default=0)
     if not top:
         return []
-    names = sorted({n for _c, n, _v in rows}, key=[r["playbook"] for r in res["results"]].index)
-    marks = dict(zip(names, "#="))
+    marks = dict(zip(names, "#=*+o%@"))
     nw = max(len(n) for n in names)
-    out = ["output tokens/s by concurrency (" + ", ".join(f"{marks[n]} {n}" for n in names) + "):"]
-    for c, n, v in rows:
-        bar = marks[n] * max(1, round((v or 0) / top * width)) if v else ""
-        out.append(f"  {c:>4}  {n.ljust(nw)}  {bar} {v if v is not None else '-'}")
+    out = ["output tokens/s by concurrency (" + ", ".join(f"{marks.get(n, '.')} {n}" for n in names) + "):"]
+    for x in levels:
+        for n, v in x["tokens_per_s"].items():
+            bar = marks.get(n, ".") * max(1, round(v / top * width)) if v else ""
+            out.append(f"  {x['concurrency']:>4}  {n.ljust(nw)}  {bar} {v if v is not None else '-'}")
     return out
 
 

@@ -35,7 +35,6 @@ class Options:
     write_config: bool = True
     clean_gpus: bool | None = None
     wait_lock_s: float = 0.0
-    interactive: bool = False
     confirm: object = None  # callable(prompt) -> bool, for the diff-before-restart question
     yes_kill: bool | None = None  # kill GPU holders deploy did not start without asking (-y); None: as `yes`
     fetch: bool = True  # step fetch may download what is missing (up --no-fetch: refuse instead)
@@ -546,13 +545,12 @@ def r_gate_record(run: Run, step: P.Step) -> None:
     verdict = dict(st.verdict or {}, rejected_fallback=pb.fallback.name if st.low and pb.fallback else None)
     try:
         r = ctx.call(dataclasses.replace(step, args=dict(step.args, verdict=verdict)))
+        problem = None if r.ok else r.message
     except DeployError as e:
-        ctx.record(step.name, None, f"warning: could not record the gate's verdict ({e.message}); the next deploy up "
+        problem = e.message
+    if problem is not None:
+        ctx.record(step.name, None, f"warning: could not record the gate's verdict ({problem}); the next deploy up "
                                     "measures and gates again", t0)
-        return
-    if not r.ok:
-        ctx.record(step.name, None, f"warning: could not record the gate's verdict ({r.message}); the next "
-                                    "deploy up measures and gates again", t0)
         return
     what = "passed" if verdict.get("passed") else "failed"
     ctx.record(step.name, True, f"verdict recorded ({what}) for this launch in {step.args['state_dir']}/gate.json"
@@ -697,15 +695,13 @@ def state_left_text(run: Run) -> str:
     st, written, back = run.st, run.written or WriteFileResult(), run.read_back
     parts = list(st.changed)
     if st.config_replaced:
-        path = written.path
         if "now" not in back:
-            parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.backup}); "
-                            f"it could not be read back now ({back.get('now_error', 'not read')})")
+            read = f"it could not be read back now ({back.get('now_error', 'not read')})"
         else:
             now, pinned = back["now"], run.ctx.pb.conf.speculative.drafter.sha256
-            what = "the pinned bytes" if now == pinned else f"NOT the pinned bytes ({pinned}): something rewrote it"
-            parts.insert(0, f"the drafter config {path} was replaced (old file kept as {written.backup}); "
-                            f"read now: sha256 {now}, {what}")
+            read = f"read now: sha256 {now}, " + ("the pinned bytes" if now == pinned else
+                                                   f"NOT the pinned bytes ({pinned}): something rewrote it")
+        parts.insert(0, f"the drafter config {written.path} was replaced (old file kept as {written.backup}); {read}")
     return "; ".join(parts) if parts else "nothing was changed on the host"
 
 
@@ -828,7 +824,6 @@ def apply_config(fleet: Fleet, pb: Playbook, progress: Progress) -> Outcome:
 def unlock(fleet: Fleet, host: str, vmid: int, runtime: Runtime, confirm, progress: Progress) -> dict:
     """`deploy unlock`: show the holder of a container's lock; break it if confirm(holder) says yes.
     -> {"holder": ..., "broken": bool, "state": "free" | "broken" | "kept" | "changed"}"""
-
     steps = P.plan_unlock(host, vmid, runtime)  # run by the executor without a playbook: the container alone
     ctx = bare_context(fleet.session(host), host, vmid, progress)
     run = Run(ctx, fleet, Options(confirm=confirm), Outcome(False, ctx.where, ctx.where, "failed", ctx.results),

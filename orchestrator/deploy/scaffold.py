@@ -37,15 +37,12 @@ def _files(src: Path) -> list[tuple[Path, str]]:
     """(relative destination, text) of everything `init` writes."""
     out = [(Path("hosts.yaml"), with_modeline((src / INVENTORY_EXAMPLE).read_text(),
                                               "playbooks/schemas/inventory.schema.json"))]
-    for p in sorted(src.glob("*.yaml")):
-        if p.name != INVENTORY_EXAMPLE:
-            out.append((Path("playbooks") / p.name, p.read_text()))
-    for sub in ("drafters", "targets"):  # pinned drafter configs; the targets' config.json (sizing.target_config)
-        for p in sorted((src / sub).glob("*.json")):
-            out.append((Path("playbooks") / sub / p.name, p.read_text()))
-    for kind in KINDS:
-        out.append((Path("playbooks") / "schemas" / f"{kind}.schema.json", schema_text(kind)))
-    return out
+    out += [(Path("playbooks") / p.name, p.read_text()) for p in sorted(src.glob("*.yaml"))
+            if p.name != INVENTORY_EXAMPLE]
+    # pinned drafter configs; the targets' config.json (sizing.target_config)
+    out += [(Path("playbooks") / sub / p.name, p.read_text()) for sub in ("drafters", "targets")
+            for p in sorted((src / sub).glob("*.json"))]
+    return out + [(Path("playbooks") / "schemas" / f"{kind}.schema.json", schema_text(kind)) for kind in KINDS]
 
 
 def init(directory: str, force: bool = False) -> dict:
@@ -83,12 +80,7 @@ def init(directory: str, force: bool = False) -> dict:
 def doc_topics() -> dict[str, Path]:
     """{topic: page}: every shipped page (docs/*.md by its name, docs/design/x.md as design/x)."""
     d = shipped_dir("orchestrator.docs", "docs")
-    if d is None:
-        return {}
-    out = {}
-    for p in sorted(d.rglob("*.md")):
-        out[p.relative_to(d).with_suffix("").as_posix()] = p
-    return out
+    return {p.relative_to(d).with_suffix("").as_posix(): p for p in sorted(d.rglob("*.md"))} if d is not None else {}
 
 
 def _slug(heading: str) -> str:

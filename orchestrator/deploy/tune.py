@@ -33,7 +33,6 @@ from orchestrator.core.errors import DeployError, UsageError
 from orchestrator.core.report import Progress
 from orchestrator.core.spec import Playbook, load_playbook
 
-DEFAULT_LEVELS = (1, 4, 16, 64)
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 NOISE_FLOOR = 0.03        # a margin under 3 % is never called a win, whatever the spread of the requests
 PREDICTION_TOLERANCE = 0.25  # the stated bound on |predicted - measured| / measured (docs/cli.md#tune)
@@ -66,12 +65,10 @@ def cap_levels(pb: Playbook, levels: list[int]) -> tuple[list[int], str | None]:
     from orchestrator.core import sizing
 
     inp = sizing.from_playbook(pb)
-    if inp is None:
-        return list(levels), None
     try:
-        cap = sizing.size(inp).max_concurrency
+        cap = sizing.size(inp).max_concurrency if inp is not None else None
     except (ValueError, KeyError, TypeError, ZeroDivisionError):
-        return list(levels), None
+        cap = None
     if cap is None or cap <= 0:
         return list(levels), None
     keep = [c for c in levels if c <= max(1.0, cap)]
@@ -230,13 +227,6 @@ def unified(path: str, before: str, after: str) -> str:
                                         tofile=path + " (tuned)"))
 
 
-def check_text(path: str, inventory) -> callable:
-    """write_atomic's check: the strict schema and the cross-checks, on the temp file, before it replaces PATH."""
-    def check(tmp: str) -> None:
-        load_playbook(tmp, inventory)
-    return check
-
-
 # ------------------------------------------------------------------ the run
 
 
@@ -372,15 +362,15 @@ def tune(fleet, pb: Playbook, progress: Progress, opts: ops.Options, *, prompts:
     # the playbook change
     with open(pb.path, encoding="utf-8") as fh:
         before = fh.read()
-    if proposal["off"]:
-        after = before  # no playbook key turns speculation off: said in the warnings
-    else:
-        after = edit_text(before, k=proposal["k"], schedule=proposal["schedule"])
+    # no playbook key turns speculation off (said in the warnings): then the playbook stays as it is
+    after = before if proposal["off"] else edit_text(before, k=proposal["k"], schedule=proposal["schedule"])
     res["diff"] = unified(pb.path, before, after)
     if write and after != before:
         from orchestrator.core.atomic import write_atomic
 
-        res["backup"] = write_atomic(pb.path, after, keep_mode=True, backup=True, check=check_text(pb.path, inventory),
+        # write_atomic's check: the strict schema and the cross-checks, on the temp file, before it replaces pb.path
+        res["backup"] = write_atomic(pb.path, after, keep_mode=True, backup=True,
+                                     check=lambda tmp: load_playbook(tmp, inventory),
                                      fix=f"the playbook {pb.path} was left as it was; apply the diff by hand")
         res["written"] = pb.path
     # leave the best configuration running
@@ -425,12 +415,7 @@ def _record(fleet, pb: Playbook, progress: Progress, res: dict) -> None:
 
 def render(res: dict) -> list[str]:
     lines = []
-    names = []
-    for x in res.get("levels") or []:
-        for n in x["tokens_per_s"]:
-            if n not in names:
-                names.append(n)
-    names.sort(key=lambda n: -1 if n == "off" else int(n))
+    names = sorted(_names(res.get("levels") or []), key=lambda n: -1 if n == "off" else int(n))
     head = ["concurrency"] + [("off" if n == "off" else f"k={n}") + " tok/s (ITL p50 ms)" for n in names] + \
         ["winner", "margin"]
     rows = []
@@ -450,11 +435,8 @@ def render(res: dict) -> list[str]:
             lines.append("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip())
     for name, errs in (res.get("prediction_error") or {}).items():
         pred = res["predicted"].get(name, {})
-        cells = []
-        for x in res.get("levels") or []:
-            c = str(x["concurrency"])
-            if c in errs:
-                cells.append(f"{c}: {pred[c]:g} vs {x['tokens_per_s'][name]:g} ({errs[c]:+.0%})")
+        cells = [f"{c}: {pred[c]:g} vs {x['tokens_per_s'][name]:g} ({errs[c]:+.0%})"
+                 for x in res.get("levels") or [] if (c := str(x["concurrency"])) in errs]
         if cells:
             worst = max(abs(e) for e in errs.values())
             lines.append(f"k={name} predicted vs measured tok/s: " + ", ".join(cells) +
@@ -496,25 +478,17 @@ def render(res: dict) -> list[str]:
     return lines
 
 
+def _names(levels: list[dict]) -> list[str]:
+    """The configurations measured at any level, in the order first seen."""
+    return list(dict.fromkeys(n for x in levels for n in x["tokens_per_s"]))
+
+
 def chart(res: dict, width: int = 40) -> list[str]:
     """compare's terminal chart over tune's configurations (off, each measured k)."""
     levels = [{"concurrency": x["concurrency"], "tokens_per_s": {("off" if n == "off" else f"k={n}"): v
                                                                   for n, v in x["tokens_per_s"].items()}}
               for x in res.get("levels") or []]
-    names = []
-    for x in levels:
-        names += [n for n in x["tokens_per_s"] if n not in names]
-    top = max((v for x in levels for v in x["tokens_per_s"].values() if v), default=0)
-    if not top:
-        return []
-    marks = dict(zip(names, "#=*+o%@"))
-    nw = max(len(n) for n in names)
-    out = ["output tokens/s by concurrency (" + ", ".join(f"{marks.get(n, '.')} {n}" for n in names) + "):"]
-    for x in levels:
-        for n, v in x["tokens_per_s"].items():
-            bar = marks.get(n, ".") * max(1, round(v / top * width)) if v else ""
-            out.append(f"  {x['concurrency']:>4}  {n.ljust(nw)}  {bar} {v if v is not None else '-'}")
-    return out
+    return C.bars(levels, _names(levels), width)
 
 
 def plot(res: dict, path: str) -> str:
@@ -525,9 +499,7 @@ def plot(res: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    names = []
-    for x in res.get("levels") or []:
-        names += [n for n in x["tokens_per_s"] if n not in names]
+    names = _names(res.get("levels") or [])
     for ax, key, title in ((axes[0], "tokens_per_s", "output tokens/s"), (axes[1], "itl_ms_p50", "ITL p50 (ms)")):
         for n in names:
             pts = [(x["concurrency"], x[key].get(n)) for x in res["levels"] if x[key].get(n) is not None]

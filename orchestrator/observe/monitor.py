@@ -16,7 +16,7 @@ import yaml
 
 from orchestrator.core import vllm_facts as vf
 from orchestrator.core.atomic import write_atomic
-from orchestrator.core.gate import playbook_thresholds
+from orchestrator.core.gate import CLIFF_BEFORE, CLIFF_ZERO, playbook_thresholds  # the cliff: as the gate judges it
 
 JOB = "vllm-pve-deploy"
 # vLLM's metric names, as the queries spell them (the families: vllm_facts.py)
@@ -24,12 +24,6 @@ DRAFTS = vf.M_DRAFTS + "_total"
 ACCEPTED = vf.M_ACCEPTED + "_total"
 PER_POS = vf.M_PER_POS + "_total"
 GEN_TOKENS = vf.M_GEN_TOKENS + "_total"
-RUNNING = vf.M_RUNNING
-WAITING = vf.M_WAITING
-KV_USE = vf.M_KV_USE
-TTFT = vf.M_TTFT
-ITL = vf.M_ITL
-START_TIME = vf.M_START_TIME
 # deploy's own facts, from `deploy monitor metrics` (node_exporter textfile collector, see docs/monitoring.md)
 VPD_GATED = "vpd_gated"
 VPD_RESTARTS = "vpd_unit_restarts_total"
@@ -42,7 +36,6 @@ STALE_S = 300  # VpdStatusStale: deploy monitor metrics has not refreshed a host
 STATUS_JOB = "vllm-pve-deploy-status"  # prometheus.yml's job for node_exporter (--node-exporter)
 STALE_MISSING_FOR = "5m"  # VpdStatusMissing: no vpd_status_timestamp_seconds at all for this long
 
-CLIFF_ZERO, CLIFF_BEFORE = 0.01, 0.05  # as the gate's cliff check: ~0 from p on, after a position that drafted
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d))+$")
 
 
@@ -66,14 +59,11 @@ def choose(inv, playbooks: list) -> tuple[list, list]:
     by_ct: dict = {}
     for pb in playbooks:
         for t in pb.targets:
-            key = (t.host, t.vmid)
-            if t.host not in inv.hosts:
-                continue
-            by_ct.setdefault(key, []).append((pb, t))
+            if t.host in inv.hosts:
+                by_ct.setdefault((t.host, t.vmid), []).append((pb, t))
     chosen, notes = [], []
     for key in sorted(by_ct):
-        cands = by_ct[key]
-        cands.sort(key=lambda c: (c[0].name in fallbacks, c[0].name))
+        cands = sorted(by_ct[key], key=lambda c: (c[0].name in fallbacks, c[0].name))
         pb, t = cands[0]
         if len(cands) > 1:
             notes.append(f"{key[0]}/{key[1]} is targeted by {', '.join(c[0].name for c in cands)}: labelled "
@@ -162,7 +152,7 @@ def rules(chosen, *, window: str, for_: str, down_for: str, status_exporter: boo
                 "sliding window in the drafter config. deploy verify {{ $labels.playbook }}", for_=for_))
     alerts += [
         _alert("VllmServerRestarted",
-               f'changes({START_TIME}{{job="{JOB}"}}[15m]) > 0 or increase({VPD_RESTARTS}[15m]) > 0', "warning",
+               f'changes({vf.M_START_TIME}{{job="{JOB}"}}[15m]) > 0 or increase({VPD_RESTARTS}[15m]) > 0', "warning",
                "vLLM on {{ $labels.host }}/{{ $labels.vmid }} restarted in the last 15 minutes",
                "systemd restarted the server (or it was started again). "
                "deploy logs {{ $labels.host }}/{{ $labels.vmid }}"),
@@ -216,16 +206,14 @@ def rule_tests(chosen, *, for_: str, status_exporter: bool = False) -> dict:
         series = [{"series": f"{DRAFTS}{{{lab}}}", "values": f"0+100x{mins}"},
                   {"series": f"{ACCEPTED}{{{lab}}}", "values": f"0+{low_acc:g}x{mins}"},
                   {"series": f'{PER_POS}{{{lab},position="0"}}', "values": f"0+5x{mins}"}]
-        exp = {"alertname": "VllmAcceptanceLengthLow",
-               "exp_labels": [dict(_labels(lab), severity="warning", gate_min_al=f"{th['min_al']:g}")]}
+        low = dict(_labels(lab), severity="warning", gate_min_al=f"{th['min_al']:g}")
         tests.append({"interval": "1m", "input_series": series,
                       "_values": {"VllmAcceptanceLengthLow": 1 + low_acc / 100, "VllmFirstPositionLow": 0.05},
-                      "alert_rule_test": [{"eval_time": f"{mins}m", **exp},
+                      "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": "VllmAcceptanceLengthLow",
+                                           "exp_alerts": [{"exp_labels": low}]},
                                           {"eval_time": f"{mins}m", "alertname": "VllmFirstPositionLow",
                                            "exp_alerts": [{"exp_labels": dict(_labels(lab), severity="warning",
                                                                               position="0")}]}]})
-        tests[-1]["alert_rule_test"][0] = {"eval_time": f"{mins}m", "alertname": exp["alertname"],
-                                           "exp_alerts": [{"exp_labels": exp["exp_labels"][0]}]}
         # a healthy drafter: nothing fires
         good = [{"series": f"{DRAFTS}{{{lab}}}", "values": f"0+100x{mins}"},
                 {"series": f"{ACCEPTED}{{{lab}}}", "values": f"0+{(th['min_al'] - 1) * 100 * 1.5:g}x{mins}"},
@@ -247,7 +235,7 @@ def rule_tests(chosen, *, for_: str, status_exporter: bool = False) -> dict:
     lab = inst()
     other = [
         ("VllmEndpointDown", [{"series": f"up{{{lab}}}", "values": f"0x{mins}"}], {"severity": "critical"}),
-        ("VllmServerRestarted", [{"series": f"{START_TIME}{{{lab}}}", "values": f"1000x{mins - 5} 2000x5"}],
+        ("VllmServerRestarted", [{"series": f"{vf.M_START_TIME}{{{lab}}}", "values": f"1000x{mins - 5} 2000x5"}],
          {"severity": "warning"}),
         ("VllmStartLimitHit", [{"series": f'{VPD_START_LIMIT}{{host="pve1",vmid="129",playbook="p",'
                                           f'unit="vllm-p.service"}}', "values": f"1x{mins}"}],
@@ -267,8 +255,6 @@ def rule_tests(chosen, *, for_: str, status_exporter: bool = False) -> dict:
     ]
     for name, series, labels in other:
         exp = labels if "host" in labels else dict(_labels(lab), **labels)
-        if name == "VllmServerRestarted":
-            exp = dict(_labels(lab), **labels)
         tests.append({"interval": "1m", "input_series": series,
                       "_values": {name: mins * 60.0 if name == "VpdStatusStale" else 30000.0},
                       "alert_rule_test": [{"eval_time": f"{mins}m", "alertname": name,
@@ -305,9 +291,9 @@ def _render(text: str, labels: dict, value: float | None) -> str:
     return re.sub(r"\{\{(.*?)\}\}", sub, text)
 
 
-def add_annotations(tests: dict, rule_file: dict, values: dict) -> dict:
+def add_annotations(tests: dict, rule_file: dict) -> dict:
     """Fill every expected alert's exp_annotations by rendering the rule's templates with its labels and the value
-    the series give (values: alertname -> value, per test in order of appearance)."""
+    the series give (each test's _values: alertname -> value)."""
     by_name: dict = {}
     for g in rule_file["groups"]:
         for r in g["rules"]:
@@ -370,18 +356,19 @@ def dashboard(window: str = "5m") -> dict:
                 "{{playbook}} {{host}}/{{vmid}} pos {{position}}")], unit="percentunit", x=12, y=0),
         panel(3, "Generated tokens/s", [(f"rate({GEN_TOKENS}{{{sel}}}[{w}])", None)], x=0, y=8),
         panel(4, "Requests running / waiting",
-              [(f"{RUNNING}{{{sel}}}", "running {{host}}/{{vmid}}"), (f"{WAITING}{{{sel}}}", "waiting {{host}}/{{vmid}}")],
+              [(f"{vf.M_RUNNING}{{{sel}}}", "running {{host}}/{{vmid}}"),
+               (f"{vf.M_WAITING}{{{sel}}}", "waiting {{host}}/{{vmid}}")],
               x=12, y=8),
-        panel(5, "GPU KV-cache use", [(f"{KV_USE}{{{sel}}}", None)], unit="percentunit", x=0, y=16),
+        panel(5, "GPU KV-cache use", [(f"{vf.M_KV_USE}{{{sel}}}", None)], unit="percentunit", x=0, y=16),
         panel(6, "Time to first token (p50, p99)",
-              [(f"histogram_quantile(0.5, sum by (le, host, vmid, playbook) (rate({TTFT}_bucket{{{sel}}}[{w}])))",
+              [(f"histogram_quantile(0.5, sum by (le, host, vmid, playbook) (rate({vf.M_TTFT}_bucket{{{sel}}}[{w}])))",
                 "p50 {{host}}/{{vmid}}"),
-               (f"histogram_quantile(0.99, sum by (le, host, vmid, playbook) (rate({TTFT}_bucket{{{sel}}}[{w}])))",
+               (f"histogram_quantile(0.99, sum by (le, host, vmid, playbook) (rate({vf.M_TTFT}_bucket{{{sel}}}[{w}])))",
                 "p99 {{host}}/{{vmid}}")], unit="s", x=12, y=16),
         panel(7, "Inter-token latency (p50, p99)",
-              [(f"histogram_quantile(0.5, sum by (le, host, vmid, playbook) (rate({ITL}_bucket{{{sel}}}[{w}])))",
+              [(f"histogram_quantile(0.5, sum by (le, host, vmid, playbook) (rate({vf.M_ITL}_bucket{{{sel}}}[{w}])))",
                 "p50 {{host}}/{{vmid}}"),
-               (f"histogram_quantile(0.99, sum by (le, host, vmid, playbook) (rate({ITL}_bucket{{{sel}}}[{w}])))",
+               (f"histogram_quantile(0.99, sum by (le, host, vmid, playbook) (rate({vf.M_ITL}_bucket{{{sel}}}[{w}])))",
                 "p99 {{host}}/{{vmid}}")], unit="s", x=0, y=24),
         panel(8, "Scrape up (1) / down (0)", [(f'up{{{sel}}}', None)], x=12, y=24),
     ]
@@ -408,8 +395,7 @@ def export(inv, playbooks: list, directory: str, *, window="5m", for_="10m", dow
         "targets.json": json.dumps(groups, indent=2) + "\n",
         "rules.yml": yaml.safe_dump(rule_set, sort_keys=False, width=120),
         "rules.test.yml": yaml.safe_dump(add_annotations(rule_tests(chosen, for_=for_,
-                                                                    status_exporter=bool(node_exporters)),
-                                                         rule_set, {}),
+                                                                    status_exporter=bool(node_exporters)), rule_set),
                                          sort_keys=False, width=120),
         "prometheus.yml": yaml.safe_dump(prometheus_config(scrape_interval=scrape_interval,
                                                            evaluation_interval=evaluation_interval,
@@ -418,8 +404,7 @@ def export(inv, playbooks: list, directory: str, *, window="5m", for_="10m", dow
     }
     os.makedirs(directory, exist_ok=True)
     for name, text in files.items():
-        path = os.path.join(directory, name)
-        write_atomic(path, text, mode=0o644)
+        write_atomic(os.path.join(directory, name), text, mode=0o644)
     return {"directory": os.path.abspath(directory), "files": sorted(files), "targets": groups, "left_out": missing,
             "notes": notes, "playbooks": sorted({pb.name for pb, _m, _t in chosen}),
             "thresholds": {pb.name: gate_thresholds(pb) for pb, _m, _t in chosen}}

@@ -16,17 +16,16 @@ import time
 
 from orchestrator.core.atomic import write_atomic
 from orchestrator.core.errors import EXIT_OK, EXIT_UNREACHABLE, DeployError, UsageError
-from orchestrator.observe.monitor import VPD_FOREIGN, VPD_GATED, VPD_OPERATION, VPD_RESTARTS, VPD_START_LIMIT
+from orchestrator.observe.monitor import (VPD_FOREIGN, VPD_GATED, VPD_OPERATION, VPD_REACHABLE, VPD_RESTARTS,
+                                          VPD_START_LIMIT, VPD_TIMESTAMP)
 from orchestrator.observe.status import gather
 
-TIMESTAMP = "vpd_status_timestamp_seconds"
-REACHABLE = "vpd_status_reachable"
 HEALTHY = "vpd_status_healthy"
 LABEL_MAX = 200  # characters of a label value taken from a container (a longer one is cut, with "...")
 
 HELP = {
-    TIMESTAMP: "Unix time deploy monitor metrics gathered this host's containers (a stale file shows here)",
-    REACHABLE: "1 when deploy reached the container (its host answered over SSH), 0 when unreachable or timed out",
+    VPD_TIMESTAMP: "Unix time deploy monitor metrics gathered this host's containers (a stale file shows here)",
+    VPD_REACHABLE: "1 when deploy reached the container (its host answered over SSH), 0 when unreachable or timed out",
     HEALTHY: "1 when deploy status judges the container healthy (its exit code 0 for this row), else 0",
     VPD_GATED: "1 when the running launch passed the acceptance gate, 0 when not gated or failed (serving only)",
     VPD_OPERATION: "1 while a deploy operation holds the container's lock (its lease live, its holder not proven "
@@ -97,13 +96,12 @@ def series(rows: list[dict], *, now: float | None = None, times: dict | None = N
     now = time.time() if now is None else now
     times = times or {}
     held = _held(rows)
-    fam = {n: [] for n in (TIMESTAMP, REACHABLE, HEALTHY, VPD_GATED, VPD_OPERATION, VPD_RESTARTS, VPD_START_LIMIT,
-                           VPD_FOREIGN)}
+    fam = {n: [] for n in HELP}  # every family, in HELP's order
     for host in dict.fromkeys(r["host"] for r in rows):
-        fam[TIMESTAMP].append(({"host": label(host)}, float(times.get(host, now))))
+        fam[VPD_TIMESTAMP].append(({"host": label(host)}, float(times.get(host, now))))
     for r in rows:
         base = {"host": label(r["host"]), "vmid": label(r["vmid"]), "playbook": label(r.get("playbook"))}
-        fam[REACHABLE].append((base, 1.0 if r.get("reachable") else 0.0))
+        fam[VPD_REACHABLE].append((base, 1.0 if r.get("reachable") else 0.0))
         fam[HEALTHY].append((base, 1.0 if r.get("healthy") else 0.0))
         gate = r.get("gate")
         if isinstance(gate, dict) and r.get("process") == "running":

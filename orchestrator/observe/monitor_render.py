@@ -106,12 +106,8 @@ def substitute(expr: str, variables: dict, *, step: float, span: float, scrape: 
 
 def variables_of(dash: dict, given: dict) -> dict:
     """Every templating variable of the dashboard -> its value: --var NAME=VALUE, else `.*` (all)."""
-    out = {}
-    for v in ((dash.get("templating") or {}).get("list") or []):
-        if isinstance(v, dict) and isinstance(v.get("name"), str):
-            out[v["name"]] = ".*"
-    out.update(given)
-    return out
+    return {**{v["name"]: ".*" for v in (dash.get("templating") or {}).get("list") or []
+               if isinstance(v, dict) and isinstance(v.get("name"), str)}, **given}
 
 
 def query_range(base: str, expr: str, start: float, end: float, step: float) -> list:
@@ -164,8 +160,7 @@ def fetch(dash: dict, base: str, *, since: float, step: float | None, scrape: fl
     v}], errors: [{expr, error}]}]}. Unreachable when Prometheus does not answer at all."""
     end = time.time() if end is None else end
     start = end - since
-    step = step or max(1.0, since / 240)
-    step = max(step, since / MAX_POINTS)
+    step = max(step or max(1.0, since / 240), since / MAX_POINTS)
     out = []
     for p in dash.get("panels") or []:
         if not isinstance(p, dict) or p.get("type") == "row" or not p.get("targets"):
@@ -203,8 +198,7 @@ def _formatter(unit: str):
         return PercentFormatter(100.0, decimals=0)
     if unit in ("s", "ms"):
         return EngFormatter(unit="s" if unit == "s" else "ms", sep="")
-    f = ScalarFormatter(useOffset=False)
-    return f
+    return ScalarFormatter(useOffset=False)
 
 
 def draw(data: dict, title: str, out: str, *, subtitle: str = "") -> None:
@@ -262,8 +256,7 @@ def draw(data: dict, title: str, out: str, *, subtitle: str = "") -> None:
         if finite and min(finite) >= 0:
             ax.set_ylim(bottom=0, top=max(finite) * 1.08 if max(finite) > 0 else 1)
         # the legend below the panel: as many entries as fit in 2 rows of 3, then "+N more" (Grafana scrolls)
-        cap = LEGEND_MAX
-        shown = lines if len(lines) <= cap else lines[:cap - 1]
+        shown = lines if len(lines) <= LEGEND_MAX else lines[:LEGEND_MAX - 1]
         labels = [ln.get_label() for ln in shown]
         if len(lines) > len(shown):
             from matplotlib.lines import Line2D  # lazy: optional (the plot extra)

@@ -155,11 +155,7 @@ def gate_of(inv, name: str | None, cache: dict) -> dict | None:
         try:
             from orchestrator.observe.monitor import gate_thresholds  # lazy: --watch only, ~4 ms (monitor's own module body)
 
-            if name not in set(list_playbooks()):
-                cache[name] = None
-                return None
-
-            cache[name] = gate_thresholds(load_playbook(name, inv))
+            cache[name] = gate_thresholds(load_playbook(name, inv)) if name in set(list_playbooks()) else None
         except Exception:  # noqa: BLE001 - a playbook renamed or gone: no threshold shown, nothing fails
             cache[name] = None
     return cache[name]

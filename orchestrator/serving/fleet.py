@@ -124,8 +124,7 @@ def _router_up(fleet: Fleet, pb: Playbook, progress: Progress, res: dict) -> Non
     rr = R.up(fleet, pb, progress, passed)
     if rr.get("ok"):
         ep = router_endpoint(fleet.inventory, pb)
-        rr["url"] = ep.get("url")
-        rr["endpoint"] = ep
+        rr.update(url=ep.get("url"), endpoint=ep)
     res["router"] = rr
     res["ok"] = res["ok"] and rr["ok"]
 
@@ -194,8 +193,7 @@ def _rolled(fleet: Fleet, pb: Playbook, progress: Progress, opts: ops.Options, m
             a = {"ok": False, "message": e.message}
         d["added_back"] = a.get("ok")
         if not a.get("ok"):
-            d["ok"] = False
-            d["message"] = a.get("message")
+            d.update(ok=False, message=a.get("message"))
             progress.say(pb.conf.router.where, f"router: could not add {w} back: {a.get('message')}")
     return o
 
@@ -230,12 +228,9 @@ def result(pb: Playbook, action: str, outs: list, t0: float, members: list | Non
     rows = []
     for m, o in zip(members, outs):
         row = {"where": where_of(m), "host": m.host, "vmid": m.vmid}
-        if o is None:
-            row.update(ok=None, status="not restarted", note="still on the old deployment (not touched)")
-        else:
-            row.update(o.as_dict())
-            row["where"] = where_of(m)
-        rows.append(row)
+        row.update(o.as_dict() if o is not None else
+                   {"ok": None, "status": "not restarted", "note": "still on the old deployment (not touched)"})
+        rows.append({**row, "where": where_of(m)})  # the target's own where, not the outcome's
     ran = [o for o in outs if o is not None]
     return {"schema": SCHEMA, "ok": len(ran) == len(members) and all(o.ok for o in ran), "playbook": pb.name,
             "action": action, "seconds": round(time.monotonic() - t0, 2), **extra,

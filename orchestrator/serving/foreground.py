@@ -19,7 +19,6 @@ from orchestrator.core.remote import AuditLog, HostSession
 
 def run_tunnel(inv, pb, row: dict, local_port: int | None, *, as_json: bool = False) -> int:
     """deploy endpoint --tunnel: forward until Ctrl-C / SIGTERM (exit 0) or the connection drops (3)."""
-
     if not row["url"]:
         raise CheckFailed(f"the address of {row['where']} is unknown, so there is nothing to tunnel to",
                           where=row["where"], fix=row.get("note") or f"deploy discover {row['host']} --write")

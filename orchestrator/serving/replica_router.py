@@ -48,10 +48,8 @@ def replica_url(inv, pb: Playbook, member: Playbook) -> str:
 def _base(pb: Playbook) -> dict:
     r = pb.conf.router
     sd = pb.conf.runtime.state_dir
-    listen = r.listen
     return {"state_dir": sd, "playbook": pb.name, "venv": os.path.join(sd, f"router-venv-{r.version}"),
-            "version": r.version, "port": r.port,
-            "connect": "127.0.0.1" if listen in WILDCARD else listen}
+            "version": r.version, "port": r.port, "connect": "127.0.0.1" if r.listen in WILDCARD else r.listen}
 
 
 WILDCARD = ("0.0.0.0", "::", "[::]")
@@ -118,9 +116,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
     try:
         if not passed:
             _fail(pb, "not started: no replica passed its gates", "fix the replicas (above), then deploy up again")
-        inv = fleet.inventory
-        workers = [replica_url(inv, pb, m) for m in passed]
-        out["workers"] = workers
+        out["workers"] = workers = [replica_url(fleet.inventory, pb, m) for m in passed]
         ins = r.install
         progress.say(w, f"router: vllm-router=={r.version} in {_base(pb)['venv']} (installed if missing, then "
                         "checked against its RECORD)")
@@ -182,10 +178,9 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
         spread = ", ".join(f"{u.split('//')[1]}: {per[u]['requests']}" for u in workers)
         progress.say(w, f"router: ok   {n} completions through it, all succeeded, spread over the replicas ({spread})")
         out["ok"] = True
-    except Unreachable as e:
-        out.update(error=e, message=e.message)
     except DeployError as e:
-        e.where = e.where or w
+        if not isinstance(e, Unreachable):
+            e.where = e.where or w
         out.update(error=e, message=e.message)
     out["seconds"] = round(time.monotonic() - t0, 2)
     return out
@@ -259,10 +254,8 @@ def view(fleet: Fleet, pb: Playbook) -> dict:
     out = {"where": pb.conf.router.where, "port": pb.conf.router.port, "policy": pb.conf.router.policy}
     try:
         res = call(fleet, pb, "view", timeout=30)
-    except Unreachable as e:
-        return dict(out, ok=False, state="unreachable", message=e.message)
     except DeployError as e:
-        return dict(out, ok=False, state="error", message=e.message)
+        return dict(out, ok=False, state="unreachable" if isinstance(e, Unreachable) else "error", message=e.message)
     st = res.get("state") if isinstance(res.get("state"), dict) else {}
     # the container's answer: only well-formed workers and circuits are read (issue 36, Low: a worker list of
     # non-objects was a traceback)

@@ -59,9 +59,7 @@ def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = Tr
                                 f"{(r.location or {}).get('path')} was read back as {written_sha} and is now "
                                 f"{now}", fix=f"find what rewrites it (a sync job, a download) and stop it; then "
                                              f"deploy up {ctx.pb.name} again", result=r)
-    bad = failing((r.checks or []))
-    bad += extra_key_problems(ctx, r.stack or {})
-    r.failed = bad
+    bad = r.failed = failing(r.checks or [])
     if record:
         stack = r.stack or {}
         sfx = (f"vLLM {stack.get('version')}"
@@ -80,12 +78,6 @@ def verify(ctx: Context, step: Step, *, record: bool = True, blocking: bool = Tr
             "drafter config correct on disk and as loaded"
         ctx.record(step.name, True, f"{what}; {sfx}", t0, result=r)
     return r
-
-
-def extra_key_problems(ctx: Context, stack: dict) -> list[dict]:
-    """Spec-config keys the installed vLLM would reject: checked in the container against its own SpeculativeConfig
-    (agent launch_checks: `speculative-config keys`); nothing to add here any more."""
-    return []
 
 
 def render_failures(bad: list[dict]) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 from ..agent.protocol import GpusFreeResult, StopResult
-from orchestrator.core.facts import HOST_HOLDERS_SH, parse_host_holders
 from orchestrator.core.errors import DeployError
-from orchestrator.core.facts import nvml_mismatch_fix, parse_pct_config_gpus, parse_pct_list
+from orchestrator.core.facts import (HOST_HOLDERS_SH, nvml_mismatch_fix, parse_host_holders, parse_pct_config_gpus,
+                                     parse_pct_list)
 from orchestrator.steps.plan import Step
 from . import Context
 from orchestrator.core.remote import shell_word
@@ -165,7 +165,6 @@ def gpus_free(ctx: Context, step: Step) -> GpusFreeResult:
 def host_holders(ctx: Context, gpus: list[int]) -> list[dict]:
     """Read-only, on the Proxmox host: the processes nvidia-smi says use the busy GPUs, outside this container
     (host PID, MiB, the container by its cgroup, or none: the host itself), as deploy doctor names them."""
-
     try:
         r = ctx.session.run(["sh", "-c", HOST_HOLDERS_SH], timeout=25, label="gpus-free")
     except DeployError:  # naming the holder is extra information; the failure stands without it
@@ -177,7 +176,6 @@ def host_holders(ctx: Context, gpus: list[int]) -> list[dict]:
 
 def other_containers_sharing(ctx: Context, gpus: list[int]) -> list[dict]:
     """From `pct list` and `pct config`: the other running containers that are given any of `gpus`."""
-
     s = ctx.session
     res = s.run(["pct", "list"], timeout=20)
     out = []
@@ -190,5 +188,3 @@ def other_containers_sharing(ctx: Context, gpus: list[int]) -> list[dict]:
             out.append({"vmid": ct["vmid"], "name": ct["name"], "gpus": shared})
     return out
 
-
-prove_free = gpus_free  # the name before protocol 2

@@ -109,7 +109,6 @@ def describe_when(fn) -> str | None:
     return (fn.__doc__ or fn.__name__).strip().splitlines()[0] if fn else None
 
 
-PHASES = ("main", "gate-running", "on-low-acceptance", "on-failure", "finally")
 PHASE_TITLES = {"gate-running": "If the same deployment already runs healthy but its launch never passed the gate "
                                 "(measure and gate it now)",
                 "on-low-acceptance": "On low acceptance (acceptance.on_low_acceptance: fallback)",
@@ -162,7 +161,6 @@ class Step:
 
 def session_command(pb, python: str) -> str:
     """The one command that carries every agent step of an operation in this container (agent/AgentSession)."""
-
     return shell_join(pct_exec_argv(pb.vmid, [python, "-c", SESSION_BOOT, "N"]))
 
 
@@ -235,31 +233,26 @@ def step_current(pb):
 
 
 def step_write_config(pb):
-    path = drafter_config_path(pb)
-    if hub_drafter_dir(pb):
-        d = pb.conf.speculative.drafter
-        return Step("drafter-config", f"serve the pinned config from {hub_drafter_dir(pb)}: config.json (pinned) "
+    path, d, hub = drafter_config_path(pb), pb.conf.speculative.drafter, hub_drafter_dir(pb)
+    payload = f"{os.path.basename(d.pinned_config)} ({len(pb.drafter_bytes)} bytes, sha256 {d.sha256[:12]}...)"
+    if hub:
+        return Step("drafter-config", f"serve the pinned config from {hub}: config.json (pinned) "
                                       f"+ links to the other files of the hub snapshot of {d.hub_id} "
                                       f"(the hub cache is only read)", action="hub_drafter",
-                    args={"path": path, "dir": hub_drafter_dir(pb), "hub_id": d.hub_id, "hf_home": d.hf_home,
+                    args={"path": path, "dir": hub, "hub_id": d.hub_id, "hf_home": d.hf_home,
                           "sha256": d.sha256, **({"revision": d.revision} if d.revision else {})},
-                    timeout=30,
-                    payload=f"{os.path.basename(d.pinned_config)} ({len(pb.drafter_bytes)} bytes, "
-                            f"sha256 {d.sha256[:12]}...)",
-                    runs=[f"mkdir -m 0700 {hub_drafter_dir(pb)}.NEW; write config.json (the pinned bytes, sha256 "
+                    timeout=30, payload=payload,
+                    runs=[f"mkdir -m 0700 {hub}.NEW; write config.json (the pinned bytes, sha256 "
                           f"{d.sha256}); ln -s every other file of the snapshot of {d.hub_id} in "
-                          f"{d.hf_home}", f"mv -T {hub_drafter_dir(pb)}.NEW {hub_drafter_dir(pb)}; "
-                                             f"sha256sum {path}   # read back"],
+                          f"{d.hf_home}", f"mv -T {hub}.NEW {hub}; sha256sum {path}   # read back"],
                     **_common(pb))
     return Step("drafter-config", f"install the pinned drafter config at {path} if its sha256 differs "
                                   "(backup, temp file, fsync, rename, read back)", action="write_file",
-                args={"path": path, "sha256": pb.conf.speculative.drafter.sha256}, timeout=30,
-                payload=f"{os.path.basename(pb.conf.speculative.drafter.pinned_config)} ({len(pb.drafter_bytes)} bytes, "
-                        f"sha256 {pb.conf.speculative.drafter.sha256[:12]}...)",
-                runs=[f"sha256sum {path}   # equal to {pb.conf.speculative.drafter.sha256}: nothing to do",
+                args={"path": path, "sha256": d.sha256}, timeout=30, payload=payload,
+                runs=[f"sha256sum {path}   # equal to {d.sha256}: nothing to do",
                       f"else: cp -p {path} {path}.bak-UTCSTAMP; write {path}.tmp-RANDOM (O_EXCL, no symlinks); "
                       f"fsync; mv {path}.tmp-RANDOM {path}; fsync the directory",
-                      f"sha256sum {path}   # read back: must be {pb.conf.speculative.drafter.sha256}"],
+                      f"sha256sum {path}   # read back: must be {d.sha256}"],
                 **_common(pb))
 
 
@@ -384,7 +377,6 @@ def step_onboot(pb):
 
 
 def step_wait(pb):
-
     sp = state_paths(pb)
     return Step("wait-ready", "follow the log and /health until /v1/models lists the model and a completion "
                               f"succeeds (timeout {pb.conf.serve.load_timeout_s:g} s)", action="wait_ready",
@@ -414,7 +406,6 @@ def step_drift(pb, name="drift", title="re-read the drafter config's sha256 now 
 
 
 def step_acceptance(pb, when=None, phase="main"):
-
     p = pb.conf.acceptance.probe
     th = playbook_thresholds(pb)
     n = len(p.prompts) * p.rounds

@@ -12,19 +12,16 @@ from orchestrator.core import sizing as Z
 from orchestrator.steps.plan import Step
 from . import Context
 
-def check(ctx: Context, host_facts: dict | None, ct_facts: dict | None) -> list[dict]:
-    pb = ctx.pb
-    return PL.findings(None if not host_facts or host_facts.get("error") else host_facts, ct_facts,
-                       host_name=pb.host, vmid=pb.vmid, gpus=list(pb.gpus),
-                       tp=pb.conf.serve.tensor_parallel_size)
-
 
 def run_check(ctx: Context, step: Step) -> tuple[list[dict], dict]:
     """-> (findings, facts {host, container}); raises only when the container's agent cannot be reached."""
     host = PL.read_host(ctx.session, ctx.pb.vmid, smi_timeout_s=ctx.pb.conf.gpu.nvidia_smi_timeout_s)
     r = ctx.call(step)
     ct = r.plumbing if isinstance(r.plumbing, dict) else {}
-    return check(ctx, host, ct), {"host": host, "container": ct}
+    pb = ctx.pb
+    found = PL.findings(None if host.get("error") else host, ct, host_name=pb.host, vmid=pb.vmid, gpus=list(pb.gpus),
+                        tp=pb.conf.serve.tensor_parallel_size)
+    return found, {"host": host, "container": ct}
 
 
 def container_gpu_count(ct_facts: dict | None) -> int | None:
@@ -42,7 +39,7 @@ def sized_on_measured_gpus(ctx: Context, host_facts: dict | None, ct_facts: dict
     return Z.check_measured(ctx.pb, host_facts.get("gpu_mem"), container_gpu_count(ct_facts))
 
 
-def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]:
+def gpu_plumbing(ctx: Context, step: Step) -> list[dict]:
     t0 = time.monotonic()
     found, facts = run_check(ctx, step)
     herr = (facts["host"] or {}).get("error")
@@ -55,15 +52,11 @@ def gpu_plumbing(ctx: Context, step: Step, *, record: bool = True) -> list[dict]
     for n in PL.notes(None if herr else facts["host"], host_name=ctx.pb.host, vmid=ctx.pb.vmid):
         ctx.progress.say(ctx.where, "     " + n)
     fits = sized_on_measured_gpus(ctx, facts["host"], facts["container"])
-    if fits and fits["level"] == "refuse":  # filed under `sizing`, as verify files it (issue 53)
-        msg, fix = Z.measured_refusal(ctx.pb, fits)
-        if record:
-            ctx.record(step.name, True, f"container {ctx.pb.vmid} sees GPUs {list(ctx.pb.gpus)}, nvidia-uvm, the "
-                                        f"host's driver version and enough /dev/shm{note}", t0)
-        ctx.fail("sizing", time.monotonic(), msg + "; nothing was stopped", fix=fix, fits=fits)
     if fits and fits["level"] == "warn":
         ctx.progress.say(ctx.where, f"     warning: sizing on the measured GPUs: {fits['line']}")
-    if record:
-        ctx.record(step.name, True, f"container {ctx.pb.vmid} sees GPUs {list(ctx.pb.gpus)}, nvidia-uvm, the "
-                                    f"host's driver version and enough /dev/shm{note}", t0)
+    ctx.record(step.name, True, f"container {ctx.pb.vmid} sees GPUs {list(ctx.pb.gpus)}, nvidia-uvm, the "
+                                f"host's driver version and enough /dev/shm{note}", t0)
+    if fits and fits["level"] == "refuse":  # filed under `sizing`, as verify files it (issue 53)
+        msg, fix = Z.measured_refusal(ctx.pb, fits)
+        ctx.fail("sizing", time.monotonic(), msg + "; nothing was stopped", fix=fix, fits=fits)
     return found

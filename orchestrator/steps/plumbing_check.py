@@ -82,19 +82,12 @@ def driver_max_cuda(driver: str | None) -> str | None:
     """The highest CUDA version a driver supports, from the table above; None for an unknown or older driver."""
     if not driver or not VERSION_RE.fullmatch(driver):
         return None
-    best = None
-    for cuda, first in CUDA_MIN_DRIVER:
-        if vkey(driver) >= vkey(first):
-            best = cuda
-    return best
+    return next((cuda for cuda, first in reversed(CUDA_MIN_DRIVER) if vkey(driver) >= vkey(first)), None)
 
 
 def driver_for_cuda(cuda: str) -> str | None:
     """The first driver that supports CUDA `cuda` (at least the major.minor asked), or None when beyond the table."""
-    for c, first in CUDA_MIN_DRIVER:
-        if vkey(c) >= vkey(cuda):
-            return first
-    return None
+    return next((first for c, first in CUDA_MIN_DRIVER if vkey(c) >= vkey(cuda)), None)
 
 
 # ------------------------------------------------------------------ parsing the host side
@@ -195,10 +188,8 @@ def parse_config(lines: list[str]) -> dict:
 
 
 def allowed(cfg: dict, major: int | None, minor: int | None) -> bool:
-    for a in cfg["allow"]:
-        if a["type"] in ("c", "a") and a["major"] in ("*", str(major)) and a["minor"] in ("*", str(minor)):
-            return True
-    return False
+    return any(a["type"] in ("c", "a") and a["major"] in ("*", str(major)) and a["minor"] in ("*", str(minor))
+               for a in cfg["allow"])
 
 
 # ------------------------------------------------------------------ the container side's facts
@@ -247,10 +238,6 @@ def _f(findings, problem, where, expected, found, fix, cause):
                      "fix": clean(fix, 900)})
 
 
-def _dev_word(n: int, path: str) -> str:
-    return f"dev{n}: {path}"
-
-
 def findings(host: dict | None, ct: dict | None, *, host_name: str, vmid: int, gpus: list[int],
              tp: int = 1) -> list[dict]:
     """-> [{check, class, problem, where, expected, found, cause, fix}] for one container; [] when all is well.
@@ -283,14 +270,11 @@ def findings(host: dict | None, ct: dict | None, *, host_name: str, vmid: int, g
            "a hung nvidia-smi usually means a wedged driver or a GPU that fell off the bus (dmesg shows Xid errors)")
 
     # 1. the host's nodes: each one the container needs must exist there first (nvidia-uvm-tools: only a note)
-    host_missing = set()
+    # (a plain file there is no device either)
+    host_missing = {p for p in wanted if p not in hn or hn[p]["kind"] != "char"} if host else set()
     if host:
-        for p in wanted:
-            if p not in hn or hn[p]["kind"] != "char":  # a plain file there is no device either
-                host_missing.add(p)
         if "/dev/nvidia-uvm" in host_missing:
-            miss = ["/dev/nvidia-uvm"]
-            _f(out, "uvm-missing-on-host", f"{host_name}: {', '.join(miss)}",
+            _f(out, "uvm-missing-on-host", f"{host_name}: /dev/nvidia-uvm",
                "/dev/nvidia-uvm on the host",
                "missing" + (f" (nvidia-uvm is loaded: major {uvm_major} in /proc/devices)" if uvm_major
                             else " (nvidia_uvm not in /proc/devices: the module is not loaded)"),
@@ -320,7 +304,7 @@ def findings(host: dict | None, ct: dict | None, *, host_name: str, vmid: int, g
                         add += f" and lxc.cgroup2.devices.allow: c {mj}:* rwm"
                     fix = f"add to {conf} on {hw}: {add}; then pct reboot {v}"
                 else:
-                    add = _dev_word(next_dev, p)
+                    add = f"dev{next_dev}: {p}"
                     fix = f"on {hw}: pct set {v} -dev{next_dev} {shell_word(p)} (adds `{add}` to {conf}), " \
                           f"then pct reboot {v}"
                     next_dev += 1

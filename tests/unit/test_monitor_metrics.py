@@ -90,7 +90,7 @@ def test_hostile_strings_from_a_container_are_escaped_and_parse_back():
     text = M.render(M.series([r], now=1.0))
     s = M.parse(text)
     # one row, one series per family: nothing injected
-    assert len(s[MON.VPD_GATED]) == 1 and len(s[M.REACHABLE]) == 1
+    assert len(s[MON.VPD_GATED]) == 1 and len(s[MON.VPD_REACHABLE]) == 1
     pb = s[MON.VPD_GATED][0][0]["playbook"]
     assert pb.startswith('x"} 1\nvpd_gated{host="pve1"') and "\ud800" not in pb and len(pb) == M.LABEL_MAX
     assert pb.endswith("...")
