@@ -412,10 +412,10 @@ class StackCheckResult(AgentResult):
     python: str = None
 
 
-@result("speed", "sweep")
+@result("sweep")
 class ProbeResult(AgentResult):
-    """`speed` (timed requests) and `sweep` (per concurrency level: timed streamed requests, /metrics before and
-    after each level): ok or why not."""
+    """`sweep` (per concurrency level: timed streamed requests, /metrics before and after each level): ok or why
+    not."""
     ok: bool = False
     message: str = None
     before: str = None

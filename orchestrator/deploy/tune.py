@@ -397,9 +397,7 @@ def _record(fleet, pb: Playbook, progress: Progress, res: dict) -> None:
     """tune.json beside the state file: deploy status shows the verdict for the launch left running. A failure to
     record is a warning (status then says `not tuned`)."""
     ctx = ops.new_context(fleet, pb, progress)
-    step = P.Step("tune-record", "record the tune's verdict with the launch left running", action="tune_record",
-                  args={"state_dir": pb.conf.runtime.state_dir, "playbook": pb.name, "verdict": res["verdict"],
-                        "chosen": res["chosen"]}, timeout=20, host=pb.host, vmid=pb.vmid, playbook=pb.name)
+    step = P.step_tune_record(pb, res["verdict"], res["chosen"])
     try:
         r = ctx.call(step)
         ok, msg = bool(r.ok), r.message

@@ -834,6 +834,13 @@ def step_sweep(pb: Playbook, prompts: list[str], rounds: int, max_tokens: int, t
                 phase="measure")
 
 
+def step_tune_record(pb: Playbook, verdict, chosen) -> Step:
+    """deploy tune's verdict, kept beside the launch it left running (tune.json: deploy status shows it)."""
+    return Step("tune-record", "record the tune's verdict with the launch left running", action="tune_record",
+                args={"state_dir": pb.conf.runtime.state_dir, "playbook": pb.name, "verdict": verdict,
+                      "chosen": chosen}, timeout=20, host=pb.host, vmid=pb.vmid, playbook=pb.name)
+
+
 def plan_compare(pb: Playbook, **up) -> list[Step]:
     """`deploy compare` of one playbook with its defaults: up with the fallback off, then the sweep (docs/cli.md)."""
     p = pb.conf.acceptance.probe  # compare's --prompts, --rounds, --max-tokens; --concurrency 1,4,16

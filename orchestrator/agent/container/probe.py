@@ -1,5 +1,5 @@
-"""`acceptance` and `speed`: scrape /metrics, send the probe prompts (timed, for `deploy compare`), scrape again;
-the tool computes the deltas."""
+"""`acceptance` and `sweep`: scrape /metrics, send the probe prompts (the sweep's streamed and timed, for `deploy
+compare` and `tune`), scrape again; the tool computes the deltas."""
 
 import json
 import re
@@ -98,36 +98,6 @@ def drafts_total(text):
         except ValueError:
             pass
     return tot
-
-
-def act_speed(a):
-    """`deploy compare`: the probe prompts, each request timed; /metrics scraped before and after.
-    Output tokens come from each response's usage (what the server says it generated)."""
-    (port, api_key, host, deadline), before, failed = _target_scraped(a)
-    if failed:
-        return failed
-    requests, errors = [], []
-    for _ in range(int(a["rounds"])):
-        for prompt in a["prompts"]:
-            if now() >= deadline:
-                errors.append("time limit of %ss reached" % a["timeout_s"])
-                break
-            t0 = now()
-            st, body = http(port, "/v1/completions", "POST", _completion(a, prompt),
-                            timeout=max(1.0, deadline - now()), api_key=api_key, host=host)
-            took = now() - t0
-            try:
-                tokens = int(json.loads(body)["usage"]["completion_tokens"]) if st == 200 else None
-            except (ValueError, KeyError, TypeError):
-                tokens = None
-            if tokens is None:
-                errors.append("%s %s" % (st, body[:200]))
-                continue
-            requests.append({"tokens": tokens, "seconds": round(took, 6)})
-    after, failed = _scrape(port, host, " after the requests")
-    if failed:
-        return failed
-    return {"ok": True, "before": before, "after": after, "requests": requests, "errors": errors[:5]}
 
 
 def stream_timed(port, body, timeout, api_key=None, host="127.0.0.1"):

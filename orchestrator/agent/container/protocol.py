@@ -49,7 +49,6 @@ DECLARED = {
     "launch": ("launch:act_launch", ("ok",)),
     "wait_ready": ("ready:act_wait_ready", ("ready",)),
     "acceptance": ("probe:act_acceptance", ("ok",)),
-    "speed": ("probe:act_speed", ("ok",)),
     "sweep": ("probe:act_sweep", ("ok",)),
     "note_failure": ("state:act_note_failure", ()),
     "logs": ("logs:act_logs", ()),
