@@ -297,7 +297,7 @@ def test_path_source_from_the_host(tb, hub, deploy, playbooks, tmp_path):
     assert "GET" not in hub.log.read_text()  # nothing from the hub
     # a changed file on the host is caught against the manifest
     tb.container_exec(H, V, ["sh", "-c", f"rm -rf /root/models/Tiny-Target {STATE}/fetched"])
-    (src / WEIGHTS).write_bytes(bytes([hub.weights[0] ^ 0xFF]) + hub.weights[1:])  # not b"x": 1 in 256 random firsts are "x"
+    (src / WEIGHTS).write_bytes(bytes([hub.weights[0] ^ 0xFF]) + hub.weights[1:])  # b"x" + ...: 1 in 256 unchanged
     p = deploy("fetch", "qwen36-dflash", env=playbooks.env)
     assert p.returncode == 1 and WEIGHTS in p.stderr and "manifest" in p.stderr, p.stderr
 
