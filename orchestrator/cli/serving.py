@@ -124,10 +124,13 @@ def _hosts_named(inv, targets) -> list[str]:
     connection)."""
     want = set()
     for t in targets:
-        host, _, vmid = t.partition("/")
-        if host not in inv.hosts or vmid and not (vmid.isdigit() and inv.hosts[host].container(int(vmid))):
+        try:
+            named = inv.named(t)
+        except UsageError:
             return []
-        want.add(host)
+        if named is None:
+            return []
+        want.update(h for h, _ in named)
     return [h.name for h in inv.hosts.values() if (h.name in want if targets else h.containers)]
 
 

@@ -367,7 +367,7 @@ def unlock(obj, target, yes):
     """
     def go():
         from orchestrator.deploy import ops
-        from orchestrator.observe.status import resolve_targets
+        from orchestrator.observe.status import no_runtime, resolve_targets
 
         inv = obj.inventory()
         scope = resolve_targets(inv, [target])
@@ -375,10 +375,9 @@ def unlock(obj, target, yes):
             raise DeployError(f"{target} names {len(scope)} containers; unlock takes one", fix="deploy unlock HOST/VMID")
         host, vmid, rt = scope[0]
         if rt is None:  # no Python and no state directory known: a guessed one could answer "no lock" wrongly
-            raise UsageError(f"{host}/{vmid}: neither the inventory nor any playbook names its runtime (the Python "
-                             "and state directory a deploy would lock it in)", where=f"{host}/{vmid}",
-                             fix=f"deploy discover {host} --write records it, or name the playbook: deploy unlock "
-                                 "PLAYBOOK")
+            text, fix = no_runtime(host, vmid)
+            raise UsageError(f"{text}: the state directory a deploy would lock it in is unknown",
+                             where=f"{host}/{vmid}", fix=f"{fix}, or name the playbook: deploy unlock PLAYBOOK")
 
         def confirm(h):
             click.echo(f"{host}/{vmid} is locked by {ops.describe_holder(h)}" +

@@ -65,6 +65,19 @@ class Inventory:
     def host(self, name: str) -> HostSpec:
         return self.hosts[name]
 
+    def named(self, target: str) -> list[tuple[str, ContainerSpec]] | None:
+        """A HOST target -> its containers; HOST/VMID -> that container (UsageError when the inventory has none);
+        anything else (a playbook) -> None. The one parser of these targets: status, logs, doctor, unlock, and
+        status's dialling before it loads playbooks."""
+        host, slash, vmid = target.partition("/")
+        if slash and vmid.isdigit():
+            c = self.hosts[host].container(int(vmid)) if host in self.hosts else None
+            if c is None:
+                raise UsageError(f"no container {target} in inventory {self.path}",
+                                 fix="deploy status with no arguments lists everything")
+            return [(host, c)]
+        return [(target, c) for c in self.hosts[target].containers] if target in self.hosts else None
+
 
 # ---------------------------------------------------------------- the typed playbook (issue 51)
 # Frozen views of the validated tree, built once at load (Playbook.conf): each class's fields are the keys of its

@@ -238,7 +238,12 @@ def chart(res: dict, width: int = 40) -> list[str]:
     """Tokens/s per concurrency level as horizontal bars, one per playbook (a terminal chart)."""
     levels = res.get("levels") or []
     order = [r["playbook"] for r in res["results"]]
-    return bars(levels, sorted({n for x in levels for n in x["tokens_per_s"]}, key=order.index), width)
+    return bars(levels, sorted(names_seen(levels), key=order.index), width)
+
+
+def names_seen(levels: list[dict]) -> list[str]:
+    """The configurations measured at any level, in the order first seen."""
+    return list(dict.fromkeys(n for x in levels for n in x["tokens_per_s"]))
 
 
 def bars(levels: list[dict], names: list[str], width: int = 40) -> list[str]:

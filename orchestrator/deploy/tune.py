@@ -413,7 +413,7 @@ def _record(fleet, pb: Playbook, progress: Progress, res: dict) -> None:
 
 def render(res: dict) -> list[str]:
     lines = []
-    names = sorted(_names(res.get("levels") or []), key=lambda n: -1 if n == "off" else int(n))
+    names = sorted(C.names_seen(res.get("levels") or []), key=lambda n: -1 if n == "off" else int(n))
     head = ["concurrency"] + [("off" if n == "off" else f"k={n}") + " tok/s (ITL p50 ms)" for n in names] + \
         ["winner", "margin"]
     rows = []
@@ -476,17 +476,12 @@ def render(res: dict) -> list[str]:
     return lines
 
 
-def _names(levels: list[dict]) -> list[str]:
-    """The configurations measured at any level, in the order first seen."""
-    return list(dict.fromkeys(n for x in levels for n in x["tokens_per_s"]))
-
-
 def chart(res: dict, width: int = 40) -> list[str]:
     """compare's terminal chart over tune's configurations (off, each measured k)."""
     levels = [{"concurrency": x["concurrency"], "tokens_per_s": {("off" if n == "off" else f"k={n}"): v
                                                                   for n, v in x["tokens_per_s"].items()}}
               for x in res.get("levels") or []]
-    return C.bars(levels, _names(levels), width)
+    return C.bars(levels, C.names_seen(levels), width)
 
 
 def plot(res: dict, path: str) -> str:
@@ -497,7 +492,7 @@ def plot(res: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    names = _names(res.get("levels") or [])
+    names = C.names_seen(res.get("levels") or [])
     for ax, key, title in ((axes[0], "tokens_per_s", "output tokens/s"), (axes[1], "itl_ms_p50", "ITL p50 (ms)")):
         for n in names:
             pts = [(x["concurrency"], x[key].get(n)) for x in res["levels"] if x[key].get(n) is not None]

@@ -48,14 +48,9 @@ def resolve_targets(inv, targets) -> list[tuple[str, int, Reach | None]]:
         return _with_playbook_runtimes(inv, every)
     playbooks = set(list_playbooks())
     for t in targets:
-        if "/" in t and t.split("/", 1)[1].isdigit():
-            host, vmid = t.split("/", 1)
-            if host not in inv.hosts or inv.hosts[host].container(int(vmid)) is None:
-                raise UsageError(f"no container {t} in inventory {inv.path}",
-                                 fix="deploy status with no arguments lists everything")
-            want.append((host, int(vmid), reach(inv.hosts[host].container(int(vmid)).runtime)))
-        elif t in inv.hosts:
-            want += [(t, c.vmid, reach(c.runtime)) for c in inv.hosts[t].containers]
+        named = inv.named(t)
+        if named is not None:
+            want += [(h, c.vmid, reach(c.runtime)) for h, c in named]
         elif t in playbooks or t.endswith((".yaml", ".yml")):
             pb = load_playbook(t, inv)
             want += [(m.host, m.vmid, reach(m.conf.runtime, api_key_env=m.conf.serve.api_key_env)) for m in pb.members]
@@ -82,6 +77,13 @@ def _with_playbook_runtimes(inv, want):
             by_target.setdefault((m.host, m.vmid), reach(m.conf.runtime, api_key_env=m.conf.serve.api_key_env,
                                                          implicit=f"playbook {m.name}"))
     return [(h, v, rt if rt is not None else by_target.get((h, v))) for h, v, rt in want]
+
+
+def no_runtime(host: str, vmid: int) -> tuple[str, str]:
+    """What logs and unlock say of a container whose runtime neither the inventory nor a playbook names, and the
+    fix: (text, fix)."""
+    return (f"{host}/{vmid}: {NO_RUNTIME} in the inventory and no playbook targets it",
+            f"deploy discover {host} --write records a runtime")
 
 
 def local_playbook(inv, playbook, host: str, vmid: int):
@@ -657,7 +659,7 @@ def fleet_playbooks(inv, targets) -> list:
     names = set(list_playbooks())
     out = []
     for t in targets or ():
-        if "/" in t and t.split("/", 1)[1].isdigit() or t in inv.hosts:
+        if inv.named(t) is not None:
             continue
         if t in names or t.endswith((".yaml", ".yml")):
             pb = load_playbook(t, inv)
@@ -794,8 +796,8 @@ def run_logs(obj, target, n, follow, grep, show_all=False) -> int:
 
 def _logs_one(fleet, host, vmid, rt, n, follow, grep, show_all) -> int:
     if rt is None:
-        click.echo(f"{host}/{vmid}: {NO_RUNTIME} in the inventory and no playbook targets it: nothing deploy "
-                   f"launched there (deploy discover {host} --write records a runtime)", err=True)
+        text, fix = no_runtime(host, vmid)
+        click.echo(f"{text}: nothing deploy launched there ({fix})", err=True)
         return EXIT_FAILED
     log_path = os.path.join(rt.state_dir, "vllm.log")
     args = {"log_path": log_path, "state_dir": rt.state_dir, "n": n, "grep": grep,
