@@ -469,6 +469,26 @@ def start(root, log=None, timeout=20.0):
     return p, "http://127.0.0.1:%d" % port
 
 
+class running:
+    """`with running(ROOT) as hub:` the hub of ROOT (its repos made first, make_repo) for the block, as start() runs
+    it; hub.endpoint, hub.root, hub.fault(**FAULTS) (writes ROOT/faults.json); the process is killed after."""
+
+    def __init__(self, root, log=None):
+        self.root, self.log = root, log
+
+    def __enter__(self):
+        self.proc, self.endpoint = start(self.root, self.log)
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait(5)
+
+    def fault(self, **kw):
+        with open(os.path.join(str(self.root), "faults.json"), "w") as fh:
+            json.dump(kw, fh)
+
+
 def serve(root, port, address="127.0.0.1"):
     if not address.startswith("127."):
         raise SystemExit("the test bed hub listens on 127.0.0.0/8 only")

@@ -5,7 +5,6 @@ into it, the pinned drafter config a copy of deploy's own. The hub listens on th
 fetches); nothing leaves the machine."""
 
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -46,19 +45,9 @@ def hub(tmp_path):
         "drafter": hubmod.make_repo(str(root), DRAFT, {"config.json": STALE_CONFIG.read_bytes(),
                                                        "model.safetensors": safetensors_header()}),
     }
-    log = open(tmp_path / "hub.log", "wb")
-    proc, endpoint = hubmod.start(root, log)
-
-    class NS:
-        pass
-    ns = NS()
-    ns.root, ns.commits, ns.weights, ns.log = root, commits, weights, tmp_path / "hub.log"
-    ns.endpoint = endpoint
-    ns.fault = lambda **kw: (root / "faults.json").write_text(json.dumps(kw))
-    yield ns
-    proc.kill()
-    proc.wait(5)
-    log.close()
+    with open(tmp_path / "hub.log", "wb") as log, hubmod.running(root, log) as ns:
+        ns.commits, ns.weights, ns.log = commits, weights, tmp_path / "hub.log"
+        yield ns
 
 
 def playbooks_with_store(playbooks, hub, store):

@@ -30,8 +30,11 @@ def _free_net():
 
 
 def _build(tmp_path_factory, src):
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), src], check=True,
+    """The wheel, built from a copy of SRC: setuptools writes build/ and *.egg-info beside the sources it builds."""
+    out, copy = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src") / "src"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns(".git", ".venv", "build", "__pycache__", "*.egg-info",
+                                                             "gpu-carry", ".gpu-carry-*"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(copy)], check=True,
                    capture_output=True, timeout=300)
     (whl,) = out.glob("*.whl")
     return whl

@@ -21,10 +21,8 @@ def server(tmp_path):
     commit = hubmod.make_repo(str(root), "acme/tiny", files)
     hubmod.make_repo(str(root), "acme/gated", {"config.json": b"{}"}, gated="manual", accepted=["hf_ok"])
     (root / "tokens.json").write_text(json.dumps(["hf_ok", "hf_other"]))
-    p, endpoint = hubmod.start(root)
-    yield {"endpoint": endpoint, "commit": commit, "files": files, "root": root}
-    p.kill()
-    p.wait(5)
+    with hubmod.running(root) as h:
+        yield {"endpoint": h.endpoint, "commit": commit, "files": files, "root": root}
 
 
 def test_snapshot_download_and_model_info(server, tmp_path, monkeypatch):

@@ -36,16 +36,9 @@ def hub(tmp_path):
     root.mkdir()
     files_ = {"config.json": b'{"a": 1}\n', BIG: os.urandom(2 * MIB + 17)}
     commit = hubmod.make_repo(str(root), "acme/M", files_)
-    p, endpoint = hubmod.start(root)
-
-    class NS:
-        pass
-    ns = NS()
-    ns.endpoint, ns.commit, ns.files, ns.root = endpoint, commit, files_, root
-    ns.fault = lambda **kw: (root / "faults.json").write_text(json.dumps(kw))
-    yield ns
-    p.kill()
-    p.wait(5)
+    with hubmod.running(root) as ns:
+        ns.commit, ns.files = commit, files_
+        yield ns
 
 
 def store_item(hub, store):

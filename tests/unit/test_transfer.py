@@ -27,16 +27,9 @@ def hub(tmp_path):
     files = {"config.json": b'{"a": 1}\n', BIG: os.urandom(5 * MIB + 12345),
              "model-00002-of-00002.safetensors": os.urandom(MIB // 2), "tok/vocab.txt": b"a\nb\n"}
     commit = hubmod.make_repo(str(root), "acme/M", files)
-    p, endpoint = hubmod.start(root)
-
-    class NS:
-        pass
-    ns = NS()
-    ns.endpoint, ns.commit, ns.files, ns.root = endpoint, commit, files, root
-    ns.fault = lambda **kw: (root / "faults.json").write_text(json.dumps(kw))
-    yield ns
-    p.kill()
-    p.wait(5)
+    with hubmod.running(root) as ns:
+        ns.commit, ns.files = commit, files
+        yield ns
 
 
 def setup_item(hub, tmp_path):
