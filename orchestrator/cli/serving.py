@@ -122,16 +122,13 @@ def _hosts_named(inv, targets) -> list[str]:
     """The hosts `deploy status TARGETS` connects to when every target is a HOST or HOST/VMID of the inventory (no
     targets: every host with containers); else none yet (a playbook is read first, a bad target fails before any
     connection)."""
-    want = set()
-    for t in targets:
-        try:
-            named = inv.named(t)
-        except UsageError:
-            return []
-        if named is None:
-            return []
-        want.update(h for h, _ in named)
-    return [h.name for h in inv.hosts.values() if (h.name in want if targets else h.containers)]
+    try:
+        named = [inv.named(t) for t in targets]
+    except UsageError:
+        return []
+    want = {h for n in named for h, _ in n or ()}
+    return [] if None in named else [h.name for h in inv.hosts.values()
+                                     if (h.name in want if targets else h.containers)]
 
 
 def _regex(_ctx, _param, value):

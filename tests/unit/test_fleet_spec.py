@@ -148,3 +148,21 @@ def test_summary_and_exit_codes():
                                 for w in ("pve1/129", "pve2/129", "pve3/129")], 0.0)
     assert F.exit_code(lost) == 3
     assert F.exit_code(F.result(_PB, "up", [_out(w, True, "already up") for w in ("a/1", "b/1", "c/1")], 0.0)) == 0
+
+
+def test_one_parser_of_host_and_container_targets(work):
+    """Inventory.named: HOST -> its containers, HOST/VMID -> that one (a usage error when the inventory has none),
+    anything else None; status dials the hosts of such targets before it reads any playbook, and none otherwise."""
+    from orchestrator.cli.serving import _hosts_named
+
+    inv = load_inventory(str(work / "hosts.yaml"))
+    assert [(h, c.vmid) for h, c in inv.named("pve2")] == [("pve2", 129)]
+    assert [(h, c.vmid) for h, c in inv.named("pve1/129")] == [("pve1", 129)]
+    assert inv.named("qwen36-dflash") is None and inv.named("pve1/x") is None
+    for bad in ("pve1/130", "pve9/129"):
+        with pytest.raises(UsageError, match=f"no container {bad} in inventory"):
+            inv.named(bad)
+    assert _hosts_named(inv, []) == ["pve1", "pve2"]
+    assert _hosts_named(inv, ["pve2/129"]) == ["pve2"]
+    assert _hosts_named(inv, ["pve2", "pve1/129"]) == ["pve1", "pve2"]
+    assert _hosts_named(inv, ["pve2", "qwen36-dflash"]) == [] == _hosts_named(inv, ["pve1/130"])
