@@ -111,7 +111,7 @@ def test_fetch_then_up_rerun_and_revision_shown(tb, hub, deploy, playbooks):
     assert p.returncode == 0, p.stderr
     # the branch is resolved once, shown and recorded
     assert f"{TARGET}@main is commit {hub.commits['target']}" in p.stderr, p.stderr
-    assert "verified" in p.stderr and f"in place at /root/models/Tiny-Target" in p.stdout, p.stdout
+    assert "verified" in p.stderr and "in place at /root/models/Tiny-Target" in p.stdout, p.stdout
     assert sh(tb, f"sha256sum /root/models/Tiny-Target/{WEIGHTS}").split()[0] == __import__("hashlib").sha256(
         hub.weights).hexdigest()
     assert sh(tb, "cat /root/models/Tiny-Target/tokenizer/vocab.txt") == "a\nb"

@@ -278,7 +278,7 @@ def test_failed_up_leaves_the_unit_stopped_and_disabled(sdbed, deploy):
     finally:
         sdbed.clear_faults()
     assert p.returncode == 1
-    assert f"state left: the failed server" in p.out and f"unit {UNIT} is inactive and disabled" in p.out
+    assert "state left: the failed server" in p.out and f"unit {UNIT} is inactive and disabled" in p.out
     assert show(sdbed, "ActiveState") in ("inactive", "failed") and show(sdbed, "UnitFileState") == "disabled"
 
 

@@ -26,7 +26,7 @@ def _run(argv, timeout=30):
     try:
         return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               timeout=timeout)
-    except subprocess.TimeoutExpired as e:
+    except subprocess.TimeoutExpired:
         return subprocess.CompletedProcess(argv, 124, b"", ("%s: no answer within %ss" % (argv[0], timeout)).encode())
 
 
