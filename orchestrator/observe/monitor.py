@@ -334,7 +334,7 @@ def prometheus_config(*, scrape_interval: str, evaluation_interval: str, node_ex
             "rule_files": ["rules.yml"], "scrape_configs": jobs}
 
 
-def dashboard(window: str = "5m") -> dict:
+def dashboard() -> dict:
     """A Grafana dashboard (schema 39): acceptance length and per-position acceptance over time, tokens/s,
     running/waiting requests, KV-cache use, TTFT and inter-token latency quantiles from vLLM's histograms."""
     ds = {"type": "prometheus", "uid": "${datasource}"}
@@ -400,7 +400,7 @@ def export(inv, playbooks: list, directory: str, *, window="5m", for_="10m", dow
         "prometheus.yml": yaml.safe_dump(prometheus_config(scrape_interval=scrape_interval,
                                                            evaluation_interval=evaluation_interval,
                                                            node_exporters=node_exporters), sort_keys=False),
-        "dashboard.json": json.dumps(dashboard(window), indent=2) + "\n",
+        "dashboard.json": json.dumps(dashboard(), indent=2) + "\n",
     }
     os.makedirs(directory, exist_ok=True)
     for name, text in files.items():

@@ -72,7 +72,7 @@ class Fake:
 @pytest.fixture
 def dash(tmp_path):
     p = tmp_path / "dashboard.json"
-    p.write_text(json.dumps(MON.dashboard("5m")))
+    p.write_text(json.dumps(MON.dashboard()))
     return str(p)
 
 
