@@ -10,7 +10,7 @@ import click
 from orchestrator.core.endpoint import describe
 from orchestrator.core.errors import DeployError
 from orchestrator.steps.plumbing_check import render as render_plumbing
-from orchestrator.core.remote import shell_join, shell_word
+from orchestrator.core.remote import shell_word
 from orchestrator.core.spec import playbooks_targeting
 
 
@@ -34,37 +34,29 @@ def render_plans(as_json, inv, pb, plan_of):
         click.echo(f"\nThen the router in {rplan['where']} (agent action `router`, {rplan['python']}), with the targets "
                    "that passed their gates:")
         for i, st in enumerate(rplan["steps"], 1):
-            click.echo(f"  {i}. {st}")
+            _render_step(st, f"{i:2}.")
         for wn in rplan["warnings"]:
             click.echo(f"\nwarning: {wn}")
 
 
 def _router_plan(inv, pb):
-    """What up does for `router:` after the targets (docs/cli.md#the-router), with the router's exact arguments."""
+    """What up does for `router:` after the targets (docs/cli.md#the-router): the router's steps as up sends them
+    (replica_router.up_steps), each with its exact remote command."""
     from orchestrator.serving import replica_router as R  # lazy: start-up time, ~6 ms of every command
 
     r = pb.conf.router
     if not r:
         return None
-    try:
-        workers = [R.replica_url(inv, pb, m) for m in pb.members]
-    except DeployError as e:
-        workers = [f"<{e.message}>"]
-    base = R._base(pb)
-    args = R.router_argv_args(pb, workers)
+    workers = []
+    for m in pb.members:
+        try:
+            workers.append(R.replica_url(inv, pb, m))
+        except DeployError as e:
+            workers.append(f"<{e.message}>")
     warning = R.exposure_warning(pb)
-    return {"where": r.where, "python": r.python, "venv": base["venv"], "argv_args": args,
-            "warnings": [warning] if warning else [], "steps": [
-        f"install: {r.python} -m venv {base['venv']}; pip install vllm-router=={r.version} (skipped when "
-        "installed and intact); check every file against its RECORD, the version, import vllm_router_rs",
-        f"start (unit vllm-router-{pb.name}.service where systemd runs, else detached): {base['venv']}/bin/python "
-        f"-c LAUNCHER {shell_join(args)}" + (" (env VPD_ROUTER_KEY_CHECK_URLS: each replica's /v1/models)"
-                                             if pb.conf.serve.api_key_env else ""),
-        "wait (60 s) until GET /workers shows every replica healthy",
-        "circuits: read each replica's circuit breaker (vllm_router_cb_state on 127.0.0.1:port+1); one not closed "
-        "(opened by failures while replicas were down) is re-added: POST /remove_worker, then /add_worker",
-        f"gate: {r.gate_requests_per_replica * len(pb.members)} completions through it; each replica's "
-        "vllm:request_success_total must grow"]}
+    return {"where": r.where, "python": r.python, "venv": R._base(pb)["venv"],
+            "argv_args": R.router_argv_args(pb, workers), "warnings": [warning] if warning else [],
+            "steps": [st.as_dict(inv, r.python) for st in R.up_steps(pb, workers)]}
 
 
 def render_plan(as_json, inv, pb, steps, emit=True):

@@ -16,10 +16,10 @@ import os
 import time
 
 from orchestrator.steps import call_on
-from orchestrator.steps.plan import step_on
+from orchestrator.steps.plan import Step, step_on
 from orchestrator.core.endpoint import base_url
 from orchestrator.core.errors import DeployError, Unreachable
-from orchestrator.core.remote import Fleet
+from orchestrator.core.remote import Fleet, shell_join
 from orchestrator.core.report import Progress
 from orchestrator.core.spec import Playbook
 
@@ -87,15 +87,58 @@ def _key(pb: Playbook) -> str | None:
     return os.environ.get(env) if env else None
 
 
-def call(fleet: Fleet, pb: Playbook, op: str, *, timeout: float = 60.0, on_event=None, **kw) -> dict:
+def step(pb: Playbook, op: str, timeout: float = 60.0, *, runs=(), when=None, **kw) -> Step:
+    """One request to the router's container: the agent action `router`, op OP (RUNS: what it amounts to, shown by
+    deploy plan; WHEN: the condition up sends it under, described by its docstring)."""
     r = pb.conf.router
+    args = dict(_base(pb), op=op, timeout_s=kw.pop("op_timeout", None) or max(1.0, timeout - 10), **kw)
+    st = step_on(r.host, r.vmid, r.python, f"router-{op}", "router", args, timeout, f"router {op}")
+    st.runs, st.when = list(runs), when
+    return st
+
+
+def send(fleet: Fleet, pb: Playbook, st: Step, on_event=None) -> dict:
     key = _key(pb)
     if key:
         fleet.redact.add(key)
-    args = dict(_base(pb), op=op, timeout_s=kw.pop("op_timeout", None) or max(1.0, timeout - 10), **kw)
-    step = step_on(r.host, r.vmid, r.python, f"router-{op}", "router", args, timeout, f"router {op}")
-    res = call_on(fleet.session(r.host), step, secrets={"router_key": key} if key else None, on_event=on_event)
+    res = call_on(fleet.session(pb.conf.router.host), st, secrets={"router_key": key} if key else None,
+                  on_event=on_event)
     return res.as_dict()  # RouterResult, checked; its per-op fields are data this module reads as such
+
+
+def call(fleet: Fleet, pb: Playbook, op: str, *, timeout: float = 60.0, on_event=None, **kw) -> dict:
+    return send(fleet, pb, step(pb, op, timeout, **kw), on_event)
+
+
+def _differs(_st) -> bool:
+    """the router that runs (view) has other arguments, or none runs"""
+    return True
+
+
+def up_steps(pb: Playbook, workers: list[str]) -> list[Step]:
+    """up's requests to the router's container, in order, as `deploy plan PLAYBOOK` shows them: install, view, start
+    (only when what runs differs), wait (then each open circuit breaker re-added: _reset_open_circuits), gate."""
+    r = pb.conf.router
+    ins, venv, args = r.install, _base(pb)["venv"], router_argv_args(pb, workers)
+    n = r.gate_requests_per_replica * len(workers)
+    return [
+        step(pb, "install", ins.timeout_s + 60, python=r.python, index_url=ins.index_url,
+             find_links=list(ins.find_links), no_index=ins.no_index, op_timeout=ins.timeout_s,
+             runs=[f"{r.python} -m venv {venv}; pip install vllm-router=={r.version} (skipped when installed and "
+                   "intact); every file checked against its RECORD, the version, import vllm_router_rs"]),
+        step(pb, "view", 30, runs=["the running router's state and arguments"]),
+        step(pb, "start", 90, when=_differs, args=args, workers=workers, policy=r.policy,
+             key_check_urls=[u + "/v1/models" for u in workers] if _key(pb) else [],
+             supervise=dataclasses.asdict(pb.conf.supervise),
+             runs=[f"unit vllm-router-{pb.name}.service where systemd runs, else detached: {venv}/bin/python -c "
+                   f"LAUNCHER {shell_join(args)}"]),
+        step(pb, "wait", 90, workers=workers, op_timeout=60,
+             runs=["until GET /workers shows every replica healthy (60 s); then each replica's circuit breaker "
+                   "(vllm_router_cb_state on 127.0.0.1:port+1): one not closed (opened by failures while replicas "
+                   "were down) is re-added: POST /remove_worker, then /add_worker"]),
+        step(pb, "gate", 180, workers=workers, model=pb.conf.serve.served_model_name, requests=n, op_timeout=60,
+             runs=[f"{n} completions through it; each replica's vllm:request_success_total must grow"]),
+    ]
 
 
 def _fail(pb, message, fix, **details):
@@ -117,12 +160,10 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
         if not passed:
             _fail(pb, "not started: no replica passed its gates", "fix the replicas (above), then deploy up again")
         out["workers"] = workers = [replica_url(fleet.inventory, pb, m) for m in passed]
-        ins = r.install
+        install, view_step, start, wait, gate = up_steps(pb, workers)
         progress.say(w, f"router: vllm-router=={r.version} in {_base(pb)['venv']} (installed if missing, then "
                         "checked against its RECORD)")
-        res = call(fleet, pb, "install", timeout=ins.timeout_s + 60, python=r.python,
-                   index_url=ins.index_url, find_links=list(ins.find_links), no_index=ins.no_index,
-                   op_timeout=ins.timeout_s,
+        res = send(fleet, pb, install,
                    on_event=lambda e: progress.say(w, "router: " + str(e.get("line", ""))[:300]) if e.get("line")
                    else None)
         if not res.get("ok"):
@@ -131,23 +172,20 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
                   "(index_url, find_links, no_index)", output=res.get("output"))
         out["install"] = {"changed": res.get("changed"), "version": res.get("version"),
                           "record": (res.get("record") or {}).get("message")}
-        args = router_argv_args(pb, workers)
-        view = call(fleet, pb, "view", timeout=30)
+        view = send(fleet, pb, view_step)
         st = view.get("state") or {}
-        same = view.get("running") and st.get("argv", [])[3:] == args
+        same = view.get("running") and st.get("argv", [])[3:] == start.args["args"]
         if same:
             progress.say(w, f"router: already running with these {len(workers)} replica(s) (pid {view.get('pid')})")
             out["status"] = "already up"
         else:
-            key_urls = [u + "/v1/models" for u in workers] if _key(pb) else []
-            res = call(fleet, pb, "start", timeout=90, args=args, workers=workers, policy=r.policy,
-                       key_check_urls=key_urls, supervise=dataclasses.asdict(pb.conf.supervise))
+            res = send(fleet, pb, start)
             if not res.get("ok"):
                 _fail(pb, f"router did not start: {res.get('message')}", "see docs/troubleshooting.md#router")
             progress.say(w, f"router: started ({res.get('supervisor') == 'systemd' and res.get('unit') or 'detached, not supervised'}"
                             f", pid {res.get('pid')}) on port {r.port}, policy {r.policy}")
             out.update(status="up", supervisor=res.get("supervisor"), unit=res.get("unit"), pid=res.get("pid"))
-        res = call(fleet, pb, "wait", timeout=90, workers=workers, op_timeout=60)
+        res = send(fleet, pb, wait)
         if not res.get("ready"):
             tail = "\n".join((res.get("log_tail") or [])[-15:])
             why = ("its process exited" if res.get("reason") == "exited" else
@@ -156,9 +194,8 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
                   f"deploy status {pb.name} shows the replicas (they keep serving on their own addresses); "
                   "docs/troubleshooting.md#router")
         out["circuits_reset"] = _reset_open_circuits(fleet, pb, progress, workers, res)
-        n = r.gate_requests_per_replica * len(workers)
-        res = call(fleet, pb, "gate", timeout=180, workers=workers, model=pb.conf.serve.served_model_name,
-                   requests=n, op_timeout=60)
+        n = gate.args["requests"]
+        res = send(fleet, pb, gate)
         out["gate"] = {"sent": res.get("sent"), "succeeded": res.get("succeeded"),
                        "per_replica": res.get("per_replica"), "errors": res.get("errors")}
         if not res.get("ok"):

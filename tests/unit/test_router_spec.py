@@ -169,3 +169,38 @@ def test_plain_restart_of_a_routed_fleet_warns_and_names_rolling(work):
     assert "deploy restart reps --rolling" in text
     r = CliRunner().invoke(main, ["-i", inv, "restart", path, "--rolling", "--dry-run"])
     assert "served through its router" not in r.output
+
+
+def test_plan_shows_the_router_steps_that_up_sends(work, monkeypatch):
+    """Issue 51: `deploy plan` of a playbook with `router:` shows the router's steps with their exact remote
+    commands, and they are the steps up sends (one declaration: replica_router.up_steps)."""
+    import io
+    import json
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+    from orchestrator.cli import main
+    from orchestrator.core.report import Progress
+
+    path = write(work, TWO, "router:\n  host: pve1\n  vmid: 130\n")
+    res = CliRunner().invoke(main, ["--inventory", str(work / "hosts.yaml"), "--json", "plan", path])
+    rows = json.loads(res.output)["router"]["steps"]
+    assert [r["step"] for r in rows] == ["router-install", "router-view", "router-start", "router-wait", "router-gate"]
+    assert rows[2]["when"] and rows[2]["command"].startswith("pct exec 130 --keep-env 0 -- /usr/bin/python3 - router ")
+    text = CliRunner().invoke(main, ["--inventory", str(work / "hosts.yaml"), "plan", path]).output
+    assert all(r["command"] in text for r in rows)
+
+    inv, pb = load_inventory(str(work / "hosts.yaml")), load(work, path)
+    workers = [R.replica_url(inv, pb, m) for m in pb.members]
+    answers = {"install": {"ok": True}, "view": {"running": False}, "start": {"ok": True, "pid": 7},
+               "wait": {"ready": True, "circuits": {}},
+               "gate": {"ok": True, "sent": 4, "succeeded": 4, "per_replica": {u: {"requests": 2} for u in workers}}}
+    sent = []
+
+    def send(_fleet, _pb, st, on_event=None):
+        sent.append(st)
+        return answers[st.args["op"]]
+    monkeypatch.setattr(R, "send", send)
+    out = R.up(SimpleNamespace(inventory=inv), pb, Progress(stream=io.StringIO()), pb.members)
+    assert out["ok"], out
+    assert [st.as_dict(inv, "/usr/bin/python3")["command"] for st in sent] == [r["command"] for r in rows]
