@@ -53,10 +53,10 @@ def _router_plan(inv, pb):
             workers.append(R.replica_url(inv, pb, m))
         except DeployError as e:
             workers.append(f"<{e.message}>")
-    warning = R.exposure_warning(pb)
-    return {"where": r.where, "python": r.python, "venv": R._base(pb)["venv"],
-            "argv_args": R.router_argv_args(pb, workers), "warnings": [warning] if warning else [],
-            "steps": [st.as_dict(inv, r.python) for st in R.up_steps(pb, workers)]}
+    warning, steps = R.exposure_warning(pb), R.up_steps(pb, workers)
+    start = next(st for st in steps if st.args["op"] == "start")
+    return {"where": r.where, "python": r.python, "venv": R._base(pb)["venv"], "argv_args": start.args["args"],
+            "warnings": [warning] if warning else [], "steps": [st.as_dict(inv, r.python) for st in steps]}
 
 
 def render_plan(as_json, inv, pb, steps, emit=True):

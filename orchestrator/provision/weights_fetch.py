@@ -70,8 +70,9 @@ def run(ctx, pb: Playbook, step: P.Step) -> dict:
     allow_start, rehash, timeout_s = d["allow_start"], d["rehash"], d["timeout_s"]
     secrets = tokens(pb, its)
     red = getattr(ctx.session.audit, "redact", None)
-    for v in secrets.values() if red is not None else ():
-        red.add(v)
+    if red is not None:
+        for v in secrets.values():
+            red.add(v)
     t0 = time.monotonic()
     shared = [it for it in its if it.get("store")]
     r = Calls(ctx, step)

@@ -110,9 +110,9 @@ def call(fleet: Fleet, pb: Playbook, op: str, *, timeout: float = 60.0, on_event
     return send(fleet, pb, step(pb, op, timeout, **kw), on_event)
 
 
-def _differs(_st) -> bool:
+def _differs(view: dict, args: list[str]) -> bool:
     """the router that runs (view) has other arguments, or none runs"""
-    return True
+    return not (view.get("running") and ((view.get("state") or {}).get("argv") or [])[3:] == args)
 
 
 def up_steps(pb: Playbook, workers: list[str]) -> list[Step]:
@@ -173,9 +173,7 @@ def up(fleet: Fleet, pb: Playbook, progress: Progress, passed: list[Playbook]) -
         out["install"] = {"changed": res.get("changed"), "version": res.get("version"),
                           "record": (res.get("record") or {}).get("message")}
         view = send(fleet, pb, view_step)
-        st = view.get("state") or {}
-        same = view.get("running") and st.get("argv", [])[3:] == start.args["args"]
-        if same:
+        if not _differs(view, start.args["args"]):  # start.when: what deploy plan shows of this test
             progress.say(w, f"router: already running with these {len(workers)} replica(s) (pid {view.get('pid')})")
             out["status"] = "already up"
         else:

@@ -204,3 +204,10 @@ def test_plan_shows_the_router_steps_that_up_sends(work, monkeypatch):
     out = R.up(SimpleNamespace(inventory=inv), pb, Progress(stream=io.StringIO()), pb.members)
     assert out["ok"], out
     assert [st.as_dict(inv, "/usr/bin/python3")["command"] for st in sent] == [r["command"] for r in rows]
+    # the router already runs with these arguments (its launcher's three words, then them): start is not sent
+    argv = ["py", "-c", "L"] + R.router_argv_args(pb, workers)
+    answers["view"] = {"running": True, "pid": 7, "state": {"argv": argv}}
+    sent.clear()
+    out = R.up(SimpleNamespace(inventory=inv), pb, Progress(stream=io.StringIO()), pb.members)
+    assert out["ok"] and out["status"] == "already up", out
+    assert [st.args["op"] for st in sent] == ["install", "view", "wait", "gate"]
